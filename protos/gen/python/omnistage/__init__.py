@@ -1,0 +1,1 @@
+"""Generated from protos/omnistage/worker/v1 by protos/generate.sh; do not edit."""

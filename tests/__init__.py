@@ -1,0 +1,1 @@
+"""omnistage test suites: unit/, worker/, cluster/ (local control plane + localnode), e2e/."""

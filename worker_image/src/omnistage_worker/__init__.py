@@ -1,0 +1,1 @@
+"""omnistage worker: serves one model stage and sleeps/wakes it with measured ACKs."""
