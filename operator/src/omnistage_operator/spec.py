@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from omnistage_operator.labels import RESERVED_LABELS
 from omnistage_operator.quantities import QuantityError, parse_quantity
 
 __all__ = [
@@ -435,6 +436,13 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
         else copy.deepcopy(dict(_mapping(volume_raw, "spec.model.volume")))
     )
     if volume is not None:
+        mount = mount_path.rstrip("/") or "/"
+        if model_path != mount and not model_path.startswith(mount.rstrip("/") + "/"):
+            raise SpecError(
+                "spec.model.path",
+                f"must be under spec.model.mountPath ({mount_path}) when spec.model.volume is set, "
+                f"got {model_path!r}",
+            )
         if "name" in volume:
             raise SpecError(
                 "spec.model.volume",
@@ -548,6 +556,10 @@ def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
                 f"spec.template.volumeMounts[{i}].mountPath",
                 f"{TOKEN_MOUNT_DIR} is used by the operator",
             )
+    labels = _string_map(tpl.get("labels"), "spec.template.labels")
+    for key in labels:
+        if key in RESERVED_LABELS:
+            raise SpecError(f"spec.template.labels.{key}", "is set by the operator")
     return TemplateOverrides(
         resources=resources,
         env=env,
@@ -556,7 +568,7 @@ def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
         node_selector=_string_map(tpl.get("nodeSelector"), "spec.template.nodeSelector"),
         tolerations=_list_of_objects(tpl.get("tolerations"), "spec.template.tolerations"),
         annotations=_string_map(tpl.get("annotations"), "spec.template.annotations"),
-        labels=_string_map(tpl.get("labels"), "spec.template.labels"),
+        labels=labels,
         service_account_name=_string(
             tpl.get("serviceAccountName"), "spec.template.serviceAccountName"
         ),

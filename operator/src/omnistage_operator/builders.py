@@ -1,0 +1,390 @@
+"""Pure builders of the child objects of an OmniStage, as plain dicts (no kopf, no network).
+
+Every function returns a fresh dict the caller may mutate; nothing is shared with the
+``StageSpec`` it came from. The token *value* only ever appears in ``build_token_secret``.
+
+Public API (stable):
+
+Names and constants:
+    ``pod_name(stage_name) -> "<stage>-worker"``, ``service_name(stage_name) -> "<stage>-worker"``,
+    ``claim_name(group) -> "omnistage-<group>-gpus"``, ``pod_claim_name(stage) -> str | None``
+    (the group claim a stage's pod references: DRA mode with ``gpus > 0``, else ``None``).
+    ``TOKEN_SECRET_NAME="omnistage-worker-token"``, ``TOKEN_SECRET_KEY="token"``,
+    ``TOKEN_MOUNT_DIR="/var/run/secrets/omnistage"``, ``TOKEN_FILE`` (``TOKEN_MOUNT_DIR/token``),
+    ``DEFAULT_DEVICE_CLASS="gpu.nvidia.com"``, ``CONTAINER_NAME="worker"``, ``PORT_NAME="grpc"``,
+    ``POD_CLAIM_REF="gpus"``, ``READINESS_SERVICE="omnistage.worker.v1.SleepService"``,
+    ``LIVENESS_SERVICE=""``, ``WORKER_COMMAND=["omnistage-worker"]``,
+    annotation keys ``INITIAL_STATE_ANNOTATION``, ``SLEEP_LEVEL_ANNOTATION``,
+    ``GENERATION_ANNOTATION``, ``TOKEN_SHA256_ANNOTATION``.
+Builders:
+    ``owner_reference(body) -> dict`` (controller=true, blockOwnerDeletion=true)
+    ``worker_args(stage, *, initial_state, sleep_level=None) -> list[str]``
+    ``build_worker_pod(stage, *, initial_state, owner, claim_name=<pod_claim_name(stage)>,
+    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict``
+    ``build_service(stage, *, owner) -> dict``
+    ``build_group_claim(namespace, group, gpus, device_class=DEFAULT_DEVICE_CLASS) -> dict``
+    ``build_token_secret(namespace, token, name=TOKEN_SECRET_NAME) -> dict``
+
+Decisions beyond the contract:
+    ``restartPolicy: Never``: a worker's initial state is fixed in its args, so a kubelet
+    restart could bring an old "active" worker back onto memory another stage now holds; the
+    operator recreates a failed pod with the state the arbiter chooses instead.
+    ``enableServiceLinks: false`` and, unless ``template.serviceAccountName`` is set,
+    ``automountServiceAccountToken: false``: the worker never talks to the API server.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+from collections.abc import Mapping
+from typing import Any, Final
+
+from omnistage_operator.labels import (
+    MANAGED_BY_LABEL,
+    MANAGER,
+    group_labels,
+    stage_labels,
+    stage_selector,
+)
+from omnistage_operator.spec import (
+    API_VERSION,
+    KIND,
+    TOKEN_MOUNT_DIR,
+    DesiredState,
+    PlacementMode,
+    StageSpec,
+)
+
+__all__ = [
+    "CONTAINER_NAME",
+    "DEFAULT_DEVICE_CLASS",
+    "GENERATION_ANNOTATION",
+    "INITIAL_STATE_ANNOTATION",
+    "LIVENESS_SERVICE",
+    "MODEL_VOLUME",
+    "POD_CLAIM_REF",
+    "PORT_NAME",
+    "READINESS_SERVICE",
+    "SLEEP_LEVEL_ANNOTATION",
+    "TOKEN_FILE",
+    "TOKEN_MOUNT_DIR",
+    "TOKEN_SECRET_KEY",
+    "TOKEN_SECRET_NAME",
+    "TOKEN_SHA256_ANNOTATION",
+    "TOKEN_VOLUME",
+    "WORKER_COMMAND",
+    "build_group_claim",
+    "build_service",
+    "build_token_secret",
+    "build_worker_pod",
+    "claim_name",
+    "owner_reference",
+    "pod_claim_name",
+    "pod_name",
+    "service_name",
+    "worker_args",
+]
+
+TOKEN_SECRET_NAME: Final = "omnistage-worker-token"
+TOKEN_SECRET_KEY: Final = "token"
+TOKEN_FILE: Final = f"{TOKEN_MOUNT_DIR}/{TOKEN_SECRET_KEY}"
+TOKEN_VOLUME: Final = "omnistage-token"
+MODEL_VOLUME: Final = "model"
+DEFAULT_DEVICE_CLASS: Final = "gpu.nvidia.com"
+CONTAINER_NAME: Final = "worker"
+PORT_NAME: Final = "grpc"
+POD_CLAIM_REF: Final = "gpus"
+READINESS_SERVICE: Final = "omnistage.worker.v1.SleepService"
+LIVENESS_SERVICE: Final = ""
+WORKER_COMMAND: Final = ("omnistage-worker",)
+TERMINATION_GRACE_SECONDS: Final = 30
+
+INITIAL_STATE_ANNOTATION: Final = "omnistage.io/initial-state"
+SLEEP_LEVEL_ANNOTATION: Final = "omnistage.io/initial-sleep-level"
+GENERATION_ANNOTATION: Final = "omnistage.io/spec-generation"
+TOKEN_SHA256_ANNOTATION: Final = "omnistage.io/token-sha256"
+
+_NOT_GIVEN: Final = "\0not-given"
+
+
+def pod_name(stage_name: str) -> str:
+    """Name of a stage's worker Pod."""
+    return f"{stage_name}-worker"
+
+
+def service_name(stage_name: str) -> str:
+    """Name of a stage's Service (same as its pod)."""
+    return f"{stage_name}-worker"
+
+
+def claim_name(group: str) -> str:
+    """Name of a colocation group's shared DRA ResourceClaim."""
+    return f"omnistage-{group}-gpus"
+
+
+def pod_claim_name(stage: StageSpec) -> str | None:
+    """The claim the stage's pod references: its group's claim in DRA mode with GPUs, else None."""
+    if stage.placement.mode is PlacementMode.DRA and stage.gpus > 0:
+        return claim_name(stage.group)
+    return None
+
+
+def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
+    """An owner reference to the OmniStage ``body`` (controller, blocks owner deletion)."""
+    meta = body.get("metadata") or {}
+    name, uid = meta.get("name"), meta.get("uid")
+    if not name or not uid:
+        raise ValueError("owner_reference needs metadata.name and metadata.uid")
+    return {
+        "apiVersion": str(body.get("apiVersion") or API_VERSION),
+        "kind": str(body.get("kind") or KIND),
+        "name": str(name),
+        "uid": str(uid),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def worker_args(
+    stage: StageSpec, *, initial_state: DesiredState, sleep_level: int | None = None
+) -> list[str]:
+    """The worker's command-line arguments, in the contract's order."""
+    level = stage.sleep_level if sleep_level is None else sleep_level
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level}")
+    args = [
+        "--runner",
+        stage.runner.cli,
+        "--backend",
+        stage.backend.cli,
+        "--model",
+        stage.model.path,
+        "--host=$(POD_IP)",
+        "--port",
+        str(stage.worker.port),
+        "--initial-state",
+        DesiredState(initial_state).cli,
+        "--sleep-level",
+        str(level),
+        "--token-file",
+        TOKEN_FILE,
+    ]
+    if stage.worker.device is not None:
+        args += ["--device", stage.worker.device.value]
+    if stage.worker.dtype is not None:
+        args += ["--dtype", stage.worker.dtype]
+    args += list(stage.worker.args)
+    return args
+
+
+def _field_env(name: str, field_path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
+
+
+def _worker_env(stage: StageSpec) -> list[dict[str, Any]]:
+    env = [
+        _field_env("POD_IP", "status.podIP"),
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("NODE_NAME", "spec.nodeName"),
+        {"name": "OMNISTAGE_STAGE", "value": stage.name},
+    ]
+    if stage.placement.mode is PlacementMode.EXPLICIT:
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": ",".join(stage.placement.devices)})
+    env += [copy.deepcopy(dict(var)) for var in stage.template.env]
+    return env
+
+
+def _grpc_probe(port: int, service: str, *, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "grpc": {"port": port, "service": service},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def build_worker_pod(
+    stage: StageSpec,
+    *,
+    initial_state: DesiredState,
+    owner: Mapping[str, Any],
+    claim_name: str | None = _NOT_GIVEN,
+    token_secret_name: str = TOKEN_SECRET_NAME,
+    sleep_level: int | None = None,
+) -> dict[str, Any]:
+    """The stage's worker Pod.
+
+    ``initial_state`` is what the worker starts as (the arbiter decides: Asleep when others
+    hold the group's memory). ``owner`` is an ``owner_reference``. ``claim_name`` defaults to
+    ``pod_claim_name(stage)``; pass ``None`` for no DRA claim. ``sleep_level`` overrides the
+    spec's level for an asleep start.
+    """
+    claim = pod_claim_name(stage) if claim_name == _NOT_GIVEN else claim_name
+    explicit = stage.placement.mode is PlacementMode.EXPLICIT
+    if explicit and claim is not None:
+        raise ValueError("a stage with Explicit placement does not use a DRA claim")
+    port = stage.worker.port
+    tpl = stage.template
+
+    resources: dict[str, Any] = copy.deepcopy(dict(tpl.resources or {}))
+    if claim is not None:
+        resources["claims"] = [{"name": POD_CLAIM_REF}]
+
+    mounts: list[dict[str, Any]] = [
+        {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
+    ]
+    volumes: list[dict[str, Any]] = [
+        {
+            "name": TOKEN_VOLUME,
+            "secret": {
+                "secretName": token_secret_name,
+                "items": [{"key": TOKEN_SECRET_KEY, "path": TOKEN_SECRET_KEY}],
+                "defaultMode": 0o400,
+            },
+        }
+    ]
+    if stage.model.volume is not None:
+        mounts.append({"name": MODEL_VOLUME, "mountPath": stage.model.mount_path, "readOnly": True})
+        volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(dict(stage.model.volume))})
+    mounts += [copy.deepcopy(dict(m)) for m in tpl.volume_mounts]
+    volumes += [copy.deepcopy(dict(v)) for v in tpl.volumes]
+
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": stage.image,
+        "command": list(WORKER_COMMAND),
+        "args": worker_args(stage, initial_state=initial_state, sleep_level=sleep_level),
+        "env": _worker_env(stage),
+        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": _grpc_probe(port, READINESS_SERVICE, period=5, failures=3),
+        "livenessProbe": _grpc_probe(port, LIVENESS_SERVICE, period=10, failures=6),
+        "volumeMounts": mounts,
+    }
+    if resources:
+        container["resources"] = resources
+
+    level = stage.sleep_level if sleep_level is None else sleep_level
+    annotations = {
+        **tpl.annotations,
+        INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
+        SLEEP_LEVEL_ANNOTATION: str(level),
+        GENERATION_ANNOTATION: str(stage.generation),
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "enableServiceLinks": False,
+    }
+    if claim is not None:
+        pod_spec["resourceClaims"] = [{"name": POD_CLAIM_REF, "resourceClaimName": claim}]
+    if explicit:
+        pod_spec["nodeName"] = stage.placement.node_name
+    if tpl.node_selector:
+        pod_spec["nodeSelector"] = dict(tpl.node_selector)
+    if tpl.tolerations:
+        pod_spec["tolerations"] = [copy.deepcopy(dict(t)) for t in tpl.tolerations]
+    if tpl.service_account_name:
+        pod_spec["serviceAccountName"] = tpl.service_account_name
+    else:
+        pod_spec["automountServiceAccountToken"] = False
+    if tpl.priority_class_name:
+        pod_spec["priorityClassName"] = tpl.priority_class_name
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(stage.name),
+            "namespace": stage.namespace,
+            "labels": {**tpl.labels, **stage_labels(stage.name, stage.group)},
+            "annotations": annotations,
+            "ownerReferences": [copy.deepcopy(dict(owner))],
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_service(stage: StageSpec, *, owner: Mapping[str, Any]) -> dict[str, Any]:
+    """The stage's ClusterIP Service: port ``grpc`` to the worker port of its pod."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": service_name(stage.name),
+            "namespace": stage.namespace,
+            "labels": stage_labels(stage.name, stage.group),
+            "ownerReferences": [copy.deepcopy(dict(owner))],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": stage_selector(stage.name),
+            "ports": [
+                {
+                    "name": PORT_NAME,
+                    "port": stage.worker.port,
+                    "targetPort": stage.worker.port,
+                    "protocol": "TCP",
+                    "appProtocol": "grpc",
+                }
+            ],
+        },
+    }
+
+
+def build_group_claim(
+    namespace: str, group: str, gpus: int, device_class: str = DEFAULT_DEVICE_CLASS
+) -> dict[str, Any]:
+    """The group's shared DRA ResourceClaim for ``gpus`` devices (no owner: the operator
+    deletes it when the group's last stage goes)."""
+    if gpus < 1:
+        raise ValueError(f"a group claim needs at least one GPU, got {gpus}")
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {
+            "name": claim_name(group),
+            "namespace": namespace,
+            "labels": group_labels(group),
+        },
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": POD_CLAIM_REF,
+                        "exactly": {
+                            "deviceClassName": device_class,
+                            "allocationMode": "ExactCount",
+                            "count": gpus,
+                        },
+                    }
+                ]
+            }
+        },
+    }
+
+
+def build_token_secret(namespace: str, token: str, name: str = TOKEN_SECRET_NAME) -> dict[str, Any]:
+    """The Secret holding the workers' bearer token (base64 ``data``, as the API returns it).
+
+    The ``omnistage.io/token-sha256`` annotation lets the operator see whether the stored
+    token is current without decoding it, and never needs logging the token itself.
+    """
+    if not token:
+        raise ValueError("the worker token must not be empty")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {MANAGED_BY_LABEL: MANAGER},
+            "annotations": {TOKEN_SHA256_ANNOTATION: hashlib.sha256(token.encode()).hexdigest()},
+        },
+        "type": "Opaque",
+        "data": {TOKEN_SECRET_KEY: base64.b64encode(token.encode()).decode("ascii")},
+    }
