@@ -1,0 +1,397 @@
+"""WeightEngine: moves a model's weights between the device, pinned host memory and nothing.
+
+Layout: after ``activate`` or any wake, every distinct tensor of the model is a view into ONE flat
+device buffer (256-byte aligned slots). So:
+- level-1 sleep is one device-to-host copy of that buffer into a host buffer that was page-locked
+  once (in the background, right after activation) and is reused on every later cycle; then the
+  device buffer is freed and the allocator's cache returned to the driver;
+- level-1 wake is one allocation and one host-to-device copy, then the views are rebound;
+- level-2 sleep drops the weights (and the host buffer); level-2 wake reloads the bytes from the
+  model's safetensors files with overlapped multi-threaded reads (see reload.py). Tensors that are
+  not in the files (non-persistent buffers, weights converted at load) are kept on the host; their
+  size is reported by ``host_kept_bytes``.
+Parameters keep their identity: only their ``.data`` is swapped, so tied weights stay tied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture
+from omnistage_worker.engine.layout import CopyRun, Layout, SlotSpec, plan_layout
+from omnistage_worker.engine.reload import FileLoader, FileRun
+from omnistage_worker.engine.safetensors_index import TensorEntry, read_indexes
+from omnistage_worker.engine.slots import Slot, collect_slots, iter_bindings, match_entry
+
+log = logging.getLogger(__name__)
+
+WeightFiles = Mapping[str, Sequence[Path]]
+"""Per component name, the safetensors files a level-2 wake reloads that component from."""
+
+SAMPLE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one transition moved and how long it took (inside the engine)."""
+
+    bytes_moved: int
+    seconds: float
+    noop: bool = False
+
+
+class EngineError(RuntimeError):
+    """A transition was asked for that the engine cannot do."""
+
+
+class WeightEngine:
+    """Owns the placement of a model's weights. Not thread-safe: callers serialize transitions."""
+
+    def __init__(
+        self,
+        modules: Mapping[str, torch.nn.Module],
+        device: torch.device,
+        files: WeightFiles | None = None,
+        *,
+        pin_in_background: bool = True,
+        reload_threads: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.modules = dict(modules)
+        self._cuda = self.device.type == "cuda"
+        self._slots: list[Slot] = collect_slots(self.modules)
+        if not self._slots:
+            raise EngineError("the model has no parameters or buffers")
+        self._files_enabled = files is not None
+        if files is not None:
+            self._attach_files(files)
+        self._layout: Layout = plan_layout(self._ordered_specs())
+        self._offsets = self._layout.by_key()
+        self._flat: torch.Tensor | None = None
+        self._host: HostBuffer | None = None
+        self._host_future: HostBufferFuture | None = None
+        self._host_valid = False
+        self._kept: dict[int, torch.Tensor] = {}
+        self._loose: list[tuple[torch.Tensor, torch.device]] = []
+        self._pin_in_background = pin_in_background
+        readers = reload_threads or min(8, os.cpu_count() or 1)
+        self._loader = FileLoader(self.device, readers=readers)
+        self.level = 0
+        self._placed = False
+
+    # ---- introspection -------------------------------------------------------------------
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of all distinct weights and buffers (without alignment padding)."""
+        return sum(s.nbytes for s in self._slots)
+
+    @property
+    def flat_bytes(self) -> int:
+        """Size of the flat device buffer, alignment padding included."""
+        return self._layout.total_bytes
+
+    @property
+    def file_backed_bytes(self) -> int:
+        """Bytes a level-2 wake reloads from files."""
+        return sum(s.nbytes for s in self._slots if s.entry is not None)
+
+    @property
+    def host_kept_bytes(self) -> int:
+        """Bytes kept on the host at level 2 because they are not (verifiably) in the files."""
+        return sum(t.numel() * t.element_size() for t in self._kept.values())
+
+    def device_bytes(self) -> int:
+        """Exact bytes of the distinct storages the model's tensors hold on the device now."""
+        seen: dict[int, int] = {}
+        for _, _, tensor in iter_bindings(self.modules):
+            if tensor.device.type != self.device.type or tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def host_bytes(self) -> int:
+        """Host bytes held for the weights (level-1 buffer and level-2 kept tensors)."""
+        held = self._host.nbytes if self._host is not None else 0
+        return held + self.host_kept_bytes
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def _attach_files(self, files: WeightFiles) -> None:
+        index: dict[str, dict[str, TensorEntry]] = {
+            component: read_indexes(paths) for component, paths in files.items()
+        }
+        matched = 0
+        for slot in self._slots:
+            entry = match_entry(slot, index)
+            if entry is not None and self._bytes_agree(slot, entry):
+                slot.entry = entry
+                matched += slot.nbytes
+        log.info(
+            "weights: %d tensors, %d bytes; %d bytes reloadable from files",
+            len(self._slots),
+            self.weights_bytes,
+            matched,
+        )
+
+    @staticmethod
+    def _bytes_agree(slot: Slot, entry: TensorEntry) -> bool:
+        """Spot-check that the live tensor holds the file's bytes (catches load-time rewrites)."""
+        tensor = slot.tensors[0]
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            return True
+        live = tensor.detach().reshape(-1).view(torch.uint8)
+        n = slot.nbytes
+        starts = sorted({0, max(0, n // 2 - SAMPLE_BYTES // 2), max(0, n - SAMPLE_BYTES)})
+        with entry.path.open("rb") as f:
+            for start in starts:
+                length = min(SAMPLE_BYTES, n - start)
+                f.seek(entry.start + start)
+                from_file = f.read(length)
+                from_live = live[start : start + length].cpu().numpy().tobytes()
+                if from_file != from_live:
+                    log.warning("%s differs from its file: kept on host at level 2", slot.names[0])
+                    return False
+        return True
+
+    def _ordered_specs(self) -> list[SlotSpec]:
+        """File-backed slots in file order (sequential reloads), then the rest."""
+
+        def order(slot: Slot) -> tuple[int, str, int, int]:
+            if slot.entry is None:
+                return (1, "", 0, slot.key)
+            return (0, str(slot.entry.path), slot.entry.start, slot.key)
+
+        return [SlotSpec(s.key, s.nbytes) for s in sorted(self._slots, key=order)]
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _view(self, buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
+        place = self._offsets[slot.key]
+        if slot.nbytes == 0:
+            return torch.empty(slot.shape, dtype=slot.dtype, device=buffer.device)
+        raw = buffer[place.offset : place.offset + place.nbytes]
+        return raw.view(slot.dtype).view(slot.shape)
+
+    def _bind(self, slot: Slot, tensor: torch.Tensor) -> None:
+        for t in slot.tensors:
+            t.data = tensor
+
+    def _placeholder(self, slot: Slot) -> torch.Tensor:
+        return torch.empty(0, dtype=slot.dtype, device=self.device)
+
+    def _bind_views(self, flat: torch.Tensor) -> None:
+        for slot in self._slots:
+            self._bind(slot, self._view(flat, slot))
+
+    def _release_device(self) -> None:
+        for slot in self._slots:
+            self._bind(slot, self._placeholder(slot))
+        self._flat = None
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+
+    def _new_flat(self) -> torch.Tensor:
+        return torch.empty(self._layout.total_bytes, dtype=torch.uint8, device=self.device)
+
+    def _take_host(self) -> HostBuffer:
+        if self._host is None:
+            if self._host_future is not None:
+                self._host = self._host_future.result()
+                self._host_future = None
+            else:
+                self._host = HostBuffer(self._layout.total_bytes, pin=self._cuda)
+        return self._host
+
+    def _start_host_prep(self) -> None:
+        if self._host is None and self._host_future is None:
+            self._host_future = HostBufferFuture(self._layout.total_bytes, pin=self._cuda)
+
+    def _drop_host(self) -> None:
+        if self._host_future is not None:
+            self._host = self._host_future.result()
+            self._host_future = None
+        if self._host is not None:
+            self._host.release()
+            self._host = None
+        self._host_valid = False
+
+    def _offload_loose(self) -> None:
+        """Tensors the model created or rebound while awake (not in the flat buffer) go to host."""
+        flat_ptrs = {t.data_ptr() for s in self._slots for t in s.tensors}
+        for _, _, tensor in iter_bindings(self.modules):
+            on_device = tensor.device.type == self.device.type and tensor.numel() > 0
+            if on_device and tensor.data_ptr() not in flat_ptrs:
+                self._loose.append((tensor, tensor.device))
+                tensor.data = tensor.data.to("cpu")
+
+    def _restore_loose(self) -> None:
+        for tensor, device in self._loose:
+            tensor.data = tensor.data.to(device)
+        self._loose = []
+
+    def _flat_intact(self) -> bool:
+        """Every slot's tensors are still the views of the flat buffer (nothing rebound)."""
+        if self._flat is None:
+            return False
+        base = self._flat.data_ptr()
+        for slot in self._slots:
+            if slot.nbytes == 0:
+                continue
+            want = base + self._offsets[slot.key].offset
+            if any(t.data_ptr() != want for t in slot.tensors):
+                return False
+        return True
+
+    # ---- transitions ---------------------------------------------------------------------
+
+    def activate(self) -> TransferStats:
+        """Initial placement: copy the loaded tensors into the flat device buffer."""
+        if self._placed:
+            raise EngineError("activate() or start_asleep() was already called")
+        started = time.perf_counter()
+        flat = self._new_flat()
+        for slot in self._slots:
+            self._view(flat, slot).copy_(slot.tensors[0].data, non_blocking=False)
+        self._sync()
+        self._flat = flat
+        self._bind_views(flat)
+        self._placed = True
+        self.level = 0
+        if self._pin_in_background:
+            self._start_host_prep()
+        return TransferStats(self.weights_bytes, time.perf_counter() - started)
+
+    def start_asleep(self, level: int) -> TransferStats:
+        """Initial placement asleep: level 1 keeps weights in host memory only; 2 keeps nothing."""
+        self._check_level(level)
+        if self._placed:
+            raise EngineError("activate() or start_asleep() was already called")
+        started = time.perf_counter()
+        moved = 0
+        if level == 1:
+            host = self._take_host().tensor
+            for slot in self._slots:
+                self._view(host, slot).copy_(slot.tensors[0].data)
+                moved += slot.nbytes
+            self._host_valid = True
+        else:
+            moved = self._keep_unbacked(from_host=False)
+        for slot in self._slots:
+            self._bind(slot, self._placeholder(slot))
+        self._placed = True
+        self.level = level
+        return TransferStats(moved, time.perf_counter() - started)
+
+    def _keep_unbacked(self, from_host: bool) -> int:
+        """Copy tensors without a file entry to pageable host memory (kept for level-2 wakes)."""
+        moved = 0
+        for slot in self._slots:
+            if slot.entry is not None or slot.key in self._kept:
+                continue
+            if from_host:
+                assert self._host is not None
+                source = self._view(self._host.tensor, slot)
+            else:
+                source = slot.tensors[0].data
+            self._kept[slot.key] = source.to("cpu", copy=True)
+            moved += slot.nbytes
+        return moved
+
+    @staticmethod
+    def _check_level(level: int) -> None:
+        if level not in (1, 2):
+            raise EngineError(f"sleep level must be 1 or 2, got {level}")
+
+    def sleep(self, level: int) -> TransferStats:
+        """Release device memory at ``level`` (1: keep a host copy, 2: drop the weights)."""
+        self._check_level(level)
+        if not self._placed:
+            raise EngineError("the engine has not placed the weights yet")
+        if level == 2 and not self._files_enabled:
+            raise EngineError("level 2 needs the model's safetensors files")
+        started = time.perf_counter()
+        if self.level == level:
+            return TransferStats(0, 0.0, noop=True)
+        if self.level == 1 and level == 2:
+            moved = self._keep_unbacked(from_host=True)
+            self._drop_host()
+            self.level = 2
+            return TransferStats(moved, time.perf_counter() - started)
+        if self.level == 2 and level == 1:
+            raise EngineError("cannot go from level 2 to level 1 without waking first")
+        # awake -> asleep
+        moved = 0
+        if level == 1:
+            host = self._take_host().tensor
+            if self._flat_intact():
+                assert self._flat is not None
+                host.copy_(self._flat, non_blocking=True)
+            else:
+                for slot in self._slots:
+                    self._view(host, slot).copy_(slot.tensors[0].data, non_blocking=True)
+            moved = self._layout.total_bytes
+            self._sync()
+            self._host_valid = True
+        else:
+            moved = self._keep_unbacked(from_host=False)
+            self._drop_host()
+        self._offload_loose()
+        self._release_device()
+        self.level = level
+        return TransferStats(moved, time.perf_counter() - started)
+
+    def wake(self) -> TransferStats:
+        """Bring the weights back onto the device; the next output is bit-identical to before."""
+        if not self._placed:
+            raise EngineError("the engine has not placed the weights yet")
+        started = time.perf_counter()
+        if self.level == 0:
+            return TransferStats(0, 0.0, noop=True)
+        flat = self._new_flat()
+        if self.level == 1:
+            host = self._take_host()
+            if not self._host_valid:
+                raise EngineError("the host copy is not valid")
+            flat.copy_(host.tensor, non_blocking=True)
+            self._sync()
+            moved = self._layout.total_bytes
+        else:
+            runs = [
+                FileRun(s.entry.path, CopyRun(s.entry.start, self._offsets[s.key].offset, s.nbytes))
+                for s in self._slots
+                if s.entry is not None and s.nbytes > 0
+            ]
+            moved = self._loader.load(runs, flat)
+            for key, kept in self._kept.items():
+                slot = self._slots[key]
+                self._view(flat, slot).copy_(kept, non_blocking=False)
+                moved += slot.nbytes
+            self._sync()
+            self._kept = {}
+        self._flat = flat
+        self._bind_views(flat)
+        self._restore_loose()
+        self.level = 0
+        if self._pin_in_background and self._host is None:
+            self._start_host_prep()
+        return TransferStats(moved, time.perf_counter() - started)
+
+    def close(self) -> None:
+        """Free every buffer the engine holds."""
+        self._drop_host()
+        self._loader.release()
