@@ -1,4 +1,4 @@
-"""The sleep engine on CPU with a real tiny Llama saved as safetensors: exact bytes, exact outputs."""
+"""The sleep engine on CPU with a real tiny Llama in safetensors: exact bytes, exact outputs."""
 
 from __future__ import annotations
 
@@ -30,15 +30,17 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def load(path: Path) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.from_pretrained(path).eval()
+    model = LlamaForCausalLM.from_pretrained(path)
     assert isinstance(model, LlamaForCausalLM)
+    model.train(False)
     return model
 
 
 def logits(model: LlamaForCausalLM) -> torch.Tensor:
     ids = torch.arange(1, 17).reshape(1, 16)
     with torch.inference_mode():
-        return model(input_ids=ids).logits.clone()
+        out: torch.Tensor = model(input_ids=ids).logits.clone()
+    return out
 
 
 def make_engine(path: Path, model: LlamaForCausalLM) -> WeightEngine:
