@@ -1,0 +1,208 @@
+"""The chart grants exactly the operator contract's RBAC, in both scopes, and nothing more."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_chart_support import (
+    FULLNAME,
+    NAMESPACE,
+    Obj,
+    Rule,
+    flatten_rules,
+    one,
+    render,
+    select,
+)
+
+SA = FULLNAME
+PEERING_APIS = ("kopf.dev/v1/ClusterKopfPeering", "kopf.dev/v1/KopfPeering")
+
+
+def _grants(group: str, resource: str, verbs: str, name: str = "*") -> set[Rule]:
+    return {(group, resource, verb, name) for verb in verbs.split()}
+
+
+# The operator contract, "RBAC the operator needs", one grant per (group, resource, verb, name).
+STAGE_RULES: set[Rule] = (
+    _grants("omnistage.io", "omnistages", "get list watch patch update")
+    | _grants("omnistage.io", "omnistages/status", "get patch update")
+    | _grants("", "pods", "get list watch create delete")
+    | _grants("", "services", "get list watch create delete patch")
+    | _grants("", "secrets", "create")
+    | _grants("", "secrets", "get patch update", "omnistage-worker-token")
+    | _grants("", "events", "create patch")
+    | _grants("events.k8s.io", "events", "create patch")
+    | _grants("resource.k8s.io", "resourceclaims", "get list watch create delete")
+)
+FRAMEWORK_RULES: set[Rule] = _grants(
+    "apiextensions.k8s.io", "customresourcedefinitions", "list watch"
+) | _grants("", "namespaces", "list watch")
+CLUSTER_PEERING: set[Rule] = _grants("kopf.dev", "clusterkopfpeerings", "get list watch patch")
+NAMESPACED_PEERING: set[Rule] = _grants("kopf.dev", "kopfpeerings", "get list watch patch")
+
+
+def _by_name(objs: list[Obj], kind: str) -> dict[str, Obj]:
+    return {o["metadata"]["name"]: o for o in select(objs, kind)}
+
+
+def _assert_bound_to_operator(binding: Obj, role_kind: str, role_name: str) -> None:
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": role_kind,
+        "name": role_name,
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": SA, "namespace": NAMESPACE}]
+
+
+def _all_rules(objs: list[Obj]) -> list[Obj]:
+    rules: list[Obj] = []
+    for kind in ("ClusterRole", "Role"):
+        for role in select(objs, kind):
+            rules.extend(role["rules"])
+    return rules
+
+
+def test_cluster_scope_grants_exactly_the_contract() -> None:
+    objs = render()
+    roles = _by_name(objs, "ClusterRole")
+    assert set(roles) == {FULLNAME, f"{FULLNAME}-framework"}
+    assert flatten_rules(roles[FULLNAME]["rules"]) == STAGE_RULES
+    assert flatten_rules(roles[f"{FULLNAME}-framework"]["rules"]) == FRAMEWORK_RULES
+    bindings = _by_name(objs, "ClusterRoleBinding")
+    assert set(bindings) == set(roles)
+    for name, binding in bindings.items():
+        _assert_bound_to_operator(binding, "ClusterRole", name)
+    assert select(objs, "Role") == [] and select(objs, "RoleBinding") == []
+
+
+def test_namespaced_scope_has_one_role_per_namespace() -> None:
+    values = {"rbac": {"scope": "Namespaced"}, "watch": {"namespaces": ["team-a", "team-b"]}}
+    objs = render(values)
+    roles = select(objs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert flatten_rules(role["rules"]) == STAGE_RULES
+    bindings = select(objs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        _assert_bound_to_operator(binding, "Role", FULLNAME)
+    # Only kopf's cluster-scoped reads remain cluster-wide.
+    (cluster_role,) = select(objs, "ClusterRole")
+    assert flatten_rules(cluster_role["rules"]) == FRAMEWORK_RULES
+
+
+def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
+    roles = select(render({"rbac": {"scope": "Namespaced"}}), "Role")
+    assert [r["metadata"]["namespace"] for r in roles] == [NAMESPACE]
+
+
+def test_peering_adds_only_the_peering_grants() -> None:
+    objs = render({"peering": {"enabled": True}}, api_versions=PEERING_APIS)
+    roles = _by_name(objs, "ClusterRole")
+    assert flatten_rules(roles[FULLNAME]["rules"]) == STAGE_RULES
+    assert flatten_rules(roles[f"{FULLNAME}-framework"]["rules"]) == (
+        FRAMEWORK_RULES | CLUSTER_PEERING
+    )
+
+    values = {
+        "peering": {"enabled": True},
+        "rbac": {"scope": "Namespaced"},
+        "watch": {"namespaces": ["team-a"]},
+    }
+    objs = render(values, api_versions=PEERING_APIS)
+    assert flatten_rules(one(objs, "Role")["rules"]) == STAGE_RULES | NAMESPACED_PEERING
+    assert flatten_rules(one(objs, "ClusterRole")["rules"]) == FRAMEWORK_RULES
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"rbac": {"scope": "Namespaced"}, "watch": {"namespaces": ["a", "b"]}},
+        {"peering": {"enabled": True}},
+    ],
+    ids=["cluster", "namespaced", "peering"],
+)
+def test_no_wildcards_and_secrets_limited_by_name(values: Obj) -> None:
+    rules = _all_rules(render(values, api_versions=PEERING_APIS))
+    assert rules
+    for rule in rules:
+        for key in ("apiGroups", "resources", "verbs", "resourceNames"):
+            assert "*" not in rule.get(key, []), f"wildcard in {key}: {rule}"
+        assert "nonResourceURLs" not in rule
+    for group, resource, verb, name in flatten_rules(rules):
+        if resource == "secrets":
+            # RBAC cannot limit create by name; every other verb is limited to the token.
+            assert verb == "create" or name == "omnistage-worker-token", (verb, name)
+            assert verb not in {"list", "watch", "delete", "deletecollection"}
+        assert resource not in {"pods/exec", "pods/attach", "pods/portforward", "nodes"}
+        assert verb not in {"escalate", "bind", "impersonate", "deletecollection"}
+        assert (group, resource) != ("rbac.authorization.k8s.io", "clusterroles")
+
+
+def test_rules_are_commented_by_purpose() -> None:
+    from tests.unit.test_chart_support import CHART_DIR
+
+    text = (CHART_DIR / "templates" / "_rbac.tpl").read_text()
+    blocks = text.split("- apiGroups:")[1:]
+    preceding = text.split("- apiGroups:")[:-1]
+    assert blocks
+    for before in preceding:
+        # Each rule (or pair of rules on one resource) follows a "# purpose" comment line.
+        tail = [ln.strip() for ln in before.strip().splitlines()][-1]
+        assert tail.startswith("#") or tail.startswith("verbs:"), tail
+
+
+def test_rbac_off_renders_no_rbac() -> None:
+    objs = render({"rbac": {"create": False}})
+    for kind in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"):
+        assert select(objs, kind) == []
+    assert select(objs, "ValidatingAdmissionPolicy") == []
+
+
+def test_service_account_is_the_deployments() -> None:
+    objs = render()
+    sa = one(objs, "ServiceAccount")
+    assert sa["metadata"] == {**sa["metadata"], "name": SA, "namespace": NAMESPACE}
+    # The token is mounted only into the operator pod, not into anything else using the SA.
+    assert sa["automountServiceAccountToken"] is False
+    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == SA
+    assert pod["automountServiceAccountToken"] is True
+
+
+def test_existing_service_account_needs_a_name() -> None:
+    from tests.unit.test_chart_support import render_error
+
+    err = render_error({"serviceAccount": {"create": False}})
+    assert "serviceAccount.name" in err
+    objs = render({"serviceAccount": {"create": False, "name": "mine"}})
+    assert select(objs, "ServiceAccount") == []
+    assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
+
+
+def test_worker_token_guard_restricts_the_operator_secret_writes() -> None:
+    objs = render()
+    policy = one(objs, "ValidatingAdmissionPolicy")
+    binding = one(objs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {
+        "policyName": policy["metadata"]["name"],
+        "validationActions": ["Deny"],
+    }
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE", "UPDATE"],
+            "resources": ["secrets"],
+        }
+    ]
+    (condition,) = spec["matchConditions"]
+    assert f'"system:serviceaccount:{NAMESPACE}:{SA}"' in condition["expression"]
+    (validation,) = spec["validations"]
+    assert '"omnistage-worker-token"' in validation["expression"]
+    assert 'object.type == "Opaque"' in validation["expression"]
+    assert select(render({"rbac": {"workerTokenGuard": False}}), "ValidatingAdmissionPolicy") == []

@@ -1,0 +1,354 @@
+"""The chart's rendered objects under several value sets: workload, token, network, metrics."""
+
+from __future__ import annotations
+
+import base64
+import re
+
+from tests.unit.test_chart_support import (
+    CHART_DIR,
+    FULLNAME,
+    NAMESPACE,
+    RELEASE,
+    Obj,
+    one,
+    operator_container,
+    render,
+    render_error,
+    run_helm,
+    select,
+)
+
+DIGEST = "sha256:" + "ab" * 32
+PEERING_APIS = ("kopf.dev/v1/ClusterKopfPeering", "kopf.dev/v1/KopfPeering")
+
+
+def _pod_spec(objs: list[Obj]) -> Obj:
+    spec: Obj = one(objs, "Deployment")["spec"]["template"]["spec"]
+    return spec
+
+
+def _args(objs: list[Obj]) -> list[str]:
+    args: list[str] = operator_container(objs)["args"]
+    return args
+
+
+def test_helm_lint_strict_is_clean() -> None:
+    proc = run_helm("lint", "--strict", str(CHART_DIR))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+def test_chart_metadata() -> None:
+    import yaml
+
+    chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["kubeVersion"] == ">=1.34.0-0"
+    assert chart["appVersion"] == "0.1.0"
+
+
+def test_deployment_is_one_replica_recreated() -> None:
+    deployment = one(render(), "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["metadata"]["namespace"] == NAMESPACE
+
+
+def test_pod_and_container_security_context() -> None:
+    objs = render()
+    pod = _pod_spec(objs)["securityContext"]
+    assert pod["runAsNonRoot"] is True
+    assert pod["runAsUser"] == 65532
+    assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = operator_container(objs)["securityContext"]
+    assert container["runAsNonRoot"] is True
+    assert container["runAsUser"] == 65532
+    assert container["readOnlyRootFilesystem"] is True
+    assert container["allowPrivilegeEscalation"] is False
+    assert container["capabilities"] == {"drop": ["ALL"]}
+    assert container["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_tmp_is_the_only_writable_mount() -> None:
+    objs = render()
+    mounts = {m["mountPath"]: m for m in operator_container(objs)["volumeMounts"]}
+    volumes = {v["name"]: v for v in _pod_spec(objs)["volumes"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]["name"]]
+    writable = [path for path, m in mounts.items() if not m.get("readOnly")]
+    assert writable == ["/tmp"]
+
+
+def test_liveness_probe_and_ports_follow_values() -> None:
+    objs = render({"ports": {"metrics": 9090, "liveness": 9091}})
+    container = operator_container(objs)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http-metrics": 9090, "http-healthz": 9091}
+    probe = container["livenessProbe"]["httpGet"]
+    assert probe == {"path": "/healthz", "port": "http-healthz"}
+    assert "--metrics-port=9090" in container["args"]
+    assert "--liveness-port=9091" in container["args"]
+
+
+def test_same_metrics_and_liveness_port_is_refused() -> None:
+    err = render_error({"ports": {"metrics": 9090, "liveness": 9090}})
+    assert "ports.metrics and ports.liveness must differ" in err
+
+
+def test_resources_come_from_values() -> None:
+    resources = {
+        "requests": {"cpu": "100m", "memory": "200Mi"},
+        "limits": {"cpu": 2, "memory": "1Gi"},
+    }
+    assert operator_container(render({"resources": resources}))["resources"] == resources
+
+
+def test_default_args_follow_the_operator_contract() -> None:
+    args = _args(render())
+    assert args == [
+        "--worker-token-file=/var/run/secrets/omnistage/token",
+        "--metrics-port=8080",
+        "--liveness-port=8081",
+        "--placement=dra",
+        "--device-class=gpu.nvidia.com",
+        "--sleep-timeout=60",
+        "--wake-timeout=600",
+        "--ack-retries=3",
+    ]
+    assert not any(a.startswith("--namespace") for a in args), "default serves every namespace"
+    assert not any(a.startswith("--peering") for a in args), "default is standalone"
+
+
+def test_operator_values_become_flags() -> None:
+    values = {
+        "operator": {
+            "placement": "explicit",
+            "deviceClass": "gpu.example.com",
+            "sleepTimeoutSeconds": 5,
+            "wakeTimeoutSeconds": 30,
+            "ackRetries": 2,
+            "extraArgs": ["--verbose"],
+            "extraEnv": [{"name": "TZ", "value": "UTC"}],
+        },
+        "workerTLS": {"caSecret": "worker-ca", "caKey": "ca.pem"},
+    }
+    objs = render(values)
+    args = _args(objs)
+    for flag in (
+        "--placement=explicit",
+        "--device-class=gpu.example.com",
+        "--sleep-timeout=5",
+        "--wake-timeout=30",
+        "--ack-retries=2",
+        "--verbose",
+        "--worker-tls-ca=/var/run/secrets/omnistage-tls/ca.crt",
+    ):
+        assert flag in args
+    assert {"name": "TZ", "value": "UTC"} in operator_container(objs)["env"]
+    ca = next(v for v in _pod_spec(objs)["volumes"] if v["name"] == "worker-tls-ca")
+    assert ca["secret"]["secretName"] == "worker-ca"
+    assert ca["secret"]["items"] == [{"key": "ca.pem", "path": "ca.crt"}]
+
+
+def test_image_tag_defaults_to_app_version() -> None:
+    container = operator_container(render())
+    assert container["image"] == "omnistage/omnistage-operator:0.1.0"
+    assert container["imagePullPolicy"] == "IfNotPresent"
+
+
+def test_custom_image_digest_pins_the_image() -> None:
+    values = {
+        "image": {
+            "repository": "registry.example/team/operator",
+            "tag": "1.2.3",
+            "digest": DIGEST,
+            "pullPolicy": "Always",
+        }
+    }
+    container = operator_container(render(values))
+    assert container["image"] == f"registry.example/team/operator:1.2.3@{DIGEST}"
+    assert container["imagePullPolicy"] == "Always"
+
+
+def test_generated_token_secret_is_kept_and_random() -> None:
+    first = one(render(), "Secret")
+    second = one(render(), "Secret")
+    assert first["metadata"]["name"] == f"{FULLNAME}-worker-token"
+    assert first["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    token = base64.b64decode(first["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+    # Without a cluster to look up, each render generates afresh: the value is random.
+    assert first["data"]["token"] != second["data"]["token"]
+
+
+def test_token_is_mounted_at_the_contract_path() -> None:
+    objs = render()
+    mount = next(m for m in operator_container(objs)["volumeMounts"] if m["name"] == "worker-token")
+    assert mount == {
+        "name": "worker-token",
+        "mountPath": "/var/run/secrets/omnistage",
+        "readOnly": True,
+    }
+    volume = next(v for v in _pod_spec(objs)["volumes"] if v["name"] == "worker-token")
+    assert volume["secret"]["secretName"] == f"{FULLNAME}-worker-token"
+    assert volume["secret"]["items"] == [{"key": "token", "path": "token"}]
+
+
+def test_existing_token_secret_is_used_and_not_generated() -> None:
+    objs = render({"workerToken": {"existingSecret": "my-token", "key": "bearer"}})
+    assert select(objs, "Secret") == []
+    volume = next(v for v in _pod_spec(objs)["volumes"] if v["name"] == "worker-token")
+    assert volume["secret"]["secretName"] == "my-token"
+    assert volume["secret"]["items"] == [{"key": "bearer", "path": "token"}]
+
+
+def test_namespaced_watch_becomes_namespace_flags() -> None:
+    values = {"rbac": {"scope": "Namespaced"}, "watch": {"namespaces": ["team-a", "team-b"]}}
+    args = _args(render(values))
+    assert [a for a in args if a.startswith("--namespace")] == [
+        "--namespace=team-a",
+        "--namespace=team-b",
+    ]
+
+
+def test_namespaced_scope_without_list_serves_the_release_namespace() -> None:
+    args = _args(render({"rbac": {"scope": "Namespaced"}}))
+    assert [a for a in args if a.startswith("--namespace")] == [f"--namespace={NAMESPACE}"]
+
+
+def _policy_ingress(policy: Obj) -> Obj:
+    ingress: list[Obj] = policy["spec"]["ingress"]
+    assert len(ingress) == 1
+    return ingress[0]
+
+
+def test_network_policy_admits_only_the_operator_pods() -> None:
+    objs = render()
+    policy = one(objs, "NetworkPolicy")
+    assert policy["metadata"]["namespace"] == NAMESPACE
+    assert policy["spec"]["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "omnistage-worker"}
+    }
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    rule = _policy_ingress(policy)
+    assert rule["ports"] == [{"protocol": "TCP", "port": 50051}]
+    (peer,) = rule["from"]
+    assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+    # The peer's pod selector must select the operator pod and nothing broader.
+    pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    selector = peer["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert selector["app.kubernetes.io/instance"] == RELEASE
+    assert selector["app.kubernetes.io/component"] == "operator"
+
+
+def test_network_policy_per_served_namespace_with_extra_sources() -> None:
+    gateway = {"podSelector": {"matchLabels": {"app": "gateway"}}}
+    values = {
+        "watch": {"namespaces": ["team-a", "team-b"]},
+        "networkPolicy": {"workerPorts": [50051, 50052], "extraIngressFrom": [gateway]},
+    }
+    policies = select(render(values), "NetworkPolicy")
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["team-a", "team-b"]
+    for policy in policies:
+        rule = _policy_ingress(policy)
+        assert rule["from"][1:] == [gateway]
+        assert [p["port"] for p in rule["ports"]] == [50051, 50052]
+
+
+def test_network_policy_namespaces_override() -> None:
+    values = {"networkPolicy": {"namespaces": ["models"]}}
+    policies = select(render(values), "NetworkPolicy")
+    assert [p["metadata"]["namespace"] for p in policies] == ["models"]
+
+
+def test_network_policy_off() -> None:
+    assert select(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy") == []
+
+
+def test_metrics_service_selects_the_operator_pod() -> None:
+    objs = render()
+    service = one(objs, "Service")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [
+        {"name": "http-metrics", "port": 8080, "targetPort": "http-metrics", "protocol": "TCP"}
+    ]
+    pod_labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert select(objs, "ServiceMonitor") == [], "ServiceMonitor is off by default"
+
+
+def test_service_monitor_on() -> None:
+    values = {
+        "metrics": {
+            "serviceMonitor": {
+                "enabled": True,
+                "interval": "15s",
+                "scrapeTimeout": "5s",
+                "labels": {"release": "prom"},
+            }
+        }
+    }
+    objs = render(values)
+    monitor = one(objs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "http-metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "5s"}
+    ]
+    service = one(objs, "Service")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+
+
+def test_service_monitor_without_service_is_refused() -> None:
+    values = {"metrics": {"service": {"enabled": False}, "serviceMonitor": {"enabled": True}}}
+    assert "metrics.service.enabled" in render_error(values)
+
+
+def test_peering_on_cluster_wide() -> None:
+    objs = render({"peering": {"enabled": True}}, api_versions=PEERING_APIS)
+    peering = one(objs, "ClusterKopfPeering")
+    assert peering["apiVersion"] == "kopf.dev/v1"
+    assert peering["metadata"]["name"] == FULLNAME
+    assert f"--peering={FULLNAME}" in _args(objs)
+    assert select(objs, "KopfPeering") == []
+
+
+def test_peering_on_namespaced_creates_one_per_namespace() -> None:
+    values = {
+        "peering": {"enabled": True, "name": "shared"},
+        "rbac": {"scope": "Namespaced"},
+        "watch": {"namespaces": ["team-a", "team-b"]},
+    }
+    objs = render(values, api_versions=PEERING_APIS)
+    peerings = select(objs, "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+    assert {p["metadata"]["name"] for p in peerings} == {"shared"}
+    assert "--peering=shared" in _args(objs)
+
+
+def test_peering_without_kopf_crds_is_refused_with_the_fix() -> None:
+    err = render_error({"peering": {"enabled": True}})
+    assert "files/kopf-peering-crds.yaml" in err
+
+
+def test_peering_crds_file_defines_both_kinds() -> None:
+    import yaml
+
+    docs = list(yaml.safe_load_all((CHART_DIR / "files" / "kopf-peering-crds.yaml").read_text()))
+    kinds = {(d["spec"]["names"]["kind"], d["spec"]["scope"]) for d in docs}
+    assert kinds == {("ClusterKopfPeering", "Cluster"), ("KopfPeering", "Namespaced")}
+
+
+def test_every_object_carries_the_chart_labels() -> None:
+    objs = render(
+        {"peering": {"enabled": True}, "metrics": {"serviceMonitor": {"enabled": True}}},
+        api_versions=PEERING_APIS,
+    )
+    for obj in objs:
+        labels = obj["metadata"].get("labels", {})
+        assert labels.get("app.kubernetes.io/instance") == RELEASE, obj["metadata"]["name"]
+        assert labels.get("app.kubernetes.io/managed-by") == "Helm", obj["metadata"]["name"]
