@@ -66,9 +66,9 @@ def test_format_bytes(n: int, expected: str) -> None:
     assert format_bytes(n) == expected
 
 
-def test_format_rejects_negative() -> None:
-    with pytest.raises(QuantityError):
-        format_bytes(-1)
+def test_format_negative_keeps_sign() -> None:
+    assert format_bytes(-1536) == "-1.5Ki"
+    assert format_bytes(-int(3.2 * GiB)) == "-3.2Gi"
     with pytest.raises(QuantityError):
         format_quantity(-1)
 

@@ -6,7 +6,8 @@ Public API (stable):
 - ``parse_quantity(value: str | int) -> int``: ``"16Gi"``, ``"500M"``, ``"1.5e9"``, ``"1024"`` or an
   int to a whole number of bytes. Fractions round up, as ``resource.Quantity.Value()`` does.
 - ``format_bytes(n: int) -> str``: a short human string with a binary suffix for printer
-  columns (``"3.2Gi"``, ``"512Mi"``, ``"0"``); within 5 % of ``n`` and parseable again.
+  columns (``"3.2Gi"``, ``"512Mi"``, ``"0"``, ``"-1.5Gi"`` for memory taken); within 5 % of
+  ``n`` and, when ``n >= 0``, parseable again.
 - ``format_quantity(n: int) -> str``: the exact canonical form (largest binary suffix that
   divides ``n``), so ``parse_quantity(format_quantity(n)) == n``.
 - ``QUANTITY_PATTERN``: the regular expression the CRD uses for non-negative quantity strings.
@@ -77,9 +78,12 @@ def parse_quantity(value: str | int) -> int:
 
 
 def format_bytes(n: int) -> str:
-    """Format ``n`` bytes for a printer column: one decimal below 10 units, else whole units."""
+    """Format ``n`` bytes for a printer column: one decimal below 10 units, else whole units.
+
+    Negative counts (memory taken by a wake) keep their sign: ``"-3.2Gi"``.
+    """
     if n < 0:
-        raise QuantityError(f"byte count must not be negative: {n}")
+        return f"-{format_bytes(-n)}"
     value = Decimal(n)
     index = 0
     while value >= 1024 and index < len(_FORMAT_SUFFIXES) - 1:
