@@ -1,0 +1,146 @@
+"""Fixtures for the worker tests: tiny real models, in-process workers over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from omnistage.worker.v1 import (
+    inference_service_pb2,
+    inference_service_pb2_grpc,
+    sleep_service_pb2,
+    sleep_service_pb2_grpc,
+    types_pb2,
+)
+from omnistage_worker.config import WorkerConfig
+from omnistage_worker.server import WorkerServer
+from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
+
+LOAD_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="session")
+def diffusion_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_diffusion_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd")
+
+
+@pytest.fixture(scope="session")
+def lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_causal_lm(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@dataclass
+class WorkerHandle:
+    """A running in-process worker and stubs that talk to it over localhost gRPC."""
+
+    server: WorkerServer
+    channel: grpc.aio.Channel
+    token: str | None = None
+    sleep_stub: Any = field(init=False)
+    inference_stub: Any = field(init=False)
+    health_stub: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sleep_stub = sleep_service_pb2_grpc.SleepServiceStub(self.channel)
+        self.inference_stub = inference_service_pb2_grpc.InferenceServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    async def status(self) -> sleep_service_pb2.GetStatusResponse:
+        response: sleep_service_pb2.GetStatusResponse = await self.sleep_stub.GetStatus(
+            sleep_service_pb2.GetStatusRequest(), metadata=self.metadata
+        )
+        return response
+
+    async def sleep(self, level: int, task_id: str | None = None) -> types_pb2.Ack:
+        response = await self.sleep_stub.Sleep(
+            sleep_service_pb2.SleepRequest(task_id=task_id or new_task_id(), level=level),
+            metadata=self.metadata,
+        )
+        ack: types_pb2.Ack = response.ack
+        return ack
+
+    async def wake(self, task_id: str | None = None) -> types_pb2.Ack:
+        response = await self.sleep_stub.WakeUp(
+            sleep_service_pb2.WakeUpRequest(task_id=task_id or new_task_id()),
+            metadata=self.metadata,
+        )
+        ack: types_pb2.Ack = response.ack
+        return ack
+
+    async def generate(self, **fields: Any) -> inference_service_pb2.GenerateResponse:
+        fields.setdefault("prompt", "the cat sat")
+        response: inference_service_pb2.GenerateResponse = await self.inference_stub.Generate(
+            inference_service_pb2.GenerateRequest(**fields)
+        )
+        return response
+
+    async def health(self, service: str) -> int:
+        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))
+        status: int = response.status
+        return status
+
+
+def new_task_id() -> str:
+    return uuid.uuid4().hex
+
+
+async def wait_for(
+    condition: Callable[[], Awaitable[bool]], timeout: float = 30.0, what: str = "condition"
+) -> None:
+    """Poll ``condition`` until true, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+StartWorker = Callable[..., Awaitable[WorkerHandle]]
+
+
+@pytest.fixture
+async def start_worker() -> AsyncIterator[StartWorker]:
+    """Start in-process workers on 127.0.0.1:0; all are stopped at the end of the test."""
+    handles: list[WorkerHandle] = []
+
+    async def start(model: Path, runner: str, backend: str, **overrides: Any) -> WorkerHandle:
+        wait = overrides.pop("wait_loaded", True)
+        config = WorkerConfig(
+            runner=runner, backend=backend, model=model, host="127.0.0.1", port=0, **overrides
+        )
+        server = WorkerServer(config)
+        port = await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        handle = WorkerHandle(server, channel, token=config.token)
+        handles.append(handle)
+        if wait:
+            await asyncio.wait_for(server.wait_loaded(), LOAD_TIMEOUT_S)
+        return handle
+
+    yield start
+    for handle in handles:
+        await handle.channel.close()
+        await handle.server.stop(1.0)
+
+
+@pytest.fixture
+async def lm_worker(start_worker: StartWorker, lm_dir: Path) -> WorkerHandle:
+    return await start_worker(lm_dir, "ar", "transformers")
+
+
+@pytest.fixture
+async def sd_worker(start_worker: StartWorker, diffusion_dir: Path) -> WorkerHandle:
+    return await start_worker(diffusion_dir, "diffusion", "diffusers")

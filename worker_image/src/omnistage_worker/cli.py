@@ -1,0 +1,159 @@
+"""``omnistage-worker``: parse flags, validate them (exit 2 naming the flag), then serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from omnistage_worker.config import (
+    BACKENDS,
+    DEFAULT_PORT,
+    DEFAULT_RESIDUAL_SLACK,
+    DTYPES,
+    ConfigError,
+    Identity,
+    WorkerConfig,
+    parse_device,
+    parse_quantity,
+    read_token,
+)
+
+log = logging.getLogger("omnistage_worker")
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The argument parser; defaults that come from the environment are read from ``env``."""
+    p = argparse.ArgumentParser(
+        prog="omnistage-worker",
+        description="Serve one model stage over gRPC and sleep/wake it with measured ACKs.",
+    )
+    p.add_argument("--runner", required=True, choices=("diffusion", "ar"))
+    p.add_argument("--backend", required=True, choices=BACKENDS)
+    p.add_argument("--model", required=True, type=Path, help="local model directory")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--initial-state", default="active", choices=("active", "asleep"))
+    p.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
+    p.add_argument("--token-file", type=Path, help="bearer token required by SleepService")
+    p.add_argument("--tls-cert", type=Path)
+    p.add_argument("--tls-key", type=Path)
+    p.add_argument(
+        "--memory-capacity",
+        default=env.get("OMNISTAGE_MEMORY_CAPACITY"),
+        help="CPU only: size of the fake device (bytes or a quantity like 80Gi)",
+    )
+    p.add_argument(
+        "--memory-ledger",
+        type=Path,
+        default=env.get("OMNISTAGE_MEMORY_LEDGER") or None,
+        help="CPU only: directory shared by all workers on one fake device",
+    )
+    p.add_argument(
+        "--residual-slack",
+        default=str(DEFAULT_RESIDUAL_SLACK),
+        help="bytes allowed above the baseline after a sleep (default 128Mi)",
+    )
+    p.add_argument("--stage", default=env.get("OMNISTAGE_STAGE", ""))
+    p.add_argument("--pod", default=env.get("POD_NAME", ""))
+    p.add_argument("--namespace", default=env.get("POD_NAMESPACE", ""))
+    p.add_argument("--node", default=env.get("NODE_NAME", ""))
+    p.add_argument("--rank", type=int, default=int(env.get("OMNISTAGE_RANK", "0") or 0))
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds (SIGTERM)")
+    p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """Turn parsed flags into a validated :class:`WorkerConfig` (raises :class:`ConfigError`)."""
+    device = parse_device(args.device)
+    capacity = (
+        parse_quantity(args.memory_capacity, "--memory-capacity")
+        if args.memory_capacity not in (None, "")
+        else None
+    )
+    token = read_token(args.token_file) if args.token_file is not None else None
+    return WorkerConfig(
+        runner=args.runner,
+        backend=args.backend,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        device=device,
+        initial_state=args.initial_state,
+        sleep_level=args.sleep_level,
+        token=token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        memory_capacity=capacity,
+        memory_ledger=args.memory_ledger,
+        residual_slack=parse_quantity(args.residual_slack, "--residual-slack"),
+        identity=Identity(
+            stage=args.stage,
+            namespace=args.namespace,
+            pod=args.pod,
+            rank=args.rank,
+            node=args.node,
+        ),
+        dtype=args.dtype,
+        shutdown_grace_s=args.shutdown_grace,
+    )
+
+
+def setup_logging(level: str) -> None:
+    """Progress lines on stderr."""
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def run(config: WorkerConfig) -> int:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully; the exit code."""
+    from omnistage_worker.server import WorkerServer
+
+    server = WorkerServer(config)
+    port = await server.start()
+    log.info("listening on %s:%d", config.host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received: shutting down (grace %.1fs)", config.shutdown_grace_s)
+    await server.stop(config.shutdown_grace_s)
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``omnistage-worker``."""
+    parser = build_parser(os.environ)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    setup_logging(args.log_level)
+    log.info(
+        "starting: runner=%s backend=%s model=%s device=%s initial-state=%s sleep-level=%d",
+        config.runner,
+        config.backend,
+        config.model,
+        config.device,
+        config.initial_state,
+        config.sleep_level,
+    )
+    return asyncio.run(run(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Worker configuration: the validated settings of one worker process.
+
+Pure logic: nothing here imports torch or opens a socket, so the CLI can refuse bad input
+in milliseconds. Every refusal is a :class:`ConfigError` that names the flag at fault.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+MI: Final = 1024 * 1024
+DEFAULT_RESIDUAL_SLACK: Final = 128 * MI
+DEFAULT_PORT: Final = 50051
+
+RUNNER_BACKENDS: Final[dict[str, tuple[str, ...]]] = {
+    "diffusion": ("diffusers",),
+    "ar": ("transformers", "vllm"),
+}
+BACKENDS: Final = ("diffusers", "transformers", "vllm")
+DTYPES: Final = ("auto", "float32", "float16", "bfloat16")
+
+_SUFFIXES: Final[dict[str, int]] = {
+    "": 1,
+    "k": 10**3,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKMGTPE]i?)?\s*$")
+_DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+class ConfigError(ValueError):
+    """A refused setting; ``flag`` names the command-line flag at fault."""
+
+    def __init__(self, flag: str, reason: str) -> None:
+        super().__init__(f"{flag}: {reason}")
+        self.flag = flag
+        self.reason = reason
+
+
+def parse_quantity(text: str, flag: str = "quantity") -> int:
+    """Parse a byte count: a plain integer or a Kubernetes quantity such as ``80Gi`` or ``1.5G``."""
+    match = _QUANTITY.match(text)
+    if match is None:
+        raise ConfigError(
+            flag, f"{text!r} is not a byte count (use an integer or a quantity like 80Gi or 512Mi)"
+        )
+    number, suffix = match.group(1), match.group(2) or ""
+    if suffix not in _SUFFIXES:
+        raise ConfigError(flag, f"unknown unit {suffix!r} in {text!r}")
+    whole, _, frac = number.partition(".")
+    multiplier = _SUFFIXES[suffix]
+    value = int(whole) * multiplier + (int(frac) * multiplier) // (10 ** len(frac) if frac else 1)
+    return value
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """The device a worker runs on: ``cpu`` or ``cuda`` with a torch index."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}" if self.is_cuda else "cpu"
+
+
+def parse_device(text: str) -> DeviceSpec:
+    """Parse ``cpu``, ``cuda`` or ``cuda:N``."""
+    match = _DEVICE.match(text.strip())
+    if match is None:
+        raise ConfigError("--device", f"{text!r} is not a device (use cpu, cuda or cuda:N)")
+    kind, index = match.group(1), match.group(2)
+    if kind == "cpu" and index not in (None, "0"):
+        raise ConfigError("--device", f"{text!r}: the cpu device has no index")
+    return DeviceSpec(kind=kind, index=int(index) if index is not None else 0)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this worker is, as written into every Ack."""
+
+    stage: str = ""
+    namespace: str = ""
+    pod: str = ""
+    rank: int = 0
+    node: str = ""
+    pid: int = field(default_factory=os.getpid)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Validated settings of one worker process."""
+
+    runner: str
+    backend: str
+    model: Path
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    device: DeviceSpec = field(default_factory=lambda: DeviceSpec("cpu"))
+    initial_state: str = "active"
+    sleep_level: int = 1
+    token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    memory_capacity: int | None = None
+    memory_ledger: Path | None = None
+    residual_slack: int = DEFAULT_RESIDUAL_SLACK
+    identity: Identity = field(default_factory=Identity)
+    dtype: str = "auto"
+    shutdown_grace_s: float = 30.0
+    drain_timeout_s: float = 600.0
+    ack_cache_size: int = 1024
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def validate(config: WorkerConfig) -> None:
+    """Refuse an inconsistent configuration with a :class:`ConfigError` naming the flag."""
+    if config.runner not in RUNNER_BACKENDS:
+        raise ConfigError("--runner", f"unknown runner {config.runner!r} (diffusion or ar)")
+    if config.backend not in BACKENDS:
+        raise ConfigError("--backend", f"unknown backend {config.backend!r}")
+    allowed = RUNNER_BACKENDS[config.runner]
+    if config.backend not in allowed:
+        raise ConfigError(
+            "--backend",
+            f"runner {config.runner!r} cannot use backend {config.backend!r} "
+            f"(it needs {' or '.join(allowed)})",
+        )
+    if not config.model.exists():
+        raise ConfigError("--model", f"model directory {str(config.model)!r} does not exist")
+    if not config.model.is_dir():
+        raise ConfigError("--model", f"{str(config.model)!r} is not a directory")
+    if not 0 <= config.port <= 65535:
+        raise ConfigError("--port", f"{config.port} is not a TCP port (0-65535)")
+    if config.initial_state not in ("active", "asleep"):
+        raise ConfigError("--initial-state", f"{config.initial_state!r} (active or asleep)")
+    if config.sleep_level not in (1, 2):
+        raise ConfigError("--sleep-level", f"{config.sleep_level} (1 or 2)")
+    if config.token is not None and not config.token:
+        raise ConfigError("--token-file", "the token file is empty")
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ConfigError("--tls-cert/--tls-key", "give both the certificate and the key, or none")
+    for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
+        if path is not None and not path.is_file():
+            raise ConfigError(flag, f"{str(path)!r} is not a readable file")
+    if config.device.is_cuda:
+        if config.memory_capacity is not None:
+            raise ConfigError(
+                "--memory-capacity", "only for --device cpu (on CUDA, NVML measures the device)"
+            )
+        if config.memory_ledger is not None:
+            raise ConfigError("--memory-ledger", "only for --device cpu")
+    if config.memory_capacity is not None and config.memory_capacity <= 0:
+        raise ConfigError("--memory-capacity", "must be positive")
+    if config.memory_ledger is not None:
+        if config.memory_capacity is None:
+            raise ConfigError("--memory-ledger", "needs --memory-capacity (the fake device's size)")
+        if config.memory_ledger.exists() and not config.memory_ledger.is_dir():
+            raise ConfigError(
+                "--memory-ledger", f"{str(config.memory_ledger)!r} is not a directory"
+            )
+    if config.residual_slack < 0:
+        raise ConfigError("--residual-slack", "must not be negative")
+    if config.dtype not in DTYPES:
+        raise ConfigError("--dtype", f"{config.dtype!r} (one of {', '.join(DTYPES)})")
+    if config.backend == "vllm":
+        if not config.device.is_cuda:
+            raise ConfigError("--device", "the vllm backend needs a CUDA device")
+        if config.initial_state == "asleep":
+            raise ConfigError(
+                "--initial-state",
+                "asleep is not supported with --backend vllm: vLLM takes device memory "
+                "while it loads, so it cannot start without touching the GPU",
+            )
+    if config.identity.rank < 0:
+        raise ConfigError("--rank", "must not be negative")
+    if config.shutdown_grace_s < 0:
+        raise ConfigError("--shutdown-grace", "must not be negative")
+    if config.ack_cache_size < 1:
+        raise ConfigError("--ack-cache-size", "must be at least 1")
+
+
+def read_token(path: Path) -> str:
+    """Read a bearer token from a file (surrounding whitespace dropped)."""
+    if not path.is_file():
+        raise ConfigError("--token-file", f"{str(path)!r} does not exist or is not a file")
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("--token-file", f"cannot read {str(path)!r}: {exc}") from exc
+    if not token:
+        raise ConfigError("--token-file", f"{str(path)!r} is empty")
+    return token

@@ -1,0 +1,285 @@
+"""Measured device memory: NVML for this process on CUDA, exact tensor accounting on CPU.
+
+A probe's :meth:`MemoryProbe.read` is taken before and after every transition; nothing here
+trusts a return code. On CPU the "device" is a fake one: its capacity comes from
+``--memory-capacity`` and, with ``--memory-ledger``, every worker on the same fake device
+publishes its own used bytes to ``<ledger>/<pid>`` so free = capacity - sum over live workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from omnistage.worker.v1 import types_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """Memory of one device at one instant; ``used`` is this worker's own share."""
+
+    device: str
+    index: int
+    uuid: str
+    used: int
+    free: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Memory of all the worker's devices at one instant."""
+
+    devices: tuple[DeviceReading, ...]
+    source: types_pb2.MemorySource.ValueType
+
+    @property
+    def used(self) -> int:
+        return sum(d.used for d in self.devices)
+
+    @property
+    def free(self) -> int:
+        return sum(d.free for d in self.devices)
+
+    @property
+    def total(self) -> int:
+        return sum(d.total for d in self.devices)
+
+
+class MemoryProbe(Protocol):
+    """Something that measures the worker's device memory."""
+
+    source: types_pb2.MemorySource.ValueType
+
+    def read(self) -> Reading: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: tensor accounting and the shared ledger
+
+
+class Ledger:
+    """A directory shared by the workers of one fake device; one file per worker process.
+
+    Each file holds ``{"used": bytes, "create_time": t}``; ``create_time`` guards against a
+    dead worker's pid being reused by an unrelated process.
+    """
+
+    def __init__(self, directory: Path, pid: int | None = None) -> None:
+        self.directory = directory
+        self.pid = os.getpid() if pid is None else pid
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._create_time = psutil.Process(self.pid).create_time()
+        self._path = directory / str(self.pid)
+
+    def publish(self, used: int) -> None:
+        """Write this worker's used bytes (atomically: write then rename)."""
+        tmp = self.directory / f".{self.pid}.tmp"
+        tmp.write_text(json.dumps({"used": used, "create_time": self._create_time}))
+        os.replace(tmp, self._path)
+
+    def others_used(self) -> int:
+        """Sum of the used bytes published by the other live workers."""
+        total = 0
+        for entry in self.directory.iterdir():
+            if not entry.name.isdigit() or int(entry.name) == self.pid:
+                continue
+            record = _read_record(entry)
+            if record is None:
+                continue
+            used, create_time = record
+            if _alive(int(entry.name), create_time):
+                total += used
+        return total
+
+    def remove(self) -> None:
+        """Withdraw this worker's entry (at exit)."""
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+
+
+def _read_record(path: Path) -> tuple[int, float] | None:
+    try:
+        data: Any = json.loads(path.read_text())
+        return int(data["used"]), float(data["create_time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _alive(pid: int, create_time: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - create_time) < 1.0 and proc.status() != "zombie"
+    except psutil.Error:
+        return False
+
+
+class AccountingProbe:
+    """CPU figures from exact tensor accounting (``used_fn`` sums the weight tensors)."""
+
+    source = types_pb2.MEMORY_SOURCE_ACCOUNTING
+
+    def __init__(
+        self,
+        used_fn: Callable[[], int],
+        capacity: int | None = None,
+        ledger: Ledger | None = None,
+    ) -> None:
+        self._used_fn = used_fn
+        self.capacity = capacity if capacity is not None else psutil.virtual_memory().total
+        self.ledger = ledger
+
+    def set_used_fn(self, used_fn: Callable[[], int]) -> None:
+        """Point the probe at the accounting of a newly built engine."""
+        self._used_fn = used_fn
+
+    def read(self) -> Reading:
+        used = self._used_fn()
+        others = 0
+        if self.ledger is not None:
+            self.ledger.publish(used)
+            others = self.ledger.others_used()
+        free = self.capacity - used - others
+        device = DeviceReading("cpu", 0, "", used, free, self.capacity)
+        return Reading((device,), self.source)
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: NVML, process-scoped
+
+
+def visible_device_ids(env: str | None) -> list[str] | None:
+    """Parse ``CUDA_VISIBLE_DEVICES`` into its entries (None when unset: all devices)."""
+    if env is None:
+        return None
+    return [part.strip() for part in env.split(",") if part.strip()]
+
+
+def nvml_target(torch_index: int, env: str | None) -> tuple[str, str]:
+    """How to find torch device ``torch_index`` in NVML: ``("index", "N")`` or ``("uuid", id)``.
+
+    ``CUDA_VISIBLE_DEVICES`` renumbers devices for CUDA but not for NVML; its entries are NVML
+    indices or UUID prefixes (``GPU-...``/``MIG-...``).
+    """
+    ids = visible_device_ids(env)
+    if ids is None:
+        return "index", str(torch_index)
+    if torch_index >= len(ids):
+        raise ValueError(
+            f"cuda:{torch_index} is not visible (CUDA_VISIBLE_DEVICES={env!r} lists {len(ids)})"
+        )
+    entry = ids[torch_index]
+    if entry.isdigit():
+        return "index", entry
+    return "uuid", entry
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and all its descendants (vLLM runs its engine core in a child process)."""
+    pids = {pid}
+    with contextlib.suppress(psutil.Error):
+        pids.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+    return pids
+
+
+class NvmlProbe:
+    """NVML figures for this process (and its children) on one CUDA device."""
+
+    source = types_pb2.MEMORY_SOURCE_NVML
+
+    def __init__(self, torch_index: int, pid: int | None = None) -> None:
+        import pynvml
+
+        self._nvml: Any = pynvml
+        pynvml.nvmlInit()
+        self.pid = os.getpid() if pid is None else pid
+        self.torch_index = torch_index
+        self._handle = self._find_handle(torch_index)
+        self.index = int(pynvml.nvmlDeviceGetIndex(self._handle))
+        self.uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
+        self._warned = False
+        log.info("NVML: cuda:%d is NVML device %d (%s)", torch_index, self.index, self.uuid)
+
+    def _find_handle(self, torch_index: int) -> Any:
+        nvml = self._nvml
+        uuid = _torch_uuid(torch_index)
+        if uuid is not None:
+            return nvml.nvmlDeviceGetHandleByUUID(uuid)
+        how, ident = nvml_target(torch_index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if how == "index":
+            return nvml.nvmlDeviceGetHandleByIndex(int(ident))
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            if _text(nvml.nvmlDeviceGetUUID(handle)).startswith(ident):
+                return handle
+        raise ValueError(f"no NVML device has a UUID starting with {ident!r}")
+
+    def _process_used(self) -> int:
+        nvml = self._nvml
+        pids = process_tree(self.pid)
+        used = 0
+        found = False
+        procs: Iterable[Any] = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        for proc in procs:
+            if proc.pid in pids:
+                found = True
+                used += int(proc.usedGpuMemory or 0)
+        if not found and not self._warned:
+            self._warned = True
+            log.warning(
+                "NVML lists no process of pid %d on device %d: if the container has its own "
+                "PID namespace, NVML reports host pids and this worker's figures read 0",
+                self.pid,
+                self.index,
+            )
+        return used
+
+    def read(self) -> Reading:
+        info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        device = DeviceReading(
+            device=f"cuda:{self.torch_index}",
+            index=self.index,
+            uuid=self.uuid,
+            used=self._process_used(),
+            free=int(info.free),
+            total=int(info.total),
+        )
+        return Reading((device,), self.source)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._nvml.nvmlShutdown()
+
+
+def _torch_uuid(torch_index: int) -> str | None:
+    """The NVML-style UUID of torch's device (``GPU-...``), when torch exposes it."""
+    try:
+        import torch
+
+        uuid = getattr(torch.cuda.get_device_properties(torch_index), "uuid", None)
+    except Exception:
+        return None
+    if uuid is None:
+        return None
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,172 @@
+"""What every runner provides, and the sleep controller the worker drives."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from omnistage.worker.v1 import inference_service_pb2, types_pb2
+from omnistage_worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    import torch
+
+# Upper bounds on request fields, so a typo cannot occupy a stage for hours.
+MAX_NEW_TOKENS = 8192
+MAX_STEPS = 1000
+MAX_SIDE = 8192
+
+
+class InvalidRequest(ValueError):
+    """A Generate request field the runner cannot accept; ``field`` names it."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+
+
+class Stats(Protocol):
+    """What one weight movement reports (the engine's TransferStats)."""
+
+    @property
+    def bytes_moved(self) -> int: ...
+
+    @property
+    def seconds(self) -> float: ...
+
+    @property
+    def noop(self) -> bool: ...
+
+
+class SleepController(Protocol):
+    """Moves the model's weights between the device, host memory and nothing.
+
+    The torch runners use the weight engine; vLLM uses its own sleep mode.
+    """
+
+    @property
+    def level(self) -> int: ...
+
+    @property
+    def weights_bytes(self) -> int: ...
+
+    def activate(self) -> Stats: ...
+
+    def start_asleep(self, level: int) -> Stats: ...
+
+    def sleep(self, level: int) -> Stats: ...
+
+    def wake(self) -> Stats: ...
+
+    def device_bytes(self) -> int: ...
+
+    def host_bytes(self) -> int: ...
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype for ``--dtype`` (None for auto: as saved)."""
+    import torch
+
+    return {
+        "auto": None,
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+    }[name]
+
+
+def validate_common(request: inference_service_pb2.GenerateRequest) -> None:
+    """Checks every runner applies: a prompt, and no negative sizes."""
+    if not request.prompt:
+        raise InvalidRequest("prompt", "required (must not be empty)")
+    for field, value, bound in (
+        ("max_new_tokens", request.max_new_tokens, MAX_NEW_TOKENS),
+        ("num_inference_steps", request.num_inference_steps, MAX_STEPS),
+        ("height", request.height, MAX_SIDE),
+        ("width", request.width, MAX_SIDE),
+    ):
+        if value < 0:
+            raise InvalidRequest(field, f"{value} is negative")
+        if value > bound:
+            raise InvalidRequest(field, f"{value} is above the limit of {bound}")
+    if not request.guidance_scale >= 0:  # also refuses NaN
+        raise InvalidRequest("guidance_scale", f"{request.guidance_scale} must be >= 0")
+
+
+class ModelRunner(ABC):
+    """One model, loaded from a local directory, served by Generate."""
+
+    runner_kind: ClassVar[types_pb2.Runner.ValueType]
+    backend_kind: ClassVar[types_pb2.Backend.ValueType]
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.model_dir = config.model
+        # Generate calls run one at a time: pipelines and samplers keep per-call state.
+        self._generate_lock = threading.Lock()
+
+    @property
+    def supports_level2(self) -> bool:
+        """Whether a level-2 sleep can be woken from (the weights can be reloaded)."""
+        return True
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load the model (torch runners: onto the CPU; the controller moves it)."""
+
+    @abstractmethod
+    def build_controller(self) -> SleepController:
+        """The controller that sleeps and wakes this model (after :meth:`load`)."""
+
+    def validate(self, request: inference_service_pb2.GenerateRequest) -> None:
+        """Refuse a bad request with :class:`InvalidRequest` before it is queued."""
+        validate_common(request)
+
+    def generate(
+        self, request: inference_service_pb2.GenerateRequest
+    ) -> inference_service_pb2.GenerateResponse:
+        """Run one request (blocking; called from a worker thread)."""
+        with self._generate_lock:
+            return self._generate(request)
+
+    @abstractmethod
+    def _generate(
+        self, request: inference_service_pb2.GenerateRequest
+    ) -> inference_service_pb2.GenerateResponse: ...
+
+
+class TorchRunner(ModelRunner):
+    """A runner whose weights are torch modules moved by the weight engine."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        import torch
+
+        self.device = torch.device(str(config.device))
+        self.dtype = torch_dtype(config.dtype)
+
+    @abstractmethod
+    def modules(self) -> Mapping[str, torch.nn.Module]:
+        """The named modules that hold the weights."""
+
+    @abstractmethod
+    def weight_files(self) -> Mapping[str, Sequence[Path]] | None:
+        """Per module name, the safetensors files it reloads from (None: level 2 unsupported)."""
+
+    @property
+    def supports_level2(self) -> bool:
+        return self.weight_files() is not None
+
+    def build_controller(self) -> SleepController:
+        from omnistage_worker.engine import WeightEngine
+
+        engine: SleepController = WeightEngine(self.modules(), self.device, self.weight_files())
+        return engine
+
+
+def safetensors_in(directory: Path) -> list[Path]:
+    """The ``*.safetensors`` files of a directory, sorted."""
+    return sorted(directory.glob("*.safetensors"))

@@ -1,0 +1,88 @@
+"""Transformers runner: a causal LM and its tokenizer from a local directory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.worker.v1 import inference_service_pb2, types_pb2
+from omnistage_worker.config import WorkerConfig
+from omnistage_worker.runners.base import TorchRunner, safetensors_in
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_NEW_TOKENS = 32
+
+
+class CausalLMRunner(TorchRunner):
+    """Generate returns token ids and text; greedy unless ``do_sample`` (then seeded)."""
+
+    runner_kind = types_pb2.RUNNER_AR
+    backend_kind = types_pb2.BACKEND_TRANSFORMERS
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self.model: Any = None
+        self.tokenizer: Any = None
+
+    def load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        started = time.monotonic()
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if self.dtype is not None:
+            kwargs["dtype"] = self.dtype
+        self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), **kwargs)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+        log.info(
+            "loaded %s (%s) in %.2fs",
+            type(self.model).__name__,
+            self.model.dtype,
+            time.monotonic() - started,
+        )
+
+    def modules(self) -> Mapping[str, torch.nn.Module]:
+        return {"model": self.model}
+
+    def weight_files(self) -> Mapping[str, Sequence[Path]] | None:
+        found = safetensors_in(self.model_dir)
+        return {"model": found} if found else None
+
+    def _generate(
+        self, request: inference_service_pb2.GenerateRequest
+    ) -> inference_service_pb2.GenerateResponse:
+        started = time.monotonic()
+        tok = self.tokenizer
+        encoded = tok(request.prompt, return_tensors="pt")
+        input_ids = encoded["input_ids"].to(self.device)
+        attention_mask = encoded["attention_mask"].to(self.device)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            "do_sample": request.do_sample,
+            "pad_token_id": pad,
+        }
+        if not request.do_sample:
+            # Greedy: sampling knobs from the model's generation config do not apply.
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        with torch.inference_mode():
+            if request.do_sample:
+                # transformers samples from the global generator; generate calls are serialized.
+                torch.manual_seed(request.seed)
+            output = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, **kwargs
+            )
+        new_ids = [int(t) for t in output[0, input_ids.shape[1] :].tolist()]
+        text = tok.decode(new_ids, skip_special_tokens=True)
+        response = inference_service_pb2.GenerateResponse(
+            request_id=request.request_id,
+            text=inference_service_pb2.TextOutput(token_ids=new_ids, text=text),
+        )
+        response.duration.FromNanoseconds(int((time.monotonic() - started) * 1e9))
+        return response

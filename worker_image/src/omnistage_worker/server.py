@@ -1,0 +1,96 @@
+"""The worker's grpc.aio server: services, health, reflection, auth, TLS, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from omnistage.worker.v1 import (
+    inference_service_pb2,
+    inference_service_pb2_grpc,
+    sleep_service_pb2,
+    sleep_service_pb2_grpc,
+)
+from omnistage_worker.auth import BearerTokenInterceptor
+from omnistage_worker.config import WorkerConfig
+from omnistage_worker.health import HealthReporter
+from omnistage_worker.inference_service import InferenceServicer
+from omnistage_worker.runners import create_runner
+from omnistage_worker.runners.base import ModelRunner
+from omnistage_worker.sleep_service import SleepServicer
+from omnistage_worker.state import Worker
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServer:
+    """One worker: the gRPC server starts at once, the model loads behind it.
+
+    While loading, GetStatus reports LOADING, the inference service is NOT_SERVING and
+    Sleep/WakeUp answer UNAVAILABLE.
+    """
+
+    def __init__(self, config: WorkerConfig, runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.worker = Worker(config, runner if runner is not None else create_runner(config))
+        self.health = HealthReporter()
+        self.worker.add_listener(self.health.update)
+        interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+        self.server = grpc.aio.server(interceptors=interceptors)
+        sleep_service_pb2_grpc.add_SleepServiceServicer_to_server(
+            SleepServicer(self.worker), self.server
+        )
+        inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
+            InferenceServicer(self.worker), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.server)
+        reflection.enable_server_reflection(
+            (
+                sleep_service_pb2.DESCRIPTOR.services_by_name["SleepService"].full_name,
+                inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            self.server,
+        )
+        self._load_task: asyncio.Task[None] | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind, start serving, start loading the model; the bound port."""
+        config = self.config
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert is not None and config.tls_key is not None:
+            credentials = grpc.ssl_server_credentials(
+                [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
+            )
+            self.port = self.server.add_secure_port(address, credentials)
+            log.info("TLS enabled (certificate %s)", config.tls_cert)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        await self.health.update(self.worker.current)
+        await self.server.start()
+        if config.token:
+            log.info("SleepService requires a bearer token; InferenceService and health are open")
+        self._load_task = asyncio.ensure_future(self.worker.load())
+        return self.port
+
+    async def wait_loaded(self) -> None:
+        """Wait until loading has ended (ACTIVE, ASLEEP or FAILED)."""
+        await self.worker.loaded.wait()
+
+    async def stop(self, grace: float) -> None:
+        """Health NOT_SERVING first, then let in-flight calls finish within ``grace`` seconds."""
+        await self.health.shutdown()
+        log.info("health NOT_SERVING; waiting up to %.1fs for in-flight calls", grace)
+        await self.server.stop(grace)
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._load_task
+        self.worker.close()

@@ -1,0 +1,124 @@
+"""The worker's state machine as pure decisions: what a Sleep or WakeUp must do now.
+
+No I/O here; :mod:`omnistage_worker.state` carries the plans out.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import grpc
+
+from omnistage.worker.v1 import types_pb2
+
+WS = types_pb2.WorkerState
+
+
+class Plan(enum.Enum):
+    """What a request needs."""
+
+    NOOP = "noop"
+    SLEEP = "sleep"  # active -> asleep (weights leave the device)
+    DEEPEN = "deepen"  # asleep at 1 -> asleep at 2 (the host copy is dropped)
+    WAKE = "wake"  # asleep -> active
+
+
+class Refused(Exception):
+    """A request that cannot be served now; ``code`` is the gRPC status to answer."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Current:
+    """The worker's state as the planner sees it."""
+
+    state: WS.ValueType
+    level: int  # 0 when awake
+    error: str = ""
+
+
+def _refuse_unready(current: Current) -> None:
+    if current.state == types_pb2.WORKER_STATE_LOADING:
+        raise Refused(grpc.StatusCode.UNAVAILABLE, "worker is loading the model")
+    if current.state == types_pb2.WORKER_STATE_FAILED:
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker failed: {current.error}")
+
+
+def plan_sleep(current: Current, level: int) -> Plan:
+    """Plan a sleep to ``level`` (1 or 2).
+
+    Sleeping at the current level is a no-op; asleep at 2, a sleep at 1 is a no-op too (the
+    device memory is already free; the Ack reports level 2).
+    """
+    _refuse_unready(current)
+    if current.state == types_pb2.WORKER_STATE_ACTIVE:
+        return Plan.SLEEP
+    if current.state == types_pb2.WORKER_STATE_ASLEEP:
+        return Plan.DEEPEN if level > current.level else Plan.NOOP
+    raise Refused(grpc.StatusCode.INTERNAL, f"unexpected state {WS.Name(current.state)}")
+
+
+def plan_wake(current: Current) -> Plan:
+    """Plan a wake: a no-op while awake."""
+    _refuse_unready(current)
+    if current.state == types_pb2.WORKER_STATE_ACTIVE:
+        return Plan.NOOP
+    if current.state == types_pb2.WORKER_STATE_ASLEEP:
+        return Plan.WAKE
+    raise Refused(grpc.StatusCode.INTERNAL, f"unexpected state {WS.Name(current.state)}")
+
+
+def generate_refusal(current: Current) -> Refused | None:
+    """Why a Generate cannot run now, or None when it can."""
+    state = current.state
+    if state == types_pb2.WORKER_STATE_ACTIVE:
+        return None
+    if state == types_pb2.WORKER_STATE_ASLEEP:
+        return Refused(
+            grpc.StatusCode.FAILED_PRECONDITION, f"worker is asleep (level {current.level})"
+        )
+    if state == types_pb2.WORKER_STATE_SLEEPING:
+        return Refused(grpc.StatusCode.FAILED_PRECONDITION, "worker is sleeping")
+    if state == types_pb2.WORKER_STATE_WAKING:
+        return Refused(grpc.StatusCode.FAILED_PRECONDITION, "worker is waking")
+    if state == types_pb2.WORKER_STATE_LOADING:
+        return Refused(grpc.StatusCode.UNAVAILABLE, "worker is loading the model")
+    return Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker failed: {current.error}")
+
+
+def residual_error(used_after: int, bound: int) -> str:
+    """The reason a sleep's Ack is not ok, or "" when the residual is within the bound."""
+    if used_after <= bound:
+        return ""
+    return (
+        f"device memory still used after sleep: {used_after} bytes measured, "
+        f"above the bound of {bound} bytes (baseline + residual slack)"
+    )
+
+
+def level_from_proto(value: int) -> int:
+    """A request's SleepLevel as 1 or 2; INVALID_ARGUMENT naming the field otherwise."""
+    if value == types_pb2.SLEEP_LEVEL_OFFLOAD:
+        return 1
+    if value == types_pb2.SLEEP_LEVEL_DISCARD:
+        return 2
+    if value == types_pb2.SLEEP_LEVEL_UNSPECIFIED:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "level: required (SLEEP_LEVEL_OFFLOAD or SLEEP_LEVEL_DISCARD)",
+        )
+    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"level: {value} is not a sleep level (1 or 2)")
+
+
+def require_task_id(task_id: str) -> str:
+    """The task id, or INVALID_ARGUMENT when it is empty."""
+    if not task_id.strip():
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "task_id: required (must not be empty)")
+    if len(task_id) > 256:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "task_id: longer than 256 characters")
+    return task_id
