@@ -18,6 +18,7 @@ from omnistage_operator.builders import (
     owner_reference,
     pod_claim_name,
     pod_name,
+    pod_spec_hash,
     service_name,
     worker_args,
 )
@@ -335,3 +336,32 @@ def test_token_value_never_in_pod_or_service() -> None:
     ):
         text = json.dumps(obj)
         assert TOKEN not in text and encoded not in text
+
+
+def test_pod_spec_hash_tracks_only_restart_fields() -> None:
+    base, owner = make()
+    h = pod_spec_hash(base)
+    assert len(h) == 16 and int(h, 16) >= 0
+    pod = build_worker_pod(base, initial_state=DesiredState.ACTIVE, owner=owner)
+    assert pod["metadata"]["annotations"]["omnistage.io/pod-spec-hash"] == h
+    same: list[dict[str, Any]] = [
+        {"state": "Asleep"},
+        {"sleepLevel": 2},
+        {"colocation": {"group": "g1", "priority": 99}},
+        {"vram": {"request": "1Gi"}},
+    ]
+    for change in same:
+        assert pod_spec_hash(make(**change)[0]) == h, change
+    different: list[dict[str, Any]] = [
+        {"image": "other:1"},
+        {"gpus": 2},
+        {"colocation": {"group": "g2", "priority": 5}},
+        {"worker": {"args": ["--x"]}},
+        {"worker": {"port": 6000}},
+        {"template": {"env": [{"name": "A", "value": "1"}]}},
+        {"template": {"labels": {"a": "b"}}},
+        {"placement": {"mode": "Explicit", "nodeName": "n", "devices": ["0"]}},
+        {"model": {"path": "/models/other", "volume": {"emptyDir": {}}}},
+    ]
+    hashes = {pod_spec_hash(make(**change)[0]) for change in different}
+    assert h not in hashes and len(hashes) == len(different)

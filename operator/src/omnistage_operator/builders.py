@@ -15,10 +15,15 @@ Names and constants:
     ``POD_CLAIM_REF="gpus"``, ``READINESS_SERVICE="omnistage.worker.v1.SleepService"``,
     ``LIVENESS_SERVICE=""``, ``WORKER_COMMAND=["omnistage-worker"]``,
     annotation keys ``INITIAL_STATE_ANNOTATION``, ``SLEEP_LEVEL_ANNOTATION``,
-    ``GENERATION_ANNOTATION``, ``TOKEN_SHA256_ANNOTATION``.
+    ``GENERATION_ANNOTATION``, ``POD_SPEC_HASH_ANNOTATION``, ``TOKEN_SHA256_ANNOTATION``.
 Builders:
     ``owner_reference(body) -> dict`` (controller=true, blockOwnerDeletion=true)
     ``worker_args(stage, *, initial_state, sleep_level=None) -> list[str]``
+    ``pod_spec_hash(stage) -> str``: 16 hex digits over the spec fields a running pod cannot
+    follow (image, runner, backend, model, gpus, placement, worker, template, group); the pod
+    carries it as ``omnistage.io/pod-spec-hash``, so a differing hash means "recreate the
+    pod". ``state``, ``sleepLevel``, ``priority`` and ``vram`` are left out: they are
+    followed over gRPC or by the arbiter without a restart.
     ``build_worker_pod(stage, *, initial_state, owner, claim_name=<pod_claim_name(stage)>,
     token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict``
     ``build_service(stage, *, owner) -> dict``
@@ -38,6 +43,7 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -65,6 +71,7 @@ __all__ = [
     "LIVENESS_SERVICE",
     "MODEL_VOLUME",
     "POD_CLAIM_REF",
+    "POD_SPEC_HASH_ANNOTATION",
     "PORT_NAME",
     "READINESS_SERVICE",
     "SLEEP_LEVEL_ANNOTATION",
@@ -83,6 +90,7 @@ __all__ = [
     "owner_reference",
     "pod_claim_name",
     "pod_name",
+    "pod_spec_hash",
     "service_name",
     "worker_args",
 ]
@@ -104,6 +112,7 @@ TERMINATION_GRACE_SECONDS: Final = 30
 INITIAL_STATE_ANNOTATION: Final = "omnistage.io/initial-state"
 SLEEP_LEVEL_ANNOTATION: Final = "omnistage.io/initial-sleep-level"
 GENERATION_ANNOTATION: Final = "omnistage.io/spec-generation"
+POD_SPEC_HASH_ANNOTATION: Final = "omnistage.io/pod-spec-hash"
 TOKEN_SHA256_ANNOTATION: Final = "omnistage.io/token-sha256"
 
 _NOT_GIVEN: Final = "\0not-given"
@@ -177,6 +186,50 @@ def worker_args(
         args += ["--dtype", stage.worker.dtype]
     args += list(stage.worker.args)
     return args
+
+
+def pod_spec_hash(stage: StageSpec) -> str:
+    """A short digest of the spec fields that need a new pod when they change."""
+    tpl = stage.template
+    payload = {
+        "image": stage.image,
+        "runner": stage.runner.value,
+        "backend": stage.backend.value,
+        "model": [stage.model.path, stage.model.mount_path, stage.model.volume],
+        "gpus": stage.gpus,
+        "group": stage.group,
+        "placement": [
+            stage.placement.mode.value,
+            stage.placement.node_name,
+            stage.placement.devices,
+        ],
+        "worker": [
+            stage.worker.port,
+            None if stage.worker.device is None else stage.worker.device.value,
+            stage.worker.args,
+            stage.worker.dtype,
+        ],
+        "template": [
+            tpl.resources,
+            tpl.env,
+            tpl.volumes,
+            tpl.volume_mounts,
+            tpl.node_selector,
+            tpl.tolerations,
+            tpl.annotations,
+            tpl.labels,
+            tpl.service_account_name,
+            tpl.priority_class_name,
+        ],
+    }
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=_jsonable)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"cannot hash {type(value).__name__}")
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
@@ -272,6 +325,7 @@ def build_worker_pod(
         INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
         SLEEP_LEVEL_ANNOTATION: str(level),
         GENERATION_ANNOTATION: str(stage.generation),
+        POD_SPEC_HASH_ANNOTATION: pod_spec_hash(stage),
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],
