@@ -1,0 +1,329 @@
+"""Build (or reuse) the control-plane binaries from the Go module proxy, cached by version.
+
+``python -m tests.cluster.build`` builds kube-apiserver, kube-scheduler,
+kube-controller-manager, kubectl (Kubernetes ``K8S_VERSION``), the etcd server at the version
+that release pins, and helm, in ONE ``go build`` of the wrapper module ``tests/cluster/k8sbuild``
+so shared packages compile once. It is idempotent: a second run finds the binaries and returns.
+
+Everything lives under ``${OMNISTAGE_CACHE:-~/.cache/omnistage}``: ``go/mod`` (GOMODCACHE),
+``go/build`` (GOCACHE) and ``cluster-bin/<key>/`` (the binaries and ``build.json``, the build's
+own record of how long it took). The key names the versions and a hash of go.mod, go.sum and the
+link flags, so a change to any of them builds afresh.
+
+Other commands:
+  ``--print-bin NAME``  print one binary's path (fails if not built)
+  ``--regen``           regenerate go.mod/go.sum/tools.go from the release's go.mod (network)
+
+Python API: ``ensure_binaries() -> Binaries`` builds if needed; ``find_binaries()`` never builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.cluster.gomod import parse_release_gomod, render_tools_go, render_wrapper_gomod
+
+K8S_VERSION = "v1.36.3"
+ETCD_VERSION = "v3.6.8"
+HELM_MODULE = "helm.sh/helm/v3"
+HELM_VERSION = "v3.21.4"
+WRAPPER_MODULE = "omnistage.test/k8sbuild"
+MODULE_DIR = Path(__file__).resolve().parent / "k8sbuild"
+
+# binary name -> Go package (the order is the order of the single `go build`)
+PACKAGES: dict[str, str] = {
+    "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+    "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
+    "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
+    "kubectl": "k8s.io/kubernetes/cmd/kubectl",
+    "etcd": "go.etcd.io/etcd/server/v3",
+    "helm": f"{HELM_MODULE}/cmd/helm",
+}
+# the file name `go build -o DIR` gives each package's binary
+_GO_OUTPUT_NAME = {"etcd": "server"}
+
+
+class BuildError(RuntimeError):
+    """The binaries could not be built or are not built."""
+
+
+@dataclass(frozen=True)
+class Binaries:
+    """Paths of the built binaries."""
+
+    apiserver: Path
+    scheduler: Path
+    controller_manager: Path
+    kubectl: Path
+    etcd: Path
+    helm: Path
+    directory: Path
+
+    def by_name(self, name: str) -> Path:
+        """The path of ``name`` (``kube-apiserver`` ... ``helm``)."""
+        return self.directory / name
+
+
+def cache_root() -> Path:
+    """The cache root, ``$OMNISTAGE_CACHE`` or ``~/.cache/omnistage``."""
+    env = os.environ.get("OMNISTAGE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "omnistage"
+
+
+def go_binary() -> str:
+    """The ``go`` command: on PATH, else the machine image's /usr/local/go."""
+    found = shutil.which("go")
+    if found:
+        return found
+    if Path("/usr/local/go/bin/go").is_file():
+        return "/usr/local/go/bin/go"
+    raise BuildError("Go is required to build the control plane: no `go` on PATH")
+
+
+def go_env() -> dict[str, str]:
+    """Environment for every go command: caches under the cache root, no toolchain download."""
+    root = cache_root()
+    env = dict(os.environ)
+    env.update(
+        GOMODCACHE=str(root / "go" / "mod"),
+        GOCACHE=str(root / "go" / "build"),
+        GOTOOLCHAIN="local",
+        CGO_ENABLED="0",
+        GOFLAGS="-mod=readonly",
+    )
+    return env
+
+
+def ldflags(build_date: str = "2026-01-01T00:00:00Z") -> str:
+    """Link flags: strip symbols and stamp the real versions into every binary."""
+    major, minor = K8S_VERSION[1:].split(".")[:2]
+    flags = ["-s", "-w"]
+    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        flags += [
+            f"-X {pkg}.gitVersion={K8S_VERSION}",
+            f"-X {pkg}.gitMajor={major}",
+            f"-X {pkg}.gitMinor={minor}",
+            f"-X {pkg}.gitTreeState=clean",
+            f"-X {pkg}.buildDate={build_date}",
+        ]
+    flags += [
+        f"-X {HELM_MODULE}/internal/version.version={HELM_VERSION}",
+        f"-X {HELM_MODULE}/internal/version.gitTreeState=clean",
+        f"-X {HELM_MODULE}/internal/version.metadata=",
+        f"-X {HELM_MODULE}/pkg/lint/rules.k8sVersionMajor={major}",
+        f"-X {HELM_MODULE}/pkg/lint/rules.k8sVersionMinor={minor}",
+        f"-X {HELM_MODULE}/pkg/chartutil.k8sVersionMajor={major}",
+        f"-X {HELM_MODULE}/pkg/chartutil.k8sVersionMinor={minor}",
+    ]
+    return " ".join(flags)
+
+
+def build_key() -> str:
+    """Cache key: the versions plus a hash of the module files and the link flags."""
+    h = hashlib.sha256()
+    for name in ("go.mod", "go.sum"):
+        path = MODULE_DIR / name
+        if not path.is_file():
+            raise BuildError(f"{path} is missing: run `python -m tests.cluster.build --regen`")
+        h.update(path.read_bytes())
+    h.update(ldflags().encode())
+    h.update(" ".join(PACKAGES.values()).encode())
+    return f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_helm-{HELM_VERSION}_{h.hexdigest()[:12]}"
+
+
+def bin_dir() -> Path:
+    """Where this key's binaries live."""
+    return cache_root() / "cluster-bin" / build_key()
+
+
+def _binaries(directory: Path) -> Binaries:
+    return Binaries(
+        apiserver=directory / "kube-apiserver",
+        scheduler=directory / "kube-scheduler",
+        controller_manager=directory / "kube-controller-manager",
+        kubectl=directory / "kubectl",
+        etcd=directory / "etcd",
+        helm=directory / "helm",
+        directory=directory,
+    )
+
+
+def find_binaries() -> Binaries:
+    """The built binaries, or BuildError saying how to build them."""
+    directory = bin_dir()
+    if not (directory / "build.json").is_file():
+        raise BuildError(
+            f"control-plane binaries are not built (looked in {directory}): "
+            "run `python -m tests.cluster.build`"
+        )
+    return _binaries(directory)
+
+
+def build_record() -> dict[str, object]:
+    """The build's own record (``build.json``): seconds, cold or warm, date, versions."""
+    data: dict[str, object] = json.loads((find_binaries().directory / "build.json").read_text())
+    return data
+
+
+def _go_cache_is_cold(gocache: Path) -> bool:
+    """Whether the Go build cache holds (almost) nothing compiled yet."""
+    if not gocache.is_dir():
+        return True
+    total = sum(f.stat().st_size for f in gocache.rglob("*") if f.is_file())
+    return total < 200 * 1024 * 1024
+
+
+@contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _run(cmd: list[str], cwd: Path, log: bool = True) -> subprocess.CompletedProcess[str]:
+    if log:
+        print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(
+        cmd, cwd=cwd, env=go_env(), text=True, capture_output=not log, check=False
+    )
+    if proc.returncode != 0:
+        detail = (proc.stderr or "") if not log else ""
+        raise BuildError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{detail}")
+    return proc
+
+
+def ensure_binaries(quiet: bool = False) -> Binaries:
+    """Build the binaries unless this key's are already in the cache; return their paths."""
+    directory = bin_dir()
+    with _lock(cache_root() / "cluster-bin" / ".lock"):
+        if (directory / "build.json").is_file():
+            return _binaries(directory)
+        root = cache_root()
+        cold = _go_cache_is_cold(root / "go" / "build")
+        go = go_binary()
+        staging = directory.with_name(directory.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        start = time.monotonic()
+        if not quiet:
+            print(f"building control-plane binaries into {directory} (cold={cold})", flush=True)
+        date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        cmd = [go, "build", "-trimpath", "-p", "2", "-ldflags", ldflags(date), "-o", str(staging)]
+        _run([*cmd, *PACKAGES.values()], MODULE_DIR)
+        for name, out in _GO_OUTPUT_NAME.items():
+            (staging / out).rename(staging / name)
+        seconds = time.monotonic() - start
+        missing = [n for n in PACKAGES if not (staging / n).is_file()]
+        if missing:
+            raise BuildError(f"go build produced no {', '.join(missing)} in {staging}")
+        record = {
+            "seconds": round(seconds, 1),
+            "cold": cold,
+            "date": date,
+            "cpus": os.cpu_count(),
+            "k8s": K8S_VERSION,
+            "etcd": ETCD_VERSION,
+            "helm": HELM_VERSION,
+            "go": subprocess.run(
+                [go, "version"], capture_output=True, text=True, check=False
+            ).stdout.strip(),
+        }
+        (staging / "build.json").write_text(json.dumps(record, indent=2) + "\n")
+        shutil.rmtree(directory, ignore_errors=True)
+        staging.rename(directory)
+        if not quiet:
+            print(f"built in {seconds:.0f}s ({'cold' if cold else 'warm'} Go cache)", flush=True)
+        return _binaries(directory)
+
+
+def regenerate() -> None:
+    """Rewrite go.mod, go.sum and tools.go from the Kubernetes release's go.mod (network)."""
+    go = go_binary()
+    MODULE_DIR.mkdir(parents=True, exist_ok=True)
+    info = json.loads(
+        _run(
+            [go, "mod", "download", "-json", f"k8s.io/kubernetes@{K8S_VERSION}"],
+            MODULE_DIR,
+            log=False,
+        ).stdout
+    )
+    release = parse_release_gomod(Path(info["GoMod"]).read_text())
+    tag = "v0." + K8S_VERSION.split(".", 1)[1]
+    published: list[str] = []
+    for path in release.staging:
+        proc = subprocess.run(
+            [go, "list", "-m", "-json", f"{path}@{tag}"],
+            cwd=MODULE_DIR,
+            env=go_env(),
+            text=True,
+            capture_output=True,
+            check=False,
+        )
+        if proc.returncode == 0:
+            published.append(path)
+        else:
+            print(f"not published at {tag}, left out: {path}", file=sys.stderr)
+    (MODULE_DIR / "go.sum").unlink(missing_ok=True)
+    (MODULE_DIR / "go.mod").write_text(
+        render_wrapper_gomod(
+            WRAPPER_MODULE,
+            K8S_VERSION,
+            release,
+            tuple(published),
+            extra_requires=(
+                ("go.etcd.io/etcd/server/v3", ETCD_VERSION),
+                (HELM_MODULE, HELM_VERSION),
+            ),
+        )
+    )
+    (MODULE_DIR / "tools.go").write_text(render_tools_go(tuple(PACKAGES.values())))
+    env = go_env()
+    env["GOFLAGS"] = "-mod=mod"
+    subprocess.run([go, "mod", "tidy"], cwd=MODULE_DIR, env=env, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster.build", description=__doc__)
+    parser.add_argument("--print-bin", metavar="NAME", choices=sorted(PACKAGES))
+    parser.add_argument("--regen", action="store_true", help="regenerate the wrapper module")
+    args = parser.parse_args(argv)
+    try:
+        if args.regen:
+            regenerate()
+            return 0
+        if args.print_bin:
+            print(find_binaries().by_name(args.print_bin))
+            return 0
+        start = time.monotonic()
+        bins = ensure_binaries()
+        record = build_record()
+        print(
+            f"control-plane binaries ready in {bins.directory} "
+            f"({time.monotonic() - start:.1f}s now; recorded build: {record['seconds']}s, "
+            f"cold={record['cold']}, {record['date']})"
+        )
+        return 0
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""A real local Kubernetes control plane: etcd, kube-apiserver, kube-scheduler, controller-manager.
+
+Usage::
+
+    with ControlPlane() as cp:
+        cp.kubectl("get", "nodes")
+        ns = cp.create_namespace("demo")
+        kubeconfig = cp.service_account_kubeconfig(ns, "operator")
+
+``ControlPlane`` starts etcd (data in a temp dir, in-memory-safe ``--unsafe-no-fsync``) and the
+API server with envtest-like flags: RBAC and Node authorization, a client-certificate admin in
+``system:masters``, service-account token signing (so ``kubectl create token`` works), the
+default admission plugins (ServiceAccount, NamespaceLifecycle, TaintNodesByCondition...), and
+resource.k8s.io/v1 (DRA) served. The scheduler and the controller-manager (garbage collector,
+namespace, service-account, node-lifecycle and DRA resource-claim controllers, among the
+defaults) run with the admin kubeconfig. Every process runs in its own process group and all of
+them are stopped on exit, even when the body raised. ``timings`` holds ``start`` and ``teardown``
+seconds; both are printed.
+
+Attributes and helpers: ``kubeconfig`` (admin kubeconfig path), ``server`` (https URL),
+``workdir``, ``binaries``, ``kubectl(*args, input=None, check=True)``,
+``helm(*args, input=None, check=True)`` (isolated helm home), ``get_json(*args, namespace=)``,
+``apply(manifest, namespace=)`` (dict, list or YAML), ``logs(component)``,
+``create_namespace(prefix)``
+(waits for its ``default`` ServiceAccount), ``delete_namespace(name, wait=False)``,
+``service_account_kubeconfig(namespace, name)``.
+
+Standalone: ``python -m tests.cluster.controlplane [--nodes N] [--gpus G]`` prints
+``export KUBECONFIG=...`` and runs until Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.cluster.build import Binaries, ensure_binaries, find_binaries
+from tests.cluster.kubeconfig import ssl_context, write_cert_kubeconfig, write_token_kubeconfig
+from tests.cluster.pki import Pki, create_pki
+from tests.cluster.procs import ManagedProcess, free_port, wait_for
+
+START_TIMEOUT = 90.0
+
+
+class CommandError(subprocess.CalledProcessError):
+    """A kubectl/helm command failed; the message carries its stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstdout: {self.stdout}\nstderr: {self.stderr}"
+
+
+class ControlPlane:
+    """Context manager running a local control plane; see the module docstring."""
+
+    def __init__(
+        self, workdir: Path | None = None, binaries: Binaries | None = None, build: bool = False
+    ):
+        self.binaries = binaries or (ensure_binaries() if build else find_binaries())
+        self._own_workdir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="omnistage-cp-"))
+        self.kubeconfig = self.workdir / "admin.kubeconfig"
+        self.etcd_port = free_port()
+        self.port = free_port()
+        self.server = f"https://127.0.0.1:{self.port}"
+        self.timings: dict[str, float] = {}
+        self._procs: list[ManagedProcess] = []
+        self._pki: Pki | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> ControlPlane:
+        start = time.monotonic()
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["start"] = time.monotonic() - start
+        print(f"[control-plane] up in {self.timings['start']:.1f}s at {self.server}", flush=True)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        logs = self.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        pki = self._pki = create_pki(self.workdir / "pki")
+        write_cert_kubeconfig(
+            self.kubeconfig, self.server, pki.ca_cert, pki.admin_cert, pki.admin_key, name="admin"
+        )
+        etcd_url = f"http://127.0.0.1:{self.etcd_port}"
+        peer = f"http://127.0.0.1:{free_port()}"
+        etcd = self._spawn(
+            "etcd",
+            [
+                str(self.binaries.etcd),
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=default={peer}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+                "--quota-backend-bytes=4294967296",
+            ],
+        )
+        apiserver = self._spawn("kube-apiserver", self._apiserver_args(pki, etcd_url))
+        sched_port, kcm_port = free_port(), free_port()
+        kube = str(self.kubeconfig)
+        common = [
+            f"--kubeconfig={kube}",
+            f"--authentication-kubeconfig={kube}",
+            f"--authorization-kubeconfig={kube}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+        ]
+        wait_for("etcd /health", lambda: _http_ok(f"{etcd_url}/health"), 30, alive=etcd.died)
+        # the scheduler and controller-manager retry until the API server answers
+        scheduler = self._spawn(
+            "kube-scheduler",
+            [str(self.binaries.scheduler), *common, f"--secure-port={sched_port}"],
+        )
+        kcm = self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.binaries.controller_manager),
+                *common,
+                f"--secure-port={kcm_port}",
+                f"--service-account-private-key-file={pki.sa_key}",
+                f"--root-ca-file={pki.ca_cert}",
+                f"--cluster-signing-cert-file={pki.ca_cert}",
+                f"--cluster-signing-key-file={pki.ca_key}",
+                "--use-service-account-credentials=false",
+                "--controllers=*",
+                "--concurrent-gc-syncs=5",
+            ],
+        )
+        wait_for(
+            "kube-apiserver /readyz",
+            lambda: self._api_ok("/readyz"),
+            START_TIMEOUT,
+            interval=0.2,
+            alive=apiserver.died,
+        )
+        for name, port, proc in (
+            ("kube-scheduler", sched_port, scheduler),
+            ("kube-controller-manager", kcm_port, kcm),
+        ):
+            wait_for(
+                f"{name} /healthz",
+                functools.partial(_http_ok, f"https://127.0.0.1:{port}/healthz", verify=False),
+                START_TIMEOUT,
+                interval=0.2,
+                alive=proc.died,
+            )
+
+    def _apiserver_args(self, pki: Pki, etcd_url: str) -> list[str]:
+        return [
+            str(self.binaries.apiserver),
+            f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.port}",
+            f"--cert-dir={self.workdir / 'apiserver-certs'}",
+            f"--tls-cert-file={pki.serving_cert}",
+            f"--tls-private-key-file={pki.serving_key}",
+            f"--client-ca-file={pki.ca_cert}",
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            f"--service-account-key-file={pki.sa_pub}",
+            f"--service-account-signing-key-file={pki.sa_key}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            "--service-cluster-ip-range=10.0.0.0/24",
+            "--allow-privileged=true",
+            "--runtime-config=resource.k8s.io/v1=true",
+            "--profiling=false",
+            "--v=1",
+        ]
+
+    def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, self.workdir / "logs" / f"{name}.log")
+        self._procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        """Stop every process started (reverse order), then remove the work dir if ours."""
+        start = time.monotonic()
+        for proc in reversed(self._procs):
+            proc.stop(grace=5.0)
+        self._procs.clear()
+        if self._own_workdir and not os.environ.get("OMNISTAGE_KEEP_CLUSTER"):
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.timings["teardown"] = time.monotonic() - start
+        print(f"[control-plane] torn down in {self.timings['teardown']:.1f}s", flush=True)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _api_ok(self, path: str) -> bool:
+        pki = self._pki
+        assert pki is not None
+        r = httpx.get(
+            self.server + path,
+            verify=ssl_context(pki.ca_cert, pki.admin_cert, pki.admin_key),
+            timeout=2,
+        )
+        return r.status_code == 200
+
+    def logs(self, component: str) -> Path:
+        """The log file of ``component`` (etcd, kube-apiserver, kube-scheduler, ...)."""
+        return self.workdir / "logs" / f"{component}.log"
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl with the admin kubeconfig."""
+        return self._run(
+            [str(self.binaries.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            input,
+            check,
+            timeout,
+        )
+
+    def helm(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        """Run helm against this cluster, with its cache/config/data under the work dir."""
+        home = self.workdir / "helm"
+        env = dict(os.environ)
+        env.update(
+            KUBECONFIG=str(self.kubeconfig),
+            HELM_CACHE_HOME=str(home / "cache"),
+            HELM_CONFIG_HOME=str(home / "config"),
+            HELM_DATA_HOME=str(home / "data"),
+        )
+        return self._run([str(self.binaries.helm), *args], input, check, timeout, env)
+
+    @staticmethod
+    def _run(
+        argv: list[str],
+        input: str | None,
+        check: bool,
+        timeout: float,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            argv, input=input, text=True, capture_output=True, timeout=timeout, env=env, check=False
+        )
+        if check and proc.returncode != 0:
+            raise CommandError(proc.returncode, argv, proc.stdout, proc.stderr)
+        return proc
+
+    def get_json(self, *args: str, namespace: str | None = None) -> dict[str, Any]:
+        """``kubectl get ARGS -o json`` parsed (add ``namespace`` for namespaced objects)."""
+        ns = ["-n", namespace] if namespace else []
+        data: dict[str, Any] = json.loads(self.kubectl("get", *args, *ns, "-o", "json").stdout)
+        return data
+
+    def apply(
+        self, manifest: dict[str, Any] | list[dict[str, Any]] | str, namespace: str | None = None
+    ) -> str:
+        """``kubectl apply -f -`` of a manifest (dict, list of dicts or YAML text)."""
+        if isinstance(manifest, str):
+            text = manifest
+        else:
+            docs = manifest if isinstance(manifest, list) else [manifest]
+            text = yaml.safe_dump_all(docs)
+        ns = ["-n", namespace] if namespace else []
+        return self.kubectl("apply", *ns, "-f", "-", input=text).stdout
+
+    def create_namespace(self, prefix: str = "test") -> str:
+        """Create ``<prefix>-<random>`` and wait until its ``default`` ServiceAccount exists."""
+        name = f"{prefix}-{secrets.token_hex(3)}"
+        self.kubectl("create", "namespace", name)
+        wait_for(
+            f"ServiceAccount default in namespace {name}",
+            lambda: (
+                self.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+                == 0
+            ),
+            30,
+            interval=0.2,
+        )
+        return name
+
+    def delete_namespace(self, name: str, wait: bool = False) -> None:
+        """Delete a namespace (the namespace controller removes its contents)."""
+        self.kubectl(
+            "delete", "namespace", name, f"--wait={str(wait).lower()}", "--ignore-not-found"
+        )
+
+    def service_account_kubeconfig(self, namespace: str, name: str, duration: str = "24h") -> Path:
+        """A kubeconfig acting as ServiceAccount ``namespace/name`` (created if missing)."""
+        self.kubectl("create", "serviceaccount", name, "-n", namespace, check=False)
+        token = self.kubectl(
+            "create", "token", name, "-n", namespace, f"--duration={duration}"
+        ).stdout.strip()
+        assert self._pki is not None
+        path = self.workdir / f"sa-{namespace}-{name}.kubeconfig"
+        return write_token_kubeconfig(
+            path, self.server, self._pki.ca_cert, token, f"{namespace}-{name}"
+        )
+
+
+def _http_ok(url: str, verify: bool = True) -> bool:
+    return httpx.get(url, verify=verify, timeout=2).status_code == 200
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.cluster.controlplane", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=0, help="localnode GPU nodes to run (default 0)"
+    )
+    parser.add_argument("--gpus", type=int, default=2, help="fake GPUs per node")
+    parser.add_argument("--workdir", type=Path, help="keep state here instead of a temp dir")
+    args = parser.parse_args(argv)
+
+    stop = False
+
+    def _term(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)
+    with contextlib.ExitStack() as stack:
+        cp = stack.enter_context(ControlPlane(workdir=args.workdir, build=True))
+        if args.nodes:
+            from tests.cluster.localnode import LocalNodes
+
+            stack.enter_context(LocalNodes(cp.kubeconfig, nodes=args.nodes, gpus=args.gpus))
+        print(f"kubeconfig: {cp.kubeconfig}")
+        print(f"export KUBECONFIG={cp.kubeconfig}", flush=True)
+        while not stop:
+            time.sleep(0.5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""localnode: plays the kubelet, and a DRA GPU driver's node side, for fake GPU nodes.
+
+``LocalNodes(kubeconfig, nodes=1, gpus=2)`` runs ``python -m tests.cluster.localnode`` as a child
+process and waits until its Nodes are Ready, untainted and have published their ResourceSlices.
+Leaving the context stops it: every pod process it runs is killed and its Nodes are deleted.
+
+What a node is (see ``devices``): Node ``<prefix><i>`` (default ``gpu-node-0``..) with cpu,
+memory, pods and ``nvidia.com/gpu`` capacity, labels ``kubernetes.io/hostname`` and
+``localnode.omnistage.io/node=true``; a fresh Lease in ``kube-node-lease``; a ResourceSlice of
+driver ``gpu.nvidia.com`` listing ``gpu-0``.. with attributes type/uuid/index/productName and
+capacity ``memory``; the DeviceClass ``gpu.nvidia.com``.
+
+What a pod gets (see ``runtime``):
+- an IP ``127.<octet>.<node index>.<n>`` (unique while it runs; host IP ``...<node index>.1``).
+  On one host, ports of 0.0.0.0 are shared, so a pod's server must bind its podIP (pass it
+  with ``fieldRef: status.podIP``); probes dial the podIP.
+- each container's command+args as a local process with the pod's env (``$(VAR)`` expansion,
+  fieldRef/secretKeyRef/configMapKeyRef/resourceFieldRef, envFrom). The executable is looked up
+  on PATH with the venv's bin first; ``image`` is ignored. The process inherits only PATH,
+  HOME, LANG, LC_ALL, TMPDIR, PYTHONPATH, VIRTUAL_ENV and OMNISTAGE_CACHE from localnode.
+- volumes as local dirs: secret/configMap/downwardAPI/projected as files, emptyDir a fresh dir,
+  hostPath that path, persistentVolumeClaim ``<state>/pvc/<ns>/<claim>``. Any command, arg,
+  env value or workingDir that starts with a volumeMount's mountPath (or whose ``--flag=``
+  value does) is rewritten to the local dir, because processes share the host filesystem.
+- fake GPUs: the devices of its allocated ResourceClaims on this node, for containers that list
+  the claim in ``resources.claims`` (as with a real DRA driver), else the container's own
+  ``NVIDIA_VISIBLE_DEVICES`` (``gpu-0,gpu-1`` or ``0,1``: explicit placement). It then gets
+  ``NVIDIA_VISIBLE_DEVICES`` (device names), ``OMNISTAGE_MEMORY_CAPACITY`` (one device's memory
+  x devices) and ``OMNISTAGE_MEMORY_LEDGER`` (a dir per node and sorted device set, shared by
+  every pod on those devices; workers write their used bytes there). No GPUs: none of these.
+- status: podIP(s), hostIP(s), phase, conditions, container states with exit codes and restart
+  counts; Ready from the readinessProbe (grpc, tcpSocket, httpGet, exec; periodSeconds,
+  thresholds); liveness and startup probes kill and restart; restartPolicy with back-off
+  (1 s doubling to 30 s; the kubelet uses 10 s to 5 min). Output goes to a log file named in
+  the annotation ``localnode.omnistage.io/log-<container>``.
+- deletion: SIGTERM to the process group, the grace period, SIGKILL, then the pod object is
+  deleted with grace 0, so it disappears only after its processes are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from tests.cluster.kubeconfig import auth_context, load_kubeconfig
+from tests.cluster.localnode.devices import GiB
+from tests.cluster.procs import ManagedProcess, wait_for
+
+__all__ = ["LocalNodes"]
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+class LocalNodes:
+    """Context manager running localnode for ``nodes`` fake GPU nodes on a cluster."""
+
+    def __init__(
+        self,
+        kubeconfig: Path,
+        *,
+        nodes: int = 1,
+        gpus: int = 2,
+        gpu_memory: int = 80 * GiB,
+        name_prefix: str = "gpu-node-",
+        ip_octet: int = 10,
+        state_dir: Path | None = None,
+        ready_timeout: float = 60.0,
+    ):
+        self.kubeconfig = kubeconfig
+        self.node_names = [f"{name_prefix}{i}" for i in range(nodes)]
+        self.gpus = gpus
+        self.gpu_memory = gpu_memory
+        self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="localnode-"))
+        self.log = self.state_dir / "localnode.log"
+        self._argv = [
+            sys.executable,
+            "-m",
+            "tests.cluster.localnode",
+            f"--kubeconfig={kubeconfig}",
+            f"--nodes={nodes}",
+            f"--gpus={gpus}",
+            f"--gpu-memory={gpu_memory}",
+            f"--name-prefix={name_prefix}",
+            f"--ip-octet={ip_octet}",
+            f"--state-dir={self.state_dir}",
+        ]
+        self._ready_timeout = ready_timeout
+        self._auth = load_kubeconfig(kubeconfig)
+        self._proc: ManagedProcess | None = None
+        self.timings: dict[str, float] = {}
+
+    def __enter__(self) -> LocalNodes:
+        start = time.monotonic()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._proc = ManagedProcess("localnode", self._argv, self.log, env=env)
+        try:
+            wait_for(
+                f"localnode nodes {', '.join(self.node_names)} Ready",
+                self._nodes_ready,
+                self._ready_timeout,
+                interval=0.2,
+                alive=self._proc.died,
+            )
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["start"] = time.monotonic() - start
+        print(
+            f"[localnode] {len(self.node_names)} node(s) ready in {self.timings['start']:.1f}s",
+            flush=True,
+        )
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop localnode: it kills its pods' processes and deletes its Nodes."""
+        if self._proc is not None:
+            self._proc.stop(grace=20.0)
+            self._proc = None
+
+    def pod_log(self, pod: dict[str, Any], container: str) -> str:
+        """The output of ``container`` of ``pod`` (from the annotation localnode wrote)."""
+        note = (pod["metadata"].get("annotations") or {}).get(
+            f"localnode.omnistage.io/log-{container}"
+        )
+        if not note:
+            raise KeyError(f"pod {pod['metadata']['name']} has no log annotation for {container!r}")
+        return Path(note).read_text(errors="replace")
+
+    def _nodes_ready(self) -> bool:
+        auth = self._auth
+        headers = {"Authorization": f"Bearer {auth.token}"} if auth.token else {}
+        with httpx.Client(
+            base_url=auth.server, verify=auth_context(auth), headers=headers, timeout=5
+        ) as c:
+            for name in self.node_names:
+                r = c.get(f"/api/v1/nodes/{name}")
+                if r.status_code != 200:
+                    return False
+                node = r.json()
+                ready = any(
+                    cond["type"] == "Ready" and cond["status"] == "True"
+                    for cond in node.get("status", {}).get("conditions", [])
+                )
+                if not ready or node.get("spec", {}).get("taints"):
+                    return False
+                slices = c.get(
+                    "/apis/resource.k8s.io/v1/resourceslices",
+                    params={"fieldSelector": f"spec.nodeName={name}"},
+                )
+                if slices.status_code != 200 or not slices.json().get("items"):
+                    return False
+        return True

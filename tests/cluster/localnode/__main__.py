@@ -1,0 +1,131 @@
+"""``python -m tests.cluster.localnode --kubeconfig K --nodes N``: fake GPU nodes until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.cluster.kubeconfig import load_kubeconfig
+from tests.cluster.localnode.api import Api
+from tests.cluster.localnode.devices import NodeSpec
+from tests.cluster.localnode.kubelet import Kubelet
+from tests.cluster.localnode.runtime import Backoff
+
+_UNITS = {
+    "": 1,
+    "k": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "Ki": 1024,
+    "Mi": 1024**2,
+    "Gi": 1024**3,
+    "Ti": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``80Gi``, ``512Mi``, ``1000`` -> bytes."""
+    m = re.fullmatch(r"(\d+)([kMGT]i?)?", text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a byte quantity: {text!r} (use e.g. 80Gi)")
+    return int(m.group(1)) * _UNITS[m.group(2) or ""]
+
+
+def build_nodes(
+    count: int, *, gpus: int, gpu_memory: int, prefix: str, first: int, octet: int
+) -> list[NodeSpec]:
+    """NodeSpecs ``<prefix><first>``..; node i's address is ``127.<octet>.<i>.1``."""
+    return [
+        NodeSpec(
+            name=f"{prefix}{i}",
+            index=i,
+            gpus=gpus,
+            gpu_memory=gpu_memory,
+            address=f"127.{octet}.{i}.1",
+        )
+        for i in range(first, first + count)
+    ]
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    api = Api(load_kubeconfig(args.kubeconfig))
+    nodes = build_nodes(
+        args.nodes,
+        gpus=args.gpus,
+        gpu_memory=args.gpu_memory,
+        prefix=args.name_prefix,
+        first=args.first_index,
+        octet=args.ip_octet,
+    )
+    kubelet = Kubelet(
+        api,
+        nodes,
+        args.state_dir,
+        Backoff(args.backoff_initial, args.backoff_max),
+        not args.keep_nodes,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = asyncio.Event()
+    main = asyncio.create_task(kubelet.run(ready))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait(
+        {main, stopper, asyncio.create_task(ready.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
+    if ready.is_set():
+        print(
+            f"localnode ready: {', '.join(n.name for n in nodes)} (state {args.state_dir})",
+            flush=True,
+        )
+        await asyncio.wait({main, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    logging.getLogger("localnode").info("shutting down")
+    main.cancel()
+    try:
+        await main
+    except asyncio.CancelledError:
+        pass
+    finally:
+        await kubelet.shutdown()
+        await api.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster.localnode", description=__doc__)
+    parser.add_argument("--kubeconfig", type=Path, required=True)
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=2, help="fake GPUs per node")
+    parser.add_argument(
+        "--gpu-memory", type=parse_bytes, default=parse_bytes("80Gi"), help="bytes per GPU (80Gi)"
+    )
+    parser.add_argument("--name-prefix", default="gpu-node-")
+    parser.add_argument("--first-index", type=int, default=0)
+    parser.add_argument("--ip-octet", type=int, default=10, help="pods get 127.<octet>.<node>.<n>")
+    parser.add_argument("--state-dir", type=Path, default=None)
+    parser.add_argument("--backoff-initial", type=float, default=1.0)
+    parser.add_argument("--backoff-max", type=float, default=30.0)
+    parser.add_argument("--keep-nodes", action="store_true", help="leave the Node objects on exit")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if not 1 <= args.ip_octet <= 254 or args.first_index + args.nodes > 255:
+        parser.error("--ip-octet must be 1..254 and node indexes below 255")
+    if args.state_dir is None:
+        args.state_dir = Path(tempfile.mkdtemp(prefix="localnode-"))
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    asyncio.run(_serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""A small asyncio Kubernetes REST client (httpx) with list+watch, enough for localnode."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from tests.cluster.kubeconfig import KubeAuth, auth_context
+
+Obj = dict[str, Any]
+
+
+class ApiError(RuntimeError):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, method: str, path: str, status: int, body: str):
+        super().__init__(f"{method} {path}: HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+class Api:
+    """Async client for one API server."""
+
+    def __init__(self, auth: KubeAuth):
+        ctx = auth_context(auth)
+        headers = {"Authorization": f"Bearer {auth.token}"} if auth.token else {}
+        self._client = httpx.AsyncClient(
+            base_url=auth.server, verify=ctx, headers=headers, timeout=httpx.Timeout(30.0)
+        )
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Obj | None = None,
+        params: dict[str, str] | None = None,
+        patch: str = "merge",
+    ) -> Obj:
+        """Send a request; ``patch`` picks the PATCH content type (merge, strategic, apply)."""
+        headers = {}
+        content = None
+        if body is not None:
+            content = json.dumps(body)
+            headers["Content-Type"] = (
+                {
+                    "merge": "application/merge-patch+json",
+                    "strategic": "application/strategic-merge-patch+json",
+                    "json": "application/json-patch+json",
+                }.get(patch, "application/json")
+                if method == "PATCH"
+                else "application/json"
+            )
+        r = await self._client.request(
+            method, path, content=content, params=params, headers=headers
+        )
+        if r.status_code >= 300:
+            raise ApiError(method, path, r.status_code, r.text)
+        data: Obj = r.json() if r.content else {}
+        return data
+
+    async def get(self, path: str, params: dict[str, str] | None = None) -> Obj:
+        """GET ``path``."""
+        return await self.request("GET", path, params=params)
+
+    async def get_or_none(self, path: str) -> Obj | None:
+        """GET ``path``, None if it does not exist."""
+        try:
+            return await self.get(path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create(self, path: str, body: Obj) -> Obj:
+        """POST ``body`` to collection ``path``."""
+        return await self.request("POST", path, body)
+
+    async def patch(self, path: str, body: Obj, patch: str = "merge") -> Obj:
+        """PATCH ``path``."""
+        return await self.request("PATCH", path, body, patch=patch)
+
+    async def delete(self, path: str, body: Obj | None = None) -> Obj:
+        """DELETE ``path`` (404 is not an error)."""
+        try:
+            return await self.request("DELETE", path, body)
+        except ApiError as exc:
+            if exc.status == 404:
+                return {}
+            raise
+
+    async def watch(self, path: str, params: dict[str, str]) -> AsyncIterator[Obj]:
+        """Yield watch events (``type``, ``object``) from ``path`` until the server ends it."""
+        query = dict(params, watch="1", allowWatchBookmarks="true", timeoutSeconds="300")
+        timeout = httpx.Timeout(30.0, read=330.0)
+        async with self._client.stream("GET", path, params=query, timeout=timeout) as r:
+            if r.status_code >= 300:
+                raise ApiError("WATCH", path, r.status_code, (await r.aread()).decode())
+            async for line in r.aiter_lines():
+                if line.strip():
+                    yield json.loads(line)

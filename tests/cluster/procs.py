@@ -1,0 +1,96 @@
+"""Start and stop background processes in their own process groups; small polling helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for(
+    what: str,
+    check: Callable[[], bool],
+    timeout: float,
+    interval: float = 0.1,
+    alive: Callable[[], str | None] | None = None,
+) -> None:
+    """Poll ``check`` until true; raise TimeoutError naming ``what`` after ``timeout`` seconds.
+
+    ``alive`` returns an error message when what is awaited can no longer happen (a process
+    died), which ends the wait at once.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        if alive is not None and (msg := alive()):
+            raise RuntimeError(f"while waiting for {what}: {msg}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
+        time.sleep(interval)
+
+
+class ManagedProcess:
+    """A child in its own process group, output to ``log``; ``stop`` ends the whole group."""
+
+    def __init__(
+        self, name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+    ):
+        self.name = name
+        self.argv = list(argv)
+        self.log = log
+        self._fh = log.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+
+    def died(self) -> str | None:
+        """A message if the process has exited, with the tail of its log."""
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        return f"{self.name} exited with {rc}; last log lines:\n{self.tail()}"
+
+    def tail(self, lines: int = 25) -> str:
+        """The last lines of the log."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the process group (ignored if it is already gone)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM the group, wait ``grace`` seconds, then SIGKILL it."""
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.signal_group(signal.SIGKILL)
+                self.proc.wait(5)
+        # children that outlived the leader still belong to the group
+        self.signal_group(signal.SIGKILL)
+        self._fh.close()

@@ -1,0 +1,253 @@
+"""localnode: scheduling by the real scheduler, processes, probes, status, env, deletion."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.localnode import LocalNodes
+from tests.cluster.podwait import condition, envdump, is_ready, wait_gone, wait_pod
+
+PY = "python"
+GiB = 1024**3
+
+
+def _pid(pod: dict[str, Any], index: int = 0) -> int:
+    cid = pod["status"]["containerStatuses"][index]["containerID"]
+    assert cid.startswith("localnode://"), cid
+    return int(cid.removeprefix("localnode://"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def health_pod(name: str, grace: int = 10) -> dict[str, Any]:
+    """A pod running the tiny gRPC health server on its podIP with a gRPC readiness probe."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "terminationGracePeriodSeconds": grace,
+            "containers": [
+                {
+                    "name": "server",
+                    "image": "ignored:latest",
+                    "command": [PY, "-m", "tests.cluster.testpods.health_server"],
+                    "args": ["--host", "$(POD_IP)", "--port", "50051"],
+                    "env": [
+                        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+                    ],
+                    "ports": [{"name": "grpc", "containerPort": 50051}],
+                    "readinessProbe": {
+                        "grpc": {"port": 50051},
+                        "periodSeconds": 1,
+                        "failureThreshold": 2,
+                    },
+                    "livenessProbe": {
+                        "tcpSocket": {"port": "grpc"},
+                        "periodSeconds": 2,
+                        "initialDelaySeconds": 3,
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_pod_is_scheduled_runs_becomes_ready_and_deletion_ends_it(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    control_plane.apply(health_pod("web"), namespace=namespace)
+    pod = wait_pod(control_plane, namespace, "web", is_ready, "Ready", timeout=60)
+    assert pod["spec"]["nodeName"] == "gpu-node-0"  # bound by the real scheduler
+    sched = condition(pod, "PodScheduled")
+    assert sched is not None and sched["status"] == "True"
+    ip = pod["status"]["podIP"]
+    assert ip.startswith("127.10.0.") and ip != "127.10.0.1", ip
+    assert pod["status"]["hostIP"] == "127.10.0.1"
+    status = pod["status"]["containerStatuses"][0]
+    assert status["ready"] and status["started"] and "running" in status["state"]
+    # the podIP is reachable: the real gRPC health service answers there
+    with grpc.insecure_channel(f"{ip}:50051") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    pid = _pid(pod)
+    assert _alive(pid)
+    log = local_nodes.pod_log(pod, "server")
+    assert f"serving on {ip}:50051" in log
+
+    started = time.monotonic()
+    control_plane.kubectl("delete", "pod", "web", "-n", namespace, "--wait=false")
+    wait_gone(control_plane, namespace, "web", timeout=30)
+    assert not _alive(pid), "the pod object went away while its process still ran"
+    assert time.monotonic() - started < 9, (
+        "SIGTERM should have ended the server well inside the grace period"
+    )
+    assert "SIGTERM: stopping" in local_nodes.pod_log(pod, "server")
+
+
+def test_env_expansion_field_refs_secrets_and_mount_rewriting(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    control_plane.kubectl(
+        "create", "secret", "generic", "creds", "-n", namespace, "--from-literal=token=s3cret"
+    )
+    control_plane.kubectl(
+        "create", "configmap", "settings", "-n", namespace, "--from-literal=mode=fast"
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "envpod"},
+        "spec": {
+            "restartPolicy": "Never",
+            "volumes": [
+                {"name": "creds", "secret": {"secretName": "creds"}},
+                {"name": "scratch", "emptyDir": {}},
+            ],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "ignored",
+                    "command": [PY, "-m", "tests.cluster.testpods.envdump"],
+                    "args": ["/etc/creds/token", "--out=/scratch/x", "$(GREETING)", "$$(POD_NAME)"],
+                    "env": [
+                        {
+                            "name": "POD_NAME",
+                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                        },
+                        {
+                            "name": "POD_NS",
+                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+                        },
+                        {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                        {
+                            "name": "POD_IP",
+                            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                        },
+                        {
+                            "name": "SA",
+                            "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}},
+                        },
+                        {"name": "GREETING", "value": "hello-$(POD_NAME)-$(UNDEFINED)"},
+                        {
+                            "name": "TOKEN",
+                            "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}},
+                        },
+                        {
+                            "name": "MODE",
+                            "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}},
+                        },
+                        {"name": "CREDS_DIR", "value": "/etc/creds"},
+                    ],
+                    "volumeMounts": [
+                        {"name": "creds", "mountPath": "/etc/creds", "readOnly": True},
+                        {"name": "scratch", "mountPath": "/scratch"},
+                    ],
+                }
+            ],
+        },
+    }
+    control_plane.apply(pod, namespace=namespace)
+    done = wait_pod(
+        control_plane,
+        namespace,
+        "envpod",
+        lambda p: p["status"].get("phase") == "Succeeded",
+        "Succeeded",
+    )
+    term = done["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert term["exitCode"] == 0 and term["reason"] == "Completed"
+    dump = envdump(local_nodes.pod_log(done, "main"))
+    env, argv = dump["env"], dump["argv"]
+    assert (
+        env["POD_NAME"] == "envpod" and env["POD_NS"] == namespace and env["NODE"] == "gpu-node-0"
+    )
+    assert env["POD_IP"] == done["status"]["podIP"] and env["SA"] == "default"
+    assert env["GREETING"] == "hello-envpod-$(UNDEFINED)"
+    assert env["TOKEN"] == "s3cret" and env["MODE"] == "fast"
+    local_creds = env["CREDS_DIR"]
+    assert local_creds != "/etc/creds" and os.path.isdir(local_creds)
+    assert argv[0] == f"{local_creds}/token" and dump["files"][argv[0]] == "s3cret"
+    assert argv[1].startswith("--out=") and not argv[1].startswith("--out=/scratch/")
+    assert argv[2] == "hello-envpod-$(UNDEFINED)" and argv[3] == "$(POD_NAME)"
+    assert "NVIDIA_VISIBLE_DEVICES" not in env and "OMNISTAGE_MEMORY_LEDGER" not in env
+
+
+def test_explicit_device_placement_and_restart_policy(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    pod: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "crash"},
+        "spec": {
+            "restartPolicy": "OnFailure",
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "ignored",
+                    "command": [PY, "-m", "tests.cluster.testpods.envdump", "--exit=3"],
+                    "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "gpu-1"}],
+                }
+            ],
+        },
+    }
+    control_plane.apply(pod, namespace=namespace)
+    crashed = wait_pod(
+        control_plane,
+        namespace,
+        "crash",
+        lambda p: any(
+            c.get("restartCount", 0) >= 2 for c in p["status"].get("containerStatuses") or []
+        ),
+        "restarted twice",
+        timeout=60,
+    )
+    status = crashed["status"]["containerStatuses"][0]
+    assert status["lastState"]["terminated"]["exitCode"] == 3
+    assert crashed["status"]["phase"] == "Running"
+    env = envdump(local_nodes.pod_log(crashed, "main"))["env"]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "gpu-1"
+    assert env["OMNISTAGE_MEMORY_CAPACITY"] == str(80 * GiB)
+    assert env["OMNISTAGE_MEMORY_LEDGER"].endswith("/ledger/gpu-node-0/gpu-1")
+
+    never = {**pod, "metadata": {"name": "once"}, "spec": {**pod["spec"], "restartPolicy": "Never"}}
+    control_plane.apply(never, namespace=namespace)
+    failed = wait_pod(
+        control_plane, namespace, "once", lambda p: p["status"].get("phase") == "Failed", "Failed"
+    )
+    st = failed["status"]["containerStatuses"][0]
+    assert st["restartCount"] == 0 and st["state"]["terminated"]["exitCode"] == 3
+    assert st["state"]["terminated"]["reason"] == "Error"
+
+
+def test_extra_nodes_from_the_factory(
+    control_plane: ControlPlane, make_local_nodes: Any, namespace: str
+) -> None:
+    extra: LocalNodes = make_local_nodes(nodes=2, gpus=1, gpu_memory=16 * GiB)
+    assert len(extra.node_names) == 2
+    nodes = control_plane.get_json("nodes", "-l", "localnode.omnistage.io/node=true")["items"]
+    names = {n["metadata"]["name"] for n in nodes}
+    assert set(extra.node_names) <= names
+    node = next(n for n in nodes if n["metadata"]["name"] == extra.node_names[1])
+    assert node["status"]["capacity"]["nvidia.com/gpu"] == "1"
+    slices = control_plane.get_json(
+        "resourceslices", "--field-selector", f"spec.nodeName={extra.node_names[1]}"
+    )
+    devices = slices["items"][0]["spec"]["devices"]
+    assert [d["name"] for d in devices] == ["gpu-0"]
+    assert devices[0]["capacity"]["memory"]["value"] == "16Gi"

@@ -1,0 +1,1 @@
+"""Tiny programs the cluster tests run as localnode pod containers."""
