@@ -1,0 +1,193 @@
+"""Install the omnistage-operator chart into the local control plane, and act as its identity.
+
+For the helm e2e tests and for the full hand-over test that runs the operator under the chart's
+ServiceAccount (not the admin identity)::
+
+    release = install_chart(control_plane, values={"watch": {"namespaces": [ns]}})
+    kubeconfig = operator_kubeconfig(control_plane, release)    # token of the chart's SA
+    token_file = worker_token_file(control_plane, release, tmp_path)
+    # run `omnistage-operator --worker-token-file=<token_file> ...` with KUBECONFIG=kubeconfig
+
+The chart's Deployment is pinned to a node label no node has (``PARKED``), so its pod stays
+Pending: no image exists here, and localnode must not try to run the operator. The operator
+process the tests run plays that pod, with the same ServiceAccount and token.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.cluster.controlplane import ControlPlane
+from tests.unit.test_chart_support import CHART_DIR, REPO_ROOT
+
+CRD_NAME = "omnistages.omnistage.io"
+PARKED = {"omnistage.io/e2e-parked": "true"}
+
+
+@dataclass(frozen=True)
+class InstalledRelease:
+    """A release of the chart in the control plane."""
+
+    name: str
+    namespace: str
+    fullname: str
+    service_account: str
+    token_secret: str
+
+    @property
+    def user(self) -> str:
+        """The Kubernetes user name the operator acts as."""
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+
+def check_chart_crd_copy() -> None:
+    """The chart must carry the CRD source's copy (``make generate``), or install has no CRD."""
+    source = REPO_ROOT / "crds" / f"{CRD_NAME}.yaml"
+    copy = CHART_DIR / "crds" / f"{CRD_NAME}.yaml"
+    if not copy.is_file() or copy.read_bytes() != source.read_bytes():
+        pytest.fail(
+            f"{copy.relative_to(REPO_ROOT)} is missing or differs from "
+            f"{source.relative_to(REPO_ROOT)}: run `make generate`",
+            pytrace=False,
+        )
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def helm_values_args(values: Mapping[str, Any], workdir: Path) -> list[str]:
+    """``--values FILE`` for ``values`` plus the parking node selector."""
+    merged = _merge({"nodeSelector": PARKED}, values)
+    path = workdir / f"values-{secrets.token_hex(4)}.yaml"
+    path.write_text(yaml.safe_dump(merged))
+    return ["--values", str(path)]
+
+
+def install_chart(
+    control_plane: ControlPlane,
+    values: Mapping[str, Any] | None = None,
+    *,
+    namespace: str | None = None,
+    name: str | None = None,
+) -> InstalledRelease:
+    """``helm install`` the chart (a new namespace and a unique release name unless given)."""
+    check_chart_crd_copy()
+    namespace = namespace or control_plane.create_namespace("omnistage-system")
+    name = name or f"omni-{secrets.token_hex(3)}"
+    with tempfile.TemporaryDirectory(prefix="omnistage-values-") as tmp:
+        control_plane.helm(
+            "install",
+            name,
+            str(CHART_DIR),
+            "--namespace",
+            namespace,
+            *helm_values_args(values or {}, Path(tmp)),
+        )
+    return describe_release(control_plane, name, namespace)
+
+
+def describe_release(control_plane: ControlPlane, name: str, namespace: str) -> InstalledRelease:
+    """Names of the release's objects, read from its rendered Deployment."""
+    manifest = control_plane.helm("get", "manifest", name, "--namespace", namespace).stdout
+    docs = [d for d in yaml.safe_load_all(manifest) if d]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (token_volume,) = [v for v in pod["volumes"] if v["name"] == "worker-token"]
+    return InstalledRelease(
+        name=name,
+        namespace=namespace,
+        fullname=deployment["metadata"]["name"],
+        service_account=pod["serviceAccountName"],
+        token_secret=token_volume["secret"]["secretName"],
+    )
+
+
+def upgrade_chart(
+    control_plane: ControlPlane, release: InstalledRelease, values: Mapping[str, Any] | None = None
+) -> None:
+    """``helm upgrade`` the release with ``values`` (the chart defaults otherwise)."""
+    with tempfile.TemporaryDirectory(prefix="omnistage-values-") as tmp:
+        control_plane.helm(
+            "upgrade",
+            release.name,
+            str(CHART_DIR),
+            "--namespace",
+            release.namespace,
+            *helm_values_args(values or {}, Path(tmp)),
+        )
+
+
+def uninstall_chart(control_plane: ControlPlane, release: InstalledRelease) -> None:
+    """``helm uninstall`` the release (kept resources stay)."""
+    control_plane.helm("uninstall", release.name, "--namespace", release.namespace, "--wait")
+
+
+def worker_token(control_plane: ControlPlane, release: InstalledRelease) -> str:
+    """The worker bearer token the release's Secret holds."""
+    secret = json.loads(
+        control_plane.kubectl(
+            "get", "secret", release.token_secret, "-n", release.namespace, "-o", "json"
+        ).stdout
+    )
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def worker_token_file(control_plane: ControlPlane, release: InstalledRelease, into: Path) -> Path:
+    """The token written where an operator process can read it (``--worker-token-file``)."""
+    path = into / "worker-token"
+    path.write_text(worker_token(control_plane, release))
+    path.chmod(0o600)
+    return path
+
+
+def operator_kubeconfig(control_plane: ControlPlane, release: InstalledRelease) -> Path:
+    """A kubeconfig holding a token of the chart's ServiceAccount: act exactly as the operator."""
+    return control_plane.service_account_kubeconfig(release.namespace, release.service_account)
+
+
+def access_reviews(
+    control_plane: ControlPlane, user: str, checks: list[dict[str, str]]
+) -> list[bool]:
+    """``allowed`` of a SubjectAccessReview per check, all sent in one kubectl call.
+
+    Each check holds resourceAttributes keys: verb, group, resource, and optionally
+    subresource, name, namespace.
+    """
+    sa_namespace = user.split(":")[2]
+    groups = ["system:serviceaccounts", f"system:serviceaccounts:{sa_namespace}"]
+    docs = [
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "user": user,
+                "groups": [*groups, "system:authenticated"],
+                "resourceAttributes": check,
+            },
+        }
+        for check in checks
+    ]
+    out = control_plane.kubectl(
+        "create", "-o", "json", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs)
+    ).stdout
+    parsed = json.loads(out)
+    items = parsed["items"] if parsed.get("kind") == "List" else [parsed]
+    assert len(items) == len(checks)
+    return [bool(item["status"].get("allowed")) for item in items]
