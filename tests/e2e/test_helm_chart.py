@@ -29,8 +29,8 @@ from tests.e2e.test_helm_support import (
     upgrade_chart,
     worker_token,
 )
-from tests.unit.test_chart_rbac import FRAMEWORK_RULES, STAGE_RULES
-from tests.unit.test_chart_support import Rule
+from tests.unit.test_chart_rbac import CLUSTER_PEERING, FRAMEWORK_RULES, STAGE_RULES
+from tests.unit.test_chart_support import CHART_DIR, Rule
 
 pytestmark = pytest.mark.cluster
 
@@ -418,4 +418,29 @@ def test_upgrade_keeps_the_token_and_uninstall_keeps_user_data(
             "delete", "secret", release.token_secret, "-n", release.namespace, check=False
         )
         control_plane.delete_namespace(stages)
+        control_plane.delete_namespace(release.namespace)
+
+
+def test_peering_install_creates_the_peering_and_its_grants(control_plane: ControlPlane) -> None:
+    crds = CHART_DIR / "files" / "kopf-peering-crds.yaml"
+    # Shared with any other kopf operator: create only what is missing, never replace.
+    for crd in ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
+        if control_plane.kubectl("get", "crd", crd, check=False).returncode != 0:
+            control_plane.kubectl("create", "-f", str(crds), check=False)
+        control_plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
+    release = install_chart(control_plane, {"peering": {"enabled": True, "name": "e2e-peering"}})
+    try:
+        control_plane.kubectl("get", "clusterkopfpeering", "e2e-peering")
+        deployment = _get(control_plane, "deployment", release.fullname, "-n", release.namespace)
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert "--peering=e2e-peering" in container["args"]
+        peering = [_check(rule, "") for rule in sorted(CLUSTER_PEERING)]
+        assert all(access_reviews(control_plane, release.user, peering))
+        denied = {"group": "kopf.dev", "resource": "clusterkopfpeerings", "verb": "delete"}
+        assert access_reviews(control_plane, release.user, [denied]) == [False]
+    finally:
+        uninstall_chart(control_plane, release)
+        control_plane.kubectl(
+            "delete", "secret", release.token_secret, "-n", release.namespace, check=False
+        )
         control_plane.delete_namespace(release.namespace)
