@@ -1,1 +1,1 @@
-"""omnistage operator: reconciles OmniStage resources and arbitrates GPU memory per colocation group."""
+"""omnistage operator: reconciles OmniStages and arbitrates GPU memory per colocation group."""

@@ -1,0 +1,545 @@
+"""Runs hand-over rounds per colocation group against Kubernetes and the real workers.
+
+``GroupRunner`` keeps one serialized loop per ``(namespace, group)``: ``kick`` marks the group
+dirty and the loop runs rounds until nothing new was asked (kicks during a round coalesce into
+one more round). ``KubeGroupPort`` implements ``handover.GroupPort``: it reads specs and pods
+from the API server and every worker's GetStatus, creates children, calls Sleep/WakeUp with
+deadlines and fences pods. After each round the stages' status is patched from the facts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from omnistage_operator import metrics
+from omnistage_operator.arbiter import (
+    GroupMemory,
+    StageFacts,
+    StageIntent,
+    WorkerPhase,
+)
+from omnistage_operator.builders import (
+    build_group_claim,
+    build_service,
+    build_token_secret,
+    build_worker_pod,
+    claim_name,
+    owner_reference,
+    pod_claim_name,
+)
+from omnistage_operator.facts import AckFacts, WorkerReport
+from omnistage_operator.handover import (
+    FenceFailed,
+    GroupObservation,
+    RoundOutcome,
+    RoundPolicy,
+    WorkerUnavailable,
+    run_round,
+)
+from omnistage_operator.kube import CLAIMS, OMNISTAGE, PODS, SECRETS, SERVICES, Kube, KubeError
+from omnistage_operator.labels import STAGE_LABEL, group_pods_selector
+from omnistage_operator.quantities import format_bytes
+from omnistage_operator.settings import Settings
+from omnistage_operator.spec import DesiredState, PlacementMode, SpecError, StageSpec, parse_stage
+from omnistage_operator.status import StageObservation, build_status, parse_timestamp
+from omnistage_operator.worker_client import WorkerClient
+
+__all__ = ["GroupRunner", "KubeGroupPort"]
+
+log = logging.getLogger(__name__)
+
+GroupKey = tuple[str, str]  # (namespace, group)
+StageKey = tuple[str, str]  # (namespace, stage)
+_TERMINAL = ("Failed", "Succeeded")
+_BUSY = frozenset(
+    {
+        WorkerPhase.STARTING,
+        WorkerPhase.LOADING,
+        WorkerPhase.SLEEPING,
+        WorkerPhase.WAKING,
+        WorkerPhase.UNREACHABLE,
+    }
+)
+
+
+def group_of(body: Mapping[str, Any]) -> str | None:
+    """``spec.colocation.group`` of a raw body, if any."""
+    spec = body.get("spec") or {}
+    coloc = spec.get("colocation") or {}
+    group = coloc.get("group")
+    return group if isinstance(group, str) else None
+
+
+@dataclass
+class _Loop:
+    dirty: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    followup: asyncio.TimerHandle | None = None
+    backoff_s: float = 0.2
+
+
+class KubeGroupPort:
+    """``GroupPort`` of one group, for one round."""
+
+    def __init__(self, runner: GroupRunner, namespace: str, group: str) -> None:
+        self.r = runner
+        self.ns = namespace
+        self.group = group
+        self.specs: dict[str, StageSpec] = {}
+        self.bodies: dict[str, dict[str, Any]] = {}
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.reports: dict[str, WorkerReport] = {}
+        self.facts: dict[str, StageFacts] = {}
+        self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
+
+    # -- observing -------------------------------------------------------------------------
+
+    def _intent(self, spec: StageSpec, body: Mapping[str, Any]) -> StageIntent:
+        deleting = bool(body["metadata"].get("deletionTimestamp"))
+        want = spec.wants_active and not deleting
+        key = (self.ns, spec.name)
+        asked = self.r.asks.get(key)
+        if want and asked is None:
+            status = body.get("status") or {}
+            created = parse_timestamp(body["metadata"].get("creationTimestamp"))
+            asked = parse_timestamp(status.get("requestedActiveAt")) or created or time.time()
+            self.r.asks[key] = asked
+        return StageIntent(
+            name=spec.name,
+            want_active=want,
+            priority=spec.priority,
+            requested_active_at=asked or 0.0 if want else 0.0,
+            sleep_level=spec.sleep_level,
+            vram_request=spec.vram_request_bytes,
+        )
+
+    async def _status_of(self, name: str, pod: Mapping[str, Any]) -> WorkerReport | None:
+        client = self.r.client_for(self.ns, self.specs[name], pod)
+        if client is None:
+            return None
+        try:
+            return await client.get_status(self.r.settings.status_timeout_s)
+        except WorkerUnavailable as exc:
+            log.debug("GetStatus %s/%s: %s", self.ns, name, exc)
+            return None
+
+    def _facts(
+        self, name: str, pod: Mapping[str, Any] | None, rep: WorkerReport | None
+    ) -> StageFacts:
+        if pod is None:
+            return StageFacts(WorkerPhase.ABSENT)
+        uid = pod["metadata"]["uid"]
+        phase = (pod.get("status") or {}).get("phase", "Pending")
+        if phase in _TERMINAL:
+            return StageFacts(WorkerPhase.ABSENT)  # the kubelet reported its containers ended
+        if rep is not None:
+            self.r.reached.add(uid)
+            return rep.stage_facts()
+        if phase == "Pending" and not _container_started(pod):
+            return StageFacts(WorkerPhase.STARTING)
+        if uid in self.r.created and uid not in self.r.reached:
+            return StageFacts(WorkerPhase.STARTING)
+        return StageFacts(WorkerPhase.UNREACHABLE)
+
+    async def observe(self) -> GroupObservation:
+        """Read the group's specs, pods and every worker's GetStatus."""
+        bodies = [
+            b for b in await self.r.kube.list(OMNISTAGE, self.ns) if group_of(b) == self.group
+        ]
+        self.specs.clear()
+        self.bodies.clear()
+        for body in bodies:
+            try:
+                spec = parse_stage(body)
+            except SpecError as exc:
+                self.invalid[body["metadata"]["name"]] = (body, exc)
+                continue
+            self.specs[spec.name] = spec
+            self.bodies[spec.name] = body
+        pods = await self.r.kube.list(PODS, self.ns, group_pods_selector(self.group))
+        self.pods = {
+            p["metadata"]["labels"][STAGE_LABEL]: p
+            for p in pods
+            if p["metadata"].get("labels", {}).get(STAGE_LABEL) in self.specs
+        }
+        names = sorted(self.specs)
+        reports = await asyncio.gather(
+            *(self._status_of(n, self.pods[n]) for n in names if n in self.pods)
+        )
+        self.reports = {
+            n: rep
+            for n, rep in zip([n for n in names if n in self.pods], reports, strict=True)
+            if rep
+        }
+        self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
+        measured = [r for r in self.reports.values() if r.total_bytes > 0]
+        memory = (
+            GroupMemory(max(r.total_bytes for r in measured), min(r.free_bytes for r in measured))
+            if measured
+            else GroupMemory()
+        )
+        intents = {n: self._intent(self.specs[n], self.bodies[n]) for n in names}
+        return GroupObservation(intents, dict(self.facts), memory)
+
+    # -- acting ----------------------------------------------------------------------------
+
+    async def start(self, stage: str) -> None:
+        """Create the stage's token Secret, group claim, Pod (asleep) and Service."""
+        spec, body = self.specs[stage], self.bodies[stage]
+        if body["metadata"].get("deletionTimestamp"):
+            return
+        old = self.pods.get(stage)
+        if old is not None:  # terminal: delete it and wait until the API confirms it is gone
+            uid = old["metadata"]["uid"]
+            await self.r.kube.delete(PODS, self.ns, old["metadata"]["name"], uid=uid)
+            if not await self.r.kube.wait_gone(
+                PODS, self.ns, old["metadata"]["name"], uid, self.r.settings.fence_timeout_s
+            ):
+                raise FenceFailed(f"old pod of {stage} not gone")
+        await self.r.ensure_secret(self.ns)
+        claim = self.r.claim_for(spec)
+        if claim is not None:
+            gpus = max(s.gpus for s in self.specs.values())
+            manifest = build_group_claim(self.ns, self.group, gpus, self.r.settings.device_class)
+            await self.r.kube.create(CLAIMS, self.ns, manifest)
+        owner = owner_reference(body)
+        pod = build_worker_pod(
+            spec, initial_state=DesiredState.ASLEEP, owner=owner, claim_name=claim
+        )
+        created = await self.r.kube.create_returning(PODS, self.ns, pod)
+        if created is not None:
+            self.r.created.add(created["metadata"]["uid"])
+            log.info("%s/%s: created pod %s (asleep)", self.ns, stage, pod["metadata"]["name"])
+        await self.r.kube.create(SERVICES, self.ns, build_service(spec, owner=owner))
+
+    def _client(self, stage: str) -> WorkerClient:
+        pod = self.pods.get(stage)
+        client = None if pod is None else self.r.client_for(self.ns, self.specs[stage], pod)
+        if client is None:
+            raise WorkerUnavailable(f"{stage} has no running pod with an address")
+        return client
+
+    async def sleep(self, stage: str, level: int, task_id: str) -> AckFacts:
+        """Sleep with the contract's deadline; the ACK is kept for status."""
+        t0 = time.monotonic()
+        ack = await self._client(stage).sleep(level, task_id, self.r.settings.sleep_timeout_s)
+        metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
+        self.r.last_acks[(self.ns, stage)] = ack
+        result = "ok" if ack.ok else "not_ok"
+        metrics.TRANSITIONS.labels(self.ns, self.group, "sleep", result).inc()
+        if ack.ok and ack.freed_bytes > 0 and not ack.replayed:
+            metrics.BYTES_FREED.labels(self.ns, self.group).inc(ack.freed_bytes)
+        return ack
+
+    async def wake(self, stage: str, task_id: str) -> AckFacts:
+        """WakeUp with the contract's deadline; the ACK is kept for status."""
+        t0 = time.monotonic()
+        ack = await self._client(stage).wake(task_id, self.r.settings.wake_timeout_s)
+        metrics.ACK_SECONDS.labels("wake").observe(time.monotonic() - t0)
+        self.r.last_acks[(self.ns, stage)] = ack
+        result = "ok" if ack.ok else "not_ok"
+        metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
+        return ack
+
+    async def fence(self, stage: str, reason: str) -> None:
+        """Delete the stage's pod; return only once the API server confirms it is gone."""
+        pod = self.pods.get(stage)
+        body = self.bodies[stage]
+        self.r.emit(body, "Fencing", f"deleting the worker pod: {reason}", warning=True)
+        if pod is not None:
+            name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+            await self.r.kube.delete(PODS, self.ns, name, uid=uid, grace_s=5)
+            gone = await self.r.kube.wait_gone(
+                PODS, self.ns, name, uid, self.r.settings.fence_timeout_s
+            )
+            if not gone:
+                metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
+                self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
+                raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
+        metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
+        self.r.fenced[(self.ns, stage)] = reason
+        self.r.emit(
+            body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
+        )
+
+
+def _container_started(pod: Mapping[str, Any]) -> bool:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+        state = cs.get("state") or {}
+        if "running" in state or "terminated" in state:
+            return True
+    return False
+
+
+class GroupRunner:
+    """Serialized hand-over loops per group, plus what must survive between rounds."""
+
+    def __init__(self, kube: Kube, settings: Settings) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.policy = RoundPolicy(
+            ack_retries=settings.ack_retries,
+            backoff_s=settings.retry_backoff_s,
+            margin_bytes=settings.wake_margin_bytes,
+        )
+        self.asks: dict[StageKey, float] = {}
+        self.created: set[str] = set()  # pod uids this process created
+        self.reached: set[str] = set()  # pod uids whose worker answered
+        self.last_acks: dict[StageKey, AckFacts] = {}
+        self.fenced: dict[StageKey, str] = {}
+        self.published: dict[StageKey, dict[str, Any]] = {}
+        self._loops: dict[GroupKey, _Loop] = {}
+        self._clients: dict[str, WorkerClient] = {}
+        self._secrets: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ids = itertools.count(1)
+        self._token = settings.worker_token()
+        ca = settings.worker_tls_ca
+        self._ca: bytes | None = None
+        if ca:
+            with open(ca, "rb") as f:
+                self._ca = f.read()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def new_id(self) -> str:
+        """A hand-over id unique to this process and time."""
+        return f"h{int(time.time() * 1000):x}-{next(self._ids)}"
+
+    def client_for(
+        self, namespace: str, spec: StageSpec, pod: Mapping[str, Any]
+    ) -> WorkerClient | None:
+        """The cached channel to a pod's worker (None while it has no address)."""
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or (pod.get("status") or {}).get("phase") in _TERMINAL:
+            return None
+        host = f"[{ip}]" if ":" in ip else ip
+        target = f"{host}:{spec.worker.port}"
+        client = self._clients.get(target)
+        if client is None:
+            client = WorkerClient(target, token=self._token, ca_pem=self._ca)
+            self._clients[target] = client
+        return client
+
+    def claim_for(self, spec: StageSpec) -> str | None:
+        """The group claim a stage's pod references (none in explicit placement)."""
+        if self.settings.placement == "explicit" or spec.placement.mode is PlacementMode.EXPLICIT:
+            return None
+        return pod_claim_name(spec)
+
+    async def ensure_secret(self, namespace: str) -> None:
+        """Copy the worker token into the namespace's Secret (once per process)."""
+        if namespace in self._secrets or self._token is None:
+            return
+        manifest = build_token_secret(namespace, self._token)
+        if not await self.kube.create(SECRETS, namespace, manifest):
+            await self.kube.merge_patch(SECRETS, namespace, manifest["metadata"]["name"], manifest)
+        self._secrets.add(namespace)
+
+    def emit(
+        self, body: Mapping[str, Any], reason: str, message: str, *, warning: bool = False
+    ) -> None:
+        """Record an Event without blocking the hand-over."""
+        meta = body["metadata"]
+        level = logging.WARNING if warning else logging.INFO
+        log.log(level, "%s/%s %s: %s", meta.get("namespace"), meta["name"], reason, message)
+        task = asyncio.create_task(
+            self.kube.event(body, reason=reason, message=message, warning=warning)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Stop the loops and close the worker channels."""
+        for loop in self._loops.values():
+            if loop.task is not None:
+                loop.task.cancel()
+        for client in self._clients.values():
+            await client.close()
+
+    # -- loops -----------------------------------------------------------------------------
+
+    def record_ask(self, namespace: str, name: str, when: float | None = None) -> None:
+        """The stage just asked for Active (arbiter order: the most recent ask first)."""
+        self.asks[(namespace, name)] = time.time() if when is None else when
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the in-memory facts of a deleted stage."""
+        key = (namespace, name)
+        self.asks.pop(key, None)
+        self.last_acks.pop(key, None)
+        self.fenced.pop(key, None)
+        self.published.pop(key, None)
+
+    def kick(self, namespace: str, group: str) -> None:
+        """Ask for a round of the group (coalesced with one in progress)."""
+        loop = self._loops.setdefault((namespace, group), _Loop())
+        loop.dirty.set()
+        if loop.task is None or loop.task.done():
+            loop.task = asyncio.create_task(self._run(namespace, group, loop))
+
+    def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
+        if loop.followup is not None:
+            loop.followup.cancel()
+        loop.followup = asyncio.get_running_loop().call_later(delay, self.kick, namespace, group)
+
+    async def _run(self, namespace: str, group: str, loop: _Loop) -> None:
+        while loop.dirty.is_set():
+            loop.dirty.clear()
+            try:
+                busy = await self.round(namespace, group)
+            except Exception:
+                log.exception("round of group %s/%s failed; retrying", namespace, group)
+                metrics.ROUNDS.labels(namespace, group, "error").inc()
+                loop.backoff_s = min(loop.backoff_s * 2, 5.0)
+                self._followup(namespace, group, loop, loop.backoff_s)
+                return
+            if busy:
+                self._followup(namespace, group, loop, loop.backoff_s)
+                loop.backoff_s = min(loop.backoff_s * 1.5, 2.0)
+            else:
+                loop.backoff_s = 0.2
+
+    async def round(self, namespace: str, group: str) -> bool:
+        """One round; True when something is still in progress (poll again soon)."""
+        port = KubeGroupPort(self, namespace, group)
+        t0 = time.monotonic()
+        outcome = await run_round(port, self.policy, self.new_id)
+        if outcome.sleeps or outcome.wakes:
+            metrics.HANDOVER_SECONDS.labels(namespace, group).observe(time.monotonic() - t0)
+        metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
+        await self.publish(port, outcome)
+        facts = port.facts.values()
+        return (
+            any(f.phase in _BUSY for f in facts)
+            or bool(outcome.wake_errors)
+            or any(not s.ok and not s.fenced for s in outcome.sleeps)
+        )
+
+    # -- status ----------------------------------------------------------------------------
+
+    def _events(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+        for s in outcome.sleeps:
+            body = port.bodies.get(s.order.stage)
+            if body is None:
+                continue
+            if s.ok and s.ack is not None:
+                a = s.ack
+                freed = format_bytes(max(a.freed_bytes, 0))
+                msg = (
+                    f"ACK {a.task_id}: level {a.level}, freed {freed}, used after "
+                    f"{format_bytes(a.used_after_bytes)} ({a.source}), {a.duration_s:.3f}s"
+                )
+                self.emit(body, "Slept", msg)
+            elif not s.fenced:
+                why = s.ack.error if s.ack is not None else "no ACK"
+                self.emit(body, "SleepFailed", f"{s.task_id}: {why}; {s.fence_error}", warning=True)
+        for name, a in outcome.wakes.items():
+            body = port.bodies.get(name)
+            if body is not None and a.ok:
+                used = format_bytes(a.used_after_bytes)
+                msg = f"ACK {a.task_id}: used {used} ({a.source}), {a.duration_s:.3f}s"
+                self.emit(body, "Woken", msg)
+        for name, err in outcome.wake_errors.items():
+            body = port.bodies.get(name)
+            if body is not None:
+                self.emit(body, "WakeFailed", err, warning=True)
+        for name in outcome.started:
+            body = port.bodies.get(name)
+            if body is not None:
+                self.emit(body, "PodCreated", "worker pod created asleep")
+
+    async def publish(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+        """Patch every stage's status from the facts (only where it changed)."""
+        self._events(port, outcome)
+        decision = outcome.decision
+        now = datetime.now(UTC)
+        patches = []
+        for name, spec in port.specs.items():
+            key = (port.ns, name)
+            body = port.bodies[name]
+            fact = port.facts.get(name, StageFacts(WorkerPhase.ABSENT))
+            if fact.phase is WorkerPhase.ACTIVE:
+                self.fenced.pop(key, None)
+            pod = port.pods.get(name)
+            obs = StageObservation(
+                generation=spec.generation,
+                wants_active=spec.wants_active,
+                phase=fact.phase,
+                report=port.reports.get(name),
+                pod=pod["metadata"]["name"] if pod else None,
+                node=(pod.get("spec") or {}).get("nodeName") if pod else None,
+                last_ack=self.last_acks.get(key),
+                admitted=decision is not None and name in decision.admitted,
+                waiting=decision.waiting.get(name, ()) if decision is not None else (),
+                fenced_reason=self.fenced.get(key),
+                requested_active_at=self.asks.get(key) if spec.wants_active else None,
+                sleep_level=spec.sleep_level,
+            )
+            previous = self.published.get(key) or body.get("status") or {}
+            status = build_status(obs, previous, now)
+            if _same(status, self.published.get(key)):
+                continue
+            old_state = previous.get("state")
+            if old_state != status["state"]:
+                self.emit(body, "StateChanged", f"{old_state or 'None'} -> {status['state']}")
+            self.published[key] = status
+            patches.append(self._patch_status(port.ns, name, status))
+        for name, (body, exc) in port.invalid.items():
+            status = {"state": "Failed", "observedGeneration": body["metadata"].get("generation")}
+            if _same(status, self.published.get((port.ns, name))):
+                continue
+            self.published[(port.ns, name)] = status
+            self.emit(body, "SpecInvalid", str(exc), warning=True)
+            patches.append(self._patch_status(port.ns, name, status))
+        await asyncio.gather(*patches)
+
+    async def _patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self.kube.merge_patch(OMNISTAGE, namespace, name, {"status": status}, status=True)
+        except KubeError as exc:
+            self.published.pop((namespace, name), None)
+            log.warning("status of %s/%s not written: %s", namespace, name, exc)
+
+    async def cleanup_stage(self, body: Mapping[str, Any]) -> None:
+        """Delete a stage's pod (until confirmed gone), Service, and the claim of an empty group."""
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        try:
+            spec: StageSpec | None = parse_stage(body)
+        except SpecError:
+            spec = None
+        pod_name = f"{name}-worker"
+        pod = await self.kube.get(PODS, ns, pod_name)
+        if pod is not None:
+            uid = pod["metadata"]["uid"]
+            await self.kube.delete(PODS, ns, pod_name, uid=uid)
+            if not await self.kube.wait_gone(
+                PODS, ns, pod_name, uid, self.settings.fence_timeout_s
+            ):
+                raise FenceFailed(f"pod {pod_name} not confirmed gone")
+        await self.kube.delete(SERVICES, ns, f"{name}-worker")
+        group = group_of(body)
+        if group is not None and (spec is None or self.claim_for(spec) is not None):
+            others = [
+                b
+                for b in await self.kube.list(OMNISTAGE, ns)
+                if group_of(b) == group
+                and b["metadata"]["name"] != name
+                and not b["metadata"].get("deletionTimestamp")
+            ]
+            if not others:
+                await self.kube.delete(CLAIMS, ns, claim_name(group))
+                log.info("%s: group %s empty, claim deleted", ns, group)
+        self.forget(ns, name)
+
+
+def _same(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Equal ignoring condition transition times' formatting noise (None-safe)."""
+    return a == b

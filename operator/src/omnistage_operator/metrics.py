@@ -1,0 +1,47 @@
+"""Prometheus metrics of the operator (served on --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+__all__ = [
+    "ACK_SECONDS",
+    "BYTES_FREED",
+    "FENCES",
+    "HANDOVER_SECONDS",
+    "ROUNDS",
+    "TRANSITIONS",
+]
+
+TRANSITIONS = Counter(
+    "omnistage_transitions_total",
+    "Sleep and wake transitions ordered by the operator, by operation and result.",
+    ["namespace", "group", "op", "result"],
+)
+ACK_SECONDS = Histogram(
+    "omnistage_ack_seconds",
+    "Time from sending a Sleep or WakeUp to receiving its ACK.",
+    ["op"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+HANDOVER_SECONDS = Histogram(
+    "omnistage_handover_seconds",
+    "Duration of a hand-over round that slept or woke at least one stage.",
+    ["namespace", "group"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+BYTES_FREED = Counter(
+    "omnistage_bytes_freed_total",
+    "Device bytes freed by sleeps, as measured by the workers' ACKs.",
+    ["namespace", "group"],
+)
+FENCES = Counter(
+    "omnistage_fences_total",
+    "Stages fenced (pod deleted and confirmed gone) after a failed or missing sleep ACK.",
+    ["namespace", "group", "result"],
+)
+ROUNDS = Counter(
+    "omnistage_rounds_total",
+    "Arbitration rounds run, by outcome.",
+    ["namespace", "group", "outcome"],
+)

@@ -1,0 +1,111 @@
+"""Operator settings: command-line flags with environment defaults (the operator contract)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Settings", "SettingsError", "parse_settings"]
+
+
+class SettingsError(ValueError):
+    """A flag or environment variable has an invalid value."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the operator process is configured with."""
+
+    namespaces: tuple[str, ...] = ()  # empty: all namespaces
+    worker_token_file: str | None = None
+    worker_tls_ca: str | None = None
+    metrics_port: int = 8080
+    liveness_port: int = 8081
+    peering: str | None = None  # None: standalone
+    placement: str = "dra"
+    device_class: str = "gpu.nvidia.com"
+    sleep_timeout_s: float = 60.0
+    wake_timeout_s: float = 600.0
+    ack_retries: int = 3
+    status_timeout_s: float = 3.0
+    fence_timeout_s: float = 120.0
+    resync_interval_s: float = 10.0
+    wake_margin_bytes: int = 64 << 20
+    retry_backoff_s: float = 0.25
+
+    def worker_token(self) -> str | None:
+        """The bearer token the workers expect (read fresh; never logged)."""
+        if self.worker_token_file is None:
+            return None
+        with open(self.worker_token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+        if not token:
+            raise SettingsError(f"--worker-token-file {self.worker_token_file} is empty")
+        return token
+
+
+def _positive(value: str, flag: str, kind: type[float] | type[int]) -> float | int:
+    try:
+        number = kind(value)
+    except ValueError:
+        raise SettingsError(f"{flag}: expected a number, got {value!r}") from None
+    if number < 0 or (kind is int and number == 0 and flag != "--wake-margin-bytes"):
+        raise SettingsError(f"{flag}: must be positive, got {value!r}")
+    return number
+
+
+def parse_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Parse flags (``argv`` without the program name); unset flags come from ``environ``."""
+    env = os.environ if environ is None else environ
+    p = argparse.ArgumentParser(
+        prog="omnistage-operator",
+        description="Runs OmniStage stages and time-shares GPU memory between them.",
+    )
+    p.add_argument("--namespace", action="append", default=None, help="repeatable; default all")
+    p.add_argument("--worker-token-file", default=env.get("OMNISTAGE_WORKER_TOKEN_FILE"))
+    p.add_argument("--worker-tls-ca", default=env.get("OMNISTAGE_WORKER_TLS_CA"))
+    p.add_argument("--metrics-port", default=env.get("OMNISTAGE_METRICS_PORT", "8080"))
+    p.add_argument("--liveness-port", default=env.get("OMNISTAGE_LIVENESS_PORT", "8081"))
+    p.add_argument("--peering", default=env.get("OMNISTAGE_PEERING") or None)
+    p.add_argument(
+        "--placement", choices=("dra", "explicit"), default=env.get("OMNISTAGE_PLACEMENT", "dra")
+    )
+    p.add_argument("--device-class", default=env.get("OMNISTAGE_DEVICE_CLASS", "gpu.nvidia.com"))
+    p.add_argument("--sleep-timeout", default=env.get("OMNISTAGE_SLEEP_TIMEOUT", "60"))
+    p.add_argument("--wake-timeout", default=env.get("OMNISTAGE_WAKE_TIMEOUT", "600"))
+    p.add_argument("--ack-retries", default=env.get("OMNISTAGE_ACK_RETRIES", "3"))
+    p.add_argument("--fence-timeout", default=env.get("OMNISTAGE_FENCE_TIMEOUT", "120"))
+    p.add_argument("--resync-interval", default=env.get("OMNISTAGE_RESYNC_INTERVAL", "10"))
+    p.add_argument(
+        "--wake-margin-bytes", default=env.get("OMNISTAGE_WAKE_MARGIN_BYTES", str(64 << 20))
+    )
+    a = p.parse_args(list(argv) if argv is not None else None)
+    namespaces = a.namespace or [
+        ns.strip() for ns in env.get("OMNISTAGE_NAMESPACES", "").split(",") if ns.strip()
+    ]
+    ports = {}
+    for flag, value in (("--metrics-port", a.metrics_port), ("--liveness-port", a.liveness_port)):
+        port = int(_positive(value, flag, int))
+        if port > 65535:
+            raise SettingsError(f"{flag}: must be at most 65535, got {value!r}")
+        ports[flag] = port
+    return Settings(
+        namespaces=tuple(namespaces),
+        worker_token_file=a.worker_token_file or None,
+        worker_tls_ca=a.worker_tls_ca or None,
+        metrics_port=ports["--metrics-port"],
+        liveness_port=ports["--liveness-port"],
+        peering=a.peering,
+        placement=a.placement,
+        device_class=a.device_class,
+        sleep_timeout_s=float(_positive(a.sleep_timeout, "--sleep-timeout", float)),
+        wake_timeout_s=float(_positive(a.wake_timeout, "--wake-timeout", float)),
+        ack_retries=int(_positive(a.ack_retries, "--ack-retries", int)),
+        fence_timeout_s=float(_positive(a.fence_timeout, "--fence-timeout", float)),
+        resync_interval_s=float(_positive(a.resync_interval, "--resync-interval", float)),
+        wake_margin_bytes=int(_positive(a.wake_margin_bytes, "--wake-margin-bytes", int)),
+    )

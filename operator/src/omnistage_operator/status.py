@@ -1,0 +1,203 @@
+"""Pure assembly of an OmniStage's status from worker facts and the arbiter's decision.
+
+Everything written here comes from what the worker measured (GetStatus, ACKs) or from what
+the operator itself did (a fence); nothing is assumed from a spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from omnistage_operator import conditions as cond
+from omnistage_operator.arbiter import Blocker, BlockReason, WorkerPhase
+from omnistage_operator.facts import AckFacts, WorkerReport
+from omnistage_operator.quantities import format_bytes
+from omnistage_operator.spec import Phase
+
+__all__ = ["StageObservation", "build_status", "format_timestamp", "parse_timestamp"]
+
+
+def format_timestamp(epoch_s: float) -> str:
+    """RFC 3339 with microseconds (``requestedActiveAt``, ``lastAck.time``)."""
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_timestamp(text: str | None) -> float | None:
+    """Inverse of ``format_timestamp`` (also accepts whole seconds); None when absent or bad."""
+    if not text:
+        return None
+    for fmt in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.strptime(text, fmt).replace(tzinfo=UTC).timestamp()
+        except ValueError:
+            continue
+    return None
+
+
+@dataclass(frozen=True)
+class StageObservation:
+    """What the operator knows about one stage at the end of a round."""
+
+    generation: int
+    wants_active: bool
+    phase: WorkerPhase
+    report: WorkerReport | None = None
+    pod: str | None = None
+    node: str | None = None
+    last_ack: AckFacts | None = None
+    admitted: bool = False
+    waiting: tuple[Blocker, ...] = ()
+    fenced_reason: str | None = None
+    requested_active_at: float | None = None
+    sleep_level: int = 1
+
+
+def _state(o: StageObservation) -> Phase:
+    match o.phase:
+        case WorkerPhase.ACTIVE:
+            return Phase.ACTIVE
+        case WorkerPhase.LOADING:
+            return Phase.LOADING
+        case WorkerPhase.SLEEPING:
+            return Phase.SLEEPING
+        case WorkerPhase.WAKING:
+            return Phase.WAKING
+        case WorkerPhase.FAILED | WorkerPhase.UNREACHABLE:
+            return Phase.FAILED
+        case WorkerPhase.ASLEEP:
+            return Phase.WAITING if o.wants_active and o.waiting else Phase.ASLEEP
+        case _:
+            return Phase.WAITING if o.wants_active and o.waiting and o.pod else Phase.PENDING
+
+
+def _ack_status(ack: AckFacts) -> dict[str, Any]:
+    return {
+        "taskId": ack.task_id,
+        "op": ack.op,
+        "ok": ack.ok,
+        "level": ack.level,
+        "freedBytes": ack.freed_bytes,
+        "freed": format_bytes(max(ack.freed_bytes, 0)),
+        "usedAfterBytes": ack.used_after_bytes,
+        "durationSeconds": round(ack.duration_s, 6),
+        "time": format_timestamp(ack.finished_at) if ack.finished_at else None,
+        "startedAt": format_timestamp(ack.started_at) if ack.started_at else None,
+        "workers": list(ack.workers),
+        "error": ack.error or None,
+    }
+
+
+def _waiting_reason(blockers: Sequence[Blocker]) -> cond.Reason:
+    reasons = {b.reason for b in blockers}
+    if BlockReason.AWAITING_ACK in reasons:
+        return cond.Reason.WAITING_FOR_ACKS
+    if BlockReason.TOO_LARGE in reasons or BlockReason.FREE_TOO_LOW in reasons:
+        return cond.Reason.INSUFFICIENT_MEMORY
+    if BlockReason.MEMORY_CLAIMED in reasons:
+        return cond.Reason.LOWER_PRIORITY
+    return cond.Reason.WAITING_FOR_MEMORY
+
+
+def build_status(
+    o: StageObservation, previous: Mapping[str, Any] | None, now: datetime
+) -> dict[str, Any]:
+    """The full ``status`` for a merge patch (keys set to None are removed by the API)."""
+    prev = previous or {}
+    state = _state(o)
+    gen = o.generation
+    r = o.report
+    status: dict[str, Any] = {
+        "observedGeneration": gen,
+        "state": state.value,
+        "sleepLevel": (r.level if r is not None and r.phase is WorkerPhase.ASLEEP else None),
+        "pod": o.pod,
+        "node": o.node or (r.node if r is not None and r.node else None),
+        "waitingFor": sorted({b.stage for b in o.waiting if b.stage}) or None,
+        "requestedActiveAt": (
+            format_timestamp(o.requested_active_at) if o.requested_active_at else None
+        ),
+    }
+    if r is not None:
+        residual = r.used_bytes if r.phase is WorkerPhase.ASLEEP else 0
+        last_freed = o.last_ack.freed_bytes if o.last_ack and o.last_ack.op == "sleep" else None
+        status["memory"] = {
+            "usedBytes": r.used_bytes,
+            "capacityBytes": r.total_bytes,
+            "freeBytes": r.free_bytes,
+            "lastFreedBytes": last_freed,
+            "residualBytes": residual,
+            "used": format_bytes(r.used_bytes),
+            "capacity": format_bytes(r.total_bytes),
+            "lastFreed": format_bytes(max(last_freed, 0)) if last_freed is not None else None,
+            "source": r.source or None,
+        }
+    if o.last_ack is not None:
+        status["lastAck"] = _ack_status(o.last_ack)
+
+    cs: list[dict[str, Any]] | None = list(prev.get("conditions") or [])
+    ready = state is Phase.ACTIVE
+    ready_reason = {
+        Phase.ACTIVE: cond.Reason.WORKER_READY,
+        Phase.LOADING: cond.Reason.LOADING,
+        Phase.WAKING: cond.Reason.WAKING,
+        Phase.SLEEPING: cond.Reason.SLEEPING,
+        Phase.PENDING: cond.Reason.POD_PENDING,
+        Phase.FAILED: cond.Reason.WORKER_LOST
+        if o.phase is WorkerPhase.UNREACHABLE
+        else cond.Reason.FAILED,
+    }.get(state, cond.Reason.WORKER_NOT_READY)
+    ready_msg = f"worker is {o.phase.value}" + (f": {r.error}" if r is not None and r.error else "")
+    cs = cond.set_condition(cs, cond.READY, ready, ready_reason, ready_msg, gen, now)
+
+    asleep = o.phase is WorkerPhase.ASLEEP
+    ack = o.last_ack
+    slept_ok = ack is not None and ack.op == "sleep" and ack.ok
+    if asleep:
+        reason = cond.Reason.SLEEP_ACKNOWLEDGED if slept_ok else cond.Reason.DESIRED_ASLEEP
+        msg = f"worker reports asleep at level {r.level if r else '?'}"
+    else:
+        reason, msg = ready_reason, f"worker is {o.phase.value}"
+    cs = cond.set_condition(cs, cond.ASLEEP, asleep, reason, msg, gen, now)
+
+    if o.fenced_reason is not None:
+        cs = cond.set_condition(
+            cs, cond.MEMORY_RELEASED, True, cond.Reason.FENCED, o.fenced_reason, gen, now
+        )
+    elif asleep and r is not None:
+        if ack is not None and ack.op == "sleep" and not ack.ok:
+            mr, mr_reason = False, cond.Reason.ACK_FAILED
+            mr_msg = f"sleep ACK {ack.task_id} not ok: {ack.error}"
+        else:
+            mr, mr_reason = True, cond.Reason.MEMORY_VERIFIED
+            mr_msg = f"measured {format_bytes(r.used_bytes)} used on the device ({r.source})"
+            if slept_ok and ack is not None:
+                mr_msg += f"; ACK {ack.task_id} freed {format_bytes(max(ack.freed_bytes, 0))}"
+        cs = cond.set_condition(cs, cond.MEMORY_RELEASED, mr, mr_reason, mr_msg, gen, now)
+    elif o.phase is WorkerPhase.ABSENT or o.phase is WorkerPhase.STARTING:
+        cs = cond.set_condition(
+            cs, cond.MEMORY_RELEASED, True, cond.Reason.POD_PENDING, "no worker holds memory", gen,
+            now,
+        )  # fmt: skip
+    else:
+        used = format_bytes(r.used_bytes) if r is not None else "unknown"
+        cs = cond.set_condition(
+            cs, cond.MEMORY_RELEASED, False, ready_reason, f"worker holds {used}", gen, now
+        )
+
+    if o.admitted:
+        cs = cond.set_condition(
+            cs, cond.ADMITTED, True, cond.Reason.ADMITTED, "admitted to the group's memory", gen,
+            now,
+        )  # fmt: skip
+    elif not o.wants_active:
+        cs = cond.set_condition(
+            cs, cond.ADMITTED, False, cond.Reason.DESIRED_ASLEEP, "spec.state is Asleep", gen, now
+        )
+    else:
+        msg = "; ".join(b.message for b in o.waiting) or "waiting"
+        cs = cond.set_condition(cs, cond.ADMITTED, False, _waiting_reason(o.waiting), msg, gen, now)
+    status["conditions"] = cs
+    return status

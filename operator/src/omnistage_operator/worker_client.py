@@ -1,0 +1,69 @@
+"""grpc.aio client of a worker's SleepService: a deadline on every call, bearer token, optional TLS.
+
+Retries are the caller's business and always reuse the task id (the worker replays the first
+ACK for a repeated id). Every RPC failure becomes ``WorkerUnavailable`` naming the code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
+from omnistage_operator.facts import AckFacts, WorkerReport, ack_from_proto, report_from_proto
+from omnistage_operator.handover import WorkerUnavailable
+
+__all__ = ["WorkerClient"]
+
+_LEVELS = {1: types_pb2.SLEEP_LEVEL_OFFLOAD, 2: types_pb2.SLEEP_LEVEL_DISCARD}
+
+
+class WorkerClient:
+    """One channel to one worker (``host:port``)."""
+
+    def __init__(self, target: str, *, token: str | None = None, ca_pem: bytes | None = None):
+        self.target = target
+        options = [("grpc.enable_retries", 0), ("grpc.max_reconnect_backoff_ms", 1000)]
+        if ca_pem is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._stub = sleep_service_pb2_grpc.SleepServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+
+    async def close(self) -> None:
+        """Close the channel."""
+        await self._channel.close()
+
+    def _unavailable(self, what: str, exc: grpc.aio.AioRpcError) -> WorkerUnavailable:
+        return WorkerUnavailable(f"{what} at {self.target}: {exc.code().name}: {exc.details()}")
+
+    async def get_status(self, timeout_s: float) -> WorkerReport:
+        """GetStatus with a deadline."""
+        try:
+            resp = await self._stub.GetStatus(
+                sleep_service_pb2.GetStatusRequest(), timeout=timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise self._unavailable("GetStatus", exc) from exc
+        return report_from_proto(resp)
+
+    async def sleep(self, level: int, task_id: str, timeout_s: float) -> AckFacts:
+        """Sleep at ``level`` (1 or 2) under ``task_id``."""
+        if level not in _LEVELS:
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        req = sleep_service_pb2.SleepRequest(task_id=task_id, level=_LEVELS[level])
+        try:
+            resp = await self._stub.Sleep(req, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise self._unavailable(f"Sleep {task_id}", exc) from exc
+        return ack_from_proto(resp.ack)
+
+    async def wake(self, task_id: str, timeout_s: float) -> AckFacts:
+        """WakeUp under ``task_id``."""
+        req = sleep_service_pb2.WakeUpRequest(task_id=task_id)
+        try:
+            resp = await self._stub.WakeUp(req, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise self._unavailable(f"WakeUp {task_id}", exc) from exc
+        return ack_from_proto(resp.ack)
