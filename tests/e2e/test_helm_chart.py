@@ -228,6 +228,10 @@ def test_install_creates_a_locked_down_operator(
         args = [kind, name] + (["-n", namespace] if namespace else [])
         assert control_plane.kubectl("get", *args, check=False).returncode == 0, (kind, name)
     control_plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=30s")
+    notes = control_plane.helm("get", "notes", release.name, "-n", ns).stdout
+    assert f"kubectl -n {ns} rollout status deployment/{release.fullname}" in notes
+    assert "Serving OmniStages in: every namespace (RBAC scope: Cluster)" in notes
+    assert "networkPolicy.extraIngressFrom" in notes
 
 
 def test_operator_is_granted_every_contract_verb(
