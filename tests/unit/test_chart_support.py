@@ -40,11 +40,8 @@ def helm_binary() -> Path:
     try:
         return find_binaries().helm
     except BuildError as exc:
-        pytest.fail(
-            f"helm is needed to render the chart and is not built: {exc}. "
-            "Build it with `.venv/bin/python -m tests.cluster.build`.",
-            pytrace=False,
-        )
+        problem = str(exc)
+    pytest.fail(f"helm is needed to render the chart: {problem}", pytrace=False)
 
 
 def run_helm(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
