@@ -1,9 +1,12 @@
 """Build (or reuse) the control-plane binaries from the Go module proxy, cached by version.
 
 ``python -m tests.cluster.build`` builds kube-apiserver, kube-scheduler,
-kube-controller-manager, kubectl (Kubernetes ``K8S_VERSION``), the etcd server at the version
-that release pins, and helm, in ONE ``go build`` of the wrapper module ``tests/cluster/k8sbuild``
-so shared packages compile once. It is idempotent: a second run finds the binaries and returns.
+kube-controller-manager, kubectl (Kubernetes ``K8S_VERSION``) and the etcd server at the version
+that release pins in ONE ``go build`` of the wrapper module ``tests/cluster/k8sbuild`` (so shared
+packages compile once, with exactly the release's dependency versions), then helm from its own
+wrapper module ``tests/cluster/helmbuild`` (helm's own dependency versions: kept apart so helm's
+newer grpc/otel/x/* cannot change the Kubernetes binaries). It is idempotent: a second run finds
+the binaries and returns.
 
 Everything lives under ``${OMNISTAGE_CACHE:-~/.cache/omnistage}``: ``go/mod`` (GOMODCACHE),
 ``go/build`` (GOCACHE) and ``cluster-bin/<key>/`` (the binaries and ``build.json``, the build's
@@ -34,24 +37,36 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster.gomod import parse_release_gomod, render_tools_go, render_wrapper_gomod
+from tests.cluster.gomod import (
+    parse_release_gomod,
+    render_plain_gomod,
+    render_tools_go,
+    render_wrapper_gomod,
+    requirements,
+)
 
 K8S_VERSION = "v1.36.3"
 ETCD_VERSION = "v3.6.8"
 HELM_MODULE = "helm.sh/helm/v3"
 HELM_VERSION = "v3.21.4"
-WRAPPER_MODULE = "omnistage.test/k8sbuild"
-MODULE_DIR = Path(__file__).resolve().parent / "k8sbuild"
+HERE = Path(__file__).resolve().parent
+MODULE_DIR = HERE / "k8sbuild"
+HELM_MODULE_DIR = HERE / "helmbuild"
 
-# binary name -> Go package (the order is the order of the single `go build`)
-PACKAGES: dict[str, str] = {
+# binary name -> Go package, per wrapper module (one `go build` each)
+K8S_PACKAGES: dict[str, str] = {
     "kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
     "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
     "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
     "kubectl": "k8s.io/kubernetes/cmd/kubectl",
     "etcd": "go.etcd.io/etcd/server/v3",
-    "helm": f"{HELM_MODULE}/cmd/helm",
 }
+HELM_PACKAGES: dict[str, str] = {"helm": f"{HELM_MODULE}/cmd/helm"}
+PACKAGES: dict[str, str] = {**K8S_PACKAGES, **HELM_PACKAGES}
+BUILDS: tuple[tuple[Path, dict[str, str]], ...] = (
+    (MODULE_DIR, K8S_PACKAGES),
+    (HELM_MODULE_DIR, HELM_PACKAGES),
+)
 # the file name `go build -o DIR` gives each package's binary
 _GO_OUTPUT_NAME = {"etcd": "server"}
 
@@ -107,18 +122,21 @@ def go_env() -> dict[str, str]:
     return env
 
 
-def ldflags(build_date: str = "2026-01-01T00:00:00Z") -> str:
-    """Link flags: strip symbols and stamp the real versions into every binary."""
+def ldflags(module_dir: Path, build_date: str = "2026-01-01T00:00:00Z") -> str:
+    """Link flags: strip symbols and stamp the real versions into the module's binaries."""
     major, minor = K8S_VERSION[1:].split(".")[:2]
     flags = ["-s", "-w"]
-    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
-        flags += [
-            f"-X {pkg}.gitVersion={K8S_VERSION}",
-            f"-X {pkg}.gitMajor={major}",
-            f"-X {pkg}.gitMinor={minor}",
-            f"-X {pkg}.gitTreeState=clean",
-            f"-X {pkg}.buildDate={build_date}",
-        ]
+    if module_dir == MODULE_DIR:
+        for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+            flags += [
+                f"-X {pkg}.gitVersion={K8S_VERSION}",
+                f"-X {pkg}.gitMajor={major}",
+                f"-X {pkg}.gitMinor={minor}",
+                f"-X {pkg}.gitTreeState=clean",
+                f"-X {pkg}.buildDate={build_date}",
+            ]
+        return " ".join(flags)
+    # helm: its version, and the Kubernetes version its lint/template capabilities assume
     flags += [
         f"-X {HELM_MODULE}/internal/version.version={HELM_VERSION}",
         f"-X {HELM_MODULE}/internal/version.gitTreeState=clean",
@@ -134,13 +152,14 @@ def ldflags(build_date: str = "2026-01-01T00:00:00Z") -> str:
 def build_key() -> str:
     """Cache key: the versions plus a hash of the module files and the link flags."""
     h = hashlib.sha256()
-    for name in ("go.mod", "go.sum"):
-        path = MODULE_DIR / name
-        if not path.is_file():
-            raise BuildError(f"{path} is missing: run `python -m tests.cluster.build --regen`")
-        h.update(path.read_bytes())
-    h.update(ldflags().encode())
-    h.update(" ".join(PACKAGES.values()).encode())
+    for module_dir, packages in BUILDS:
+        for name in ("go.mod", "go.sum"):
+            path = module_dir / name
+            if not path.is_file():
+                raise BuildError(f"{path} is missing: run `python -m tests.cluster.build --regen`")
+            h.update(path.read_bytes())
+        h.update(ldflags(module_dir).encode())
+        h.update(" ".join(packages.values()).encode())
     return f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_helm-{HELM_VERSION}_{h.hexdigest()[:12]}"
 
 
@@ -225,8 +244,15 @@ def ensure_binaries(quiet: bool = False) -> Binaries:
         if not quiet:
             print(f"building control-plane binaries into {directory} (cold={cold})", flush=True)
         date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        cmd = [go, "build", "-trimpath", "-p", "2", "-ldflags", ldflags(date), "-o", str(staging)]
-        _run([*cmd, *PACKAGES.values()], MODULE_DIR)
+        parts: dict[str, float] = {}
+        for module_dir, packages in BUILDS:
+            t0 = time.monotonic()
+            flags = ldflags(module_dir, date)
+            cmd = [go, "build", "-trimpath", "-p", "2", "-ldflags", flags, "-o", str(staging)]
+            _run([*cmd, *packages.values()], module_dir)
+            parts[module_dir.name] = round(time.monotonic() - t0, 1)
+            if not quiet:
+                print(f"{module_dir.name}: {parts[module_dir.name]:.0f}s", flush=True)
         for name, out in _GO_OUTPUT_NAME.items():
             (staging / out).rename(staging / name)
         seconds = time.monotonic() - start
@@ -235,6 +261,7 @@ def ensure_binaries(quiet: bool = False) -> Binaries:
             raise BuildError(f"go build produced no {', '.join(missing)} in {staging}")
         record = {
             "seconds": round(seconds, 1),
+            "parts": parts,
             "cold": cold,
             "date": date,
             "cpus": os.cpu_count(),
@@ -283,20 +310,35 @@ def regenerate() -> None:
     (MODULE_DIR / "go.sum").unlink(missing_ok=True)
     (MODULE_DIR / "go.mod").write_text(
         render_wrapper_gomod(
-            WRAPPER_MODULE,
+            "omnistage.test/k8sbuild",
             K8S_VERSION,
             release,
             tuple(published),
-            extra_requires=(
-                ("go.etcd.io/etcd/server/v3", ETCD_VERSION),
-                (HELM_MODULE, HELM_VERSION),
-            ),
+            extra_requires=(("go.etcd.io/etcd/server/v3", ETCD_VERSION),),
         )
     )
-    (MODULE_DIR / "tools.go").write_text(render_tools_go(tuple(PACKAGES.values())))
+    (MODULE_DIR / "tools.go").write_text(render_tools_go(tuple(K8S_PACKAGES.values())))
+    HELM_MODULE_DIR.mkdir(parents=True, exist_ok=True)
+    (HELM_MODULE_DIR / "go.sum").unlink(missing_ok=True)
+    (HELM_MODULE_DIR / "go.mod").write_text(
+        render_plain_gomod("omnistage.test/helmbuild", release.go, ((HELM_MODULE, HELM_VERSION),))
+    )
+    (HELM_MODULE_DIR / "tools.go").write_text(render_tools_go(tuple(HELM_PACKAGES.values())))
     env = go_env()
     env["GOFLAGS"] = "-mod=mod"
-    subprocess.run([go, "mod", "tidy"], cwd=MODULE_DIR, env=env, check=True)
+    for module_dir, _ in BUILDS:
+        subprocess.run([go, "mod", "tidy"], cwd=module_dir, env=env, check=True)
+    _check_release_versions(info["GoMod"])
+
+
+def _check_release_versions(release_gomod: str) -> None:
+    """Fail if tidy moved any dependency of the Kubernetes binaries off the release's version."""
+    pinned = requirements(Path(release_gomod).read_text())
+    ours = requirements((MODULE_DIR / "go.mod").read_text())
+    moved = [f"{m} {v} -> {ours[m]}" for m, v in pinned.items() if m in ours and ours[m] != v]
+    moved = [line for line in moved if not line.startswith("k8s.io/")]
+    if moved:
+        raise BuildError("wrapper module moved release dependencies:\n" + "\n".join(moved))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,5 +11,4 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kubectl"
 	_ "go.etcd.io/etcd/server/v3"
-	_ "helm.sh/helm/v3/cmd/helm"
 )
