@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.procs import wait_for
 from tests.e2e.test_helm_support import (
     CRD_NAME,
     InstalledRelease,
@@ -432,6 +433,15 @@ def test_peering_install_creates_the_peering_and_its_grants(control_plane: Contr
         if control_plane.kubectl("get", "crd", crd, check=False).returncode != 0:
             control_plane.kubectl("create", "-f", str(crds), check=False)
         control_plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
+    # helm reads the API list from discovery: wait until it serves the new group.
+    wait_for(
+        "kopf.dev/v1 in API discovery",
+        lambda: (
+            control_plane.kubectl("get", "--raw", "/apis/kopf.dev/v1", check=False).returncode == 0
+        ),
+        30,
+        interval=0.2,
+    )
     release = install_chart(control_plane, {"peering": {"enabled": True, "name": "e2e-peering"}})
     try:
         control_plane.kubectl("get", "clusterkopfpeering", "e2e-peering")
