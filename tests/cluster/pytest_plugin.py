@@ -85,7 +85,7 @@ def local_nodes(control_plane: ControlPlane) -> Iterator[LocalNodes]:
         yield nodes
 
 
-_octets = itertools.count(11)
+_prefixes = itertools.count(1)
 
 
 @pytest.fixture
@@ -96,16 +96,12 @@ def make_local_nodes(control_plane: ControlPlane) -> Iterator[Callable[..., Loca
     def make(
         nodes: int = 1, gpus: int = 2, gpu_memory: int = 80 * GiB, name_prefix: str | None = None
     ) -> LocalNodes:
-        octet = next(_octets)
-        if octet > 254:
-            raise RuntimeError("make_local_nodes: out of pod address blocks")
         ln = LocalNodes(
             control_plane.kubeconfig,
             nodes=nodes,
             gpus=gpus,
             gpu_memory=gpu_memory,
-            name_prefix=name_prefix or f"gpu-x{octet}-",
-            ip_octet=octet,
+            name_prefix=name_prefix or f"gpu-x{next(_prefixes)}-",
         )
         ln.__enter__()
         started.append(ln)

@@ -11,7 +11,9 @@ driver ``gpu.nvidia.com`` listing ``gpu-0``.. with attributes type/uuid/index/pr
 capacity ``memory``; the DeviceClass ``gpu.nvidia.com``.
 
 What a pod gets (see ``runtime``):
-- an IP ``127.<octet>.<node index>.<n>`` (unique while it runs; host IP ``...<node index>.1``).
+- an IP ``127.<octet>.<node index>.<n>`` (unique while it runs; host IP ``...<node index>.1``;
+  ``octet`` is reserved per LocalNodes from 10 up with a lock file, so concurrent test sessions
+  on one host never share an address; see ``LocalNodes.node_ip``).
   On one host, ports of 0.0.0.0 are shared, so a pod's server must bind its podIP (pass it
   with ``fieldRef: status.podIP``); probes dial the podIP.
 - each container's command+args as a local process with the pod's env (``$(VAR)`` expansion,
@@ -39,13 +41,14 @@ What a pod gets (see ``runtime``):
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
@@ -56,6 +59,26 @@ from tests.cluster.procs import ManagedProcess, wait_for
 __all__ = ["LocalNodes"]
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def reserve_ip_octet(first: int = 10) -> tuple[int, IO[bytes]]:
+    """Reserve a second octet for pod IPs, unique among localnodes on this host.
+
+    Several test sessions may run at once on one machine; each LocalNodes holds an exclusive
+    lock on ``<tmp>/omnistage-localnode-ip/<octet>.lock`` while it runs (released by the OS if
+    the process dies), so no two hand out the same 127.x.y.z.
+    """
+    lock_dir = Path(tempfile.gettempdir()) / "omnistage-localnode-ip"
+    lock_dir.mkdir(exist_ok=True)
+    for octet in range(first, 255):
+        fh = (lock_dir / f"{octet}.lock").open("wb")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.close()
+            continue
+        return octet, fh
+    raise RuntimeError(f"no free pod IP block left in {lock_dir}")
 
 
 class LocalNodes:
@@ -69,11 +92,15 @@ class LocalNodes:
         gpus: int = 2,
         gpu_memory: int = 80 * GiB,
         name_prefix: str = "gpu-node-",
-        ip_octet: int = 10,
+        ip_octet: int | None = None,
         state_dir: Path | None = None,
         ready_timeout: float = 60.0,
     ):
         self.kubeconfig = kubeconfig
+        self._octet_lock: IO[bytes] | None = None
+        if ip_octet is None:
+            ip_octet, self._octet_lock = reserve_ip_octet()
+        self.ip_octet = ip_octet
         self.node_names = [f"{name_prefix}{i}" for i in range(nodes)]
         self.gpus = gpus
         self.gpu_memory = gpu_memory
@@ -135,6 +162,13 @@ class LocalNodes:
         if self._proc is not None:
             self._proc.stop(grace=20.0)
             self._proc = None
+        if self._octet_lock is not None:
+            self._octet_lock.close()
+            self._octet_lock = None
+
+    def node_ip(self, index: int = 0) -> str:
+        """The host IP of node ``index``; its pods get ``127.<octet>.<index>.2..254``."""
+        return f"127.{self.ip_octet}.{index}.1"
 
     def pod_log(self, pod: dict[str, Any], container: str) -> str:
         """The output of ``container`` of ``pod`` (from the annotation localnode wrote)."""

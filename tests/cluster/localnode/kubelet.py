@@ -231,7 +231,12 @@ class Kubelet:
         phase = (pod.get("status") or {}).get("phase")
         if meta.get("deletionTimestamp"):
             # nothing of it runs here: let it go now
-            body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+            body = {
+                "apiVersion": "v1",
+                "kind": "DeleteOptions",
+                "gracePeriodSeconds": 0,
+                "preconditions": {"uid": uid},
+            }
             with contextlib.suppress(ApiError):
                 await self.api.delete(
                     f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}", body

@@ -176,7 +176,12 @@ class PodRunner:
         return float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
 
     async def _delete_object(self) -> None:
-        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}}
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "gracePeriodSeconds": 0,
+            "preconditions": {"uid": self.uid},
+        }
         try:
             await self.api.delete(f"/api/v1/namespaces/{self.ns}/pods/{self.name}", body)
             log.info("pod %s: processes gone, object deleted", self.label)
