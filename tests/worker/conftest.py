@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage.worker.v1 import (
@@ -26,6 +27,10 @@ from omnistage_worker.server import WorkerServer
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 LOAD_TIMEOUT_S = 60.0
+
+# One intra-op thread: the CI machine has 2 shared cores, and oversubscribed OpenMP threads
+# make the tiny models' timings swing by 20x.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

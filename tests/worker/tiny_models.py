@@ -112,7 +112,12 @@ def build_diffusion_pipeline(directory: Path) -> Path:
     return directory
 
 
-def build_causal_lm(directory: Path) -> Path:
+def build_causal_lm(
+    directory: Path,
+    hidden_size: int = 32,
+    intermediate_size: int = 64,
+    num_hidden_layers: int = 2,
+) -> Path:
     """A tiny Llama with a WordLevel tokenizer trained on a few sentences."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -131,9 +136,9 @@ def build_causal_lm(directory: Path) -> Path:
     )
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,

@@ -64,7 +64,9 @@ def parse_quantity(text: str, flag: str = "quantity") -> int:
         raise ConfigError(flag, f"unknown unit {suffix!r} in {text!r}")
     whole, _, frac = number.partition(".")
     multiplier = _SUFFIXES[suffix]
-    value = int(whole) * multiplier + (int(frac) * multiplier) // (10 ** len(frac) if frac else 1)
+    value = int(whole or 0) * multiplier
+    if frac:
+        value += int(frac) * multiplier // 10 ** len(frac)
     return value
 
 

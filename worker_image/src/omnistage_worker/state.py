@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -53,29 +54,48 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
-async def _in_thread(fn: Callable[[], T]) -> T:
-    """Run ``fn`` in a daemon thread (it never holds up interpreter exit)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
+class DaemonLane:
+    """One long-lived daemon thread that runs blocking calls in order.
 
-    def deliver(ok: bool, value: Any) -> None:
-        if future.done():
-            return
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
+    Long-lived, so the engine and the model always run on the same threads (no per-call thread
+    and its allocator arena); daemon, so a call still running never holds up process exit.
+    """
 
-    def target() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:
-            loop.call_soon_threadsafe(deliver, False, exc)
-        else:
-            loop.call_soon_threadsafe(deliver, True, result)
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name=name).start()
 
-    threading.Thread(target=target, daemon=True, name="omnistage-work").start()
-    return await future
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            call()
+
+    def close(self) -> None:
+        """End the thread once the calls already queued have run."""
+        self._calls.put(None)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the lane's thread; its result or exception."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def deliver(ok: bool, value: Any) -> None:
+            if future.done():
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+        def call() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:
+                loop.call_soon_threadsafe(deliver, False, exc)
+            else:
+                loop.call_soon_threadsafe(deliver, True, result)
+
+        self._calls.put(call)
+        return await future
 
 
 class Worker:
@@ -101,6 +121,9 @@ class Worker:
         self.active_footprint = 0
         self._last_reading: Reading | None = None
         self.loaded = asyncio.Event()
+        # Transitions (and the load) run on one thread, Generate calls on another.
+        self._transition_lane = DaemonLane("omnistage-transitions")
+        self._generate_lane = DaemonLane("omnistage-generate")
 
     # -- state ----------------------------------------------------------------------------
 
@@ -150,7 +173,7 @@ class Worker:
     async def load(self) -> None:
         """Load the model and bring it to the initial state; FAILED with the reason on error."""
         try:
-            await _in_thread(self._load_blocking)
+            await self._transition_lane.run(self._load_blocking)
         except Exception as exc:
             log.exception("loading failed")
             await self._fail(f"loading {self.config.model} failed: {exc}")
@@ -307,7 +330,7 @@ class Worker:
             before = self._measure()
             controller = self._require_controller()
             try:
-                stats: Stats = await _in_thread(lambda: controller.sleep(level))
+                stats: Stats = await self._transition_lane.run(lambda: controller.sleep(level))
             except Exception as exc:
                 log.exception("sleep failed")
                 await self._fail(f"sleep to level {level} failed: {exc}")
@@ -381,12 +404,12 @@ class Worker:
             asleep_level = self._level
             await self._set_state(types_pb2.WORKER_STATE_WAKING, asleep_level)
             try:
-                stats: Stats = await _in_thread(controller.wake)
+                stats: Stats = await self._transition_lane.run(controller.wake)
             except Exception as exc:
                 log.exception("wake failed")
                 error = f"wake from level {asleep_level} failed: {exc}"
                 try:
-                    await _in_thread(lambda: controller.sleep(asleep_level))
+                    await self._transition_lane.run(lambda: controller.sleep(asleep_level))
                     await self._set_state(types_pb2.WORKER_STATE_ASLEEP, controller.level)
                 except Exception as again:
                     await self._fail(f"{error}; putting it back to sleep failed too: {again}")
@@ -461,7 +484,7 @@ class Worker:
 
         async def run() -> inference_service_pb2.GenerateResponse:
             try:
-                return await _in_thread(lambda: self.runner.generate(request))
+                return await self._generate_lane.run(lambda: self.runner.generate(request))
             finally:
                 self._inflight -= 1
                 if self._inflight == 0:
@@ -508,9 +531,11 @@ class Worker:
         return response
 
     def close(self) -> None:
-        """Release the probe (withdraws this worker from the memory ledger)."""
+        """Release the probe (withdraws this worker from the memory ledger) and the threads."""
         if self.probe is not None:
             self.probe.close()
+        self._transition_lane.close()
+        self._generate_lane.close()
 
 
 def _create_cuda_context(index: int) -> None:
