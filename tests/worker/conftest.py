@@ -71,7 +71,10 @@ class WorkerHandle:
 
     async def sleep(self, level: int, task_id: str | None = None) -> types_pb2.Ack:
         response = await self.sleep_stub.Sleep(
-            sleep_service_pb2.SleepRequest(task_id=task_id or new_task_id(), level=level),
+            sleep_service_pb2.SleepRequest(
+                task_id=task_id or new_task_id(),
+                level=level,  # type: ignore[arg-type]
+            ),
             metadata=self.metadata,
         )
         ack: types_pb2.Ack = response.ack
@@ -103,13 +106,13 @@ def new_task_id() -> str:
 
 
 async def wait_for(
-    condition: Callable[[], Awaitable[bool]], timeout: float = 30.0, what: str = "condition"
+    condition: Callable[[], Awaitable[bool]], within: float = 30.0, what: str = "condition"
 ) -> None:
-    """Poll ``condition`` until true, failing after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    """Poll ``condition`` until true, failing after ``within`` seconds."""
+    deadline = time.monotonic() + within
     while not await condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(0.02)
 
 

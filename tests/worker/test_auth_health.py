@@ -44,7 +44,7 @@ async def test_sleep_service_needs_the_token(
 ) -> None:
     stub = secured.sleep_stub
     for call in (
-        stub.Sleep(sleep_service_pb2.SleepRequest(task_id="a", level=1), metadata=metadata),
+        stub.Sleep(sleep_service_pb2.SleepRequest(task_id="a", level=1), metadata=metadata),  # type: ignore[arg-type]
         stub.WakeUp(sleep_service_pb2.WakeUpRequest(task_id="b"), metadata=metadata),
         stub.GetStatus(sleep_service_pb2.GetStatusRequest(), metadata=metadata),
     ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 import pytest
@@ -74,11 +75,11 @@ async def test_transitions_are_serialized(lm_worker: WorkerHandle) -> None:
     acks = await asyncio.gather(*calls)
     assert all(a.ok for a in acks)
     spans = sorted((a.started_at.ToNanoseconds(), a.finished_at.ToNanoseconds()) for a in acks)
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert start >= end  # no two transitions overlapped
     # Whatever the order, the figures chain: each one starts where the previous ended.
     ordered = sorted(acks, key=lambda a: a.started_at.ToNanoseconds())
-    for prev, nxt in zip(ordered, ordered[1:], strict=False):
+    for prev, nxt in itertools.pairwise(ordered):
         assert nxt.used_before_bytes == prev.used_after_bytes
 
 

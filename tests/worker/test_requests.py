@@ -20,7 +20,7 @@ async def rpc_error(call: object) -> grpc.aio.AioRpcError:
 @pytest.mark.parametrize("level", [0, 3, 7])
 async def test_sleep_level_invalid(lm_worker: WorkerHandle, level: int) -> None:
     err = await rpc_error(
-        lm_worker.sleep_stub.Sleep(sleep_service_pb2.SleepRequest(task_id="t", level=level))
+        lm_worker.sleep_stub.Sleep(sleep_service_pb2.SleepRequest(task_id="t", level=level))  # type: ignore[arg-type]
     )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "level" in (err.details() or "")
@@ -30,7 +30,7 @@ async def test_sleep_level_invalid(lm_worker: WorkerHandle, level: int) -> None:
 @pytest.mark.parametrize("task_id", ["", "   "])
 async def test_empty_task_id(lm_worker: WorkerHandle, task_id: str) -> None:
     for call in (
-        lm_worker.sleep_stub.Sleep(sleep_service_pb2.SleepRequest(task_id=task_id, level=1)),
+        lm_worker.sleep_stub.Sleep(sleep_service_pb2.SleepRequest(task_id=task_id, level=1)),  # type: ignore[arg-type]
         lm_worker.sleep_stub.WakeUp(sleep_service_pb2.WakeUpRequest(task_id=task_id)),
     ):
         err = await rpc_error(call)
