@@ -1,0 +1,331 @@
+"""The ``omnistage-worker`` command: flag errors, a real subprocess, SIGTERM, the memory ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from omnistage.worker.v1 import types_pb2
+from omnistage_worker.cli import build_parser, config_from_args
+from omnistage_worker.config import ConfigError
+from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
+
+WORKER = [sys.executable, "-m", "omnistage_worker"]
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*WORKER, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env or SUBPROCESS_ENV,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--runner", "ar", "--backend", "transformers", "--model", "/no/such/dir"], "--model"),
+        (["--runner", "diffusion", "--backend", "transformers", "--model", "."], "--backend"),
+        (["--runner", "ar", "--backend", "diffusers", "--model", "."], "--backend"),
+        (["--runner", "gan", "--backend", "diffusers", "--model", "."], "--runner"),
+        (
+            ["--runner", "ar", "--backend", "transformers", "--model", ".", "--device", "tpu"],
+            "--device",
+        ),
+        (
+            [
+                "--runner",
+                "ar",
+                "--backend",
+                "transformers",
+                "--model",
+                ".",
+                "--device",
+                "cuda:0",
+                "--memory-capacity",
+                "8Gi",
+            ],
+            "--memory-capacity",
+        ),
+        (
+            [
+                "--runner",
+                "ar",
+                "--backend",
+                "transformers",
+                "--model",
+                ".",
+                "--memory-capacity",
+                "lots",
+            ],
+            "--memory-capacity",
+        ),
+        (
+            [
+                "--runner",
+                "ar",
+                "--backend",
+                "transformers",
+                "--model",
+                ".",
+                "--memory-ledger",
+                "/tmp",
+            ],
+            "--memory-ledger",
+        ),
+        (
+            [
+                "--runner",
+                "ar",
+                "--backend",
+                "transformers",
+                "--model",
+                ".",
+                "--token-file",
+                "/no/such/token",
+            ],
+            "--token-file",
+        ),
+        (
+            [
+                "--runner",
+                "ar",
+                "--backend",
+                "transformers",
+                "--model",
+                ".",
+                "--tls-cert",
+                "pyproject.toml",
+            ],
+            "--tls-cert/--tls-key",
+        ),
+        (["--runner", "ar", "--backend", "vllm", "--model", "."], "--device"),
+        (
+            ["--runner", "ar", "--backend", "transformers", "--model", ".", "--sleep-level", "3"],
+            "--sleep-level",
+        ),
+        (
+            [
+                "--runner",
+                "ar",
+                "--backend",
+                "transformers",
+                "--model",
+                ".",
+                "--residual-slack",
+                "-5",
+            ],
+            "--residual-slack",
+        ),
+        (["--backend", "transformers", "--model", "."], "--runner"),
+    ],
+)
+def test_cli_errors_name_the_flag(args: list[str], flag: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert flag in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_empty_token_file(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("  \n")
+    result = run_cli(
+        "--runner", "ar", "--backend", "transformers", "--model", ".", "--token-file", str(token)
+    )
+    assert result.returncode == 2
+    assert "--token-file" in result.stderr and "empty" in result.stderr
+
+
+def test_environment_defaults(tmp_path: Path) -> None:
+    env = {
+        "OMNISTAGE_MEMORY_CAPACITY": "2Gi",
+        "OMNISTAGE_MEMORY_LEDGER": str(tmp_path),
+        "OMNISTAGE_STAGE": "painter",
+        "POD_NAME": "painter-0",
+        "POD_NAMESPACE": "ml",
+        "NODE_NAME": "gpu-node-1",
+    }
+    args = build_parser(env).parse_args(
+        ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
+    )
+    config = config_from_args(args)
+    assert config.memory_capacity == 2 * 1024**3
+    assert config.memory_ledger == tmp_path
+    identity = config.identity
+    assert (identity.stage, identity.pod, identity.namespace, identity.node) == (
+        "painter",
+        "painter-0",
+        "ml",
+        "gpu-node-1",
+    )
+    assert identity.pid == os.getpid()
+    args = build_parser({}).parse_args(
+        [
+            "--runner",
+            "ar",
+            "--backend",
+            "transformers",
+            "--model",
+            str(tmp_path),
+            "--device",
+            "cuda",
+            "--memory-capacity",
+            "1Gi",
+        ]
+    )
+    with pytest.raises(ConfigError) as info:
+        config_from_args(args)
+    assert info.value.flag == "--memory-capacity"
+
+
+class Subprocess:
+    """A real ``omnistage-worker`` process whose stderr goes to a file."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        self._log_file = log.open("w")
+        self.proc = subprocess.Popen(
+            [*WORKER, *args], stdout=self._log_file, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV
+        )
+
+    def port(self, within: float = 60.0) -> int:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            match = re.search(r"listening on [\d.]+:(\d+)", self.log.read_text())
+            if match:
+                return int(match.group(1))
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"worker did not start listening:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log_file.close()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[list[Subprocess]]:
+    started: list[Subprocess] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+async def test_ledger_and_sigterm(
+    start_worker: StartWorker, diffusion_dir: Path, tmp_path: Path, spawn: list[Subprocess]
+) -> None:
+    """Two workers share one fake device; a wake that does not fit is refused; SIGTERM drains."""
+    ledger = tmp_path / "ledger"
+    probe = await start_worker(diffusion_dir, "diffusion", "diffusers")
+    footprint = (await probe.status()).used_bytes
+    await probe.server.stop(0)
+    capacity = footprint * 3 // 2  # room for one awake pipeline, not two
+
+    a = await start_worker(
+        diffusion_dir, "diffusion", "diffusers", memory_capacity=capacity, memory_ledger=ledger
+    )
+    b_proc = Subprocess(
+        [
+            "--runner",
+            "diffusion",
+            "--backend",
+            "diffusers",
+            "--model",
+            str(diffusion_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--initial-state",
+            "asleep",
+            "--sleep-level",
+            "1",
+            "--memory-capacity",
+            str(capacity),
+            "--memory-ledger",
+            str(ledger),
+            "--stage",
+            "b-stage",
+            "--shutdown-grace",
+            "20",
+        ],
+        tmp_path / "b.log",
+    )
+    spawn.append(b_proc)
+    port = b_proc.port()
+    b = WorkerHandle(a.server, grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
+    try:
+
+        async def b_loaded() -> bool:
+            try:
+                return (await b.status()).state == types_pb2.WORKER_STATE_ASLEEP
+            except grpc.aio.AioRpcError:
+                return False
+
+        await wait_for(b_loaded, within=60, what="the subprocess worker to load")
+        b_status = await b.status()
+        assert b_status.worker.stage == "b-stage"
+        assert b_status.worker.pid == b_proc.proc.pid
+        assert b_status.used_bytes == 0
+        assert b_status.free_bytes == capacity - footprint  # it sees A's memory in the ledger
+
+        refused = await b.wake()
+        assert not refused.ok
+        assert "not enough free device memory" in refused.error
+        assert refused.state == types_pb2.WORKER_STATE_ASLEEP
+
+        assert (await a.sleep(1)).ok
+        woke = await b.wake()
+        assert woke.ok, woke.error
+        assert woke.free_after_bytes == capacity - footprint
+        assert (await a.status()).free_bytes == capacity - footprint
+        a_refused = await a.wake()
+        assert not a_refused.ok and "not enough free device memory" in a_refused.error
+
+        # SIGTERM with a request in flight: health goes NOT_SERVING, the request finishes.
+        health = health_pb2_grpc.HealthStub(b.channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+        first = await watch.read()
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        long_call = asyncio.ensure_future(
+            b.generate(prompt="a cat", seed=1, num_inference_steps=150)
+        )
+
+        async def inflight() -> bool:
+            return (await b.status()).inflight_requests == 1
+
+        await wait_for(inflight, what="the long request to start")
+        b_proc.proc.send_signal(signal.SIGTERM)
+        update = await asyncio.wait_for(watch.read(), 10)
+        assert update.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+        result = await long_call
+        assert result.image.png.startswith(b"\x89PNG")
+        returncode = await asyncio.to_thread(b_proc.proc.wait, 30)
+        assert returncode == 0, b_proc.log.read_text()
+        assert not (ledger / str(b_proc.proc.pid)).exists()
+        assert (await a.status()).free_bytes == capacity  # B withdrew from the ledger
+        log = b_proc.log.read_text()
+        assert "started asleep at level 1" in log
+        assert "shutting down" in log and "stopped" in log
+    finally:
+        await b.channel.close()
