@@ -51,6 +51,12 @@ async def test_lm_cycles_are_bit_identical(lm_worker: WorkerHandle, level: int) 
     assert status.active_footprint_bytes == status.used_bytes
     reference = await lm_output(lm_worker)
     assert len(reference[0]) == 8
+    controller = lm_worker.server.worker.controller
+    assert controller is not None
+    # Exactly the engine's flat device buffer: the weights plus their alignment padding.
+    placed = int(getattr(controller, "flat_bytes", weights))
+    assert status.used_bytes == placed
+    assert weights <= placed < weights + 256 * 64
 
     for cycle in range(2):
         slept = await lm_worker.sleep(level, task_id=f"sleep-{level}-{cycle}")
@@ -60,7 +66,7 @@ async def test_lm_cycles_are_bit_identical(lm_worker: WorkerHandle, level: int) 
         assert slept.state == ASLEEP and slept.level == level
         assert slept.task_id == f"sleep-{level}-{cycle}"
         assert slept.used_after_bytes == 0  # accounting: nothing left on the fake device
-        assert slept.freed_bytes == slept.used_before_bytes >= weights
+        assert slept.freed_bytes == slept.used_before_bytes == placed
         assert not slept.noop and not slept.replayed
         assert slept.residual_bound_bytes == 128 * 1024 * 1024
         assert slept.bytes_moved > 0 or level == 2

@@ -69,6 +69,17 @@ class DaemonLane:
         while (call := self._calls.get()) is not None:
             call()
 
+    def run_detached(self, fn: Callable[[], object]) -> None:
+        """Queue ``fn`` without waiting for it (errors are logged)."""
+
+        def call() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("background call failed")
+
+        self._calls.put(call)
+
     def close(self) -> None:
         """End the thread once the calls already queued have run."""
         self._calls.put(None)
@@ -236,7 +247,8 @@ class Worker:
 
     def snapshot(self) -> Reading | None:
         """A fresh reading, or the last one when measuring fails or nothing is loaded yet."""
-        if self.probe is None:
+        if self.probe is None or self._lock.locked():
+            # During a transition the engine is moving tensors: report the last measurement.
             return self._last_reading
         try:
             return self._measure()
@@ -282,6 +294,12 @@ class Worker:
     async def _sleep(self, task_id: str, level: int) -> types_pb2.Ack:
         async with self._lock:
             plan = plan_sleep(self.current, level)
+            if plan is Plan.DEEPEN and not self.runner.can_deepen:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"level: this backend cannot go from level {self._level} to {level} "
+                    "without waking (which would take device memory); wake it first",
+                )
             if level == 2 and not self.runner.supports_level2 and plan is not Plan.NOOP:
                 raise Refused(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -423,7 +441,9 @@ class Worker:
         """On a fake (accounting) device, refuse a wake that would not fit, as a GPU would OOM."""
         if before.source != types_pb2.MEMORY_SOURCE_ACCOUNTING:
             return ""
-        need = controller.weights_bytes - controller.device_bytes()
+        # What the wake allocates: the engine's flat buffer (weights plus alignment padding).
+        need = int(getattr(controller, "flat_bytes", controller.weights_bytes))
+        need -= controller.device_bytes()
         if need <= before.free:
             return ""
         return (
@@ -534,6 +554,9 @@ class Worker:
         """Release the probe (withdraws this worker from the memory ledger) and the threads."""
         if self.probe is not None:
             self.probe.close()
+        close = getattr(self.controller, "close", None)
+        if callable(close):
+            self._transition_lane.run_detached(close)
         self._transition_lane.close()
         self._generate_lane.close()
 

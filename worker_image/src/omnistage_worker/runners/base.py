@@ -108,6 +108,9 @@ class ModelRunner(ABC):
         # Generate calls run one at a time: pipelines and samplers keep per-call state.
         self._generate_lock = threading.Lock()
 
+    #: Whether a worker asleep at level 1 can drop its host copy (1 -> 2) without waking.
+    can_deepen: ClassVar[bool] = True
+
     @property
     def supports_level2(self) -> bool:
         """Whether a level-2 sleep can be woken from (the weights can be reloaded)."""

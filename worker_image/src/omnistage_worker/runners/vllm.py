@@ -9,6 +9,8 @@ imported only when this runner is chosen. Not tested in CI (no vLLM, no GPU ther
   memory (``wake_up(tags=["weights"])``), reloads the weights from the model directory
   (``collective_rpc("reload_weights")``), then restores the KV cache
   (``wake_up(tags=["kv_cache"])``).
+- 1 -> 2 while asleep is refused (FAILED_PRECONDITION): vLLM cannot drop its host copy
+  without first taking the device memory back, which could overrun another stage.
 
 Memory figures come from NVML for this process and its children (vLLM's engine core runs in a
 child process), never from vLLM's return values.
@@ -64,10 +66,10 @@ class VllmController:
     def sleep(self, level: int) -> VllmStats:
         if level <= self._level:
             return VllmStats(0, 0.0, True)
+        if self._level != 0:
+            # vLLM has no 1 -> 2 step that does not first take the device memory back.
+            raise RuntimeError("vLLM cannot go from level 1 to level 2 without waking")
         started = time.monotonic()
-        if self._level == 1 and level == 2:
-            # vLLM has no 1 -> 2 step: wake the weights, then sleep at 2 (drops the CPU copy).
-            self._llm.wake_up(tags=["weights"])
         self._llm.sleep(level=level)
         self._level = level
         return VllmStats(0, time.monotonic() - started, False)
@@ -97,6 +99,7 @@ class VllmRunner(ModelRunner):
 
     runner_kind = types_pb2.RUNNER_AR
     backend_kind = types_pb2.BACKEND_VLLM
+    can_deepen = False
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)

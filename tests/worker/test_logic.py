@@ -1,0 +1,177 @@
+"""Pure logic of the worker: quantities, devices, planning, health, acks, NVML mapping, ledger."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import pytest
+
+from omnistage.worker.v1 import types_pb2
+from omnistage_worker.acks import Outcome, build_ack
+from omnistage_worker.config import ConfigError, Identity, parse_device, parse_quantity
+from omnistage_worker.health import INFERENCE_SERVICE, NOT_SERVING, OVERALL, SERVING, statuses
+from omnistage_worker.memory import DeviceReading, Ledger, Reading, nvml_target
+from omnistage_worker.transitions import (
+    Current,
+    Plan,
+    Refused,
+    generate_refusal,
+    level_from_proto,
+    plan_sleep,
+    plan_wake,
+    residual_error,
+)
+
+WS = types_pb2
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1024", 1024),
+        ("80Gi", 80 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("1.5Gi", 3 * 2**29),
+        ("2G", 2 * 10**9),
+        ("4k", 4000),
+        (" 7 ", 7),
+    ],
+)
+def test_parse_quantity(text: str, value: int) -> None:
+    assert parse_quantity(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "Gi", "-1", "1.2.3", "12Xi", "ten"])
+def test_parse_quantity_refuses(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_quantity(text, "--memory-capacity")
+    assert info.value.flag == "--memory-capacity"
+
+
+def test_parse_device() -> None:
+    assert str(parse_device("cpu")) == "cpu"
+    assert str(parse_device("cuda")) == "cuda:0"
+    assert parse_device("cuda:3").index == 3
+    for bad in ("gpu", "cuda:x", "cpu:1", "cuda:-1"):
+        with pytest.raises(ConfigError):
+            parse_device(bad)
+
+
+ACTIVE = Current(WS.WORKER_STATE_ACTIVE, 0)
+ASLEEP1 = Current(WS.WORKER_STATE_ASLEEP, 1)
+ASLEEP2 = Current(WS.WORKER_STATE_ASLEEP, 2)
+
+
+def test_planning() -> None:
+    assert plan_sleep(ACTIVE, 1) is Plan.SLEEP
+    assert plan_sleep(ASLEEP1, 1) is Plan.NOOP
+    assert plan_sleep(ASLEEP1, 2) is Plan.DEEPEN
+    assert plan_sleep(ASLEEP2, 1) is Plan.NOOP
+    assert plan_wake(ACTIVE) is Plan.NOOP
+    assert plan_wake(ASLEEP2) is Plan.WAKE
+    with pytest.raises(Refused) as info:
+        plan_wake(Current(WS.WORKER_STATE_LOADING, 0))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(Refused) as info:
+        plan_sleep(Current(WS.WORKER_STATE_FAILED, 0, "boom"), 1)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.message == "worker failed: boom"
+
+
+def test_generate_refusals() -> None:
+    assert generate_refusal(ACTIVE) is None
+    messages = {
+        WS.WORKER_STATE_ASLEEP: "worker is asleep (level 2)",
+        WS.WORKER_STATE_SLEEPING: "worker is sleeping",
+        WS.WORKER_STATE_WAKING: "worker is waking",
+    }
+    for state, message in messages.items():
+        refusal = generate_refusal(Current(state, 2))
+        assert refusal is not None and refusal.message == message
+        assert refusal.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_levels_and_residual() -> None:
+    assert level_from_proto(WS.SLEEP_LEVEL_OFFLOAD) == 1
+    assert level_from_proto(WS.SLEEP_LEVEL_DISCARD) == 2
+    for bad in (0, 3, -1):
+        with pytest.raises(Refused) as info:
+            level_from_proto(bad)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.message.startswith("level:")
+    assert residual_error(100, 100) == ""
+    assert "101 bytes" in residual_error(101, 100)
+
+
+def test_health_statuses() -> None:
+    assert statuses(ACTIVE)[INFERENCE_SERVICE] == SERVING
+    assert statuses(ASLEEP1)[INFERENCE_SERVICE] == NOT_SERVING
+    assert statuses(ASLEEP1)[OVERALL] == SERVING
+    failed = statuses(Current(WS.WORKER_STATE_FAILED, 0, "x"))
+    assert set(failed.values()) == {NOT_SERVING}
+
+
+def test_ack_sums_devices() -> None:
+    def reading(used: tuple[int, int]) -> Reading:
+        return Reading(
+            (
+                DeviceReading("cuda:0", 0, "GPU-a", used[0], 1000 - used[0], 1000),
+                DeviceReading("cuda:1", 1, "GPU-b", used[1], 1000 - used[1], 1000),
+            ),
+            WS.MEMORY_SOURCE_NVML,
+        )
+
+    now = datetime.now(UTC)
+    ack = build_ack(
+        Outcome(
+            "t",
+            WS.OPERATION_SLEEP,
+            WS.WORKER_STATE_ASLEEP,
+            1,
+            reading((600, 500)),
+            reading((100, 50)),
+            now,
+            now,
+            0.25,
+            bytes_moved=950,
+            residual_bound=200,
+        ),
+        Identity(stage="s", pod="p", rank=1),
+    )
+    assert ack.ok and ack.level == WS.SLEEP_LEVEL_OFFLOAD
+    assert [d.freed_bytes for d in ack.devices] == [500, 450]
+    assert ack.freed_bytes == 950 and ack.used_after_bytes == 150
+    assert ack.free_after_bytes == 1850
+    assert ack.duration.ToMilliseconds() == 250
+    assert ack.worker.rank == 1 and ack.source == WS.MEMORY_SOURCE_NVML
+
+
+def test_nvml_target() -> None:
+    assert nvml_target(1, None) == ("index", "1")
+    assert nvml_target(0, "3,1") == ("index", "3")
+    assert nvml_target(1, "GPU-aaa, GPU-bbb") == ("uuid", "GPU-bbb")
+    with pytest.raises(ValueError, match="not visible"):
+        nvml_target(2, "0,1")
+
+
+def test_ledger_counts_live_workers_only(tmp_path: Path) -> None:
+    mine = Ledger(tmp_path)
+    mine.publish(100)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        theirs = Ledger(tmp_path, pid=other.pid)
+        theirs.publish(40)
+        assert mine.others_used() == 40
+        (tmp_path / "999999999").write_text('{"used": 7, "create_time": 0}')  # a dead pid
+        (tmp_path / "garbage").write_text("x")
+        assert mine.others_used() == 40
+    finally:
+        other.kill()
+        other.wait()
+    assert mine.others_used() == 0  # the other worker died without withdrawing
+    mine.remove()
+    assert not (tmp_path / str(mine.pid)).exists()
