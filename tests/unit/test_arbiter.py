@@ -147,3 +147,16 @@ def test_steady_state_orders_nothing() -> None:
     facts = {"a": ACTIVE, "b": ASLEEP}
     d = plan(intents, facts, GroupMemory(10 * GI, 4 * GI))
     assert (d.admitted, d.sleep, d.wake) == (("a",), (), ())
+
+
+def test_transition_in_progress_is_awaited_not_raced() -> None:
+    intents = {
+        "a": StageIntent("a", False),
+        "b": StageIntent("b", True, vram_request=GI),
+    }
+    for phase in (WorkerPhase.LOADING, WorkerPhase.SLEEPING, WorkerPhase.WAKING):
+        facts = {"a": StageFacts(phase), "b": StageFacts(WorkerPhase.ASLEEP, level=1)}
+        d = plan(intents, facts, GroupMemory(4 * GI, 4 * GI))
+        assert d.sleep == ()
+        assert d.wake == ()
+        assert d.waiting["b"][0].reason is BlockReason.MUST_SLEEP

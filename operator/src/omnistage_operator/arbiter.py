@@ -12,7 +12,8 @@ Rules (the operator's promise rests on them):
   capacity left by the stages admitted before it. The footprint is the active footprint its
   worker measured on its last wake, else ``vram.request``, else the whole device. While the
   capacity is unknown (no worker measured it yet) only the first stage is admitted.
-- Every stage that is not admitted and may hold memory gets a sleep order at its spec's level.
+- Every stage that is not admitted and may hold memory gets a sleep order at its spec's level,
+  except while its worker is Loading, Sleeping or Waking: that transition is awaited first.
   A stage may hold memory unless its pod is absent (API confirmed), it is a pod created asleep
   that was never reached, or its worker reported Asleep. An unreachable worker holds memory
   until it is fenced (its pod deleted and the deletion confirmed).
@@ -63,6 +64,7 @@ class WorkerPhase(StrEnum):
 
 _NOT_HOLDING = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING, WorkerPhase.ASLEEP})
 _IN_PROGRESS = frozenset({WorkerPhase.LOADING, WorkerPhase.WAKING})
+_TRANSITIONS = _IN_PROGRESS | {WorkerPhase.SLEEPING}
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,8 @@ def plan(
             continue
         intent, fact = intents[name], facts[name]
         if may_hold_memory(fact):
-            sleeps.append(SleepOrder(name, intent.sleep_level, releases_memory=True))
+            if fact.phase not in _TRANSITIONS:  # a transition in progress is awaited, not raced
+                sleeps.append(SleepOrder(name, intent.sleep_level, releases_memory=True))
         elif (
             fact.phase is WorkerPhase.ASLEEP
             and fact.level is not None
