@@ -1,1 +1,28 @@
-"""omnistage worker: serves one model stage and sleeps/wakes it with measured ACKs."""
+"""omnistage worker: serves one model stage and sleeps/wakes it with measured ACKs.
+
+Modules: ``cli`` (flags), ``config`` (validation), ``server`` (grpc.aio server), ``state`` (the
+worker and its serialized transitions), ``transitions`` (pure decisions), ``acks`` (Ack
+building, task-id memory), ``memory`` (NVML / accounting probes, CPU ledger), ``health``,
+``auth``, ``sleep_service``, ``inference_service``, ``runners`` (diffusers, transformers, vLLM)
+and ``engine`` (weight movement for the torch runners).
+
+Decisions a user of the worker should know:
+
+- Auth: with ``--token-file`` every SleepService call (Sleep, WakeUp, GetStatus) needs
+  ``authorization: Bearer <token>``; InferenceService, health and reflection stay open (the token
+  guards what can take a GPU away from another stage; inference is the stage's product).
+- Task ids: a repeated id joins (or replays) the first transition's Ack, ``replayed=true``; an id
+  reused for a different request is INVALID_ARGUMENT; the last 1024 ids are remembered.
+  A refused request (INVALID_ARGUMENT, UNAVAILABLE, ...) does not consume its id.
+- Sleep at level 1 while asleep at 2 is an ok no-op (the Ack says level 2).
+- A sleep refuses new Generate calls at once (FAILED_PRECONDITION "worker is sleeping"), then
+  waits for those in flight (up to 10 minutes; past that the Ack is ok=false and the worker
+  stays awake).
+- The Ack of a sleep is ok=false when the measured memory left exceeds the baseline (the CUDA
+  context measured by NVML before any weight loads; 0 on CPU) plus ``--residual-slack``.
+- On CPU with ``--memory-capacity`` a wake that would not fit in the fake device's free memory
+  (as the ledger shows it) is refused with ok=false, as a GPU would fail with out-of-memory.
+- While the model loads the gRPC server already answers: GetStatus says LOADING, Sleep/WakeUp
+  are UNAVAILABLE. A load failure leaves the worker FAILED with the reason (health "" then
+  NOT_SERVING, so a liveness probe restarts it).
+"""
