@@ -144,6 +144,9 @@ async def _sleep_or_fence(
     attempts = 0
     for attempt in range(max(1, policy.ack_retries)):
         attempts = attempt + 1
+        log.info(
+            "sleep %s: level %d to %s (attempt %d)", task_id, order.level, order.stage, attempts
+        )
         try:
             ack = await port.sleep(order.stage, order.level, task_id)
         except WorkerUnavailable as exc:
@@ -170,6 +173,7 @@ async def _sleep_or_fence(
 async def _wake(port: GroupPort, stage: str, task_id: str, policy: RoundPolicy) -> AckFacts | str:
     last = "no wake ACK"
     for attempt in range(max(1, policy.ack_retries)):
+        log.info("wake %s: to %s (attempt %d)", task_id, stage, attempt + 1)
         try:
             return await port.wake(stage, task_id)
         except WorkerUnavailable as exc:

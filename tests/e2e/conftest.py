@@ -1,0 +1,276 @@
+"""Fixtures for the operator's end-to-end tests on the local control plane.
+
+``omnistage_crd`` installs the CRD; ``tiny_models`` builds a tiny Llama and a tiny diffusers
+pipeline from configs (nothing downloaded); ``gpu_node`` starts a localnode node with ONE fake
+GPU of ``CAPACITY`` bytes, so the tiny diffusion stage fits only alone; ``operator`` runs the
+real ``omnistage-operator`` as a subprocess with the admin kubeconfig. Helpers poll for
+conditions with deadlines and read the workers' own GetStatus over gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from omnistage_operator.facts import WorkerReport
+from omnistage_operator.handover import WorkerUnavailable
+from omnistage_operator.worker_client import WorkerClient
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.localnode import LocalNodes
+from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "omnistages.omnistage.io.yaml"
+OPERATOR = str(Path(sys.executable).parent / "omnistage-operator")
+# Accounted weights: tiny Llama ~81 KiB, tiny SD ~1014 KiB. One SD fits, SD + anything does not.
+CAPACITY = 1_100_000
+WAKE_MARGIN = 16 * 1024
+TOKEN = "e2e-worker-token"
+T = TypeVar("T")
+
+
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = 120.0) -> T:
+    """Poll ``check`` until it returns a truthy value; fail naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def omnistage_crd(control_plane: ControlPlane) -> ControlPlane:
+    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    control_plane.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/omnistages.omnistage.io"
+    )
+    return control_plane
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("e2e-models")
+    return {"ar": build_causal_lm(root / "ar"), "sd": build_diffusion_pipeline(root / "sd")}
+
+
+@pytest.fixture
+def gpu_node(make_local_nodes: Callable[..., LocalNodes]) -> str:
+    """A fresh node with one fake GPU of ``CAPACITY`` bytes; returns its name."""
+    nodes = make_local_nodes(nodes=1, gpus=1, gpu_memory=CAPACITY)
+    return nodes.node_names[0]
+
+
+class OperatorProcess:
+    """The real operator as a subprocess."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, workdir: Path) -> None:
+        self.cp = cp
+        self.namespace = namespace
+        self.workdir = workdir
+        self.token_file = workdir / "token"
+        self.token_file.write_text(TOKEN)
+        self.log = workdir / "operator.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_port = _free_port()
+        self.liveness_port = _free_port()
+        self.extra: list[str] = []
+
+    def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        argv = [
+            OPERATOR,
+            "--namespace", self.namespace,
+            "--worker-token-file", str(self.token_file),
+            "--metrics-port", str(self.metrics_port),
+            "--liveness-port", str(self.liveness_port),
+            "--wake-margin-bytes", str(WAKE_MARGIN),
+            *self.extra,
+        ]  # fmt: skip
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        wait_for("operator liveness endpoint", self._healthy, 60)
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"operator exited {self.proc.returncode}:\n{self.tail()}")
+        try:
+            url = f"http://127.0.0.1:{self.liveness_port}/healthz"
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return str(resp.read().decode())
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def tail(self, n: int = 60) -> str:
+        if not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture
+def operator(
+    omnistage_crd: ControlPlane, namespace: str, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(omnistage_crd, namespace, tmp_path)
+    op.start()
+    yield op
+    op.stop()
+    print(f"--- operator log tail ---\n{op.tail()}")
+
+
+@dataclass
+class Cluster:
+    """kubectl helpers for one namespace."""
+
+    cp: ControlPlane
+    namespace: str
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.cp.apply(manifest, namespace=self.namespace)
+
+    def stage(self, name: str) -> dict[str, Any]:
+        return self.cp.get_json("omnistage", name, namespace=self.namespace)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.stage(name).get("status") or {})
+
+    def state(self, name: str) -> str | None:
+        return self.status(name).get("state")
+
+    def patch_state(self, name: str, state: str) -> None:
+        self.cp.kubectl(
+            "patch", "omnistage", name, "-n", self.namespace, "--type=merge",
+            "-p", f'{{"spec":{{"state":"{state}"}}}}',
+        )  # fmt: skip
+
+    def exists(self, kind: str, name: str) -> bool:
+        res = self.cp.kubectl("get", kind, name, "-n", self.namespace, check=False)
+        return res.returncode == 0
+
+    def pod(self, stage: str) -> dict[str, Any] | None:
+        res = self.cp.kubectl(
+            "get", "pod", f"{stage}-worker", "-n", self.namespace, "-o", "json", check=False
+        )
+        if res.returncode != 0:
+            return None
+        import json
+
+        return dict(json.loads(res.stdout))
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        data = self.cp.get_json(
+            "events", "--field-selector", f"involvedObject.name={name}", namespace=self.namespace
+        )
+        return list(data.get("items", []))
+
+    def worker_status(self, stage: str) -> WorkerReport | None:
+        """The worker's own GetStatus, dialled at its pod IP."""
+        pod = self.pod(stage)
+        ip = (pod or {}).get("status", {}).get("podIP")
+        if not ip:
+            return None
+        port = stage_port(pod or {})
+
+        async def call() -> WorkerReport | None:
+            client = WorkerClient(f"{ip}:{port}", token=TOKEN)
+            try:
+                return await client.get_status(2.0)
+            except WorkerUnavailable:
+                return None
+            finally:
+                await client.close()
+
+        return asyncio.run(call())
+
+
+def stage_port(pod: dict[str, Any]) -> int:
+    for c in pod["spec"]["containers"]:
+        for p in c.get("ports", []):
+            return int(p["containerPort"])
+    return 50051
+
+
+@pytest.fixture
+def cluster(omnistage_crd: ControlPlane, namespace: str) -> Cluster:
+    return Cluster(omnistage_crd, namespace)
+
+
+def stage_manifest(
+    name: str,
+    kind: str,
+    models: dict[str, Path],
+    node: str,
+    *,
+    group: str = "g1",
+    state: str = "Active",
+    priority: int = 0,
+    port: int | None = None,
+    sleep_level: int = 1,
+) -> dict[str, Any]:
+    """An OmniStage for the tiny ``kind`` ("ar" or "sd") model, pinned to ``node``."""
+    runner, backend = {"ar": ("AR", "Transformers"), "sd": ("Diffusion", "Diffusers")}[kind]
+    worker: dict[str, Any] = {"device": "cpu"}
+    if port is not None:
+        worker["port"] = port
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniStage",
+        "metadata": {"name": name},
+        "spec": {
+            "runner": runner,
+            "backend": backend,
+            "image": "omnistage/worker:e2e",
+            "model": {
+                "path": "/models/m",
+                "mountPath": "/models/m",
+                "volume": {"hostPath": {"path": str(models[kind]), "type": "Directory"}},
+            },
+            "state": state,
+            "sleepLevel": sleep_level,
+            "colocation": {"group": group, "priority": priority},
+            "gpus": 1,
+            "worker": worker,
+            "template": {"nodeSelector": {"kubernetes.io/hostname": node}},
+        },
+    }

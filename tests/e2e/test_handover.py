@@ -1,0 +1,218 @@
+"""ACK-gated hand-overs end to end: real API server, localnode, real workers, the real operator.
+
+Each test uses a fresh node with one fake GPU of ``CAPACITY`` bytes on which the tiny diffusion
+stage fits only alone (the workers account their tensors in a ledger shared per device).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from omnistage_operator.arbiter import WorkerPhase
+from tests.e2e.conftest import (
+    CAPACITY,
+    Cluster,
+    OperatorProcess,
+    stage_manifest,
+    wait_for,
+)
+from tests.e2e.conftest import TOKEN as _TOKEN
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+class MemoryWatch:
+    """Polls every worker's own GetStatus; records the largest sum of device memory held."""
+
+    def __init__(self, cluster: Cluster, stages: list[str]) -> None:
+        self.cluster = cluster
+        self.stages = stages
+        self.max_sum = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            used = 0
+            for s in self.stages:
+                rep = self.cluster.worker_status(s)
+                if rep is not None:
+                    used += rep.used_bytes
+            self.max_sum = max(self.max_sum, used)
+            self.samples += 1
+
+    def __enter__(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _active_pair(cluster: Cluster, models: dict[str, Path], node: str) -> None:
+    cluster.apply(stage_manifest("ar", "ar", models, node, state="Active"))
+    cluster.apply(stage_manifest("sd", "sd", models, node, state="Asleep"))
+    wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
+    wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
+
+
+def test_switch_waits_for_the_sleep_ack(
+    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu_node: str
+) -> None:
+    _active_pair(cluster, tiny_models, gpu_node)
+    with MemoryWatch(cluster, ["ar", "sd"]) as watch:
+        cluster.patch_state("sd", "Active")
+        wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
+    ar_status, sd_status = cluster.status("ar"), cluster.status("sd")
+
+    # The AR stage still wants Active but the latest ask took the memory: it waits for sd.
+    assert ar_status["state"] == "Waiting"
+    assert ar_status["waitingFor"] == ["sd"]
+    ack = ar_status["lastAck"]
+    assert (ack["op"], ack["ok"], ack["level"]) == ("sleep", True, 1)
+    assert ack["freedBytes"] > 0 and ack["usedAfterBytes"] == 0
+    assert ar_status["memory"]["usedBytes"] == 0
+    assert sd_status["lastAck"]["op"] == "wake" and sd_status["lastAck"]["ok"] is True
+
+    # The order, from the workers' own ACKs (their clocks, their measurements).
+    ar_worker = cluster.worker_status("ar")
+    sd_worker = cluster.worker_status("sd")
+    assert ar_worker is not None and sd_worker is not None
+    assert ar_worker.last_ack is not None and sd_worker.last_ack is not None
+    assert ar_worker.last_ack.op == "sleep" and ar_worker.last_ack.ok
+    assert sd_worker.last_ack.op == "wake" and sd_worker.last_ack.ok
+    assert ar_worker.last_ack.finished_at < sd_worker.last_ack.started_at
+    assert ar_worker.phase is WorkerPhase.ASLEEP and sd_worker.phase is WorkerPhase.ACTIVE
+    assert watch.samples > 0 and watch.max_sum <= CAPACITY
+
+    # kubectl get omnistages shows who holds the GPU.
+    out = cluster.cp.kubectl("get", "omnistages", "-n", cluster.namespace).stdout
+    header, *rows = out.strip().splitlines()
+    for col in ("STATE", "LEVEL", "GROUP", "USED", "FREED", "NODE", "AGE"):
+        assert col in header
+    by_name = {r.split()[0]: r for r in rows}
+    assert "Active" in by_name["sd"].split() and "Waiting" in by_name["ar"].split()
+    assert gpu_node in by_name["sd"].split()
+
+    reasons = {e["reason"] for e in cluster.events("ar")}
+    assert {"Slept", "StateChanged"} <= reasons
+    assert "omnistage_fences_total" in operator.metrics()
+
+
+def test_frozen_sleeper_is_fenced_before_the_wake(
+    cluster: Cluster, namespace: str, tmp_path: Path,
+    tiny_models: dict[str, Path], gpu_node: str,
+) -> None:  # fmt: skip
+    op = OperatorProcess(cluster.cp, namespace, tmp_path)
+    op.extra = ["--sleep-timeout", "2", "--ack-retries", "2", "--fence-timeout", "60"]
+    op.start()
+    try:
+        _active_pair(cluster, tiny_models, gpu_node)
+        pod = cluster.pod("ar")
+        assert pod is not None
+        old_uid = pod["metadata"]["uid"]
+        ar_worker = cluster.worker_status("ar")
+        assert ar_worker is not None
+        # Freeze the AR worker: it holds its memory and answers nothing (SIGSTOP via its pid).
+        pid = _worker_pid(cluster, "ar")
+        os.kill(pid, signal.SIGSTOP)
+        last_seen = [time.time()]
+        stop = threading.Event()
+
+        def watch_pod() -> None:
+            while not stop.is_set():
+                p = cluster.pod("ar")
+                if p is not None and p["metadata"]["uid"] == old_uid:
+                    last_seen[0] = time.time()
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch_pod, daemon=True)
+        watcher.start()
+        cluster.patch_state("ar", "Asleep")
+        cluster.patch_state("sd", "Active")
+        wait_for("sd Active", lambda: cluster.state("sd") == "Active", 180)
+        stop.set()
+        watcher.join(10)
+        sd_worker = cluster.worker_status("sd")
+        assert sd_worker is not None and sd_worker.last_ack is not None
+        # The wake started only after the frozen worker's pod was last seen in the API.
+        assert sd_worker.last_ack.started_at > last_seen[0]
+        reasons = [e["reason"] for e in cluster.events("ar")]
+        assert "Fenced" in reasons
+        assert 'omnistage_fences_total{group="g1"' in op.metrics()
+        conds = {c["type"]: c for c in cluster.status("ar").get("conditions", [])}
+        assert conds["MemoryReleased"]["reason"] == "Fenced"
+        # The stage gets a fresh pod, created asleep.
+        wait_for(
+            "a new ar pod",
+            lambda: (p := cluster.pod("ar")) is not None and p["metadata"]["uid"] != old_uid,
+            60,
+        )
+    finally:
+        op.stop()
+        print(op.tail())
+
+
+def _worker_pid(cluster: Cluster, stage: str) -> int:
+    """The worker's pid from its own GetStatus identity."""
+    import asyncio
+
+    from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc
+
+    pod = cluster.pod(stage)
+    assert pod is not None
+    ip = pod["status"]["podIP"]
+
+    async def call() -> int:
+        import grpc
+
+        async with grpc.aio.insecure_channel(f"{ip}:50051") as ch:
+            stub = sleep_service_pb2_grpc.SleepServiceStub(ch)
+            resp = await stub.GetStatus(
+                sleep_service_pb2.GetStatusRequest(),
+                timeout=5,
+                metadata=(("authorization", f"Bearer {_TOKEN}"),),
+            )
+            return int(resp.worker.pid)
+
+    return asyncio.run(call())
+
+
+def test_operator_killed_mid_handover_converges(
+    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu_node: str
+) -> None:
+    _active_pair(cluster, tiny_models, gpu_node)
+    pid = _worker_pid(cluster, "ar")
+    with MemoryWatch(cluster, ["ar", "sd"]) as watch:
+        # Freeze the AR worker so the hand-over is caught with its Sleep sent and no ACK yet.
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            cluster.patch_state("sd", "Active")
+            wait_for(
+                "the operator sending the sleep to ar",
+                lambda: "level 1 to ar" in operator.log.read_text(errors="replace"),
+                60,
+            )
+            operator.kill()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert cluster.state("sd") != "Active"
+        operator.start()
+        wait_for("sd Active after restart", lambda: cluster.state("sd") == "Active", 180)
+        wait_for("ar Waiting", lambda: cluster.state("ar") == "Waiting", 60)
+    assert watch.samples > 0
+    assert watch.max_sum <= CAPACITY, f"holders reached {watch.max_sum} > {CAPACITY}"
+    ar_worker = cluster.worker_status("ar")
+    sd_worker = cluster.worker_status("sd")
+    assert ar_worker is not None and ar_worker.phase is WorkerPhase.ASLEEP
+    assert sd_worker is not None and sd_worker.last_ack is not None
+    assert ar_worker.last_ack is not None
+    assert ar_worker.last_ack.finished_at < sd_worker.last_ack.started_at

@@ -1,0 +1,68 @@
+"""Operator end to end: priorities decide who holds the GPU; deletion removes every child."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import Cluster, OperatorProcess, stage_manifest, wait_for
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+def test_highest_priority_wish_gets_the_memory_and_hands_it_on(
+    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu_node: str
+) -> None:
+    # Three diffusion stages; each fits the fake GPU only alone.
+    for name, prio in (("low", 0), ("mid", 5), ("high", 10)):
+        cluster.apply(stage_manifest(name, "sd", tiny_models, gpu_node, priority=prio))
+    wait_for("high Active", lambda: cluster.state("high") == "Active", 240)
+    wait_for(
+        "mid and low waiting for high",
+        lambda: all(
+            cluster.status(n).get("state") == "Waiting"
+            and cluster.status(n).get("waitingFor") == ["high"]
+            for n in ("mid", "low")
+        ),
+        120,
+    )
+    # Lowering its wish hands the memory to the next priority, never to the lowest.
+    cluster.patch_state("high", "Asleep")
+    wait_for("mid Active", lambda: cluster.state("mid") == "Active", 120)
+    assert cluster.state("high") == "Asleep"
+    assert cluster.status("low")["waitingFor"] == ["mid"]
+    high, mid = cluster.worker_status("high"), cluster.worker_status("mid")
+    assert high is not None and mid is not None
+    assert high.last_ack is not None and mid.last_ack is not None
+    assert high.last_ack.op == "sleep" and high.last_ack.ok
+    assert high.last_ack.finished_at < mid.last_ack.started_at
+    conds = {c["type"]: c for c in cluster.status("low")["conditions"]}
+    assert conds["Admitted"]["status"] == "False"
+    assert conds["Admitted"]["reason"] == "LowerPriority"
+
+
+def test_delete_removes_pod_service_and_last_claim(
+    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu_node: str
+) -> None:
+    cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu_node, group="gdel"))
+    cluster.apply(stage_manifest("sd", "sd", tiny_models, gpu_node, group="gdel", state="Asleep"))
+    wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
+    wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
+    claim = "omnistage-gdel-gpus"
+    assert cluster.exists("resourceclaim", claim)
+    for stage in ("ar", "sd"):
+        assert cluster.exists("pod", f"{stage}-worker")
+        assert cluster.exists("service", f"{stage}-worker")
+    assert cluster.exists("secret", "omnistage-worker-token")
+
+    cluster.cp.kubectl("delete", "omnistage", "sd", "-n", cluster.namespace, "--wait=true")
+    wait_for("sd pod gone", lambda: not cluster.exists("pod", "sd-worker"), 60)
+    assert not cluster.exists("service", "sd-worker")
+    assert cluster.exists("resourceclaim", claim), "claim deleted while ar still uses it"
+    assert cluster.state("ar") == "Active"
+
+    cluster.cp.kubectl("delete", "omnistage", "ar", "-n", cluster.namespace, "--wait=true")
+    wait_for("ar pod gone", lambda: not cluster.exists("pod", "ar-worker"), 60)
+    assert not cluster.exists("service", "ar-worker")
+    wait_for("claim gone", lambda: not cluster.exists("resourceclaim", claim), 60)
