@@ -22,7 +22,7 @@ from omnistage_worker.config import ConfigError
 from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
 
 WORKER = [sys.executable, "-m", "omnistage_worker"]
-SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+SUBPROCESS_ENV = {**os.environ, "OMNISTAGE_CPU_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -160,6 +160,7 @@ def test_environment_defaults(tmp_path: Path) -> None:
         "POD_NAME": "painter-0",
         "POD_NAMESPACE": "ml",
         "NODE_NAME": "gpu-node-1",
+        "OMNISTAGE_CPU_THREADS": "1",
     }
     args = build_parser(env).parse_args(
         ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
@@ -175,6 +176,7 @@ def test_environment_defaults(tmp_path: Path) -> None:
         "gpu-node-1",
     )
     assert identity.pid == os.getpid()
+    assert config.cpu_threads == 1
     args = build_parser({}).parse_args(
         [
             "--runner",

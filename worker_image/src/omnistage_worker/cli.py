@@ -66,6 +66,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=env.get("POD_NAMESPACE", ""))
     p.add_argument("--node", default=env.get("NODE_NAME", ""))
     p.add_argument("--rank", type=int, default=int(env.get("OMNISTAGE_RANK", "0") or 0))
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=int(env["OMNISTAGE_CPU_THREADS"]) if env.get("OMNISTAGE_CPU_THREADS") else None,
+        help="torch intra-op threads (default: torch's choice); set it when workers share cores",
+    )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds (SIGTERM)")
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     return p
@@ -104,6 +110,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         ),
         dtype=args.dtype,
         shutdown_grace_s=args.shutdown_grace,
+        cpu_threads=args.cpu_threads,
     )
 
 

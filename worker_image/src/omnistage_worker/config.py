@@ -131,6 +131,7 @@ class WorkerConfig:
     shutdown_grace_s: float = 30.0
     drain_timeout_s: float = 600.0
     ack_cache_size: int = 1024
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -199,6 +200,8 @@ def validate(config: WorkerConfig) -> None:
         raise ConfigError("--rank", "must not be negative")
     if config.shutdown_grace_s < 0:
         raise ConfigError("--shutdown-grace", "must not be negative")
+    if config.cpu_threads is not None and config.cpu_threads < 1:
+        raise ConfigError("--cpu-threads", "must be at least 1")
     if config.ack_cache_size < 1:
         raise ConfigError("--ack-cache-size", "must be at least 1")
 

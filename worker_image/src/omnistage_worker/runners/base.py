@@ -150,6 +150,8 @@ class TorchRunner(ModelRunner):
 
         self.device = torch.device(str(config.device))
         self.dtype = torch_dtype(config.dtype)
+        if config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
 
     @abstractmethod
     def modules(self) -> Mapping[str, torch.nn.Module]:
