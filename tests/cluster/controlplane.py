@@ -195,6 +195,7 @@ class ControlPlane:
             "--service-cluster-ip-range=10.0.0.0/24",
             "--allow-privileged=true",
             "--runtime-config=resource.k8s.io/v1=true",
+            "--endpoint-reconciler-type=none",
             "--profiling=false",
             "--v=1",
         ]

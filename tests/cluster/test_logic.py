@@ -12,6 +12,7 @@ from tests.cluster.localnode.devices import (
     claim_devices,
     gpu_env,
     parse_visible_devices,
+    quantity,
     resource_slice,
 )
 from tests.cluster.localnode.expand import expand, rewrite_path
@@ -77,6 +78,13 @@ def test_devices_slices_and_gpu_env(tmp_path: Path) -> None:
     assert env["OMNISTAGE_MEMORY_CAPACITY"] == "2048"
     assert env["OMNISTAGE_MEMORY_LEDGER"] == str(tmp_path / "ledger" / "n0" / "gpu-0+gpu-1")
     assert gpu_env(node, [], tmp_path) == {}
+    assert sl["spec"]["devices"][0]["capacity"]["memory"]["value"] == "1Ki"
+    assert [quantity(n) for n in (80 * 1024**3, 3 * 1024**2, 1000, 0)] == [
+        "80Gi",
+        "3Mi",
+        "1000",
+        "0",
+    ]
     claim = {
         "status": {
             "allocation": {

@@ -43,6 +43,14 @@ class NodeSpec:
         return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{self.name}.{device}.localnode"))
 
 
+def quantity(n: int) -> str:
+    """Bytes as a canonical Kubernetes quantity (``80Gi``, ``512Mi``, ``1000``)."""
+    for suffix, unit in (("Ti", 1024**4), ("Gi", GiB), ("Mi", 1024**2), ("Ki", 1024)):
+        if n and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
 def node_manifest(node: NodeSpec) -> dict[str, Any]:
     """The Node object (metadata and spec) as a kubelet registers it."""
     return {
@@ -122,7 +130,7 @@ def resource_slice(node: NodeSpec, node_uid: str, generation: int = 1) -> dict[s
                 "index": {"int": i},
                 "productName": {"string": f"Fake GPU {node.gpu_memory // GiB}GiB"},
             },
-            "capacity": {"memory": {"value": str(node.gpu_memory)}},
+            "capacity": {"memory": {"value": quantity(node.gpu_memory)}},
         }
         for i, dev in enumerate(node.device_names())
     ]
