@@ -1,0 +1,330 @@
+"""The real API server enforces the OmniStage schema: bad manifests are refused naming the field.
+
+Runs against the local control plane (``control_plane`` and ``namespace`` fixtures from
+tests/cluster/pytest_plugin.py). Each bad manifest is a small change to a good one, applied
+with ``kubectl apply`` (``--validate=strict`` so unknown fields are errors too); the test
+checks the refusal names the field and says why, and that nothing was stored.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omnistage_operator.spec import parse_stage
+from tests.cluster.controlplane import ControlPlane
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "crds" / "omnistages.omnistage.io.yaml"
+EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
+
+
+def good(name: str = "stage") -> dict[str, Any]:
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniStage",
+        "metadata": {"name": name},
+        "spec": {
+            "runner": "AR",
+            "backend": "Transformers",
+            "image": "omnistage/omnistage-worker:0.1.0",
+            "model": {"path": "/models/tiny-llama"},
+            "colocation": {"group": "g1"},
+        },
+    }
+
+
+@pytest.fixture
+def cluster(control_plane: ControlPlane) -> ControlPlane:
+    """The control plane with the CRD applied and established."""
+    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    control_plane.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/omnistages.omnistage.io"
+    )
+    return control_plane
+
+
+def apply(
+    cp: ControlPlane, namespace: str, manifest: dict[str, Any], check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return cp.kubectl(
+        "apply", "--validate=strict", "-n", namespace, "-f", "-", input=json.dumps(manifest),
+        check=check,
+    )  # fmt: skip
+
+
+def get(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    out = cp.kubectl("get", "omnistage", name, "-n", namespace, "-o", "json").stdout
+    data: dict[str, Any] = json.loads(out)
+    return data
+
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _set(path: str, value: Any) -> Mutation:
+    def mutate(m: dict[str, Any]) -> None:
+        node = m
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+
+    return mutate
+
+
+def _drop(path: str) -> Mutation:
+    def mutate(m: dict[str, Any]) -> None:
+        node = m
+        *parents, last = path.split(".")
+        for p in parents:
+            node = node[p]
+        del node[last]
+
+    return mutate
+
+
+# (id, mutation, substrings the refusal must contain: the field, then why)
+BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
+    ("wrong-runner-enum", _set("spec.runner", "GAN"), ("spec.runner", "Unsupported value")),
+    ("wrong-state-enum", _set("spec.state", "Sleeping"), ("spec.state", "Unsupported value")),
+    ("missing-image", _drop("spec.image"), ("spec.image", "Required value")),
+    ("missing-colocation", _drop("spec.colocation"), ("spec.colocation", "Required value")),
+    ("missing-model-path", _set("spec.model", {}), ("spec.model.path", "Required value")),
+    (
+        "priority-out-of-range",
+        _set("spec.colocation.priority", 5000),
+        ("spec.colocation.priority", "less than or equal to 1000"),
+    ),
+    ("sleep-level-3", _set("spec.sleepLevel", 3), ("spec.sleepLevel", "less than or equal to 2")),
+    (
+        "sleep-level-0",
+        _set("spec.sleepLevel", 0),
+        ("spec.sleepLevel", "greater than or equal to 1"),
+    ),
+    ("port-too-low", _set("spec.worker.port", 80), ("spec.worker.port", "greater than or equal")),
+    ("port-too-high", _set("spec.worker.port", 70000), ("spec.worker.port", "less than or equal")),
+    ("gpus-over-8", _set("spec.gpus", 9), ("spec.gpus", "less than or equal to 8")),
+    (
+        "diffusion-with-transformers",
+        _set("spec.runner", "Diffusion"),
+        ("spec.backend", "runner Diffusion needs backend Diffusers"),
+    ),
+    (
+        "ar-with-diffusers",
+        _set("spec.backend", "Diffusers"),
+        ("spec.backend", "runner AR needs backend Transformers or VLLM"),
+    ),
+    (
+        "explicit-without-devices",
+        _set("spec.placement", {"mode": "Explicit", "nodeName": "gpu-node-1"}),
+        ("spec.placement.devices", "needs at least one device"),
+    ),
+    (
+        "explicit-without-node",
+        _set("spec.placement", {"mode": "Explicit", "devices": ["0"]}),
+        ("spec.placement.nodeName", "is required when spec.placement.mode is Explicit"),
+    ),
+    (
+        "bad-group-name",
+        _set("spec.colocation.group", "Bad_Group"),
+        ("spec.colocation.group", "should match"),
+    ),
+    ("bad-vram-quantity", _set("spec.vram.request", "16GB"), ("spec.vram.request", "should match")),
+    ("zero-vram", _set("spec.vram.request", "0"), ("spec.vram.request", "positive quantity")),
+    (
+        "unknown-field-strict",
+        _set("spec.colour", "blue"),
+        ('unknown field "spec.colour"',),
+    ),
+    (
+        "relative-model-path",
+        _set("spec.model.path", "models/x"),
+        ("spec.model.path", "should match"),
+    ),
+    (
+        "model-path-outside-mount",
+        _set("spec.model", {"path": "/data/x", "volume": {"emptyDir": {}}}),
+        ("spec.model.path", "must be under spec.model.mountPath"),
+    ),
+    (
+        "reserved-worker-flag",
+        _set("spec.worker.args", ["--port=1"]),
+        ("spec.worker.args", "must not set --runner"),
+    ),
+    (
+        "reserved-env",
+        _set("spec.template.env", [{"name": "POD_IP", "value": "1.2.3.4"}]),
+        ("spec.template.env[0].name", "must not set a variable the operator sets"),
+    ),
+    (
+        "reserved-label",
+        _set("spec.template.labels", {"omnistage.io/group": "other"}),
+        ("spec.template.labels", "set by the operator"),
+    ),
+    (
+        "name-too-long",
+        _set("metadata.name", "s" * 57),
+        ("metadata.name", "at most 56 characters"),
+    ),
+    ("bad-dtype", _set("spec.worker.dtype", "int4"), ("spec.worker.dtype", "Unsupported value")),
+]
+
+
+@pytest.mark.parametrize(("case", "mutate", "needles"), BAD, ids=[b[0] for b in BAD])
+def test_bad_manifest_is_refused_naming_the_field(
+    cluster: ControlPlane, namespace: str, case: str, mutate: Mutation, needles: tuple[str, ...]
+) -> None:
+    manifest = good(f"bad-{case}")
+    mutate(manifest)
+    proc = apply(cluster, namespace, manifest, check=False)
+    assert proc.returncode != 0, f"{case}: accepted, but should be refused:\n{proc.stdout}"
+    for needle in needles:
+        assert needle in proc.stderr, f"{case}: {needle!r} not in refusal:\n{proc.stderr}"
+    name = manifest["metadata"]["name"]
+    gone = cluster.kubectl("get", "omnistage", name, "-n", namespace, check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr
+
+
+def test_defaults_are_applied(cluster: ControlPlane, namespace: str) -> None:
+    apply(cluster, namespace, good("minimal"))
+    spec = get(cluster, namespace, "minimal")["spec"]
+    assert spec["state"] == "Active"
+    assert spec["sleepLevel"] == 1
+    assert spec["gpus"] == 1
+    assert spec["colocation"] == {"group": "g1", "priority": 0}
+    assert spec["model"] == {"path": "/models/tiny-llama", "mountPath": "/models"}
+    assert spec["placement"] == {"mode": "DRA"}
+    assert spec["worker"] == {"port": 50051}
+
+
+def test_int_vram_request_is_accepted(cluster: ControlPlane, namespace: str) -> None:
+    manifest = good("int-vram")
+    manifest["spec"]["vram"] = {"request": 17179869184}
+    apply(cluster, namespace, manifest)
+    stored = get(cluster, namespace, "int-vram")
+    assert parse_stage(stored).vram_request_bytes == 16 * 1024**3
+
+
+def _example_docs() -> list[dict[str, Any]]:
+    return [d for p in EXAMPLES for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def test_examples_are_accepted_and_parse_back(cluster: ControlPlane, namespace: str) -> None:
+    docs = _example_docs()
+    assert len(docs) >= 4
+    for path in EXAMPLES:
+        cluster.kubectl("apply", "--validate=strict", "-n", namespace, "-f", str(path))
+    for doc in docs:
+        stored = get(cluster, namespace, doc["metadata"]["name"])
+        assert stored["metadata"]["generation"] == 1
+        want = parse_stage({**doc, "metadata": {**doc["metadata"], "namespace": namespace}})
+        got = parse_stage(stored)
+        assert (got.runner, got.backend, got.model, got.state, got.sleep_level) == (
+            want.runner,
+            want.backend,
+            want.model,
+            want.state,
+            want.sleep_level,
+        )
+        assert (got.colocation, got.gpus, got.vram_request_bytes, got.worker) == (
+            want.colocation,
+            want.gpus,
+            want.vram_request_bytes,
+            want.worker,
+        )
+        assert got.template.env == want.template.env
+        assert got.template.tolerations == want.template.tolerations
+
+
+def _status(state: str, used: str, freed: str) -> dict[str, Any]:
+    return {
+        "status": {
+            "observedGeneration": 1,
+            "state": state,
+            "sleepLevel": 1,
+            "node": "node-1",
+            "pod": "p-worker",
+            "memory": {"usedBytes": 3435973836, "used": used, "source": "accounting"},
+            "lastAck": {
+                "taskId": "t-1",
+                "op": "sleep",
+                "ok": True,
+                "level": 1,
+                "freedBytes": 1,
+                "freed": freed,
+                "time": "2026-11-21T05:00:00Z",
+                "workers": ["p-worker"],
+            },
+            "waitingFor": [],
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "WorkerReady",
+                    "message": "serving",
+                    "lastTransitionTime": "2026-11-21T05:00:00Z",
+                    "observedGeneration": 1,
+                }
+            ],
+        }
+    }
+
+
+def patch_status(
+    cp: ControlPlane, namespace: str, name: str, body: dict[str, Any], check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return cp.kubectl(
+        "patch", "omnistage", name, "-n", namespace, "--subresource=status", "--type=merge",
+        "-p", json.dumps(body), check=check,
+    )  # fmt: skip
+
+
+def test_printer_columns_and_status(cluster: ControlPlane, namespace: str) -> None:
+    for name in ("alpha", "beta"):
+        apply(cluster, namespace, good(name))
+    patch_status(cluster, namespace, "alpha", _status("Active", "3.2Gi", "-3.2Gi"))
+    patch_status(cluster, namespace, "beta", _status("Asleep", "0", "3.1Gi"))
+
+    out = cluster.kubectl("get", "omnistages", "-n", namespace).stdout
+    lines = [line.split() for line in out.strip().splitlines()]
+    assert lines[0] == ["NAME", "STATE", "LEVEL", "GROUP", "USED", "FREED", "NODE", "AGE"]
+    rows = {row[0]: row for row in lines[1:]}
+    assert rows["alpha"][1:7] == ["Active", "1", "g1", "3.2Gi", "-3.2Gi", "node-1"]
+    assert rows["beta"][1:7] == ["Asleep", "1", "g1", "0", "3.1Gi", "node-1"]
+
+    short = cluster.kubectl("get", "ost", "-n", namespace, "-o", "name").stdout.split()
+    assert sorted(short) == ["omnistage.omnistage.io/alpha", "omnistage.omnistage.io/beta"]
+    category = cluster.kubectl("api-resources", "--categories=omnistage", "-o", "name").stdout
+    assert category.split() == ["omnistages.omnistage.io"]
+
+    wide = cluster.kubectl("get", "ost", "-n", namespace, "-o", "wide").stdout.splitlines()[0]
+    assert wide.split()[-4:] == ["DESIRED", "PRIORITY", "WAITING-FOR", "AGE"]
+
+    selected = cluster.kubectl(
+        "get", "ost", "-n", namespace, "--field-selector", "spec.colocation.group=g1", "-o", "name"
+    ).stdout.split()
+    assert len(selected) == 2
+    none = cluster.kubectl(
+        "get", "ost", "-n", namespace, "--field-selector", "spec.colocation.group=g2", "-o", "name"
+    ).stdout.split()
+    assert none == []
+
+    # status is a subresource: a spec write does not touch it, and bad status is refused too
+    stored = get(cluster, namespace, "alpha")
+    assert stored["status"]["lastAck"]["workers"] == ["p-worker"]
+    bad = patch_status(cluster, namespace, "alpha", {"status": {"state": "Bogus"}}, check=False)
+    assert bad.returncode != 0 and "status.state" in bad.stderr
+    dup = copy.deepcopy(_status("Active", "1", "1"))
+    dup["status"]["conditions"].append(dict(dup["status"]["conditions"][0]))
+    refused = patch_status(cluster, namespace, "alpha", dup, check=False)
+    assert refused.returncode != 0 and "status.conditions" in refused.stderr
