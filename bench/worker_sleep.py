@@ -311,7 +311,7 @@ def child_cycles(kind: str, model_dir: Path, l1_cycles: int, l2_cycles: int, gap
     files = {"model": sorted(model_dir.glob("*.safetensors"))}
     engine = WeightEngine({"model": model}, dev, files)
     activate = engine.activate()
-    reference = forward()
+    reference = forward().cpu()  # kept off the device: it would count as residual
     sync()
     active_used = nvml_process_bytes()
     pin_wait = timed(engine._take_host)  # the background pinning, normally hidden by serving time
@@ -335,7 +335,7 @@ def child_cycles(kind: str, model_dir: Path, l1_cycles: int, l2_cycles: int, gap
         allocator = torch.cuda.memory_reserved() if dev.type == "cuda" else 0
         time.sleep(pause)
         woke = engine.wake()
-        after = forward()
+        after = forward().cpu()
         sync()
         result["cycles"].append(
             {

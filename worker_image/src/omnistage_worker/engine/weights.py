@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture
+from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture, release_in_background
 from omnistage_worker.engine.layout import CopyRun, Layout, SlotSpec, plan_layout
 from omnistage_worker.engine.reload import FileLoader, FileRun
 from omnistage_worker.engine.safetensors_index import TensorEntry, read_indexes
@@ -78,6 +79,7 @@ class WeightEngine:
         self._host: HostBuffer | None = None
         self._host_future: HostBufferFuture | None = None
         self._host_valid = False
+        self._releasing: list[threading.Thread] = []
         self._kept: dict[int, torch.Tensor] = {}
         self._loose: list[tuple[torch.Tensor, torch.device]] = []
         self._pin_in_background = pin_in_background
@@ -208,6 +210,13 @@ class WeightEngine:
     def _new_flat(self) -> torch.Tensor:
         return torch.empty(self._layout.total_bytes, dtype=torch.uint8, device=self.device)
 
+    def _file_runs(self) -> list[FileRun]:
+        return [
+            FileRun(s.entry.path, CopyRun(s.entry.start, self._offsets[s.key].offset, s.nbytes))
+            for s in self._slots
+            if s.entry is not None and s.nbytes > 0
+        ]
+
     def _take_host(self) -> HostBuffer:
         if self._host is None:
             if self._host_future is not None:
@@ -222,11 +231,13 @@ class WeightEngine:
             self._host_future = HostBufferFuture(self._layout.total_bytes, pin=self._cuda)
 
     def _drop_host(self) -> None:
+        """Give the host copy back; unpinning (about 0.04 s per GiB) runs in the background."""
         if self._host_future is not None:
             self._host = self._host_future.result()
             self._host_future = None
         if self._host is not None:
-            self._host.release()
+            self._releasing = [t for t in self._releasing if t.is_alive()]
+            self._releasing.append(release_in_background(self._host))
             self._host = None
         self._host_valid = False
 
@@ -265,8 +276,12 @@ class WeightEngine:
             raise EngineError("activate() or start_asleep() was already called")
         started = time.perf_counter()
         flat = self._new_flat()
+        from_files = self._cuda and self._files_enabled
+        if from_files:  # the parallel reader beats a pageable copy of the loaded tensors (3x)
+            self._loader.load(self._file_runs(), flat)
         for slot in self._slots:
-            self._view(flat, slot).copy_(slot.tensors[0].data, non_blocking=False)
+            if not (from_files and slot.entry is not None):
+                self._view(flat, slot).copy_(slot.tensors[0].data, non_blocking=False)
         self._sync()
         self._flat = flat
         self._bind_views(flat)
@@ -349,9 +364,10 @@ class WeightEngine:
             self._host_valid = True
         else:
             moved = self._keep_unbacked(from_host=False)
-            self._drop_host()
         self._offload_loose()
         self._release_device()
+        if level == 2:
+            self._drop_host()  # after the device memory is free: that is what others wait for
         self.level = level
         return TransferStats(moved, time.perf_counter() - started)
 
@@ -371,12 +387,7 @@ class WeightEngine:
             self._sync()
             moved = self._layout.total_bytes
         else:
-            runs = [
-                FileRun(s.entry.path, CopyRun(s.entry.start, self._offsets[s.key].offset, s.nbytes))
-                for s in self._slots
-                if s.entry is not None and s.nbytes > 0
-            ]
-            moved = self._loader.load(runs, flat)
+            moved = self._loader.load(self._file_runs(), flat)
             for key, kept in self._kept.items():
                 slot = self._slots[key]
                 self._view(flat, slot).copy_(kept, non_blocking=False)
@@ -394,4 +405,6 @@ class WeightEngine:
     def close(self) -> None:
         """Free every buffer the engine holds."""
         self._drop_host()
+        for thread in self._releasing:
+            thread.join()
         self._loader.release()
