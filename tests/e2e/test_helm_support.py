@@ -187,7 +187,13 @@ def access_reviews(
     out = control_plane.kubectl(
         "create", "-o", "json", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs)
     ).stdout
-    parsed = json.loads(out)
-    items = parsed["items"] if parsed.get("kind") == "List" else [parsed]
+    # kubectl prints one JSON document per created object, one after another.
+    decoder = json.JSONDecoder()
+    items: list[dict[str, Any]] = []
+    pos = 0
+    while out[pos:].strip():
+        obj, end = decoder.raw_decode(out, out.index("{", pos))
+        items.extend(obj["items"] if obj.get("kind") == "List" else [obj])
+        pos = end
     assert len(items) == len(checks)
     return [bool(item["status"].get("allowed")) for item in items]
