@@ -184,6 +184,11 @@ async def main() -> int:
     await a_srv.stop(1)
 
     # --- a tiny diffusion pipeline: bit-identical PNG after sleep/wake on CUDA --------------
+    import gc
+
+    del a_srv
+    gc.collect()
+    torch.cuda.empty_cache()
     d_srv = WorkerServer(
         WorkerConfig(
             runner="diffusion",

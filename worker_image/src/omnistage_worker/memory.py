@@ -199,17 +199,25 @@ def process_tree(pid: int) -> set[int]:
 
 
 class NvmlProbe:
-    """NVML figures for this process (and its children) on one CUDA device."""
+    """NVML figures for this process on one CUDA device.
+
+    ``include_children`` also counts the process's descendants: vLLM runs its engine core in a
+    child process, which holds the weights. The torch runners count their own pid only, so a
+    process that happens to start another worker never reports that worker's memory.
+    """
 
     source = types_pb2.MEMORY_SOURCE_NVML
 
-    def __init__(self, torch_index: int, pid: int | None = None) -> None:
+    def __init__(
+        self, torch_index: int, pid: int | None = None, include_children: bool = False
+    ) -> None:
         import pynvml
 
         self._nvml: Any = pynvml
         pynvml.nvmlInit()
         self.pid = os.getpid() if pid is None else pid
         self.torch_index = torch_index
+        self.include_children = include_children
         self._handle = self._find_handle(torch_index)
         self.index = int(pynvml.nvmlDeviceGetIndex(self._handle))
         self.uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
@@ -232,7 +240,7 @@ class NvmlProbe:
 
     def _process_used(self) -> int:
         nvml = self._nvml
-        pids = process_tree(self.pid)
+        pids = process_tree(self.pid) if self.include_children else {self.pid}
         used = 0
         found = False
         procs: Iterable[Any] = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)

@@ -204,7 +204,7 @@ class Worker:
         started = time.monotonic()
         if config.device.is_cuda:
             _create_cuda_context(config.device.index)
-            self.probe = NvmlProbe(config.device.index)
+            self.probe = NvmlProbe(config.device.index, include_children=config.backend == "vllm")
             self.baseline = self.probe.read().used
             log.info(
                 "CUDA context measured by NVML: %d bytes (the residual baseline)", self.baseline
