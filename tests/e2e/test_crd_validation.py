@@ -3,7 +3,8 @@
 Runs against the local control plane (``control_plane`` and ``namespace`` fixtures from
 tests/cluster/pytest_plugin.py). Each bad manifest is a small change to a good one, applied
 with ``kubectl apply`` (``--validate=strict`` so unknown fields are errors too); the test
-checks the refusal names the field and says why, and that nothing was stored.
+checks the refusal names the field and says why, and that nothing was stored. It also
+server-side dry-runs the children the builders make (pod, Service, claim, Secret).
 """
 
 from __future__ import annotations
@@ -12,19 +13,30 @@ import copy
 import json
 import subprocess
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from omnistage_operator.spec import parse_stage
+from omnistage_operator.builders import (
+    build_group_claim,
+    build_service,
+    build_token_secret,
+    build_worker_pod,
+    owner_reference,
+)
+from omnistage_operator.conditions import MEMORY_RELEASED, READY, Reason, set_condition
+from omnistage_operator.quantities import format_bytes
+from omnistage_operator.spec import DesiredState, PlacementMode, parse_stage
 from tests.cluster.controlplane import ControlPlane
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "omnistages.omnistage.io.yaml"
+NOW = datetime(2026, 11, 21, 5, 0, tzinfo=UTC)
 EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
 
 
@@ -266,16 +278,16 @@ def _status(state: str, used: str, freed: str) -> dict[str, Any]:
                 "workers": ["p-worker"],
             },
             "waitingFor": [],
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "WorkerReady",
-                    "message": "serving",
-                    "lastTransitionTime": "2026-11-21T05:00:00Z",
-                    "observedGeneration": 1,
-                }
-            ],
+            # the operator's own helper makes the conditions, so their shape is checked here
+            "conditions": set_condition(
+                set_condition([], READY, True, Reason.WORKER_READY, "serving", 1, NOW),
+                MEMORY_RELEASED,
+                False,
+                Reason.RESIDUAL_MEMORY,
+                "still holds " + format_bytes(3435973836),
+                1,
+                NOW,
+            ),
         }
     }
 
@@ -322,9 +334,70 @@ def test_printer_columns_and_status(cluster: ControlPlane, namespace: str) -> No
     # status is a subresource: a spec write does not touch it, and bad status is refused too
     stored = get(cluster, namespace, "alpha")
     assert stored["status"]["lastAck"]["workers"] == ["p-worker"]
+    assert [c["type"] for c in stored["status"]["conditions"]] == ["Ready", "MemoryReleased"]
+    assert stored["status"]["conditions"][1]["message"] == "still holds 3.2Gi"
     bad = patch_status(cluster, namespace, "alpha", {"status": {"state": "Bogus"}}, check=False)
     assert bad.returncode != 0 and "status.state" in bad.stderr
     dup = copy.deepcopy(_status("Active", "1", "1"))
     dup["status"]["conditions"].append(dict(dup["status"]["conditions"][0]))
     refused = patch_status(cluster, namespace, "alpha", dup, check=False)
     assert refused.returncode != 0 and "status.conditions" in refused.stderr
+
+
+# --- the children the builders make are valid objects for this API server -----------------
+
+
+def _dry_run(cp: ControlPlane, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+    out = cp.kubectl(
+        "create", "--dry-run=server", "--validate=strict", "-n", namespace, "-o", "json",
+        "-f", "-", input=json.dumps(obj),
+    ).stdout  # fmt: skip
+    data: dict[str, Any] = json.loads(out)
+    return data
+
+
+def test_built_children_are_accepted_by_the_api_server(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    explicit = good("pinned")
+    explicit["spec"]["placement"] = {"mode": "Explicit", "nodeName": "gpu-node-0", "devices": ["0"]}
+    explicit["spec"]["template"] = {
+        "env": [{"name": "HF_HOME", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}],
+        "volumes": [{"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}}],
+        "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+        "resources": {
+            "requests": {"cpu": "500m", "memory": "1Gi"},
+            "limits": {"memory": 2147483648},
+        },
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "priorityClassName": "system-node-critical",
+    }
+    for path in EXAMPLES:
+        cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+    apply(cluster, namespace, explicit)
+    names = [d["metadata"]["name"] for d in _example_docs()] + ["pinned"]
+    groups: dict[str, int] = {}
+    for name in names:
+        stored = get(cluster, namespace, name)
+        stage = parse_stage(stored)
+        owner = owner_reference(stored)
+        for state in (DesiredState.ACTIVE, DesiredState.ASLEEP):
+            pod = _dry_run(
+                cluster, namespace, build_worker_pod(stage, initial_state=state, owner=owner)
+            )
+            (c,) = pod["spec"]["containers"]
+            assert c["readinessProbe"]["grpc"]["service"] == "omnistage.worker.v1.SleepService"
+            assert pod["metadata"]["ownerReferences"][0]["uid"] == stored["metadata"]["uid"]
+            assert ("resourceClaims" in pod["spec"]) == (name != "pinned")
+        svc = _dry_run(cluster, namespace, build_service(stage, owner=owner))
+        assert svc["spec"]["ports"][0]["name"] == "grpc"
+        if stage.placement.mode is PlacementMode.DRA:
+            groups[stage.group] = max(groups.get(stage.group, 0), stage.gpus)
+    for group, gpus in groups.items():
+        claim = _dry_run(cluster, namespace, build_group_claim(namespace, group, gpus))
+        request = claim["spec"]["devices"]["requests"][0]
+        assert request["exactly"]["count"] == gpus
+        assert request["exactly"]["deviceClassName"] == "gpu.nvidia.com"
+    secret = _dry_run(cluster, namespace, build_token_secret(namespace, "not-a-real-token"))
+    assert secret["metadata"]["name"] == "omnistage-worker-token"
