@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 from tests.cluster.build import K8S_VERSION, build_record
 from tests.cluster.controlplane import ControlPlane
@@ -137,3 +138,31 @@ def test_timing_figures(control_plane: ControlPlane) -> None:
     )
     assert float(str(record["seconds"])) > 0
     assert start < 60, f"control plane took {start:.1f}s to start"
+
+
+def test_helm_install_upgrade_uninstall(
+    control_plane: ControlPlane, namespace: str, tmp_path: Path
+) -> None:
+    chart = tmp_path / "probe"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text(
+        "apiVersion: v2\nname: probe\nversion: 0.1.0\nkubeVersion: '>=1.36.0-0'\n"
+    )
+    (chart / "values.yaml").write_text("color: blue\n")
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-cm\n"
+        "data:\n  color: {{ .Values.color | quote }}\n"
+        "  kube: {{ .Capabilities.KubeVersion.Version | quote }}\n"
+    )
+    lint = control_plane.helm("lint", "--strict", str(chart))
+    assert "1 chart(s) linted, 0 chart(s) failed" in lint.stdout
+    control_plane.helm("install", "rel", str(chart), "-n", namespace, "--wait", "--timeout", "60s")
+    cm = control_plane.get_json("configmap", "rel-cm", namespace=namespace)
+    assert cm["data"] == {"color": "blue", "kube": K8S_VERSION}
+    control_plane.helm("upgrade", "rel", str(chart), "-n", namespace, "--set", "color=red")
+    assert (
+        control_plane.get_json("configmap", "rel-cm", namespace=namespace)["data"]["color"] == "red"
+    )
+    control_plane.helm("uninstall", "rel", "-n", namespace, "--wait")
+    gone = control_plane.kubectl("get", "configmap", "rel-cm", "-n", namespace, check=False)
+    assert gone.returncode != 0

@@ -252,3 +252,101 @@ def test_extra_nodes_from_the_factory(
     devices = slices["items"][0]["spec"]["devices"]
     assert [d["name"] for d in devices] == ["gpu-0"]
     assert devices[0]["capacity"]["memory"]["value"] == "16Gi"
+
+
+def _stubborn_pod(name: str, grace: int, node: str | None = None) -> dict[str, Any]:
+    """A pod whose process ignores SIGTERM (so only SIGKILL after the grace period ends it)."""
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(600)"
+    )
+    spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": grace,
+        "containers": [{"name": "main", "image": "ignored", "command": [PY, "-c", script]}],
+    }
+    if node:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def test_grace_period_then_sigkill_and_object_goes_last(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    control_plane.apply(_stubborn_pod("stubborn", grace=3), namespace=namespace)
+    pod = wait_pod(
+        control_plane,
+        namespace,
+        "stubborn",
+        lambda p: p["status"].get("phase") == "Running",
+        "Running",
+    )
+    pid = _pid(pod)
+    deleted = time.monotonic()
+    control_plane.kubectl("delete", "pod", "stubborn", "-n", namespace, "--wait=false")
+    # the process ignores SIGTERM: the object must stay while the process lives
+    time.sleep(1.5)
+    assert _alive(pid)
+    still = control_plane.get_json("pod", "stubborn", namespace=namespace)
+    assert still["metadata"].get("deletionTimestamp")
+    wait_gone(control_plane, namespace, "stubborn", timeout=30)
+    assert not _alive(pid)
+    assert time.monotonic() - deleted >= 3, "the pod went before its grace period ended"
+
+
+def test_liveness_failure_restarts_the_container(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "unlively"},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "ignored",
+                    "command": [PY, "-c", "import time; time.sleep(600)"],
+                    "livenessProbe": {
+                        "exec": {"command": [PY, "-c", "raise SystemExit(1)"]},
+                        "periodSeconds": 1,
+                        "failureThreshold": 2,
+                    },
+                }
+            ],
+        },
+    }
+    control_plane.apply(pod, namespace=namespace)
+    restarted = wait_pod(
+        control_plane,
+        namespace,
+        "unlively",
+        lambda p: any(
+            c.get("restartCount", 0) >= 1 for c in p["status"].get("containerStatuses") or []
+        ),
+        "restarted by its liveness probe",
+        timeout=60,
+    )
+    last = restarted["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert last["exitCode"] == 128 + 15  # SIGTERM from the kubelet's kill
+
+
+def test_stopping_localnode_kills_its_pods_and_removes_its_nodes(
+    control_plane: ControlPlane, make_local_nodes: Any, namespace: str
+) -> None:
+    extra: LocalNodes = make_local_nodes(nodes=1, gpus=1)
+    node = extra.node_names[0]
+    control_plane.apply(_stubborn_pod("orphan", grace=30, node=node), namespace=namespace)
+    pod = wait_pod(
+        control_plane,
+        namespace,
+        "orphan",
+        lambda p: p["status"].get("phase") == "Running",
+        "Running",
+    )
+    assert pod["spec"]["nodeName"] == node
+    pid = _pid(pod)
+    extra.stop()
+    assert not _alive(pid), "localnode exited but left its pod's process running"
+    gone = control_plane.kubectl("get", "node", node, check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr

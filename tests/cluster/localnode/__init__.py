@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -104,6 +105,7 @@ class LocalNodes:
         self.node_names = [f"{name_prefix}{i}" for i in range(nodes)]
         self.gpus = gpus
         self.gpu_memory = gpu_memory
+        self._own_state_dir = state_dir is None
         self.state_dir = state_dir or Path(tempfile.mkdtemp(prefix="localnode-"))
         self.log = self.state_dir / "localnode.log"
         self._argv = [
@@ -165,6 +167,8 @@ class LocalNodes:
         if self._octet_lock is not None:
             self._octet_lock.close()
             self._octet_lock = None
+        if self._own_state_dir and not os.environ.get("OMNISTAGE_KEEP_CLUSTER"):
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def node_ip(self, index: int = 0) -> str:
         """The host IP of node ``index``; its pods get ``127.<octet>.<index>.2..254``."""

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     asyncio.run(_serve(args))
     return 0
 
