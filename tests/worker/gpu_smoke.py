@@ -211,6 +211,16 @@ async def main() -> int:
         results[f"diffusion_sleep{level}"] = brief(s)
     await d_srv.stop(1)
 
+    # A container with its own PID namespace: NVML does not know our pid. Pretend so, and
+    # check that the probe recognises this process by the growth of a probe allocation.
+    from omnistage_worker.memory import NvmlProbe
+    from omnistage_worker.state import _cuda_allocator
+
+    probe = NvmlProbe(0, pid=999_999_999)
+    probe.resolve_pid(_cuda_allocator(0))
+    checks["nvml_pid_recognised_by_growth"] = probe.pid == os.getpid()
+    results["nvml_processes"] = probe.processes()
+
     results["all_ok"] = all(checks.values())
     (out / "gpu_smoke.json").write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(checks, indent=1))

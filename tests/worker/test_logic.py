@@ -14,7 +14,7 @@ from omnistage.worker.v1 import types_pb2
 from omnistage_worker.acks import Outcome, build_ack
 from omnistage_worker.config import ConfigError, Identity, parse_device, parse_quantity
 from omnistage_worker.health import INFERENCE_SERVICE, NOT_SERVING, OVERALL, SERVING, statuses
-from omnistage_worker.memory import DeviceReading, Ledger, Reading, nvml_target
+from omnistage_worker.memory import DeviceReading, Ledger, Reading, nvml_target, pick_grown_pid
 from omnistage_worker.transitions import (
     Current,
     Plan,
@@ -156,6 +156,14 @@ def test_nvml_target() -> None:
     assert nvml_target(1, "GPU-aaa, GPU-bbb") == ("uuid", "GPU-bbb")
     with pytest.raises(ValueError, match="not visible"):
         nvml_target(2, "0,1")
+
+
+def test_pick_grown_pid() -> None:
+    n = 256
+    assert pick_grown_pid({1: 100, 2: 50}, {1: 100, 2: 50 + n}, n) == 2
+    assert pick_grown_pid({1: 100}, {1: 100, 7: n}, n) == 7  # a pid new to the list
+    assert pick_grown_pid({1: 0, 2: 0}, {1: n, 2: n}, n) is None  # ambiguous
+    assert pick_grown_pid({1: 0}, {1: n // 2}, n) is None  # not grown enough
 
 
 def test_ledger_counts_live_workers_only(tmp_path: Path) -> None:

@@ -190,6 +190,15 @@ def nvml_target(torch_index: int, env: str | None) -> tuple[str, str]:
     return "uuid", entry
 
 
+PROBE_BYTES = 256 * 1024 * 1024
+
+
+def pick_grown_pid(before: dict[int, int], after: dict[int, int], nbytes: int) -> int | None:
+    """The one pid whose NVML usage grew by about ``nbytes`` (None when not exactly one)."""
+    grown = [pid for pid, used in after.items() if used - before.get(pid, 0) >= nbytes * 9 // 10]
+    return grown[0] if len(grown) == 1 else None
+
+
 def process_tree(pid: int) -> set[int]:
     """``pid`` and all its descendants (vLLM runs its engine core in a child process)."""
     pids = {pid}
@@ -238,25 +247,53 @@ class NvmlProbe:
                 return handle
         raise ValueError(f"no NVML device has a UUID starting with {ident!r}")
 
-    def _process_used(self) -> int:
-        nvml = self._nvml
-        pids = process_tree(self.pid) if self.include_children else {self.pid}
-        used = 0
-        found = False
-        procs: Iterable[Any] = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        for proc in procs:
-            if proc.pid in pids:
-                found = True
-                used += int(proc.usedGpuMemory or 0)
-        if not found and not self._warned:
-            self._warned = True
-            log.warning(
-                "NVML lists no process of pid %d on device %d: if the container has its own "
-                "PID namespace, NVML reports host pids and this worker's figures read 0",
+    def processes(self) -> dict[int, int]:
+        """NVML's compute processes on the device: pid -> used bytes."""
+        procs: Iterable[Any] = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        return {int(p.pid): int(p.usedGpuMemory or 0) for p in procs}
+
+    def resolve_pid(self, allocate: Callable[[int], Callable[[], None]]) -> None:
+        """Find the pid NVML knows this process by (call once the CUDA context exists).
+
+        In a container with its own PID namespace NVML reports host pids, so ``os.getpid()``
+        is not in its list. Then this process is recognised by growth: ``allocate(n)`` takes n
+        device bytes (and returns the function that frees them); the one NVML pid that grew by
+        n, in two rounds that agree, is this process.
+        """
+        if self.pid in self.processes():
+            return
+        found: list[int | None] = []
+        for _ in range(2):
+            before = self.processes()
+            release = allocate(PROBE_BYTES)
+            try:
+                after = self.processes()
+            finally:
+                release()
+            found.append(pick_grown_pid(before, after, PROBE_BYTES))
+        if found[0] is not None and found[0] == found[1]:
+            log.info(
+                "NVML knows this process (pid %d here) as pid %d: container PID namespace",
                 self.pid,
-                self.index,
+                found[0],
             )
-        return used
+            self.pid = found[0]
+            self.include_children = False  # descendants' host pids are unknown
+            return
+        log.error(
+            "NVML does not list this process (pid %d) and it could not be recognised by "
+            "growth (candidates %s): its figures will read 0, and sleep Acks cannot be trusted",
+            self.pid,
+            found,
+        )
+
+    def _process_used(self) -> int:
+        pids = process_tree(self.pid) if self.include_children else {self.pid}
+        listed = self.processes()
+        if not pids & listed.keys() and not self._warned:
+            self._warned = True
+            log.warning("NVML lists no process of pid %d on device %d", self.pid, self.index)
+        return sum(used for pid, used in listed.items() if pid in pids)
 
     def read(self) -> Reading:
         info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)

@@ -561,6 +561,26 @@ class Worker:
         self._generate_lane.close()
 
 
+def _cuda_allocator(index: int) -> Callable[[int], Callable[[], None]]:
+    """``allocate(n)``: take n bytes on the device (outside the caching allocator's pool)."""
+    import torch
+
+    def allocate(nbytes: int) -> Callable[[], None]:
+        block = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+        block.fill_(1)
+        torch.cuda.synchronize(index)
+
+        def release() -> None:
+            nonlocal block
+            del block
+            torch.cuda.synchronize(index)
+            torch.cuda.empty_cache()
+
+        return release
+
+    return allocate
+
+
 def _create_cuda_context(index: int) -> None:
     """Create the CUDA context before any weight loads, so NVML can measure it alone."""
     import torch
