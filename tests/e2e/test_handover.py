@@ -28,7 +28,11 @@ pytestmark = [pytest.mark.timeout(600)]
 
 
 class MemoryWatch:
-    """Polls every worker's own GetStatus; records the largest sum of device memory held."""
+    """Polls the workers' own GetStatus; records the most device memory held at one instant.
+
+    Each worker reads the device's shared ledger at once (free = capacity - every live
+    worker's bytes, not clamped), so ``total - free`` of one reading is a consistent sum.
+    """
 
     def __init__(self, cluster: Cluster, stages: list[str]) -> None:
         self.cluster = cluster
@@ -40,13 +44,11 @@ class MemoryWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            used = 0
             for s in self.stages:
                 rep = self.cluster.worker_status(s)
-                if rep is not None:
-                    used += rep.used_bytes
-            self.max_sum = max(self.max_sum, used)
-            self.samples += 1
+                if rep is not None and rep.total_bytes > 0:
+                    self.max_sum = max(self.max_sum, rep.total_bytes - rep.free_bytes)
+                    self.samples += 1
 
     def __enter__(self) -> MemoryWatch:
         self._thread.start()
