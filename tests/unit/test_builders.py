@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from omnistage_operator.builders import (
     build_service,
     build_token_secret,
     build_worker_pod,
+    can_start_asleep,
     claim_name,
     owner_reference,
     pod_claim_name,
@@ -21,6 +24,7 @@ from omnistage_operator.builders import (
     pod_spec_hash,
     service_name,
     worker_args,
+    worker_device,
 )
 from omnistage_operator.spec import DesiredState, StageSpec, parse_stage
 
@@ -112,7 +116,8 @@ def test_diffusion_args() -> None:
     stage, _ = make(runner="Diffusion", backend="Diffusers", sleepLevel=2)
     args = worker_args(stage, initial_state=DesiredState.ACTIVE)
     assert args[:4] == ["--runner", "diffusion", "--backend", "diffusers"]
-    assert "--device" not in args and "--dtype" not in args
+    assert "--dtype" not in args
+    assert args[args.index("--device") + 1] == "cuda"  # unset device with GPUs: cuda
     assert args[args.index("--sleep-level") + 1] == "2"
 
 
@@ -365,3 +370,60 @@ def test_pod_spec_hash_tracks_only_restart_fields() -> None:
     ]
     hashes = {pod_spec_hash(make(**change)[0]) for change in different}
     assert h not in hashes and len(hashes) == len(different)
+
+
+@pytest.mark.parametrize(
+    ("device", "gpus", "expected"),
+    [(None, 1, "cuda"), ("auto", 2, "cuda"), (None, 0, "cpu"), ("auto", 0, "cpu"),
+     ("cpu", 1, "cpu"), ("cuda", 1, "cuda")],
+)  # fmt: skip
+def test_worker_device_never_auto(device: str | None, gpus: int, expected: str) -> None:
+    worker = {} if device is None else {"device": device}
+    stage, _ = make(worker=worker, gpus=gpus)
+    assert worker_device(stage) == expected
+    args = worker_args(stage, initial_state=DesiredState.ACTIVE)
+    assert args[args.index("--device") + 1] == expected
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {},
+        {"runner": "Diffusion", "backend": "Diffusers", "sleepLevel": 2, "worker": {"port": 6000}},
+        {"gpus": 0, "worker": {"dtype": "bfloat16"}},
+        {"backend": "VLLM", "worker": {"device": "cuda"}},
+    ],
+)
+def test_args_are_accepted_by_the_real_worker_cli(spec: dict[str, Any], tmp_path: Path) -> None:
+    """The pod's args, expanded as the kubelet does, parse with the worker's own CLI."""
+    from omnistage_worker.cli import build_parser, config_from_args
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    stage, owner = make(**spec, model={"path": str(model_dir)})
+    state = DesiredState.ASLEEP if can_start_asleep(stage) else DesiredState.ACTIVE
+    pod = build_worker_pod(stage, initial_state=state, owner=owner)
+    c = container(pod)
+    env = {"POD_IP": "127.0.0.7"}
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+    token = tmp_path / "token"
+    token.write_text("t0k3n")
+    args = [str(token) if a == "/var/run/secrets/omnistage/token" else a for a in args]
+    assert c["command"] == ["omnistage-worker"]
+    config = config_from_args(build_parser({}).parse_args(args))
+    assert (config.runner, config.backend) == (stage.runner.cli, stage.backend.cli)
+    assert str(config.model) == stage.model.path
+    assert (config.host, config.port) == ("127.0.0.7", stage.worker.port)
+    assert (config.initial_state, config.sleep_level) == (state.cli, stage.sleep_level)
+    assert config.device.kind == ("cuda" if stage.gpus else "cpu")
+    assert config.dtype == (stage.worker.dtype or "auto")
+
+
+def test_vllm_cannot_start_asleep() -> None:
+    stage, owner = make(backend="VLLM")
+    assert not can_start_asleep(stage)
+    assert can_start_asleep(make()[0])
+    with pytest.raises(ValueError, match="cannot start asleep"):
+        build_worker_pod(stage, initial_state=DesiredState.ASLEEP, owner=owner)
+    pod = build_worker_pod(stage, initial_state=DesiredState.ACTIVE, owner=owner)
+    assert "--backend" in container(pod)["args"]

@@ -18,14 +18,17 @@ Names and constants:
     ``GENERATION_ANNOTATION``, ``POD_SPEC_HASH_ANNOTATION``, ``TOKEN_SHA256_ANNOTATION``.
 Builders:
     ``owner_reference(body) -> dict`` (controller=true, blockOwnerDeletion=true)
-    ``worker_args(stage, *, initial_state, sleep_level=None) -> list[str]``
+    ``worker_args(stage, *, initial_state, sleep_level=None) -> list[str]`` (always with
+    ``--device``: see ``worker_device(stage) -> "cpu" | "cuda"``)
     ``pod_spec_hash(stage) -> str``: 16 hex digits over the spec fields a running pod cannot
     follow (image, runner, backend, model, gpus, placement, worker, template, group); the pod
     carries it as ``omnistage.io/pod-spec-hash``, so a differing hash means "recreate the
     pod". ``state``, ``sleepLevel``, ``priority`` and ``vram`` are left out: they are
     followed over gRPC or by the arbiter without a restart.
     ``build_worker_pod(stage, *, initial_state, owner, claim_name=<pod_claim_name(stage)>,
-    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict``
+    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict`` (``ValueError`` for an
+    asleep start of a stage that cannot start asleep: see ``can_start_asleep(stage)``, false
+    for VLLM, whose worker refuses ``--initial-state asleep``)
     ``build_service(stage, *, owner) -> dict``
     ``build_group_claim(namespace, group, gpus, device_class=DEFAULT_DEVICE_CLASS) -> dict``
     ``build_token_secret(namespace, token, name=TOKEN_SECRET_NAME) -> dict``
@@ -58,9 +61,11 @@ from omnistage_operator.spec import (
     API_VERSION,
     KIND,
     TOKEN_MOUNT_DIR,
+    Backend,
     DesiredState,
     PlacementMode,
     StageSpec,
+    WorkerDevice,
 )
 
 __all__ = [
@@ -86,6 +91,7 @@ __all__ = [
     "build_service",
     "build_token_secret",
     "build_worker_pod",
+    "can_start_asleep",
     "claim_name",
     "owner_reference",
     "pod_claim_name",
@@ -93,6 +99,7 @@ __all__ = [
     "pod_spec_hash",
     "service_name",
     "worker_args",
+    "worker_device",
 ]
 
 TOKEN_SECRET_NAME: Final = "omnistage-worker-token"
@@ -156,6 +163,22 @@ def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def can_start_asleep(stage: StageSpec) -> bool:
+    """Whether the stage's worker can start asleep without touching the GPU (not vLLM: it
+    allocates device memory while loading, so its pod may only start once admitted)."""
+    return stage.backend is not Backend.VLLM
+
+
+def worker_device(stage: StageSpec) -> str:
+    """The worker's ``--device``: the spec's cpu/cuda, else (unset or auto) cuda when the stage
+    has GPUs and cpu when ``gpus`` is 0. The worker itself knows no "auto" and defaults to cpu,
+    which would silently run a GPU stage on the CPU."""
+    device = stage.worker.device
+    if device is None or device is WorkerDevice.AUTO:
+        return "cuda" if stage.gpus > 0 else "cpu"
+    return device.value
+
+
 def worker_args(
     stage: StageSpec, *, initial_state: DesiredState, sleep_level: int | None = None
 ) -> list[str]:
@@ -180,8 +203,7 @@ def worker_args(
         "--token-file",
         TOKEN_FILE,
     ]
-    if stage.worker.device is not None:
-        args += ["--device", stage.worker.device.value]
+    args += ["--device", worker_device(stage)]
     if stage.worker.dtype is not None:
         args += ["--dtype", stage.worker.dtype]
     args += list(stage.worker.args)
@@ -275,6 +297,11 @@ def build_worker_pod(
     ``pod_claim_name(stage)``; pass ``None`` for no DRA claim. ``sleep_level`` overrides the
     spec's level for an asleep start.
     """
+    if not can_start_asleep(stage) and DesiredState(initial_state) is DesiredState.ASLEEP:
+        raise ValueError(
+            f"stage {stage.key}: backend {stage.backend.value} cannot start asleep (vLLM takes "
+            "device memory while it loads); create its pod only once it is admitted"
+        )
     claim = pod_claim_name(stage) if claim_name == _NOT_GIVEN else claim_name
     explicit = stage.placement.mode is PlacementMode.EXPLICIT
     if explicit and claim is not None:
