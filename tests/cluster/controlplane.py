@@ -319,7 +319,7 @@ class ControlPlane:
         assert self._pki is not None
         path = self.workdir / f"sa-{namespace}-{name}.kubeconfig"
         return write_token_kubeconfig(
-            path, self.server, self._pki.ca_cert, token, f"{namespace}-{name}"
+            path, self.server, self._pki.ca_cert, token, f"{namespace}-{name}", namespace=namespace
         )
 
 

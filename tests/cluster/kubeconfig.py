@@ -27,7 +27,12 @@ def _b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
-def _config(server: str, ca: Path, user: dict[str, str], name: str) -> dict[str, Any]:
+def _config(
+    server: str, ca: Path, user: dict[str, str], name: str, namespace: str | None = None
+) -> dict[str, Any]:
+    context = {"cluster": "omnistage", "user": name}
+    if namespace:
+        context["namespace"] = namespace
     return {
         "apiVersion": "v1",
         "kind": "Config",
@@ -38,7 +43,7 @@ def _config(server: str, ca: Path, user: dict[str, str], name: str) -> dict[str,
             }
         ],
         "users": [{"name": name, "user": user}],
-        "contexts": [{"name": name, "context": {"cluster": "omnistage", "user": name}}],
+        "contexts": [{"name": name, "context": context}],
         "current-context": name,
     }
 
@@ -53,9 +58,11 @@ def write_cert_kubeconfig(
     return path
 
 
-def write_token_kubeconfig(path: Path, server: str, ca: Path, token: str, name: str) -> Path:
-    """A self-contained kubeconfig authenticating with a bearer token."""
-    path.write_text(yaml.safe_dump(_config(server, ca, {"token": token}, name)))
+def write_token_kubeconfig(
+    path: Path, server: str, ca: Path, token: str, name: str, *, namespace: str | None = None
+) -> Path:
+    """A self-contained kubeconfig authenticating with a bearer token (default ``namespace``)."""
+    path.write_text(yaml.safe_dump(_config(server, ca, {"token": token}, name, namespace)))
     path.chmod(0o600)
     return path
 

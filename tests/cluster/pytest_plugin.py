@@ -65,7 +65,7 @@ def control_plane() -> Iterator[ControlPlane]:
         binaries = find_binaries()
         record = build_record()
     except BuildError as exc:
-        pytest.fail(f"{exc}\n(build once with: python -m tests.cluster.build)")
+        pytest.fail(f"{exc}\n(build once with: python -m tests.cluster.build)", pytrace=False)
     _notes.append(
         f"binary build (recorded {record.get('date')}): {record.get('seconds')}s, "
         f"{'cold' if record.get('cold') else 'warm'} Go cache, {record.get('cpus')} CPUs"

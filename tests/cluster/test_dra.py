@@ -134,3 +134,34 @@ def test_shared_claim_puts_two_pods_on_one_gpu_and_impossible_claim_stays_pendin
     )
     huge = control_plane.get_json("resourceclaim", "huge", namespace=namespace)
     assert not (huge.get("status") or {}).get("allocation")
+
+
+def test_claim_from_a_template_gives_the_pod_its_own_gpu(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "one-gpu"},
+        "spec": {"spec": claim("x")["spec"]},
+    }
+    pod = claim_pod("solo", "unused")
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]
+    control_plane.apply([template, pod], namespace=namespace)
+    running = wait_pod(
+        control_plane, namespace, "solo", lambda p: p["status"].get("phase") == "Running", "Running"
+    )
+    statuses = running["status"]["resourceClaimStatuses"]
+    claim_name = statuses[0]["resourceClaimName"]
+    allocated = control_plane.get_json("resourceclaim", claim_name, namespace=namespace)
+    device = allocated["status"]["allocation"]["devices"]["results"][0]["device"]
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            env = envdump(local_nodes.pod_log(running, "main"))["env"]
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    assert env["NVIDIA_VISIBLE_DEVICES"] == device

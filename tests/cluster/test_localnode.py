@@ -350,3 +350,39 @@ def test_stopping_localnode_kills_its_pods_and_removes_its_nodes(
     assert not _alive(pid), "localnode exited but left its pod's process running"
     gone = control_plane.kubectl("get", "node", node, check=False)
     assert gone.returncode != 0 and "NotFound" in gone.stderr
+
+
+def test_pod_talks_to_the_api_as_its_service_account(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    control_plane.kubectl("create", "serviceaccount", "lister", "-n", namespace)
+    control_plane.kubectl(
+        "create", "role", "cm-reader", "-n", namespace, "--verb=list", "--resource=configmaps"
+    )
+    control_plane.kubectl(
+        "create", "rolebinding", "cm-reader", "-n", namespace, "--role=cm-reader",
+        f"--serviceaccount={namespace}:lister",
+    )  # fmt: skip
+    kubectl = control_plane.binaries.kubectl
+    script = f"{kubectl} get configmaps -o name; {kubectl} get secrets -o name; echo done"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "client"},
+        "spec": {
+            "serviceAccountName": "lister",
+            "restartPolicy": "Never",
+            "containers": [{"name": "main", "image": "ignored", "command": ["sh", "-c", script]}],
+        },
+    }
+    control_plane.apply(pod, namespace=namespace)
+    done = wait_pod(
+        control_plane,
+        namespace,
+        "client",
+        lambda p: p["status"].get("phase") == "Succeeded",
+        "done",
+    )
+    out = local_nodes.pod_log(done, "main")
+    assert "configmap/kube-root-ca.crt" in out, out
+    assert f'User "system:serviceaccount:{namespace}:lister" cannot list resource "secrets"' in out

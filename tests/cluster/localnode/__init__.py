@@ -30,6 +30,12 @@ What a pod gets (see ``runtime``):
   ``NVIDIA_VISIBLE_DEVICES`` (device names), ``OMNISTAGE_MEMORY_CAPACITY`` (one device's memory
   x devices) and ``OMNISTAGE_MEMORY_LEDGER`` (a dir per node and sorted device set, shared by
   every pod on those devices; workers write their used bytes there). No GPUs: none of these.
+- API access as its ServiceAccount: when the pod has the usual projected token volume
+  (kube-api-access-*), its containers get ``KUBECONFIG`` naming a kubeconfig with that token
+  (unless they set KUBECONFIG), since a local process cannot see the token at the in-cluster
+  path; Kubernetes clients fall back to KUBECONFIG, so an operator pod runs with its RBAC.
+- Services get no endpoints: EndpointSlices refuse loopback addresses, so clients must dial
+  podIPs (the controller-manager logs FailedToUpdateEndpointSlices for such Services).
 - status: podIP(s), hostIP(s), phase, conditions, container states with exit codes and restart
   counts; Ready from the readinessProbe (grpc, tcpSocket, httpGet, exec; periodSeconds,
   thresholds); liveness and startup probes kill and restart; restartPolicy with back-off

@@ -25,6 +25,7 @@ class Api:
     """Async client for one API server."""
 
     def __init__(self, auth: KubeAuth):
+        self.auth = auth
         ctx = auth_context(auth)
         headers = {"Authorization": f"Bearer {auth.token}"} if auth.token else {}
         self._client = httpx.AsyncClient(

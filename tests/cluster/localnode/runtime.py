@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.cluster.kubeconfig import write_token_kubeconfig
 from tests.cluster.localnode import volumes
 from tests.cluster.localnode.api import Api, ApiError, Obj
 from tests.cluster.localnode.devices import NodeSpec, claim_devices, gpu_env, parse_visible_devices
@@ -110,6 +111,7 @@ class PodRunner:
         self._volume_dirs: dict[str, Path] = {}
         self._task: asyncio.Task[None] | None = None
         self.delete_object = True
+        self._sa_kubeconfig: Path | None = None
 
     @property
     def label(self) -> str:
@@ -234,6 +236,7 @@ class PodRunner:
                         pod_ip=self.pod_ip,
                         host_ip=self.node.address,
                     )
+                self._write_sa_kubeconfig()
                 return
             except (volumes.VolumeError, ApiError) as exc:
                 msg = f"MountVolume.SetUp failed: {exc}"
@@ -243,6 +246,34 @@ class PodRunner:
                 self._mark()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff.maximum)
+
+    def _write_sa_kubeconfig(self) -> None:
+        """Write a kubeconfig acting as the pod's ServiceAccount (from its projected token).
+
+        A real pod finds the API through KUBERNETES_SERVICE_HOST and the token mounted at
+        /var/run/secrets/kubernetes.io/serviceaccount; a local process cannot have that path,
+        so containers get ``KUBECONFIG`` pointing here instead (clients fall back to it).
+        """
+        for vol in self.pod["spec"].get("volumes") or []:
+            sources = (vol.get("projected") or {}).get("sources") or []
+            token_src = next((s for s in sources if "serviceAccountToken" in s), None)
+            if token_src is None:
+                continue
+            vdir = self._volume_dirs[vol["name"]]
+            token = (vdir / token_src["serviceAccountToken"]["path"]).read_text().strip()
+            ca = vdir / "ca.crt"
+            path = self.dir / "serviceaccount.kubeconfig"
+            sa = self.pod["spec"].get("serviceAccountName") or "default"
+            write_token_kubeconfig(
+                path,
+                self.api.auth.server,
+                ca if ca.is_file() else self.api.auth.ca_file,
+                token,
+                f"{self.ns}-{sa}",
+                namespace=self.ns,
+            )
+            self._sa_kubeconfig = path
+            return
 
     # ---- containers ------------------------------------------------------------------------
     async def _run_container(self, spec: Obj, st: ContainerStatus, init: bool) -> bool:
@@ -336,6 +367,8 @@ class PodRunner:
             env[name] = rewrite_path(value, mounts)
         devices = await self._devices(spec, env)
         full = {**base, **env}
+        if self._sa_kubeconfig is not None and "KUBECONFIG" not in env:
+            full["KUBECONFIG"] = str(self._sa_kubeconfig)
         if devices:
             genv = gpu_env(self.node, devices, self.state_dir)
             await asyncio.to_thread(os.makedirs, genv["OMNISTAGE_MEMORY_LEDGER"], exist_ok=True)
