@@ -327,7 +327,7 @@ def child_cycles(kind: str, model_dir: Path, l1_cycles: int, l2_cycles: int, gap
         "pin_wait_after_activate_seconds": pin_wait,
         "cycles": [],
     }
-    plan = [(1, 0.0)] * l1_cycles + [(1, gap)] * 2 + [(2, 0.0)] * l2_cycles
+    plan = [(1, 0.0)] * l1_cycles + [(1, gap)] * 2 + [(2, 0.0)] * l2_cycles + [(2, gap)] * 2
     for i, (level, pause) in enumerate(plan):
         before = nvml_process_bytes()
         slept = engine.sleep(level)
@@ -392,6 +392,8 @@ def summarize(limits: Json, base: dict[str, Json], cycles: dict[str, Json]) -> J
         later = [c for c in l1 if c["pause_before_wake_seconds"] == 0][1:]  # second cycle on
         paused = [c for c in l1 if c["pause_before_wake_seconds"] > 0]
         l2 = [c for c in res["cycles"] if c["level"] == 2]
+        l2_now = [c for c in l2 if c["pause_before_wake_seconds"] == 0]
+        l2_paused = [c for c in l2 if c["pause_before_wake_seconds"] > 0]
         ctx = res["cuda_context_bytes"] or limits.get("cuda_context_bytes") or 0
         residuals = [c["residual_after_sleep_bytes"] for c in res["cycles"]]
         s: Json = {
@@ -401,7 +403,10 @@ def summarize(limits: Json, base: dict[str, Json], cycles: dict[str, Json]) -> J
             "l1_wake_after_pause_gbps_median": statistics.median(c["wake_gbps"] for c in paused),
             "l1_sleep_seconds_median": statistics.median(c["sleep_seconds"] for c in later),
             "l1_wake_seconds_median": statistics.median(c["wake_seconds"] for c in later),
-            "l2_wake_seconds_best": min(c["wake_seconds"] for c in l2),
+            "l2_wake_seconds_median": statistics.median(c["wake_seconds"] for c in l2_now),
+            "l2_wake_after_pause_seconds_median": statistics.median(
+                c["wake_seconds"] for c in l2_paused
+            ),
             "plain_load_seconds": base[kind]["seconds"],
             "max_residual_bytes": max((r for r in residuals if r is not None), default=None),
             "residual_bound_bytes": ctx + slack,
@@ -415,13 +420,18 @@ def summarize(limits: Json, base: dict[str, Json], cycles: dict[str, Json]) -> J
         s["l1_wake_after_pause_ratio_to_h2d"] = (
             s["l1_wake_after_pause_gbps_median"] / limits["h2d_pinned_gbps"]
         )
-        s["l2_speedup_vs_plain_load"] = s["plain_load_seconds"] / s["l2_wake_seconds_best"]
+        s["l2_speedup_vs_plain_load"] = s["plain_load_seconds"] / s["l2_wake_seconds_median"]
+        s["l2_after_pause_speedup_vs_plain_load"] = (
+            s["plain_load_seconds"] / s["l2_wake_after_pause_seconds_median"]
+        )
         s["targets"] = {
             "l1_sleep_ge_90pct_d2h": s["l1_sleep_ratio_to_d2h"] >= 0.9,
             "l1_wake_ge_90pct_h2d": s["l1_wake_ratio_to_h2d"] >= 0.9,
             "l1_wake_ge_90pct_h2d_same_condition": s["l1_wake_ratio_to_h2d_just_freed"] >= 0.9,
             "l1_wake_after_pause_ge_90pct_h2d": s["l1_wake_after_pause_ratio_to_h2d"] >= 0.9,
             "l2_wake_ge_1.5x_plain_load": s["l2_speedup_vs_plain_load"] >= 1.5,
+            "l2_wake_after_pause_ge_1.5x_plain_load": s["l2_after_pause_speedup_vs_plain_load"]
+            >= 1.5,
             "residual_le_context_plus_128MiB": s["max_residual_bytes"] is not None
             and s["max_residual_bytes"] <= s["residual_bound_bytes"],
             "bit_identical": s["all_bit_identical"],
@@ -458,7 +468,7 @@ def main() -> None:
     parser.add_argument("--l2-cycles", type=int, default=2)
     parser.add_argument("--models", default="llm,dit")
     parser.add_argument(
-        "--pause", type=float, default=1.0, help="idle seconds before the paused level-1 wakes"
+        "--pause", type=float, default=1.0, help="idle seconds before the paused wakes"
     )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
