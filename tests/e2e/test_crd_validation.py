@@ -189,6 +189,11 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
         ("metadata.name", "at most 56 characters"),
     ),
     ("bad-dtype", _set("spec.worker.dtype", "int4"), ("spec.worker.dtype", "Unsupported value")),
+    (
+        "duplicate-volume",
+        _set("spec.template.volumes", [{"name": "a", "emptyDir": {}}, {"name": "a"}]),
+        ("spec.template.volumes[1]", "Duplicate value"),
+    ),
 ]
 
 

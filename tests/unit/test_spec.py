@@ -145,6 +145,12 @@ _DELETE = object()
         ("spec.template.env", [{"value": "x"}], "spec.template.env[0].name", "required"),
         ("spec.template.volumes", [{"name": "model"}], "spec.template.volumes[0].name", ""),
         (
+            "spec.template.volumes",
+            [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}],
+            "spec.template.volumes[1].name",
+            "repeats",
+        ),
+        (
             "spec.template.resources",
             {"claims": [{"name": "x"}]},
             "spec.template.resources.claims",

@@ -541,10 +541,14 @@ def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
         if name in RESERVED_ENV:
             raise SpecError(f"spec.template.env[{i}].name", f"{name} is set by the operator")
     volumes = _list_of_objects(tpl.get("volumes"), "spec.template.volumes")
+    seen: set[str] = set()
     for i, vol in enumerate(volumes):
         name = vol.get("name")
         if not isinstance(name, str) or not name:
             raise SpecError(f"spec.template.volumes[{i}].name", "is required")
+        if name in seen:
+            raise SpecError(f"spec.template.volumes[{i}].name", f"repeats the volume {name!r}")
+        seen.add(name)
         if name in RESERVED_VOLUMES:
             raise SpecError(f"spec.template.volumes[{i}].name", f"{name!r} is used by the operator")
     mounts = _list_of_objects(tpl.get("volumeMounts"), "spec.template.volumeMounts")
