@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` run so that the kernel SIGKILLs it when its parent dies (Linux ``setpriv``).
+
+    setpriv sets PR_SET_PDEATHSIG and execs the program (same pid). Without setpriv the
+    command is returned unchanged (a fork-time ``preexec_fn`` is unsafe with threads).
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else list(argv)
 
 
 def free_port() -> int:
@@ -45,7 +56,11 @@ def wait_for(
 
 
 class ManagedProcess:
-    """A child in its own process group, output to ``log``; ``stop`` ends the whole group."""
+    """A child in its own process group, output to ``log``; ``stop`` ends the whole group.
+
+    The child is also SIGKILLed by the kernel if this process dies without cleaning up (a
+    test run killed by a timeout), so nothing is left running on a shared machine.
+    """
 
     def __init__(
         self, name: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
@@ -55,7 +70,7 @@ class ManagedProcess:
         self.log = log
         self._fh = log.open("ab")
         self.proc = subprocess.Popen(
-            self.argv,
+            die_with_parent(self.argv),
             stdout=self._fh,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -35,6 +34,7 @@ from tests.cluster.localnode.podstatus import (
     pod_phase,
 )
 from tests.cluster.localnode.probes import run_probe
+from tests.cluster.procs import die_with_parent
 
 log = logging.getLogger("localnode.pod")
 
@@ -53,11 +53,6 @@ class Backoff:
 
     initial: float = 1.0
     maximum: float = 30.0
-
-
-def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def search_path() -> str:
@@ -466,14 +461,13 @@ class PodRunner:
             fh.flush()
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv,
+                    *die_with_parent(argv),
                     env=env,
                     cwd=cwd,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=fh,
                     stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_pdeathsig,
                 )
             except OSError as exc:
                 now = now_rfc3339()
