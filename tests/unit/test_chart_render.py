@@ -352,3 +352,28 @@ def test_every_object_carries_the_chart_labels() -> None:
         labels = obj["metadata"].get("labels", {})
         assert labels.get("app.kubernetes.io/instance") == RELEASE, obj["metadata"]["name"]
         assert labels.get("app.kubernetes.io/managed-by") == "Helm", obj["metadata"]["name"]
+
+
+def test_rendered_args_are_accepted_by_the_operator() -> None:
+    """The chart's flags parse with the operator's own parser into the values given."""
+    from omnistage_operator.settings import parse_settings
+
+    values = {
+        "rbac": {"scope": "Namespaced"},
+        "watch": {"namespaces": ["team-a", "team-b"]},
+        "ports": {"metrics": 9090, "liveness": 9091},
+        "operator": {"placement": "explicit", "sleepTimeoutSeconds": 7, "ackRetries": 4},
+        "workerTLS": {"caSecret": "worker-ca"},
+    }
+    objs = render({**values, "peering": {"enabled": True, "name": "p"}}, api_versions=PEERING_APIS)
+    settings = parse_settings(_args(objs), environ={})
+    assert settings.namespaces == ("team-a", "team-b")
+    assert settings.worker_token_file == "/var/run/secrets/omnistage/token"
+    assert settings.worker_tls_ca == "/var/run/secrets/omnistage-tls/ca.crt"
+    assert (settings.metrics_port, settings.liveness_port) == (9090, 9091)
+    assert settings.peering == "p"
+    assert settings.placement == "explicit"
+    assert settings.device_class == "gpu.nvidia.com"
+    assert (settings.sleep_timeout_s, settings.wake_timeout_s) == (7.0, 600.0)
+    assert settings.ack_retries == 4
+    assert parse_settings(_args(render()), environ={}).peering is None, "standalone by default"
