@@ -386,3 +386,70 @@ def test_pod_talks_to_the_api_as_its_service_account(
     out = local_nodes.pod_log(done, "main")
     assert "configmap/kube-root-ca.crt" in out, out
     assert f'User "system:serviceaccount:{namespace}:lister" cannot list resource "secrets"' in out
+
+
+def test_init_container_then_missing_secret_is_reported_until_created(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "staged"},
+        "spec": {
+            "restartPolicy": "Never",
+            "volumes": [{"name": "work", "emptyDir": {}}],
+            "initContainers": [
+                {
+                    "name": "prepare",
+                    "image": "ignored",
+                    # only values that START with a mountPath are rewritten: pass paths alone
+                    "command": ["sh", "-c", 'echo prepared > "$OUT"'],
+                    "env": [{"name": "OUT", "value": "/work/ready.txt"}],
+                    "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+                }
+            ],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "ignored",
+                    "command": [PY, "-m", "tests.cluster.testpods.envdump", "/work/ready.txt"],
+                    "env": [
+                        {
+                            "name": "TOKEN",
+                            "valueFrom": {"secretKeyRef": {"name": "late", "key": "t"}},
+                        }
+                    ],
+                    "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+                }
+            ],
+        },
+    }
+    control_plane.apply(pod, namespace=namespace)
+
+    def config_error(p: dict[str, Any]) -> bool:
+        statuses = p["status"].get("containerStatuses") or []
+        waiting = statuses[0]["state"].get("waiting", {}) if statuses else {}
+        return waiting.get("reason") == "CreateContainerConfigError"
+
+    waiting = wait_pod(
+        control_plane, namespace, "staged", config_error, "CreateContainerConfigError"
+    )
+    message = waiting["status"]["containerStatuses"][0]["state"]["waiting"]["message"]
+    assert "late" in message, message
+    init = waiting["status"]["initContainerStatuses"][0]
+    assert init["state"]["terminated"]["exitCode"] == 0
+    assert (condition(waiting, "Initialized") or {}).get("status") == "True"
+    control_plane.kubectl(
+        "create", "secret", "generic", "late", "-n", namespace, "--from-literal=t=ok"
+    )
+    done = wait_pod(
+        control_plane,
+        namespace,
+        "staged",
+        lambda p: p["status"].get("phase") == "Succeeded",
+        "Succeeded",
+        timeout=90,
+    )
+    dump = envdump(local_nodes.pod_log(done, "main"))
+    assert dump["env"]["TOKEN"] == "ok"
+    assert list(dump["files"].values()) == ["prepared\n"]
