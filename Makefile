@@ -53,7 +53,7 @@ test: setup cluster-bin check-generated lint
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 demo: setup cluster-bin
-	$(PY) -m omnistage_operator.demo
+	$(PY) examples/local_demo.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

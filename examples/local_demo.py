@@ -1,0 +1,179 @@
+"""The local demo (``make demo``): two tiny CPU stages hand one fake GPU back and forth.
+
+It starts a real Kubernetes control plane (kube-apiserver, etcd, scheduler, controller-manager of
+v1.36.3, built and cached by ``python -m tests.cluster.build``), one localnode GPU node whose
+single fake GPU fits only one of the two stages at a time, and the real ``omnistage-operator``.
+It builds the tiny models from configs (nothing downloaded), applies ``examples/cpu/*.yaml`` and
+shows, with ``kubectl get omnistages``:
+
+1. the Active stage (``tiny-llama``) holding the GPU and the other asleep;
+2. a switch: ``tiny-diffusion`` is patched Active and ``tiny-llama`` Asleep; the operator puts
+   the llama to sleep, and wakes the diffusion stage only after the sleep ACK, whose measured
+   figures land in status;
+3. a priority pre-emption: ``tiny-llama`` (priority 10) asks again and takes the GPU back from
+   ``tiny-diffusion`` (priority 5), which waits.
+
+``--keep`` leaves everything running (prints ``export KUBECONFIG=...``) until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.cluster.controlplane import ControlPlane  # noqa: E402
+from tests.cluster.localnode import LocalNodes  # noqa: E402
+from tests.cluster.procs import free_port  # noqa: E402
+from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline  # noqa: E402
+
+MODELS = Path("/tmp/omnistage-demo/models")
+NAMESPACE = "omnistage-demo"
+# One fake GPU: the tiny diffusion pipeline (~1 MiB of float32 weights) fits alone, not beside
+# the tiny llama; the examples' vram.request values say the same before the first measurement.
+GPU_MEMORY = 1_100_000
+WAKE_MARGIN = 16 * 1024
+
+
+def say(text: str) -> None:
+    print(f"\n\033[1m== {text}\033[0m", flush=True)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise SystemExit(f"demo: timed out after {timeout:.0f}s waiting for {what}")
+
+
+def build_models() -> None:
+    builders = {"tiny-llama": build_causal_lm, "tiny-diffusion": build_diffusion_pipeline}
+    for name, build in builders.items():
+        target = MODELS / name
+        if not (target / "model_index.json").exists() and not (target / "config.json").exists():
+            print(f"building {name} from a config into {target}", flush=True)
+            build(target)
+
+
+class Demo:
+    def __init__(self, cp: ControlPlane, workdir: Path) -> None:
+        self.cp = cp
+        self.workdir = workdir
+        self.operator: subprocess.Popen[bytes] | None = None
+
+    def kubectl(self, *args: str) -> str:
+        return self.cp.kubectl(*args, "-n", NAMESPACE).stdout
+
+    def show(self) -> None:
+        print(self.kubectl("get", "omnistages", "-o", "wide"), end="", flush=True)
+
+    def state(self, name: str) -> str:
+        data: dict[str, Any] = self.cp.get_json("omnistage", name, namespace=NAMESPACE)
+        return str((data.get("status") or {}).get("state", ""))
+
+    def patch(self, name: str, state: str) -> None:
+        body = f'{{"spec":{{"state":"{state}"}}}}'
+        print(f"$ kubectl patch ost {name} --type merge -p '{body}'", flush=True)
+        self.kubectl("patch", "omnistage", name, "--type=merge", "-p", body)
+
+    def start_operator(self) -> None:
+        token = self.workdir / "token"
+        token.write_text("demo-worker-token")
+        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        argv = [
+            str(Path(sys.executable).parent / "omnistage-operator"),
+            f"--namespace={NAMESPACE}",
+            f"--worker-token-file={token}",
+            f"--wake-margin-bytes={WAKE_MARGIN}",
+            f"--metrics-port={free_port()}",
+            f"--liveness-port={free_port()}",
+        ]
+        log = (self.workdir / "operator.log").open("wb")
+        self.operator = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        print(f"operator started (log: {self.workdir / 'operator.log'})", flush=True)
+
+    def stop_operator(self) -> None:
+        if self.operator is not None and self.operator.poll() is None:
+            self.operator.send_signal(signal.SIGTERM)
+            try:
+                self.operator.wait(20)
+            except subprocess.TimeoutExpired:
+                self.operator.kill()
+
+    def last_ack(self, name: str) -> str:
+        status = self.cp.get_json("omnistage", name, namespace=NAMESPACE).get("status") or {}
+        ack = status.get("lastAck") or {}
+        return (
+            f"{name}: lastAck op={ack.get('op')} ok={ack.get('ok')} level={ack.get('level')} "
+            f"freed={ack.get('freed')} in {ack.get('durationSeconds')}s at {ack.get('time')}"
+        )
+
+
+def run(keep: bool) -> None:
+    build_models()
+    workdir = Path(tempfile.mkdtemp(prefix="omnistage-demo-"))
+    say("starting the local control plane (real kube-apiserver, etcd, scheduler)")
+    with ControlPlane() as cp, LocalNodes(cp.kubeconfig, nodes=1, gpus=1, gpu_memory=GPU_MEMORY):
+        demo = Demo(cp, workdir)
+        cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
+        cp.kubectl("wait", "--for=condition=Established", "crd/omnistages.omnistage.io")
+        cp.kubectl("create", "namespace", NAMESPACE)
+        demo.start_operator()
+        try:
+            say("kubectl apply -f examples/cpu/  (one fake GPU that fits one stage at a time)")
+            print(demo.kubectl("apply", "-f", str(ROOT / "examples" / "cpu")), end="")
+            wait_for("tiny-llama Active", lambda: demo.state("tiny-llama") == "Active")
+            wait_for("tiny-diffusion Asleep", lambda: demo.state("tiny-diffusion") == "Asleep")
+            demo.show()
+
+            say("switch: tiny-diffusion Active, tiny-llama Asleep")
+            demo.patch("tiny-diffusion", "Active")
+            demo.patch("tiny-llama", "Asleep")
+            wait_for("tiny-diffusion Active", lambda: demo.state("tiny-diffusion") == "Active")
+            demo.show()
+            print(demo.last_ack("tiny-llama"))
+            print(demo.last_ack("tiny-diffusion"))
+
+            say("pre-emption: tiny-llama (priority 10) asks again; tiny-diffusion (5) must yield")
+            demo.patch("tiny-llama", "Active")
+            wait_for("tiny-llama Active", lambda: demo.state("tiny-llama") == "Active")
+            wait_for("tiny-diffusion Waiting", lambda: demo.state("tiny-diffusion") == "Waiting")
+            demo.show()
+            print(demo.last_ack("tiny-diffusion"))
+            print(demo.last_ack("tiny-llama"))
+            say("kubectl get events --field-selector involvedObject.kind=OmniStage")
+            events = demo.kubectl(
+                "get",
+                "events",
+                "--field-selector=involvedObject.kind=OmniStage",
+                "--sort-by=.lastTimestamp",
+            )
+            print(events.rstrip())
+            say("done: every wake above followed the other stage's measured sleep ACK")
+            if keep:
+                print(f"export KUBECONFIG={cp.kubeconfig}   # Ctrl-C to stop", flush=True)
+                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        finally:
+            demo.stop_operator()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep", action="store_true", help="keep the cluster running at the end")
+    run(parser.parse_args().keep)
+
+
+if __name__ == "__main__":
+    main()
