@@ -224,6 +224,22 @@ def test_defaults_are_applied(cluster: ControlPlane, namespace: str) -> None:
     assert spec["worker"] == {"port": 50051}
 
 
+def test_group_is_immutable_but_state_is_not(cluster: ControlPlane, namespace: str) -> None:
+    apply(cluster, namespace, good("mover"))
+    moved = good("mover")
+    moved["spec"]["colocation"]["group"] = "g2"
+    proc = apply(cluster, namespace, moved, check=False)
+    assert proc.returncode != 0
+    assert "spec.colocation.group" in proc.stderr and "immutable" in proc.stderr
+    assert get(cluster, namespace, "mover")["spec"]["colocation"]["group"] == "g1"
+    cluster.kubectl(
+        "patch", "ost", "mover", "-n", namespace, "--type=merge",
+        "-p", json.dumps({"spec": {"state": "Asleep", "colocation": {"priority": 7}}}),
+    )  # fmt: skip
+    spec = get(cluster, namespace, "mover")["spec"]
+    assert (spec["state"], spec["colocation"]["priority"]) == ("Asleep", 7)
+
+
 def test_int_vram_request_is_accepted(cluster: ControlPlane, namespace: str) -> None:
     manifest = good("int-vram")
     manifest["spec"]["vram"] = {"request": 17179869184}
