@@ -16,7 +16,9 @@ Enums (``StrEnum``; values are exactly the CRD's):
     ``WorkerDevice`` (``AUTO="auto"``, ``CPU="cpu"``, ``CUDA="cuda"``)
     ``MemorySource`` (``NVML="nvml"``, ``ACCOUNTING="accounting"``)
 Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``KIND="OmniStage"``,
-    ``PLURAL="omnistages"``, defaults ``DEFAULT_*``, ``RESERVED_ENV``, ``RESERVED_ARGS``.
+    ``PLURAL="omnistages"``, defaults ``DEFAULT_*``, bounds ``MIN_/MAX_PRIORITY``, ``MAX_GPUS``,
+    ``MIN_/MAX_PORT``, ``MAX_STAGE_NAME_LENGTH``; ``DTYPES``; ``BACKENDS_FOR_RUNNER``; names the
+    operator owns: ``RESERVED_ENV``, ``RESERVED_ARGS``, ``RESERVED_VOLUMES``, ``TOKEN_MOUNT_DIR``.
 Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     ``ModelSpec(path, mount_path, volume)``, ``Colocation(group, priority)``,
     ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype)``,
@@ -45,18 +47,26 @@ from omnistage_operator.quantities import QuantityError, parse_quantity
 
 __all__ = [
     "API_VERSION",
+    "BACKENDS_FOR_RUNNER",
     "DEFAULT_GPUS",
     "DEFAULT_MOUNT_PATH",
     "DEFAULT_PORT",
     "DEFAULT_PRIORITY",
     "DEFAULT_SLEEP_LEVEL",
+    "DTYPES",
     "GROUP",
     "KIND",
     "MAX_GPUS",
+    "MAX_PORT",
+    "MAX_PRIORITY",
     "MAX_STAGE_NAME_LENGTH",
+    "MIN_PORT",
+    "MIN_PRIORITY",
     "PLURAL",
     "RESERVED_ARGS",
     "RESERVED_ENV",
+    "RESERVED_VOLUMES",
+    "TOKEN_MOUNT_DIR",
     "VERSION",
     "Backend",
     "Colocation",
