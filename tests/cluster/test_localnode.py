@@ -329,6 +329,11 @@ def test_liveness_failure_restarts_the_container(
     )
     last = restarted["status"]["containerStatuses"][0]["lastState"]["terminated"]
     assert last["exitCode"] == 128 + 15  # SIGTERM from the kubelet's kill
+    events = control_plane.get_json(
+        "events", "--field-selector", "involvedObject.name=unlively", namespace=namespace
+    )["items"]
+    reasons = {e["reason"] for e in events if e["source"].get("component") == "kubelet"}
+    assert {"Started", "Killing"} <= reasons, reasons
 
 
 def test_stopping_localnode_kills_its_pods_and_removes_its_nodes(

@@ -107,6 +107,7 @@ class PodRunner:
         self._task: asyncio.Task[None] | None = None
         self.delete_object = True
         self._sa_kubeconfig: Path | None = None
+        self._event_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def label(self) -> str:
@@ -236,6 +237,7 @@ class PodRunner:
             except (volumes.VolumeError, ApiError) as exc:
                 msg = f"MountVolume.SetUp failed: {exc}"
                 log.warning("pod %s: %s", self.label, msg)
+                self.event("FailedMount", msg, warning=True)
                 for st in self.init_statuses + self.statuses:
                     st.state = {"waiting": {"reason": "ContainerCreating", "message": msg}}
                 self._mark()
@@ -283,6 +285,7 @@ class PodRunner:
                     "waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}
                 }
                 log.warning("pod %s container %s: %s", self.label, spec["name"], exc)
+                self.event("Failed", f"Error: {exc}", warning=True, container=spec["name"])
                 self._mark()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.backoff.maximum)
@@ -310,6 +313,12 @@ class PodRunner:
                 }
             }
             self._mark()
+            self.event(
+                "BackOff",
+                f"Back-off restarting failed container {spec['name']} in pod {self.name}",
+                warning=True,
+                container=spec["name"],
+            )
             log.info(
                 "pod %s container %s exited %s (%s %s); restart in %.1fs",
                 self.label,
@@ -490,6 +499,7 @@ class PodRunner:
         st.started = not has_startup
         st.ready = init is False and "readinessProbe" not in spec and not has_startup
         self._mark()
+        self.event("Started", f"Started container {name} (pid {proc.pid})", container=name)
         log.info(
             "pod %s container %s running pid %d on %s", self.label, name, proc.pid, self.pod_ip
         )
@@ -581,6 +591,13 @@ class PodRunner:
                     self._mark()
             else:
                 succ, fail = 0, fail + 1
+                if fail == 1:
+                    self.event(
+                        "Unhealthy",
+                        f"Readiness probe failed: {msg}",
+                        warning=True,
+                        container=spec["name"],
+                    )
                 if st.ready and fail >= fail_needed:
                     log.info(
                         "pod %s container %s readiness failed: %s", self.label, spec["name"], msg
@@ -618,6 +635,12 @@ class PodRunner:
         self, proc: asyncio.subprocess.Process, spec: Obj, why: str, grace: float | None = None
     ) -> None:
         log.info("pod %s container %s: %s, killing", self.label, spec["name"], why)
+        self.event(
+            "Killing",
+            f"Container {spec['name']} {why}, will be restarted",
+            warning=True,
+            container=spec["name"],
+        )
         await _stop_process(
             proc,
             float(
@@ -631,10 +654,50 @@ class PodRunner:
         procs = list(self._procs.values())
         if procs:
             log.info("pod %s: stopping %d process(es), grace %.0fs", self.label, len(procs), grace)
+            for name in self._procs:
+                self.event("Killing", f"Stopping container {name}", container=name)
         await asyncio.gather(*(_stop_process(p, grace) for p in procs))
         for st in self.statuses + self.init_statuses:
             st.ready = False
             st.final = True
+
+    # ---- events ----------------------------------------------------------------------------
+    def event(
+        self, reason: str, message: str, *, warning: bool = False, container: str = ""
+    ) -> None:
+        """Record a kubelet-style Event on the pod (best effort, in the background)."""
+        now = now_rfc3339()
+        involved: Obj = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": self.name,
+            "namespace": self.ns,
+            "uid": self.uid,
+        }
+        if container:
+            involved["fieldPath"] = f"spec.containers{{{container}}}"
+        body: Obj = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{self.name}.", "namespace": self.ns},
+            "involvedObject": involved,
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": "kubelet", "host": self.node.name},
+            "reportingComponent": "kubelet",
+            "reportingInstance": self.node.name,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        task = asyncio.create_task(self._post_event(body))
+        self._event_tasks.add(task)
+        task.add_done_callback(self._event_tasks.discard)
+
+    async def _post_event(self, body: Obj) -> None:
+        with contextlib.suppress(Exception):
+            await self.api.create(f"/api/v1/namespaces/{self.ns}/events", body)
 
     # ---- status ----------------------------------------------------------------------------
     def _mark(self) -> None:
