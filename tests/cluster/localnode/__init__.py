@@ -41,6 +41,8 @@ What a pod gets (see ``runtime``):
   thresholds); liveness and startup probes kill and restart; restartPolicy with back-off
   (1 s doubling to 30 s; the kubelet uses 10 s to 5 min). Output goes to a log file named in
   the annotation ``localnode.omnistage.io/log-<container>``.
+- Events like the kubelet's (Started, Killing, Unhealthy, BackOff, Failed, FailedMount), so
+  ``kubectl describe pod`` tells what happened.
 - deletion: SIGTERM to the process group, the grace period, SIGKILL, then the pod object is
   deleted with grace 0, so it disappears only after its processes are gone.
 """
