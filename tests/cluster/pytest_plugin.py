@@ -12,7 +12,8 @@ Fixtures (tests using any of them are marked ``cluster`` automatically):
     ``gpu-node-0`` with 2 fake GPUs of 80Gi each (DRA driver and DeviceClass
     ``gpu.nvidia.com``). ``local_nodes.pod_log(pod_obj, container)`` reads a container's output.
 ``make_local_nodes`` (function): a factory ``make_local_nodes(nodes=1, gpus=2,
-    gpu_memory=80 * GiB, name_prefix=None) -> LocalNodes`` for extra nodes that exist only for
+    gpu_memory=80 * GiB, name_prefix=None, extra_args=()) -> LocalNodes`` for extra nodes
+    (``extra_args``: more ``python -m tests.cluster.localnode`` flags) that exist only for
     the test (names ``<prefix>0``..; the default prefix is unique per call, e.g. ``gpu-x1-``).
     Pin pods to them with a nodeSelector on ``kubernetes.io/hostname``.
 ``namespace`` (function): a fresh namespace (its ``default`` ServiceAccount exists), deleted
@@ -26,7 +27,7 @@ control-plane start and teardown, localnode start) are printed in the terminal s
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -94,7 +95,11 @@ def make_local_nodes(control_plane: ControlPlane) -> Iterator[Callable[..., Loca
     started: list[LocalNodes] = []
 
     def make(
-        nodes: int = 1, gpus: int = 2, gpu_memory: int = 80 * GiB, name_prefix: str | None = None
+        nodes: int = 1,
+        gpus: int = 2,
+        gpu_memory: int = 80 * GiB,
+        name_prefix: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> LocalNodes:
         ln = LocalNodes(
             control_plane.kubeconfig,
@@ -102,6 +107,7 @@ def make_local_nodes(control_plane: ControlPlane) -> Iterator[Callable[..., Loca
             gpus=gpus,
             gpu_memory=gpu_memory,
             name_prefix=name_prefix or f"gpu-x{next(_prefixes)}-",
+            extra_args=extra_args,
         )
         ln.__enter__()
         started.append(ln)

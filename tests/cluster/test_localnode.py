@@ -458,3 +458,23 @@ def test_init_container_then_missing_secret_is_reported_until_created(
     dump = envdump(local_nodes.pod_log(done, "main"))
     assert dump["env"]["TOKEN"] == "ok"
     assert list(dump["files"].values()) == ["prepared\n"]
+
+
+def test_pods_still_run_after_the_pod_watch_reopens(
+    control_plane: ControlPlane, make_local_nodes: Any, namespace: str
+) -> None:
+    extra: LocalNodes = make_local_nodes(nodes=1, gpus=1, extra_args=["--watch-timeout=1"])
+    node = extra.node_names[0]
+    deadline = time.monotonic() + 30
+    while extra.log.read_text().count(f"pod watch for {node} (re)opened") < 3:
+        assert time.monotonic() < deadline, "the pod watch was not reopened 3 times in 30s"
+        time.sleep(0.2)
+    pod = _stubborn_pod("late", grace=1, node=node)
+    control_plane.apply(pod, namespace=namespace)
+    running = wait_pod(
+        control_plane, namespace, "late", lambda p: p["status"].get("phase") == "Running", "Running"
+    )
+    pid = _pid(running)
+    control_plane.kubectl("delete", "pod", "late", "-n", namespace, "--wait=false")
+    wait_gone(control_plane, namespace, "late", timeout=30)
+    assert not _alive(pid)

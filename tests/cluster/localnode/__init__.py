@@ -55,6 +55,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -104,6 +105,7 @@ class LocalNodes:
         ip_octet: int | None = None,
         state_dir: Path | None = None,
         ready_timeout: float = 60.0,
+        extra_args: Sequence[str] = (),
     ):
         self.kubeconfig = kubeconfig
         self._octet_lock: IO[bytes] | None = None
@@ -127,6 +129,7 @@ class LocalNodes:
             f"--name-prefix={name_prefix}",
             f"--ip-octet={ip_octet}",
             f"--state-dir={self.state_dir}",
+            *extra_args,
         ]
         self._ready_timeout = ready_timeout
         self._auth = load_kubeconfig(kubeconfig)

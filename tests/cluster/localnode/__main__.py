@@ -70,6 +70,7 @@ async def _serve(args: argparse.Namespace) -> None:
         args.state_dir,
         Backoff(args.backoff_initial, args.backoff_max),
         not args.keep_nodes,
+        watch_timeout=args.watch_timeout,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backoff-initial", type=float, default=1.0)
     parser.add_argument("--backoff-max", type=float, default=30.0)
     parser.add_argument("--keep-nodes", action="store_true", help="leave the Node objects on exit")
+    parser.add_argument(
+        "--watch-timeout", type=int, default=300, help="seconds before a pod watch is reopened"
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     if not 1 <= args.ip_octet <= 254 or args.first_index + args.nodes > 255:

@@ -96,10 +96,12 @@ class Api:
                 return {}
             raise
 
-    async def watch(self, path: str, params: dict[str, str]) -> AsyncIterator[Obj]:
+    async def watch(
+        self, path: str, params: dict[str, str], timeout_s: int = 300
+    ) -> AsyncIterator[Obj]:
         """Yield watch events (``type``, ``object``) from ``path`` until the server ends it."""
-        query = dict(params, watch="1", allowWatchBookmarks="true", timeoutSeconds="300")
-        timeout = httpx.Timeout(30.0, read=330.0)
+        query = dict(params, watch="1", allowWatchBookmarks="true", timeoutSeconds=str(timeout_s))
+        timeout = httpx.Timeout(30.0, read=timeout_s + 30.0)
         async with self._client.stream("GET", path, params=query, timeout=timeout) as r:
             if r.status_code >= 300:
                 raise ApiError("WATCH", path, r.status_code, (await r.aread()).decode())

@@ -55,8 +55,16 @@ class Kubelet:
     """Plays the kubelet (and a DRA driver's node side) for ``nodes``."""
 
     def __init__(
-        self, api: Api, nodes: list[NodeSpec], state_dir: Path, backoff: Backoff, delete_nodes: bool
+        self,
+        api: Api,
+        nodes: list[NodeSpec],
+        state_dir: Path,
+        backoff: Backoff,
+        delete_nodes: bool,
+        *,
+        watch_timeout: int = 300,
     ):
+        self.watch_timeout = watch_timeout
         self.api = api
         self.nodes = {n.name: n for n in nodes}
         self.state_dir = state_dir
@@ -194,8 +202,9 @@ class Kubelet:
                         runner.terminate(delete_object=False)
                 rv = listing["metadata"]["resourceVersion"]
                 while True:
+                    log.info("pod watch for %s (re)opened at resourceVersion %s", node.name, rv)
                     async for event in self.api.watch(
-                        "/api/v1/pods", dict(selector, resourceVersion=rv)
+                        "/api/v1/pods", dict(selector, resourceVersion=rv), self.watch_timeout
                     ):
                         kind = event.get("type")
                         obj = event.get("object") or {}
