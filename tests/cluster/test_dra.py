@@ -126,6 +126,7 @@ def test_shared_claim_puts_two_pods_on_one_gpu_and_impossible_claim_stays_pendin
     cond = condition(pending, "PodScheduled")
     assert cond is not None and cond["status"] == "False"
     assert "claim" in cond["message"].lower(), cond["message"]
+    print(f"scheduler: {cond['reason']}: {cond['message']}")
     again = get_pod(control_plane, namespace, "greedy")
     assert (
         again is not None
