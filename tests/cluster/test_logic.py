@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from tests.cluster.gomod import parse_release_gomod, render_wrapper_gomod, staging_tag
+from tests.cluster.kubeconfig import load_kubeconfig, write_token_kubeconfig
+from tests.cluster.localnode.__main__ import build_nodes, parse_bytes
 from tests.cluster.localnode.devices import (
     NodeSpec,
     claim_devices,
@@ -135,3 +138,22 @@ def test_pod_phase() -> None:
     assert pod_phase(True, False, [done_ok, done_bad]) == "Failed"
     assert pod_phase(True, True, [running]) == "Failed"
     assert pod_phase(True, False, [ContainerStatus("d", "")]) == "Pending"
+
+
+def test_kubeconfig_round_trip(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----\n")
+    path = write_token_kubeconfig(
+        tmp_path / "k", "https://127.0.0.1:6443/", ca, "tok", "sa", namespace="ns1"
+    )
+    auth = load_kubeconfig(path)
+    assert auth.server == "https://127.0.0.1:6443" and auth.token == "tok"
+    assert auth.ca_file.read_text() == ca.read_text() and auth.cert_file is None
+
+
+def test_parse_bytes_and_node_addresses() -> None:
+    assert parse_bytes("80Gi") == 80 * 1024**3 and parse_bytes("1000") == 1000
+    with pytest.raises(argparse.ArgumentTypeError, match="80GB"):
+        parse_bytes("80GB")
+    nodes = build_nodes(2, gpus=1, gpu_memory=1, prefix="n-", first=3, octet=42)
+    assert [(n.name, n.address) for n in nodes] == [("n-3", "127.42.3.1"), ("n-4", "127.42.4.1")]
