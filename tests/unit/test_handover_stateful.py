@@ -143,6 +143,8 @@ class SimPort:
             return wk.acks[task_id]
         others = self.unresolved - {stage}
         assert not others, f"wake of {stage} while {sorted(others)} lack an ok sleep ACK"
+        if any(c[0] == "sleep" for c in self.calls):
+            assert ("checkpoint", "") in self.calls, "wake before the sleep ACKs were published"
         if wk.state is not WorkerPhase.ACTIVE:
             total = self.world.total_used() - wk.used + wk.true_fp
             assert total <= self.world.capacity, (
@@ -152,6 +154,9 @@ class SimPort:
         ack = AckFacts(task_id, True, "wake", WorkerPhase.ACTIVE)
         wk.acks[task_id] = ack
         return ack
+
+    async def checkpoint(self, outcome: RoundOutcome) -> None:
+        self.calls.append(("checkpoint", ""))
 
     async def fence(self, stage: str, reason: str) -> None:
         self.calls.append(("fence", stage))

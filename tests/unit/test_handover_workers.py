@@ -24,6 +24,7 @@ from omnistage_operator.arbiter import GroupMemory, StageFacts, StageIntent, Wor
 from omnistage_operator.facts import AckFacts, WorkerReport
 from omnistage_operator.handover import (
     GroupObservation,
+    RoundOutcome,
     RoundPolicy,
     WorkerUnavailable,
     run_round,
@@ -68,6 +69,7 @@ class ProcessPort:
         self.reached: set[str] = set()
         self.acks: list[tuple[str, AckFacts]] = []
         self.fenced: list[str] = []
+        self.checkpoints: list[int] = []  # ACKs received when each checkpoint was published
 
     async def observe(self) -> GroupObservation:
         facts: dict[str, StageFacts] = {}
@@ -152,6 +154,9 @@ class ProcessPort:
         self.acks.append((stage, ack))
         return ack
 
+    async def checkpoint(self, outcome: RoundOutcome) -> None:
+        self.checkpoints.append(len(self.acks))
+
     async def fence(self, stage: str, reason: str) -> None:
         proc = self.procs.pop(stage)
         proc.kill()
@@ -208,6 +213,7 @@ async def test_switch_sleeps_the_holder_before_waking_the_other(port: ProcessPor
     port.intents["sd"] = StageIntent("sd", True, requested_active_at=2.0)
     await _converge(port, "sd")
     (s_stage, sleep_ack), (w_stage, wake_ack) = port.acks
+    assert port.checkpoints[-1] == 1  # published with the sleep ACK, before the wake
     assert (s_stage, sleep_ack.op, sleep_ack.ok) == ("ar", "sleep", True)
     assert (w_stage, wake_ack.op, wake_ack.ok) == ("sd", "wake", True)
     assert sleep_ack.freed_bytes > 0 and sleep_ack.used_after_bytes == 0

@@ -94,3 +94,9 @@ def test_timestamps_round_trip_with_microseconds() -> None:
     assert abs((parse_timestamp(format_timestamp(t)) or 0) - t) < 1e-6
     assert parse_timestamp("2026-11-21T05:00:00Z") is not None
     assert parse_timestamp("yesterday") is None
+
+
+def test_allowed_wake_shows_waking() -> None:
+    rep = WorkerReport(WorkerPhase.ASLEEP, level=1, total_bytes=GI, free_bytes=GI)
+    obs = StageObservation(1, True, WorkerPhase.ASLEEP, report=rep, admitted=True, waking=True)
+    assert build_status(obs, None, NOW)["state"] == "Waking"

@@ -32,6 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers.configure(settings)
     start_http_server(settings.metrics_port)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz"
     asyncio.run(
         kopf.operator(

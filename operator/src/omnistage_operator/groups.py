@@ -98,6 +98,7 @@ class KubeGroupPort:
         self.reports: dict[str, WorkerReport] = {}
         self.facts: dict[str, StageFacts] = {}
         self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
+        self._listed = False
 
     # -- observing -------------------------------------------------------------------------
 
@@ -149,10 +150,35 @@ class KubeGroupPort:
         return StageFacts(WorkerPhase.UNREACHABLE)
 
     async def observe(self) -> GroupObservation:
-        """Read the group's specs, pods and every worker's GetStatus."""
-        bodies = [
-            b for b in await self.r.kube.list(OMNISTAGE, self.ns) if group_of(b) == self.group
-        ]
+        """Read the group's specs, pods and every worker's GetStatus.
+
+        Within one round, specs and pods are listed again only after this port created or
+        deleted a pod; otherwise only the workers are asked again (a spec changed meanwhile
+        kicks another round).
+        """
+        if not self._listed:
+            await self._list()
+            self._listed = True
+        names = sorted(self.specs)
+        with_pod = [n for n in names if n in self.pods]
+        reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
+        self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
+        self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
+        measured = [r for r in self.reports.values() if r.total_bytes > 0]
+        memory = (
+            GroupMemory(max(r.total_bytes for r in measured), min(r.free_bytes for r in measured))
+            if measured
+            else GroupMemory()
+        )
+        intents = {n: self._intent(self.specs[n], self.bodies[n]) for n in names}
+        return GroupObservation(intents, dict(self.facts), memory)
+
+    async def _list(self) -> None:
+        stages, pods = await asyncio.gather(
+            self.r.kube.list(OMNISTAGE, self.ns),
+            self.r.kube.list(PODS, self.ns, group_pods_selector(self.group)),
+        )
+        bodies = [b for b in stages if group_of(b) == self.group]
         self.specs.clear()
         self.bodies.clear()
         for body in bodies:
@@ -163,30 +189,11 @@ class KubeGroupPort:
                 continue
             self.specs[spec.name] = spec
             self.bodies[spec.name] = body
-        pods = await self.r.kube.list(PODS, self.ns, group_pods_selector(self.group))
         self.pods = {
             p["metadata"]["labels"][STAGE_LABEL]: p
             for p in pods
             if p["metadata"].get("labels", {}).get(STAGE_LABEL) in self.specs
         }
-        names = sorted(self.specs)
-        reports = await asyncio.gather(
-            *(self._status_of(n, self.pods[n]) for n in names if n in self.pods)
-        )
-        self.reports = {
-            n: rep
-            for n, rep in zip([n for n in names if n in self.pods], reports, strict=True)
-            if rep
-        }
-        self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
-        measured = [r for r in self.reports.values() if r.total_bytes > 0]
-        memory = (
-            GroupMemory(max(r.total_bytes for r in measured), min(r.free_bytes for r in measured))
-            if measured
-            else GroupMemory()
-        )
-        intents = {n: self._intent(self.specs[n], self.bodies[n]) for n in names}
-        return GroupObservation(intents, dict(self.facts), memory)
 
     # -- acting ----------------------------------------------------------------------------
 
@@ -218,6 +225,7 @@ class KubeGroupPort:
             self.r.created.add(created["metadata"]["uid"])
             log.info("%s/%s: created pod %s (asleep)", self.ns, stage, pod["metadata"]["name"])
         await self.r.kube.create(SERVICES, self.ns, build_service(spec, owner=owner))
+        self._listed = False
 
     def _client(self, stage: str) -> WorkerClient:
         pod = self.pods.get(stage)
@@ -248,6 +256,10 @@ class KubeGroupPort:
         metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
         return ack
 
+    async def checkpoint(self, outcome: RoundOutcome) -> None:
+        """Publish the sleeps' ACKs in status before any wake goes out."""
+        await self.r.publish(self, outcome, events=False)
+
     async def fence(self, stage: str, reason: str) -> None:
         """Delete the stage's pod; return only once the API server confirms it is gone."""
         pod = self.pods.get(stage)
@@ -263,6 +275,7 @@ class KubeGroupPort:
                 metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
                 self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
                 raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
+        self._listed = False
         metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
         self.r.fenced[(self.ns, stage)] = reason
         self.r.emit(
@@ -413,7 +426,13 @@ class GroupRunner:
         t0 = time.monotonic()
         outcome = await run_round(port, self.policy, self.new_id)
         if outcome.sleeps or outcome.wakes:
-            metrics.HANDOVER_SECONDS.labels(namespace, group).observe(time.monotonic() - t0)
+            took = time.monotonic() - t0
+            metrics.HANDOVER_SECONDS.labels(namespace, group).observe(took)
+            log.info(
+                "group %s/%s hand-over %s: slept %s, woke %s in %.3fs",
+                namespace, group, outcome.handover_id,
+                [s.order.stage for s in outcome.sleeps], list(outcome.wakes), took,
+            )  # fmt: skip
         metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
         await self.publish(port, outcome)
         facts = port.facts.values()
@@ -456,9 +475,12 @@ class GroupRunner:
             if body is not None:
                 self.emit(body, "PodCreated", "worker pod created asleep")
 
-    async def publish(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+    async def publish(
+        self, port: KubeGroupPort, outcome: RoundOutcome, *, events: bool = True
+    ) -> None:
         """Patch every stage's status from the facts (only where it changed)."""
-        self._events(port, outcome)
+        if events:
+            self._events(port, outcome)
         decision = outcome.decision
         now = datetime.now(UTC)
         patches = []
@@ -482,6 +504,7 @@ class GroupRunner:
                 fenced_reason=self.fenced.get(key),
                 requested_active_at=self.asks.get(key) if spec.wants_active else None,
                 sleep_level=spec.sleep_level,
+                waking=decision is not None and name in decision.wake,
             )
             previous = self.published.get(key) or body.get("status") or {}
             status = build_status(obs, previous, now)

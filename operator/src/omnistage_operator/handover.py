@@ -9,7 +9,8 @@ simulated fleet in the property tests. One round:
 3. send every sleep order concurrently; a sleep whose ACK is not ok, or does not come, is retried
    with backoff and the same task id, then the stage is fenced (pod deleted, deletion confirmed);
 4. observe again and plan with this hand-over's bookkeeping (who had to sleep, who ACKed ok,
-   who was fenced); wake what the arbiter now allows.
+   who was fenced); publish that (``checkpoint``: the sleep ACKs land in status first), then
+   wake what the arbiter now allows.
 
 Callers serialize rounds per group (``GroupRunner``); nothing here is safe to run twice at once
 for the same group.
@@ -88,6 +89,10 @@ class GroupPort(Protocol):
 
     async def fence(self, stage: str, reason: str) -> None:
         """Delete the stage's pod and return once the API confirms it is gone."""
+        ...
+
+    async def checkpoint(self, outcome: RoundOutcome) -> None:
+        """The sleeps are ACKed: publish them (status) before any wake is sent."""
         ...
 
 
@@ -220,6 +225,8 @@ async def run_round(
         )
         obs = await port.observe()
         decision = _plan(obs, handover, policy)
+        out.decision, out.observation = decision, obs
+        await port.checkpoint(out)
 
     if decision.wake:
         hid = out.handover_id or new_id()

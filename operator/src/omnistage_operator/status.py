@@ -53,6 +53,7 @@ class StageObservation:
     fenced_reason: str | None = None
     requested_active_at: float | None = None
     sleep_level: int = 1
+    waking: bool = False  # the arbiter allowed its wake; the WakeUp is going out
 
 
 def _state(o: StageObservation) -> Phase:
@@ -67,6 +68,8 @@ def _state(o: StageObservation) -> Phase:
             return Phase.WAKING
         case WorkerPhase.FAILED | WorkerPhase.UNREACHABLE:
             return Phase.FAILED
+        case WorkerPhase.ASLEEP if o.waking:
+            return Phase.WAKING
         case WorkerPhase.ASLEEP:
             return Phase.WAITING if o.wants_active and o.waiting else Phase.ASLEEP
         case _:
