@@ -401,6 +401,9 @@ def summarize(limits: Json, base: dict[str, Json], cycles: dict[str, Json]) -> J
             "l1_sleep_gbps_median": statistics.median(c["sleep_gbps"] for c in later),
             "l1_wake_gbps_median": statistics.median(c["wake_gbps"] for c in later),
             "l1_wake_after_pause_gbps_median": statistics.median(c["wake_gbps"] for c in paused),
+            "l1_wake_after_pause_seconds_median": statistics.median(
+                c["wake_seconds"] for c in paused
+            ),
             "l1_sleep_seconds_median": statistics.median(c["sleep_seconds"] for c in later),
             "l1_wake_seconds_median": statistics.median(c["wake_seconds"] for c in later),
             "l2_wake_seconds_median": statistics.median(c["wake_seconds"] for c in l2_now),
