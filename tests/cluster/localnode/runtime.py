@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ from tests.cluster.kubeconfig import write_token_kubeconfig
 from tests.cluster.localnode import volumes
 from tests.cluster.localnode.api import Api, ApiError, Obj
 from tests.cluster.localnode.devices import NodeSpec, claim_devices, gpu_env, parse_visible_devices
+from tests.cluster.localnode.events import pod_event
 from tests.cluster.localnode.expand import expand, rewrite_path
 from tests.cluster.localnode.podstatus import (
     ContainerStatus,
@@ -33,7 +35,7 @@ from tests.cluster.localnode.podstatus import (
     pod_conditions,
     pod_phase,
 )
-from tests.cluster.localnode.probes import run_probe
+from tests.cluster.localnode.prober import ProbeHooks, ProbeTarget, probe_container
 from tests.cluster.procs import die_with_parent
 
 log = logging.getLogger("localnode.pod")
@@ -503,7 +505,15 @@ class PodRunner:
         log.info(
             "pod %s container %s running pid %d on %s", self.label, name, proc.pid, self.pod_ip
         )
-        probes = [] if init else [asyncio.create_task(self._probe_loop(spec, st, proc, env, cwd))]
+        probes = []
+        if not init:
+            hooks = ProbeHooks(
+                mark=self._mark,
+                kill=functools.partial(self._kill, proc, spec),
+                warn=functools.partial(self._warn, name),
+            )
+            target = ProbeTarget(spec=spec, pod_ip=self.pod_ip, env=env, cwd=cwd)
+            probes.append(asyncio.create_task(probe_container(target, st, hooks)))
         code = await proc.wait()
         for task in probes:
             task.cancel()
@@ -524,112 +534,6 @@ class PodRunner:
         }
         self._mark()
         return code, reason, ""
-
-    async def _probe_loop(
-        self,
-        spec: Obj,
-        st: ContainerStatus,
-        proc: asyncio.subprocess.Process,
-        env: dict[str, str],
-        cwd: Path,
-    ) -> None:
-        startup = spec.get("startupProbe")
-        if startup:
-            ok = await self._probe_until(startup, spec, env, cwd, want_success=True)
-            if not ok:
-                await self._kill(proc, spec, "startup probe failed")
-                return
-            st.started = True
-            if "readinessProbe" not in spec:
-                st.ready = True
-            self._mark()
-        tasks = []
-        if "readinessProbe" in spec:
-            tasks.append(
-                asyncio.create_task(self._readiness(spec["readinessProbe"], spec, st, env, cwd))
-            )
-        if "livenessProbe" in spec:
-            tasks.append(
-                asyncio.create_task(self._liveness(spec["livenessProbe"], spec, proc, env, cwd))
-            )
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def _probe_until(
-        self, probe: Obj, spec: Obj, env: dict[str, str], cwd: Path, want_success: bool
-    ) -> bool:
-        await asyncio.sleep(float(probe.get("initialDelaySeconds", 0)))
-        period = float(probe.get("periodSeconds", 10))
-        failures = 0
-        threshold = int(probe.get("failureThreshold", 3))
-        while True:
-            ok, _ = await run_probe(probe, spec, self.pod_ip, env, cwd)
-            if ok:
-                return True
-            failures += 1
-            if failures >= threshold:
-                return False
-            await asyncio.sleep(period)
-
-    async def _readiness(
-        self, probe: Obj, spec: Obj, st: ContainerStatus, env: dict[str, str], cwd: Path
-    ) -> None:
-        await asyncio.sleep(float(probe.get("initialDelaySeconds", 0)))
-        period = float(probe.get("periodSeconds", 10))
-        succ_needed = int(probe.get("successThreshold", 1))
-        fail_needed = int(probe.get("failureThreshold", 3))
-        succ = fail = 0
-        while True:
-            ok, msg = await run_probe(probe, spec, self.pod_ip, env, cwd)
-            if ok:
-                succ, fail = succ + 1, 0
-                if not st.ready and succ >= succ_needed:
-                    st.ready = True
-                    self._mark()
-            else:
-                succ, fail = 0, fail + 1
-                if fail == 1:
-                    self.event(
-                        "Unhealthy",
-                        f"Readiness probe failed: {msg}",
-                        warning=True,
-                        container=spec["name"],
-                    )
-                if st.ready and fail >= fail_needed:
-                    log.info(
-                        "pod %s container %s readiness failed: %s", self.label, spec["name"], msg
-                    )
-                    st.ready = False
-                    self._mark()
-            await asyncio.sleep(period)
-
-    async def _liveness(
-        self,
-        probe: Obj,
-        spec: Obj,
-        proc: asyncio.subprocess.Process,
-        env: dict[str, str],
-        cwd: Path,
-    ) -> None:
-        await asyncio.sleep(float(probe.get("initialDelaySeconds", 0)))
-        period = float(probe.get("periodSeconds", 10))
-        fail_needed = int(probe.get("failureThreshold", 3))
-        fail = 0
-        while True:
-            ok, msg = await run_probe(probe, spec, self.pod_ip, env, cwd)
-            fail = 0 if ok else fail + 1
-            if fail >= fail_needed:
-                await self._kill(
-                    proc,
-                    spec,
-                    f"liveness probe failed: {msg}",
-                    probe.get("terminationGracePeriodSeconds"),
-                )
-                return
-            await asyncio.sleep(period)
 
     async def _kill(
         self, proc: asyncio.subprocess.Process, spec: Obj, why: str, grace: float | None = None
@@ -666,34 +570,21 @@ class PodRunner:
         self, reason: str, message: str, *, warning: bool = False, container: str = ""
     ) -> None:
         """Record a kubelet-style Event on the pod (best effort, in the background)."""
-        now = now_rfc3339()
-        involved: Obj = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "name": self.name,
-            "namespace": self.ns,
-            "uid": self.uid,
-        }
-        if container:
-            involved["fieldPath"] = f"spec.containers{{{container}}}"
-        body: Obj = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{self.name}.", "namespace": self.ns},
-            "involvedObject": involved,
-            "reason": reason,
-            "message": message[:1024],
-            "type": "Warning" if warning else "Normal",
-            "source": {"component": "kubelet", "host": self.node.name},
-            "reportingComponent": "kubelet",
-            "reportingInstance": self.node.name,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
+        body = pod_event(
+            self.pod,
+            self.node.name,
+            reason,
+            message,
+            now_rfc3339(),
+            warning=warning,
+            container=container,
+        )
         task = asyncio.create_task(self._post_event(body))
         self._event_tasks.add(task)
         task.add_done_callback(self._event_tasks.discard)
+
+    def _warn(self, container: str, reason: str, message: str) -> None:
+        self.event(reason, message, warning=True, container=container)
 
     async def _post_event(self, body: Obj) -> None:
         with contextlib.suppress(Exception):
