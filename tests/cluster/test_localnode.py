@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -478,3 +479,37 @@ def test_pods_still_run_after_the_pod_watch_reopens(
     control_plane.kubectl("delete", "pod", "late", "-n", namespace, "--wait=false")
     wait_gone(control_plane, namespace, "late", timeout=30)
     assert not _alive(pid)
+
+
+def test_http_server_with_startup_and_http_readiness_probes(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    http_get = {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "files"},
+        "spec": {
+            "terminationGracePeriodSeconds": 3,
+            "containers": [
+                {
+                    "name": "web",
+                    "image": "ignored",
+                    "command": [PY, "-m", "http.server", "8080", "--bind", "$(POD_IP)"],
+                    "env": [
+                        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+                    ],
+                    "ports": [{"name": "http", "containerPort": 8080}],
+                    "startupProbe": {**http_get, "failureThreshold": 30},
+                    "readinessProbe": http_get,
+                }
+            ],
+        },
+    }
+    control_plane.apply(pod, namespace=namespace)
+    ready = wait_pod(control_plane, namespace, "files", is_ready, "Ready")
+    status = ready["status"]["containerStatuses"][0]
+    assert status["started"] and status["ready"]
+    with socket.create_connection((ready["status"]["podIP"], 8080), timeout=5) as conn:
+        conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert conn.recv(12).startswith(b"HTTP/1.0 200")
