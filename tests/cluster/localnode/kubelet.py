@@ -279,8 +279,10 @@ class Kubelet:
         )
         runner.start()
 
-    def _done(self, runner: PodRunner) -> None:
-        self.runners.pop(runner.uid, None)
+    def _done(self, runner: PodRunner, gone: bool) -> None:
+        """The pod's processes ended (free its IP); ``gone``: forget the runner too."""
+        if gone:
+            self.runners.pop(runner.uid, None)
         ip = self._ips.pop(runner.uid, None)
         if ip:
             self.pools[runner.node.name].release(ip)

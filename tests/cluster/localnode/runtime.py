@@ -76,7 +76,7 @@ class PodRunner:
         pod_ip: str,
         state_dir: Path,
         backoff: Backoff,
-        on_done: Callable[[PodRunner], None],
+        on_done: Callable[[PodRunner, bool], None],
     ):
         self.api = api
         self.pod = pod
@@ -155,7 +155,10 @@ class PodRunner:
                 with contextlib.suppress(asyncio.CancelledError):
                     await run
             else:
-                await term  # the pod ended by itself: wait until it is deleted
+                # the pod ended by itself: its address is free (as when the kubelet tears down
+                # the sandbox); the runner stays until the pod is deleted
+                self._on_done(self, False)
+                await term
                 await self._stop_all(self._grace())
         except Exception:
             log.exception("pod %s: runner failed", self.label)
@@ -167,7 +170,7 @@ class PodRunner:
             writer.cancel()
             if self.delete_object and self.terminating.is_set():
                 await self._delete_object()
-            self._on_done(self)
+            self._on_done(self, True)
 
     def _grace(self) -> float:
         meta = self.pod["metadata"]
