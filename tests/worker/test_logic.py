@@ -14,6 +14,7 @@ from omnistage.worker.v1 import types_pb2
 from omnistage_worker.acks import Outcome, build_ack
 from omnistage_worker.config import ConfigError, Identity, parse_device, parse_quantity
 from omnistage_worker.health import INFERENCE_SERVICE, NOT_SERVING, OVERALL, SERVING, statuses
+from omnistage_worker.host_allocator import fix_mmap_threshold
 from omnistage_worker.memory import DeviceReading, Ledger, Reading, nvml_target, pick_grown_pid
 from omnistage_worker.transitions import (
     Current,
@@ -183,3 +184,10 @@ def test_ledger_counts_live_workers_only(tmp_path: Path) -> None:
     assert mine.others_used() == 0  # the other worker died without withdrawing
     mine.remove()
     assert not (tmp_path / str(mine.pid)).exists()
+
+
+def test_fix_mmap_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4096")
+    assert not fix_mmap_threshold()  # the environment's setting wins
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert fix_mmap_threshold() == sys.platform.startswith("linux")

@@ -23,6 +23,7 @@ from omnistage_worker.config import (
     parse_quantity,
     read_token,
 )
+from omnistage_worker.host_allocator import fix_mmap_threshold
 
 log = logging.getLogger("omnistage_worker")
 
@@ -150,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     setup_logging(args.log_level)
+    fix_mmap_threshold()
     log.info(
         "starting: runner=%s backend=%s model=%s device=%s initial-state=%s sleep-level=%d",
         config.runner,

@@ -93,4 +93,4 @@ class WorkerServer:
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._load_task
-        self.worker.close()
+        await self.worker.aclose()

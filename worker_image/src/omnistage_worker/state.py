@@ -69,17 +69,6 @@ class DaemonLane:
         while (call := self._calls.get()) is not None:
             call()
 
-    def run_detached(self, fn: Callable[[], object]) -> None:
-        """Queue ``fn`` without waiting for it (errors are logged)."""
-
-        def call() -> None:
-            try:
-                fn()
-            except Exception:
-                log.exception("background call failed")
-
-        self._calls.put(call)
-
     def close(self) -> None:
         """End the thread once the calls already queued have run."""
         self._calls.put(None)
@@ -550,13 +539,20 @@ class Worker:
             response.last_ack.CopyFrom(self.last_ack)
         return response
 
-    def close(self) -> None:
-        """Release the probe (withdraws this worker from the memory ledger) and the threads."""
-        if self.probe is not None:
-            self.probe.close()
+    async def aclose(self, within: float = 30.0) -> None:
+        """Free the engine's buffers, withdraw from the memory ledger, end the worker threads.
+
+        The engine is closed on its own thread and waited for: a process that exits while a
+        thread is inside torch's C++ code aborts.
+        """
         close = getattr(self.controller, "close", None)
         if callable(close):
-            self._transition_lane.run_detached(close)
+            try:
+                await asyncio.wait_for(self._transition_lane.run(close), within)
+            except Exception:
+                log.exception("closing the weight engine failed")
+        if self.probe is not None:
+            self.probe.close()
         self._transition_lane.close()
         self._generate_lane.close()
 
