@@ -115,6 +115,22 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
             "--tls-cert/--tls-key",
         ),
         (["--runner", "ar", "--backend", "vllm", "--model", "."], "--device"),
+        (["--runner", "ar", "--backend", "vllm", "--model", ".", "--device", "cuda:1"], "--device"),
+        (
+            [
+                "--runner",
+                "ar",
+                "--backend",
+                "vllm",
+                "--model",
+                ".",
+                "--device",
+                "cuda",
+                "--initial-state",
+                "asleep",
+            ],
+            "--initial-state",
+        ),
         (
             ["--runner", "ar", "--backend", "transformers", "--model", ".", "--sleep-level", "3"],
             "--sleep-level",

@@ -190,6 +190,11 @@ def validate(config: WorkerConfig) -> None:
     if config.backend == "vllm":
         if not config.device.is_cuda:
             raise ConfigError("--device", "the vllm backend needs a CUDA device")
+        if config.device.index != 0:
+            raise ConfigError(
+                "--device",
+                "with --backend vllm use cuda (vLLM takes its GPUs from CUDA_VISIBLE_DEVICES)",
+            )
         if config.initial_state == "asleep":
             raise ConfigError(
                 "--initial-state",

@@ -13,7 +13,9 @@ imported only when this runner is chosen. Not tested in CI (no vLLM, no GPU ther
   without first taking the device memory back, which could overrun another stage.
 
 Memory figures come from NVML for this process and its children (vLLM's engine core runs in a
-child process), never from vLLM's return values.
+child process), never from vLLM's return values. The residual baseline is this process's own
+CUDA context; vLLM's engine core has a context of its own and keeps some memory while asleep
+(CUDA graphs, NCCL), so give vLLM stages a larger ``--residual-slack`` (measure it once).
 """
 
 from __future__ import annotations
