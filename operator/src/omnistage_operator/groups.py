@@ -48,7 +48,12 @@ from omnistage_operator.labels import STAGE_LABEL, group_pods_selector
 from omnistage_operator.quantities import format_bytes
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import DesiredState, PlacementMode, SpecError, StageSpec, parse_stage
-from omnistage_operator.status import StageObservation, build_status, parse_timestamp
+from omnistage_operator.status import (
+    StageObservation,
+    build_status,
+    format_timestamp,
+    parse_timestamp,
+)
 from omnistage_operator.worker_client import WorkerClient
 
 __all__ = ["GroupRunner", "KubeGroupPort"]
@@ -382,6 +387,14 @@ class GroupRunner:
     def record_ask(self, namespace: str, name: str, when: float | None = None) -> None:
         """The stage just asked for Active (arbiter order: the most recent ask first)."""
         self.asks[(namespace, name)] = time.time() if when is None else when
+
+    async def persist_ask(self, namespace: str, name: str) -> None:
+        """Write ``status.requestedActiveAt`` of a recorded ask now."""
+        when = self.asks.get((namespace, name))
+        if when is None:
+            return
+        patch = {"status": {"requestedActiveAt": format_timestamp(when)}}
+        await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop the in-memory facts of a deleted stage."""

@@ -87,15 +87,21 @@ async def stage_updated(
 ) -> None:
     """Spec changed: a new ask for Active is stamped now; the old and new groups re-plan."""
     runner = _runner()
+    ns = namespace or "default"
     old_state = (old or {}).get("state", "Active")
     new_state = (new or {}).get("state", "Active")
-    if new_state == "Active" and old_state != "Active":
-        runner.record_ask(namespace or "default", name)
+    asked = new_state == "Active" and old_state != "Active"
+    if asked:
+        runner.record_ask(ns, name)
     old_group = group_of({"spec": old or {}})
     new_group = group_of(body)
     for group in {old_group, new_group} - {None}:
         assert group is not None
-        runner.kick(namespace or "default", group)
+        runner.kick(ns, group)
+    if asked:
+        # Persist the ask before kopf marks this change handled: an operator killed now
+        # re-runs this handler, one killed later finds the ask in status.
+        await runner.persist_ask(ns, name)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
