@@ -84,8 +84,11 @@ def gpu_node(make_local_nodes: Callable[..., LocalNodes]) -> str:
 class OperatorProcess:
     """The real operator as a subprocess."""
 
-    def __init__(self, cp: ControlPlane, namespace: str, workdir: Path) -> None:
+    def __init__(
+        self, cp: ControlPlane, namespace: str, workdir: Path, kubeconfig: Path | None = None
+    ) -> None:
         self.cp = cp
+        self.kubeconfig = kubeconfig or cp.kubeconfig
         self.namespace = namespace
         self.workdir = workdir
         self.token_file = workdir / "token"
@@ -97,7 +100,7 @@ class OperatorProcess:
         self.extra: list[str] = []
 
     def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         argv = [
             OPERATOR,
             "--namespace", self.namespace,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from tests.e2e.conftest import Cluster, OperatorProcess, stage_manifest, wait_for
+from tests.e2e.conftest import ROOT, Cluster, OperatorProcess, stage_manifest, wait_for
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -66,3 +68,40 @@ def test_delete_removes_pod_service_and_last_claim(
     wait_for("ar pod gone", lambda: not cluster.exists("pod", "ar-worker"), 60)
     assert not cluster.exists("service", "ar-worker")
     wait_for("claim gone", lambda: not cluster.exists("resourceclaim", claim), 60)
+
+
+def test_switch_as_the_charts_service_account(
+    cluster: Cluster, tmp_path: Path, tiny_models: dict[str, Path], gpu_node: str
+) -> None:
+    """The operator needs no more than the chart's RBAC: run it as that ServiceAccount."""
+    ns = cluster.namespace
+    rendered = cluster.cp.helm(
+        "template", ns, str(ROOT / "charts" / "omnistage-operator"), "--namespace", ns
+    ).stdout
+    rbac_kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    docs: list[dict[str, Any]] = [
+        d for d in yaml.safe_load_all(rendered) if d and d.get("kind") in rbac_kinds
+    ]
+    assert any(d["kind"] == "ClusterRole" for d in docs)
+    cluster.cp.apply(docs)
+    account = next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
+    kubeconfig = cluster.cp.service_account_kubeconfig(ns, account)
+    op = OperatorProcess(cluster.cp, ns, tmp_path, kubeconfig=kubeconfig)
+    op.start()
+    try:
+        cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu_node, group="grbac"))
+        cluster.apply(
+            stage_manifest("sd", "sd", tiny_models, gpu_node, group="grbac", state="Asleep")
+        )
+        wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
+        wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
+        cluster.patch_state("sd", "Active")
+        wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
+        assert {"Slept", "StateChanged"} <= {e["reason"] for e in cluster.events("ar")}
+        log = op.log.read_text(errors="replace")
+        assert "Forbidden" not in log and "HTTP 403" not in log, op.tail(40)
+    finally:
+        op.stop()
+        for d in docs:
+            if d["kind"].startswith("Cluster"):
+                cluster.cp.kubectl("delete", d["kind"], d["metadata"]["name"], check=False)
