@@ -306,6 +306,7 @@ class GroupRunner:
             ack_retries=settings.ack_retries,
             backoff_s=settings.retry_backoff_s,
             margin_bytes=settings.wake_margin_bytes,
+            retry_window_s=settings.sleep_timeout_s,
         )
         self.asks: dict[StageKey, float] = {}
         self.created: set[str] = set()  # pod uids this process created

@@ -103,6 +103,9 @@ class RoundPolicy:
     ack_retries: int = 3
     backoff_s: float = 0.25
     margin_bytes: int = 0
+    # Keep retrying a sleep that got no answer for at least this long before fencing (a worker
+    # that refuses connections is usually still starting; a hung one uses up its deadlines).
+    retry_window_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,8 @@ async def _sleep_or_fence(
     began = time.monotonic()
     ack: AckFacts | None = None
     attempts = 0
-    for attempt in range(max(1, policy.ack_retries)):
+    attempt = 0
+    while True:
         attempts = attempt + 1
         log.info(
             "sleep %s: level %d to %s (attempt %d)", task_id, order.level, order.stage, attempts
@@ -160,8 +164,11 @@ async def _sleep_or_fence(
             if ack.ok:
                 return SleepResult(order, task_id, ack, attempts, seconds=time.monotonic() - began)
             log.warning("sleep %s of %s: ACK not ok: %s", task_id, order.stage, ack.error)
-        if attempt + 1 < policy.ack_retries:
-            await asyncio.sleep(policy.backoff_s * (2**attempt))
+        within_window = ack is None and time.monotonic() - began < policy.retry_window_s
+        if attempts >= max(1, policy.ack_retries) and not within_window:
+            break
+        await asyncio.sleep(min(policy.backoff_s * (2**attempt), 5.0))
+        attempt += 1
     if not order.releases_memory:
         # A 1->2 deepening of a stage that holds no memory: nothing to protect by fencing.
         return SleepResult(order, task_id, ack, attempts, seconds=time.monotonic() - began)
