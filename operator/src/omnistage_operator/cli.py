@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import kopf
 from prometheus_client import start_http_server
 
-from omnistage_operator import handlers
 from omnistage_operator.settings import SettingsError, parse_settings
 
 __all__ = ["main"]
@@ -29,6 +29,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SettingsError, OSError) as exc:
         print(f"omnistage-operator: {exc}", file=sys.stderr)
         return 2
+    os.environ["OMNISTAGE_RESYNC_INTERVAL"] = str(settings.resync_interval_s)
+    from omnistage_operator import handlers  # registers the kopf handlers
+
     handlers.configure(settings)
     start_http_server(settings.metrics_port)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)

@@ -8,6 +8,7 @@ acts on what it remembered.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import kopf
@@ -23,6 +24,9 @@ __all__ = ["configure"]
 log = logging.getLogger(__name__)
 
 FINALIZER = "omnistage.io/finalizer"
+# The timer's interval is fixed when kopf registers it: cli.main exports --resync-interval
+# into this variable before importing this module.
+RESYNC_S = float(os.environ.get("OMNISTAGE_RESYNC_INTERVAL", "10") or 10)
 
 
 class _State:
@@ -114,7 +118,7 @@ async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: 
         runner.kick(namespace or "default", group)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=10.0, initial_delay=5.0, idle=None)
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=min(5.0, RESYNC_S))
 async def resync(body: kopf.Body, namespace: str | None, **_: Any) -> None:
     """Re-read worker facts now and then (status stays true without events)."""
     group = group_of(body)
