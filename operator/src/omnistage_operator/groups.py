@@ -44,7 +44,13 @@ from omnistage_operator.handover import (
     run_round,
 )
 from omnistage_operator.kube import CLAIMS, OMNISTAGE, PODS, SECRETS, SERVICES, Kube, KubeError
-from omnistage_operator.labels import STAGE_LABEL, group_pods_selector
+from omnistage_operator.labels import (
+    GROUP_LABEL,
+    MANAGED_BY_LABEL,
+    MANAGER,
+    STAGE_LABEL,
+    selector_string,
+)
 from omnistage_operator.quantities import format_bytes
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import DesiredState, PlacementMode, SpecError, StageSpec, parse_stage
@@ -145,6 +151,11 @@ class KubeGroupPort:
         phase = (pod.get("status") or {}).get("phase", "Pending")
         if phase in _TERMINAL:
             return StageFacts(WorkerPhase.ABSENT)  # the kubelet reported its containers ended
+        if (pod["metadata"].get("labels") or {}).get(GROUP_LABEL) != self.group:
+            # A pod of another group (the CRD makes the group immutable, so only a pod left
+            # from a deleted and re-created stage): its memory is on that group's devices; it
+            # is deleted (confirmed) before this group's pod is created.
+            return StageFacts(WorkerPhase.ABSENT)
         if rep is not None:
             self.r.reached.add(uid)
             return rep.stage_facts()
@@ -165,7 +176,12 @@ class KubeGroupPort:
             await self._list()
             self._listed = True
         names = sorted(self.specs)
-        with_pod = [n for n in names if n in self.pods]
+        with_pod = [
+            n
+            for n in names
+            if n in self.pods
+            and (self.pods[n]["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
+        ]
         reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
         self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
         self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
@@ -181,7 +197,7 @@ class KubeGroupPort:
     async def _list(self) -> None:
         stages, pods = await asyncio.gather(
             self.r.kube.list(OMNISTAGE, self.ns),
-            self.r.kube.list(PODS, self.ns, group_pods_selector(self.group)),
+            self.r.kube.list(PODS, self.ns, selector_string({MANAGED_BY_LABEL: MANAGER})),
         )
         bodies = [b for b in stages if group_of(b) == self.group]
         self.specs.clear()
@@ -199,6 +215,37 @@ class KubeGroupPort:
             for p in pods
             if p["metadata"].get("labels", {}).get(STAGE_LABEL) in self.specs
         }
+        orphans = [
+            p
+            for p in pods
+            if p["metadata"].get("labels", {}).get(GROUP_LABEL) == self.group
+            and p["metadata"].get("labels", {}).get(STAGE_LABEL) not in self.specs
+            and (p.get("status") or {}).get("phase") not in _TERMINAL
+        ]
+        for pod in orphans:
+            await self._fence_orphan(pod, {b["metadata"]["name"]: b for b in stages})
+
+    async def _fence_orphan(
+        self, pod: Mapping[str, Any], stages: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """A pod labelled with this group whose stage is no longer arbitrated here (its spec
+        became invalid, or it was re-created in another group) may hold this group's memory:
+        delete it and wait until the API server confirms it is gone."""
+        meta = pod["metadata"]
+        stage = meta.get("labels", {}).get(STAGE_LABEL, "")
+        body = stages.get(stage)
+        reason = f"pod {meta['name']} belongs to group {self.group} but its stage left the group"
+        if body is not None:
+            self.r.emit(body, "Fencing", reason, warning=True)
+        await self.r.kube.delete(PODS, self.ns, meta["name"], uid=meta["uid"], grace_s=5)
+        if not await self.r.kube.wait_gone(
+            PODS, self.ns, meta["name"], meta["uid"], self.r.settings.fence_timeout_s
+        ):
+            metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
+            raise FenceFailed(f"pod {meta['name']} not confirmed gone")
+        metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
+        if body is not None:
+            self.r.emit(body, "Fenced", f"{reason}; deleted and confirmed gone", warning=True)
 
     # -- acting ----------------------------------------------------------------------------
 
@@ -208,7 +255,7 @@ class KubeGroupPort:
         if body["metadata"].get("deletionTimestamp"):
             return
         old = self.pods.get(stage)
-        if old is not None:  # terminal: delete it and wait until the API confirms it is gone
+        if old is not None:  # ended or of another group: delete it, wait until confirmed gone
             uid = old["metadata"]["uid"]
             await self.r.kube.delete(PODS, self.ns, old["metadata"]["name"], uid=uid)
             if not await self.r.kube.wait_gone(

@@ -73,7 +73,7 @@ def _state(o: StageObservation) -> Phase:
         case WorkerPhase.ASLEEP:
             return Phase.WAITING if o.wants_active and o.waiting else Phase.ASLEEP
         case _:
-            return Phase.WAITING if o.wants_active and o.waiting and o.pod else Phase.PENDING
+            return Phase.PENDING  # no pod yet, or its worker has not answered yet
 
 
 def _ack_status(ack: AckFacts) -> dict[str, Any]:
