@@ -166,7 +166,7 @@ class SimPort:
 
 
 class HandoverMachine(RuleBasedStateMachine):
-    """Random specs, ACK outcomes, crashes, hangs and operator restarts."""
+    """Random specs, ACK outcomes, crashes, hangs, sleeps in progress and operator restarts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -260,6 +260,19 @@ class HandoverMachine(RuleBasedStateMachine):
             wk.alive, wk.responsive, wk.state, wk.used = True, True, WorkerPhase.ASLEEP, 0
             wk.level = self.intents[name].sleep_level
 
+    @rule(data=st.data())
+    def sleep_in_progress(self, data: st.DataObject) -> None:
+        """A sleep sent by an earlier operator is still running: Sleeping, memory still held."""
+        wk = self.workers[data.draw(st.sampled_from(sorted(self.workers)))]
+        if wk.pod and wk.alive and wk.responsive and wk.state is WorkerPhase.ACTIVE:
+            wk.state = WorkerPhase.SLEEPING
+
+    @rule()
+    def transitions_finish(self) -> None:
+        for wk in self.workers.values():
+            if wk.state is WorkerPhase.SLEEPING:
+                wk.state, wk.used = WorkerPhase.ASLEEP, 0
+
     @rule()
     def operator_restart(self) -> None:
         self.created.clear()
@@ -270,6 +283,7 @@ class HandoverMachine(RuleBasedStateMachine):
     def settle(self) -> None:
         """Faults stop: the group converges to the admitted set and stays there."""
         self.measure_free = True
+        self.transitions_finish()
         for name, wk in self.workers.items():
             if wk.pod and not (wk.alive and wk.responsive):
                 wk.alive, wk.responsive, wk.state, wk.used = True, True, WorkerPhase.ASLEEP, 0
@@ -363,3 +377,19 @@ def test_lost_ack_after_transition_is_recovered_by_the_retry() -> None:
     assert ("fence", "s0") not in port.calls
     assert m.workers["s0"].state is WorkerPhase.ASLEEP
     assert m.workers["s1"].state is WorkerPhase.ACTIVE
+
+
+def test_sleep_in_progress_is_awaited_before_the_wake() -> None:
+    m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 1)])
+    m._round([])
+    m._round([])
+    m.workers["s0"].state = WorkerPhase.SLEEPING  # an earlier operator's sleep, still running
+    _wish(m, "s0", False)
+    _wish(m, "s1", True)
+    m.measure_free = False
+    port = m._round([])
+    assert ("wake", "s1") not in port.calls and ("sleep", "s0") not in port.calls
+    m.transitions_finish()
+    port = m._round([])
+    assert ("wake", "s1") in port.calls
+    assert m.total_used() <= m.capacity
