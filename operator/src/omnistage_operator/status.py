@@ -83,7 +83,7 @@ def _ack_status(ack: AckFacts) -> dict[str, Any]:
         "ok": ack.ok,
         "level": ack.level,
         "freedBytes": ack.freed_bytes,
-        "freed": format_bytes(max(ack.freed_bytes, 0)),
+        "freed": format_bytes(ack.freed_bytes),  # negative for a wake: memory taken
         "usedAfterBytes": ack.used_after_bytes,
         "durationSeconds": round(ack.duration_s, 6),
         "time": format_timestamp(ack.finished_at) if ack.finished_at else None,
