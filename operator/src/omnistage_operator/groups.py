@@ -26,6 +26,7 @@ from omnistage_operator.arbiter import (
     WorkerPhase,
 )
 from omnistage_operator.builders import (
+    POD_SPEC_HASH_ANNOTATION,
     build_group_claim,
     build_service,
     build_token_secret,
@@ -33,6 +34,7 @@ from omnistage_operator.builders import (
     claim_name,
     owner_reference,
     pod_claim_name,
+    pod_spec_hash,
 )
 from omnistage_operator.facts import AckFacts, WorkerReport
 from omnistage_operator.handover import (
@@ -224,6 +226,26 @@ class KubeGroupPort:
         ]
         for pod in orphans:
             await self._fence_orphan(pod, {b["metadata"]["name"]: b for b in stages})
+        for name, pod in list(self.pods.items()):
+            if _outdated(pod, self.specs[name]):
+                await self._replace_outdated(name, pod)
+                del self.pods[name]
+
+    async def _replace_outdated(self, stage: str, pod: Mapping[str, Any]) -> None:
+        """The stage's spec changed in a field its pod was built from (image, model, template,
+        ...): delete the pod with its grace period (in-flight requests finish) and wait until
+        the API server confirms it is gone, so its process, and the device memory it held, are
+        gone before the round creates the new pod, asleep, behind the usual ACK gate."""
+        meta = pod["metadata"]
+        body = self.bodies[stage]
+        self.r.emit(body, "PodOutdated", f"pod {meta['name']} predates the spec; replacing it")
+        await self.r.kube.delete(PODS, self.ns, meta["name"], uid=meta["uid"])
+        if not await self.r.kube.wait_gone(
+            PODS, self.ns, meta["name"], meta["uid"], self.r.settings.fence_timeout_s
+        ):
+            metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
+            raise FenceFailed(f"outdated pod {meta['name']} not confirmed gone")
+        self.r.emit(body, "PodReplaced", f"outdated pod {meta['name']} deleted and confirmed gone")
 
     async def _fence_orphan(
         self, pod: Mapping[str, Any], stages: Mapping[str, Mapping[str, Any]]
@@ -333,6 +355,16 @@ class KubeGroupPort:
         self.r.emit(
             body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
         )
+
+
+def _outdated(pod: Mapping[str, Any], spec: StageSpec) -> bool:
+    """The pod was built from another version of the fields a pod is made of."""
+    if (pod.get("status") or {}).get("phase") in _TERMINAL or pod["metadata"].get(
+        "deletionTimestamp"
+    ):
+        return False  # ended or already going: the round's usual path handles it
+    built = (pod["metadata"].get("annotations") or {}).get(POD_SPEC_HASH_ANNOTATION)
+    return built is not None and built != pod_spec_hash(spec)
 
 
 def _container_started(pod: Mapping[str, Any]) -> bool:
