@@ -40,6 +40,18 @@ from omnistage_worker.transitions import (
 
 log = logging.getLogger(__name__)
 
+SLEEP = types_pb2.OPERATION_SLEEP
+WAKE = types_pb2.OPERATION_WAKE_UP
+
+
+class _Start:
+    """When a transition began: wall clock for the Ack, monotonic clock for its duration."""
+
+    def __init__(self) -> None:
+        self.at = _now()
+        self.monotonic = time.monotonic()
+
+
 T = TypeVar("T")
 Listener = Callable[[Current], Awaitable[None]]
 
@@ -295,44 +307,23 @@ class Worker:
                     "level: 2 is not supported for this model (no *.safetensors files to "
                     "reload from)",
                 )
-            started_at, started = _now(), time.monotonic()
+            start = _Start()
             if plan is Plan.NOOP:
                 reading = self._measure()
                 return self._finish(
-                    Outcome(
-                        task_id,
-                        types_pb2.OPERATION_SLEEP,
-                        self._state,
-                        self._level,
-                        reading,
-                        reading,
-                        started_at,
-                        _now(),
-                        time.monotonic() - started,
-                        noop=True,
-                        residual_bound=self.residual_bound,
-                    )
+                    self._outcome(task_id, SLEEP, reading, reading, start, noop=True)
                 )
             previous = (self._state, self._level)
             await self._set_state(types_pb2.WORKER_STATE_SLEEPING, self._level)
             if plan is Plan.SLEEP and not await self._drain():
                 await self._set_state(*previous)
                 reading = self._measure()
+                error = (
+                    f"in-flight requests did not finish within "
+                    f"{self.config.drain_timeout_s:.0f}s; the sleep was not started"
+                )
                 return self._finish(
-                    Outcome(
-                        task_id,
-                        types_pb2.OPERATION_SLEEP,
-                        self._state,
-                        self._level,
-                        reading,
-                        reading,
-                        started_at,
-                        _now(),
-                        time.monotonic() - started,
-                        error=f"in-flight requests did not finish within "
-                        f"{self.config.drain_timeout_s:.0f}s; the sleep was not started",
-                        residual_bound=self.residual_bound,
-                    )
+                    self._outcome(task_id, SLEEP, reading, reading, start, error=error)
                 )
             before = self._measure()
             controller = self._require_controller()
@@ -343,19 +334,7 @@ class Worker:
                 await self._fail(f"sleep to level {level} failed: {exc}")
                 after = self._measure()
                 return self._finish(
-                    Outcome(
-                        task_id,
-                        types_pb2.OPERATION_SLEEP,
-                        self._state,
-                        self._level,
-                        before,
-                        after,
-                        started_at,
-                        _now(),
-                        time.monotonic() - started,
-                        error=self._error,
-                        residual_bound=self.residual_bound,
-                    )
+                    self._outcome(task_id, SLEEP, before, after, start, error=self._error)
                 )
             after = self._measure()
             await self._set_state(types_pb2.WORKER_STATE_ASLEEP, controller.level)
@@ -363,43 +342,26 @@ class Worker:
             if error:
                 log.warning("sleep ack not ok: %s", error)
             return self._finish(
-                Outcome(
+                self._outcome(
                     task_id,
-                    types_pb2.OPERATION_SLEEP,
-                    self._state,
-                    self._level,
+                    SLEEP,
                     before,
                     after,
-                    started_at,
-                    _now(),
-                    time.monotonic() - started,
+                    start,
                     bytes_moved=stats.bytes_moved,
                     noop=stats.noop,
                     error=error,
-                    residual_bound=self.residual_bound,
                 )
             )
 
     async def _wake(self, task_id: str) -> types_pb2.Ack:
         async with self._lock:
             plan = plan_wake(self.current)
-            started_at, started = _now(), time.monotonic()
+            start = _Start()
             before = self._measure()
 
             def outcome(after: Reading, **extra: Any) -> Outcome:
-                return Outcome(
-                    task_id,
-                    types_pb2.OPERATION_WAKE_UP,
-                    self._state,
-                    self._level,
-                    before,
-                    after,
-                    started_at,
-                    _now(),
-                    time.monotonic() - started,
-                    residual_bound=self.residual_bound,
-                    **extra,
-                )
+                return self._outcome(task_id, WAKE, before, after, start, **extra)
 
             if plan is Plan.NOOP:
                 return self._finish(outcome(before, noop=True))
@@ -438,6 +400,30 @@ class Worker:
         return (
             f"not enough free device memory to wake: need {need} bytes, "
             f"{before.free} free of {before.total} (accounting)"
+        )
+
+    def _outcome(
+        self,
+        task_id: str,
+        operation: types_pb2.Operation.ValueType,
+        before: Reading,
+        after: Reading,
+        start: _Start,
+        **extra: Any,
+    ) -> Outcome:
+        """What a transition did, as of now, in the worker's current state and level."""
+        return Outcome(
+            task_id,
+            operation,
+            self._state,
+            self._level,
+            before,
+            after,
+            start.at,
+            _now(),
+            time.monotonic() - start.monotonic,
+            residual_bound=self.residual_bound,
+            **extra,
         )
 
     def _require_controller(self) -> SleepController:
