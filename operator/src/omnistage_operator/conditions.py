@@ -78,6 +78,7 @@ class Reason(StrEnum):
     WORKER_READY = "WorkerReady"
     WORKER_NOT_READY = "WorkerNotReady"
     WORKER_LOST = "WorkerLost"
+    WORKER_UNAUTHENTICATED = "WorkerUnauthenticated"
     SLEEPING = "Sleeping"
     SLEEP_ACKNOWLEDGED = "SleepAcknowledged"
     WAKING = "Waking"

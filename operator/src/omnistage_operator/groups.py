@@ -42,6 +42,7 @@ from omnistage_operator.handover import (
     GroupObservation,
     RoundOutcome,
     RoundPolicy,
+    WorkerUnauthenticated,
     WorkerUnavailable,
     run_round,
 )
@@ -138,11 +139,20 @@ class KubeGroupPort:
         client = self.r.client_for(self.ns, self.specs[name], pod)
         if client is None:
             return None
+        key = (self.ns, name)
         try:
-            return await client.get_status(self.r.settings.status_timeout_s)
+            report = await client.get_status(self.r.settings.status_timeout_s)
+        except WorkerUnauthenticated as exc:
+            if self.r.auth_errors.get(key) != str(exc):
+                log.warning("%s/%s: %s", self.ns, name, exc)
+                self.r.emit(self.bodies[name], "WorkerUnauthenticated", str(exc), warning=True)
+            self.r.auth_errors[key] = str(exc)
+            return None
         except WorkerUnavailable as exc:
             log.debug("GetStatus %s/%s: %s", self.ns, name, exc)
             return None
+        self.r.auth_errors.pop(key, None)
+        return report
 
     def _facts(
         self, name: str, pod: Mapping[str, Any] | None, rep: WorkerReport | None
@@ -197,6 +207,7 @@ class KubeGroupPort:
         return GroupObservation(intents, dict(self.facts), memory)
 
     async def _list(self) -> None:
+        await self.r.ensure_secret(self.ns)  # also repairs a Secret left from another token
         stages, pods = await asyncio.gather(
             self.r.kube.list(OMNISTAGE, self.ns),
             self.r.kube.list(PODS, self.ns, selector_string({MANAGED_BY_LABEL: MANAGER})),
@@ -392,6 +403,7 @@ class GroupRunner:
         self.reached: set[str] = set()  # pod uids whose worker answered
         self.last_acks: dict[StageKey, AckFacts] = {}
         self.fenced: dict[StageKey, str] = {}
+        self.auth_errors: dict[StageKey, str] = {}  # workers that refused the operator's token
         self.published: dict[StageKey, dict[str, Any]] = {}
         self._loops: dict[GroupKey, _Loop] = {}
         self._clients: dict[str, WorkerClient] = {}
@@ -482,6 +494,7 @@ class GroupRunner:
         self.asks.pop(key, None)
         self.last_acks.pop(key, None)
         self.fenced.pop(key, None)
+        self.auth_errors.pop(key, None)
         self.published.pop(key, None)
 
     def kick(self, namespace: str, group: str) -> None:
@@ -598,6 +611,7 @@ class GroupRunner:
                 requested_active_at=self.asks.get(key) if spec.wants_active else None,
                 sleep_level=spec.sleep_level,
                 waking=decision is not None and name in decision.wake,
+                worker_error=self.auth_errors.get(key),
             )
             previous = self.published.get(key) or body.get("status") or {}
             status = build_status(obs, previous, now)

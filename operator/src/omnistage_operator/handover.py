@@ -55,6 +55,11 @@ class WorkerUnavailable(Exception):
     """The worker did not answer (unreachable, deadline exceeded, no pod address)."""
 
 
+class WorkerUnauthenticated(WorkerUnavailable):
+    """The worker refused the operator's bearer token: for the hand-over it is unreachable
+    (it may hold memory, so it is fenced in the end), and the stage's status says why."""
+
+
 class FenceFailed(Exception):
     """The pod could not be confirmed gone within the deadline."""
 

@@ -54,6 +54,7 @@ class StageObservation:
     requested_active_at: float | None = None
     sleep_level: int = 1
     waking: bool = False  # the arbiter allowed its wake; the WakeUp is going out
+    worker_error: str | None = None  # why the worker could not be asked (e.g. UNAUTHENTICATED)
 
 
 def _state(o: StageObservation) -> Phase:
@@ -153,6 +154,8 @@ def build_status(
         else cond.Reason.FAILED,
     }.get(state, cond.Reason.WORKER_NOT_READY)
     ready_msg = f"worker is {o.phase.value}" + (f": {r.error}" if r is not None and r.error else "")
+    if o.worker_error is not None and r is None:
+        ready_reason, ready_msg = cond.Reason.WORKER_UNAUTHENTICATED, o.worker_error
     cs = cond.set_condition(cs, cond.READY, ready, ready_reason, ready_msg, gen, now)
 
     asleep = o.phase is WorkerPhase.ASLEEP

@@ -1,7 +1,8 @@
 """grpc.aio client of a worker's SleepService: a deadline on every call, bearer token, optional TLS.
 
 Retries are the caller's business and always reuse the task id (the worker replays the first
-ACK for a repeated id). Every RPC failure becomes ``WorkerUnavailable`` naming the code.
+ACK for a repeated id). Every RPC failure becomes ``WorkerUnavailable`` naming the code
+(``WorkerUnauthenticated`` when the worker refused the token).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import grpc
 
 from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
 from omnistage_operator.facts import AckFacts, WorkerReport, ack_from_proto, report_from_proto
-from omnistage_operator.handover import WorkerUnavailable
+from omnistage_operator.handover import WorkerUnauthenticated, WorkerUnavailable
 
 __all__ = ["WorkerClient"]
 
@@ -36,7 +37,13 @@ class WorkerClient:
         await self._channel.close()
 
     def _unavailable(self, what: str, exc: grpc.aio.AioRpcError) -> WorkerUnavailable:
-        return WorkerUnavailable(f"{what} at {self.target}: {exc.code().name}: {exc.details()}")
+        message = f"{what} at {self.target}: {exc.code().name}: {exc.details()}"
+        if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+            return WorkerUnauthenticated(
+                f"{message} (the worker was started with another token than the operator's: "
+                "its pod predates the Secret omnistage-worker-token it mounts)"
+            )
+        return WorkerUnavailable(message)
 
     async def get_status(self, timeout_s: float) -> WorkerReport:
         """GetStatus with a deadline."""
