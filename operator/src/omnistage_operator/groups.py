@@ -35,6 +35,7 @@ from omnistage_operator.builders import (
     owner_reference,
     pod_claim_name,
     pod_spec_hash,
+    service_name,
 )
 from omnistage_operator.facts import AckFacts, WorkerReport
 from omnistage_operator.handover import (
@@ -434,7 +435,8 @@ class GroupRunner:
         target = f"{host}:{spec.worker.port}"
         client = self._clients.get(target)
         if client is None:
-            client = WorkerClient(target, token=self._token, ca_pem=self._ca)
+            name = f"{service_name(spec.name)}.{namespace}.svc"  # what a worker certificate names
+            client = WorkerClient(target, token=self._token, ca_pem=self._ca, server_name=name)
             self._clients[target] = client
         return client
 

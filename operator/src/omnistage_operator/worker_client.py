@@ -21,9 +21,23 @@ _LEVELS = {1: types_pb2.SLEEP_LEVEL_OFFLOAD, 2: types_pb2.SLEEP_LEVEL_DISCARD}
 class WorkerClient:
     """One channel to one worker (``host:port``)."""
 
-    def __init__(self, target: str, *, token: str | None = None, ca_pem: bytes | None = None):
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        ca_pem: bytes | None = None,
+        server_name: str | None = None,
+    ):
+        """``server_name``: with TLS, the name the worker's certificate must carry (the operator
+        dials pod IPs, which change; certificates name the stage's Service instead)."""
         self.target = target
-        options = [("grpc.enable_retries", 0), ("grpc.max_reconnect_backoff_ms", 1000)]
+        options: list[tuple[str, int | str]] = [
+            ("grpc.enable_retries", 0),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        if ca_pem is not None and server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
         if ca_pem is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
             self._channel = grpc.aio.secure_channel(target, creds, options=options)
