@@ -112,6 +112,16 @@ class Demo:
             except subprocess.TimeoutExpired:
                 self.operator.kill()
 
+    def order(self, slept: str, woke: str) -> str:
+        """The hand-over's order, from the workers' own ACK timestamps."""
+        sleep = self.cp.get_json("omnistage", slept, namespace=NAMESPACE)["status"]["lastAck"]
+        wake = self.cp.get_json("omnistage", woke, namespace=NAMESPACE)["status"]["lastAck"]
+        verdict = "before" if sleep["time"] < wake["startedAt"] else "NOT before"
+        return (
+            f"order: {slept}'s sleep ACK finished at {sleep['time']}, {verdict} {woke}'s wake "
+            f"started at {wake['startedAt']}"
+        )
+
     def last_ack(self, name: str) -> str:
         status = self.cp.get_json("omnistage", name, namespace=NAMESPACE).get("status") or {}
         ack = status.get("lastAck") or {}
@@ -145,6 +155,7 @@ def run(keep: bool) -> None:
             demo.show()
             print(demo.last_ack("tiny-llama"))
             print(demo.last_ack("tiny-diffusion"))
+            print(demo.order("tiny-llama", "tiny-diffusion"))
 
             say("pre-emption: tiny-llama (priority 10) asks again; tiny-diffusion (5) must yield")
             demo.patch("tiny-llama", "Active")
@@ -153,6 +164,7 @@ def run(keep: bool) -> None:
             demo.show()
             print(demo.last_ack("tiny-diffusion"))
             print(demo.last_ack("tiny-llama"))
+            print(demo.order("tiny-diffusion", "tiny-llama"))
             say("kubectl get events --field-selector involvedObject.kind=OmniStage")
             events = demo.kubectl(
                 "get",
