@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-for extra in ("worker_image/src", "protos/gen/python"):
+for extra in ("worker_image/src", "protos/gen/python", "."):
     sys.path.insert(0, str(REPO / extra))
 
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from bench.reporting import emit  # noqa: E402
 from omnistage.worker.v1 import (  # noqa: E402
     inference_service_pb2,
     inference_service_pb2_grpc,
@@ -309,11 +310,7 @@ def main() -> None:
     ensure_tokenizer(args.model)
     report = run(args.model, device, args.workdir, args.l1_cycles, args.l2_cycles)
     report["command"] = " ".join(sys.argv)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "worker_image" / "src"))
+sys.path.insert(0, str(REPO))
 
+from bench.reporting import emit  # noqa: E402
 from omnistage_worker.engine import WeightEngine  # noqa: E402
 from omnistage_worker.engine.host_memory import HostBuffer  # noqa: E402
 
@@ -523,11 +525,7 @@ def main() -> None:
     cold = run_child(["cold", "llm", str(args.workdir / "llm")], 600)
     report["cold_start_seconds_llm"] = cold["first_output_at"] - spawn
     report["summary"] = summarize(report["limits"], base, cycles)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
