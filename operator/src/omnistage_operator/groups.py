@@ -251,12 +251,7 @@ class KubeGroupPort:
         meta = pod["metadata"]
         body = self.bodies[stage]
         self.r.emit(body, "PodOutdated", f"pod {meta['name']} predates the spec; replacing it")
-        await self.r.kube.delete(PODS, self.ns, meta["name"], uid=meta["uid"])
-        if not await self.r.kube.wait_gone(
-            PODS, self.ns, meta["name"], meta["uid"], self.r.settings.fence_timeout_s
-        ):
-            metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
-            raise FenceFailed(f"outdated pod {meta['name']} not confirmed gone")
+        await self._delete_confirmed(pod, f"outdated pod {meta['name']} not confirmed gone")
         self.r.emit(body, "PodReplaced", f"outdated pod {meta['name']} deleted and confirmed gone")
 
     async def _fence_orphan(
@@ -271,15 +266,30 @@ class KubeGroupPort:
         reason = f"pod {meta['name']} belongs to group {self.group} but its stage left the group"
         if body is not None:
             self.r.emit(body, "Fencing", reason, warning=True)
-        await self.r.kube.delete(PODS, self.ns, meta["name"], uid=meta["uid"], grace_s=5)
-        if not await self.r.kube.wait_gone(
-            PODS, self.ns, meta["name"], meta["uid"], self.r.settings.fence_timeout_s
-        ):
-            metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
-            raise FenceFailed(f"pod {meta['name']} not confirmed gone")
+        await self._delete_confirmed(pod, f"pod {meta['name']} not confirmed gone", grace_s=5)
         metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
         if body is not None:
             self.r.emit(body, "Fenced", f"{reason}; deleted and confirmed gone", warning=True)
+
+    async def _delete_confirmed(
+        self,
+        pod: Mapping[str, Any],
+        failure: str,
+        *,
+        grace_s: int | None = None,
+        count_timeout: bool = True,
+    ) -> None:
+        """Delete ``pod`` and wait until the API server confirms it is gone; raise
+        ``FenceFailed(failure)`` (counted as a fence timeout) when it is not within the fence
+        timeout."""
+        meta = pod["metadata"]
+        await self.r.kube.delete(PODS, self.ns, meta["name"], uid=meta["uid"], grace_s=grace_s)
+        if not await self.r.kube.wait_gone(
+            PODS, self.ns, meta["name"], meta["uid"], self.r.settings.fence_timeout_s
+        ):
+            if count_timeout:
+                metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
+            raise FenceFailed(failure)
 
     # -- acting ----------------------------------------------------------------------------
 
@@ -290,12 +300,7 @@ class KubeGroupPort:
             return
         old = self.pods.get(stage)
         if old is not None:  # ended or of another group: delete it, wait until confirmed gone
-            uid = old["metadata"]["uid"]
-            await self.r.kube.delete(PODS, self.ns, old["metadata"]["name"], uid=uid)
-            if not await self.r.kube.wait_gone(
-                PODS, self.ns, old["metadata"]["name"], uid, self.r.settings.fence_timeout_s
-            ):
-                raise FenceFailed(f"old pod of {stage} not gone")
+            await self._delete_confirmed(old, f"old pod of {stage} not gone", count_timeout=False)
         await self.r.ensure_secret(self.ns)
         claim = self.r.claim_for(spec)
         if claim is not None:
