@@ -70,20 +70,27 @@ class DaemonLane:
     """One long-lived daemon thread that runs blocking calls in order.
 
     Long-lived, so the engine and the model always run on the same threads (no per-call thread
-    and its allocator arena); daemon, so a call still running never holds up process exit.
+    and its allocator arena); daemon, so a call stuck past ``close``'s bound never holds up
+    process exit.
     """
 
     def __init__(self, name: str) -> None:
         self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, daemon=True, name=name).start()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
+        self._thread.start()
 
     def _serve(self) -> None:
         while (call := self._calls.get()) is not None:
             call()
 
-    def close(self) -> None:
-        """End the thread once the calls already queued have run."""
+    def close(self, within: float = 30.0) -> None:
+        """End the thread once the calls already queued have run, and wait for it (bounded).
+
+        Waiting matters: a process that finalizes while this thread is still inside torch's
+        C++ code aborts ("terminate called without an active exception", exit -6)."""
         self._calls.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(within)
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the lane's thread; its result or exception."""
