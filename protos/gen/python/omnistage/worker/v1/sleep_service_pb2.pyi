@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from omnistage.worker.v1 import types_pb2 as _types_pb2
@@ -27,19 +28,34 @@ class SleepRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     LEVEL_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DRAIN_TIMEOUT_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """task_id identifies the transition; repeating it is idempotent. Required."""
     level: _types_pb2.SleepLevel.ValueType
     """level is the sleep level; required (1 or 2)."""
+    epoch: _builtins.int
+    """epoch is the ordering operator's leadership epoch (its Lease's transition count). A worker
+    refuses an order whose epoch is below the highest it has obeyed (FAILED_PRECONDITION);
+    0 means "no leader election" and is always accepted.
+    """
+    @_builtins.property
+    def drain_timeout(self) -> _duration_pb2.Duration:
+        """drain_timeout bounds how long the sleep waits for in-flight requests before it is
+        refused; unset uses the worker's own --drain-timeout.
+        """
+
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         level: _types_pb2.SleepLevel.ValueType = ...,
+        epoch: _builtins.int = ...,
+        drain_timeout: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drain_timeout", b"drain_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["level", b"level", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_timeout", b"drain_timeout", "epoch", b"epoch", "level", b"level", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -76,16 +92,20 @@ class WakeUpRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TASK_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """task_id identifies the transition; repeating it is idempotent. Required."""
+    epoch: _builtins.int
+    """epoch is the ordering operator's leadership epoch; see SleepRequest.epoch."""
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -154,6 +174,10 @@ class GetStatusResponse(_message.Message):
     ACTIVE_FOOTPRINT_BYTES_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     INFLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
+    PEAK_ACTIVE_BYTES_FIELD_NUMBER: _builtins.int
+    CONTEXT_BYTES_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DRAIN_TIMEOUT_FIELD_NUMBER: _builtins.int
     state: _types_pb2.WorkerState.ValueType
     """state is the worker's state."""
     level: _types_pb2.SleepLevel.ValueType
@@ -180,6 +204,16 @@ class GetStatusResponse(_message.Message):
     """error says why the worker is failed; empty otherwise."""
     inflight_requests: _builtins.int
     """inflight_requests is the number of Generate calls being served."""
+    peak_active_bytes: _builtins.int
+    """peak_active_bytes is the most device memory the process held while Active since its last
+    wake or load (weights plus activations, caches and allocator pools taken while serving).
+    """
+    context_bytes: _builtins.int
+    """context_bytes is the device memory the process holds with nothing loaded (its CUDA
+    context), measured once at start; the residual bound of a sleep is built on it.
+    """
+    epoch: _builtins.int
+    """epoch is the highest leadership epoch this worker has obeyed (0: none seen)."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.DeviceMemory]:
         """devices holds the figures per device (used_after_bytes is "now")."""
@@ -191,6 +225,10 @@ class GetStatusResponse(_message.Message):
     @_builtins.property
     def last_ack(self) -> _types_pb2.Ack:
         """last_ack is the most recent Ack of a sleep or wake, if any."""
+
+    @_builtins.property
+    def drain_timeout(self) -> _duration_pb2.Duration:
+        """drain_timeout is the worker's own bound on waiting for in-flight requests at a sleep."""
 
     def __init__(
         self,
@@ -211,10 +249,14 @@ class GetStatusResponse(_message.Message):
         active_footprint_bytes: _builtins.int = ...,
         error: _builtins.str = ...,
         inflight_requests: _builtins.int = ...,
+        peak_active_bytes: _builtins.int = ...,
+        context_bytes: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        drain_timeout: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_ack", b"last_ack", "worker", b"worker"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drain_timeout", b"drain_timeout", "last_ack", b"last_ack", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_footprint_bytes", b"active_footprint_bytes", "backend", b"backend", "devices", b"devices", "error", b"error", "free_bytes", b"free_bytes", "inflight_requests", b"inflight_requests", "last_ack", b"last_ack", "level", b"level", "model", b"model", "runner", b"runner", "source", b"source", "state", b"state", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "weights_bytes", b"weights_bytes", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_footprint_bytes", b"active_footprint_bytes", "backend", b"backend", "context_bytes", b"context_bytes", "devices", b"devices", "drain_timeout", b"drain_timeout", "epoch", b"epoch", "error", b"error", "free_bytes", b"free_bytes", "inflight_requests", b"inflight_requests", "last_ack", b"last_ack", "level", b"level", "model", b"model", "peak_active_bytes", b"peak_active_bytes", "runner", b"runner", "source", b"source", "state", b"state", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "weights_bytes", b"weights_bytes", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

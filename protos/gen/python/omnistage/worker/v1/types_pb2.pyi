@@ -241,6 +241,7 @@ class DeviceMemory(_message.Message):
     FREED_BYTES_FIELD_NUMBER: _builtins.int
     FREE_AFTER_BYTES_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    FREE_BEFORE_BYTES_FIELD_NUMBER: _builtins.int
     device: _builtins.str
     """device names the device as the framework does, for example "cuda:0" or "cpu"."""
     index: _builtins.int
@@ -257,6 +258,10 @@ class DeviceMemory(_message.Message):
     """free_after_bytes is the device's free memory after the operation (all processes)."""
     total_bytes: _builtins.int
     """total_bytes is the device's capacity."""
+    free_before_bytes: _builtins.int
+    """free_before_bytes is the device's free memory before the operation (all processes). With
+    free_after_bytes it shows what the device itself gained, whatever the process claims.
+    """
     def __init__(
         self,
         *,
@@ -268,10 +273,11 @@ class DeviceMemory(_message.Message):
         freed_bytes: _builtins.int = ...,
         free_after_bytes: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
+        free_before_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_after_bytes", b"free_after_bytes", "freed_bytes", b"freed_bytes", "index", b"index", "total_bytes", b"total_bytes", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_after_bytes", b"free_after_bytes", "free_before_bytes", b"free_before_bytes", "freed_bytes", b"freed_bytes", "index", b"index", "total_bytes", b"total_bytes", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -303,6 +309,10 @@ class Ack(_message.Message):
     NOOP_FIELD_NUMBER: _builtins.int
     RESIDUAL_BOUND_BYTES_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    DRAIN_STARTED_AT_FIELD_NUMBER: _builtins.int
+    DRAIN_DURATION_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PEAK_ACTIVE_BYTES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """task_id is the caller's id for this transition; a repeated id returns the first Ack."""
     ok: _builtins.bool
@@ -333,17 +343,25 @@ class Ack(_message.Message):
     """residual_bound_bytes is the bound the post-sleep residual was checked against."""
     bytes_moved: _builtins.int
     """bytes_moved is the number of weight bytes copied or loaded during the transition."""
+    epoch: _builtins.int
+    """epoch is the leadership epoch of the order this Ack answers."""
+    peak_active_bytes: _builtins.int
+    """peak_active_bytes is the most device memory the process held while Active before this
+    transition (for a sleep: since its last wake), sum over devices.
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceMemory]:
         """devices holds the same figures per device."""
 
     @_builtins.property
     def duration(self) -> _duration_pb2.Duration:
-        """duration is the time the transition took inside the worker."""
+        """duration is the time the transition itself took inside the worker, from started_at to
+        finished_at: waiting for in-flight requests (drain_duration) is not part of it.
+        """
 
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp:
-        """started_at is when the worker began the transition."""
+        """started_at is when the worker began moving memory (after any drain)."""
 
     @_builtins.property
     def finished_at(self) -> _timestamp_pb2.Timestamp:
@@ -352,6 +370,14 @@ class Ack(_message.Message):
     @_builtins.property
     def worker(self) -> Global___WorkerIdentity:
         """worker identifies the process that measured these figures."""
+
+    @_builtins.property
+    def drain_started_at(self) -> _timestamp_pb2.Timestamp:
+        """drain_started_at is when a sleep began waiting for in-flight requests (unset: no drain)."""
+
+    @_builtins.property
+    def drain_duration(self) -> _duration_pb2.Duration:
+        """drain_duration is how long that wait took; started_at follows it."""
 
     def __init__(
         self,
@@ -376,10 +402,14 @@ class Ack(_message.Message):
         noop: _builtins.bool = ...,
         residual_bound_bytes: _builtins.int = ...,
         bytes_moved: _builtins.int = ...,
+        drain_started_at: _timestamp_pb2.Timestamp | None = ...,
+        drain_duration: _duration_pb2.Duration | None = ...,
+        epoch: _builtins.int = ...,
+        peak_active_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "finished_at", b"finished_at", "started_at", b"started_at", "worker", b"worker"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drain_duration", b"drain_duration", "drain_started_at", b"drain_started_at", "duration", b"duration", "finished_at", b"finished_at", "started_at", b"started_at", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "devices", b"devices", "duration", b"duration", "error", b"error", "finished_at", b"finished_at", "free_after_bytes", b"free_after_bytes", "freed_bytes", b"freed_bytes", "level", b"level", "noop", b"noop", "ok", b"ok", "operation", b"operation", "replayed", b"replayed", "residual_bound_bytes", b"residual_bound_bytes", "source", b"source", "started_at", b"started_at", "state", b"state", "task_id", b"task_id", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "devices", b"devices", "drain_duration", b"drain_duration", "drain_started_at", b"drain_started_at", "duration", b"duration", "epoch", b"epoch", "error", b"error", "finished_at", b"finished_at", "free_after_bytes", b"free_after_bytes", "freed_bytes", b"freed_bytes", "level", b"level", "noop", b"noop", "ok", b"ok", "operation", b"operation", "peak_active_bytes", b"peak_active_bytes", "replayed", b"replayed", "residual_bound_bytes", b"residual_bound_bytes", "source", b"source", "started_at", b"started_at", "state", b"state", "task_id", b"task_id", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
