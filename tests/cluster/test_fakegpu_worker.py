@@ -46,7 +46,7 @@ WORKER_ARGS = [
 ]  # fmt: skip
 
 
-def wait_for(what: str, check: Callable[[], T | None], timeout: float = 90.0) -> T:
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = 180.0) -> T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -219,9 +219,12 @@ def test_worker_pod_on_localnode_measures_its_simulated_gpu(
         },
     }
     control_plane.apply(pod, namespace=namespace)
-    running = wait_pod(
-        control_plane, namespace, "worker", lambda p: bool(p["status"].get("podIP")), "given an IP"
-    )
+
+    def started(p: dict[str, Any]) -> bool:
+        statuses = p["status"].get("containerStatuses") or [{}]
+        return bool(p["status"].get("podIP")) and "running" in (statuses[0].get("state") or {})
+
+    running = wait_pod(control_plane, namespace, "worker", started, "running", timeout=90)
     pid = int(running["status"]["containerStatuses"][0]["containerID"].split("://")[1])
     gpu = local_nodes.fake_gpu(0, "gpu-1")
     device = gpu.device()
@@ -235,8 +238,9 @@ def test_worker_pod_on_localnode_measures_its_simulated_gpu(
                 return None
 
         active = wait_for(
-            "the worker Active",
+            "the worker Active",  # loading competes for 2 shared cores: be patient
             lambda: (s := status()) is not None and s.state == types_pb2.WORKER_STATE_ACTIVE and s,
+            180,
         )
         assert active.devices[0].uuid == device.uuid  # the ResourceSlice's UUID for gpu-1
         weights = active.used_bytes - device.context
