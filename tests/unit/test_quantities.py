@@ -1,4 +1,4 @@
-"""Kubernetes quantity parsing and byte formatting."""
+"""Kubernetes quantity parsing and byte formatting: the one grammar (operator and worker)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omnistage_operator.quantities import (
+from omnistage_worker.quantities import (
     QUANTITY_PATTERN,
     QuantityError,
     format_bytes,
@@ -34,6 +34,11 @@ GiB = 1024**3
         ("1n", 1),
         ("0", 0),
         (" 8Gi ", 8 * GiB),
+        (" 7 ", 7),
+        ("80Gi", 80 * GiB),
+        ("1.5Gi", 3 * 2**29),
+        ("2G", 2 * 10**9),
+        ("4k", 4000),
         (12345, 12345),
     ],
 )
@@ -42,7 +47,24 @@ def test_parse_quantity(text: str | int, expected: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["", "Gi", "16GB", "16gi", "-1Gi", "1.2.3", "1e", "ten", "16 Gi", "1e999", -5, True, 1.5]
+    "bad",
+    [
+        "",
+        "Gi",
+        "16GB",
+        "16gi",
+        "-1Gi",
+        "1.2.3",
+        "1e",
+        "ten",
+        "16 Gi",
+        "1e999",
+        "12Xi",
+        "4K",
+        -5,
+        True,
+        1.5,
+    ],
 )
 def test_parse_quantity_rejects(bad: object) -> None:
     with pytest.raises(QuantityError):
@@ -110,3 +132,15 @@ def test_suffixes_scale(n: int, suffix: str) -> None:
         "T": 10**12,
     }[suffix]
     assert parse_quantity(f"{n}{suffix}") == n * factor
+
+
+def test_operator_and_worker_share_one_grammar() -> None:
+    from omnistage_operator import quantities as operator_quantities
+    from omnistage_worker import config
+
+    assert operator_quantities.parse_quantity is parse_quantity
+    assert operator_quantities.format_bytes is format_bytes
+    assert config.parse_byte_flag("1.5e3", "--residual-slack") == 1500
+    with pytest.raises(config.ConfigError) as info:
+        config.parse_byte_flag("16 Gi", "--residual-slack")
+    assert info.value.flag == "--residual-slack"

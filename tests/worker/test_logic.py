@@ -1,4 +1,4 @@
-"""Pure logic of the worker: quantities, devices, planning, health, acks, NVML mapping, ledger."""
+"""Pure logic of the worker: byte flags, devices, planning, health, acks, NVML mapping, ledger."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker.acks import Outcome, build_ack
-from omnistage_worker.config import ConfigError, Identity, parse_device, parse_quantity
+from omnistage_worker.config import ConfigError, Identity, parse_byte_flag, parse_device
 from omnistage_worker.health import INFERENCE_SERVICE, NOT_SERVING, OVERALL, SERVING, statuses
 from omnistage_worker.host_allocator import fix_mmap_threshold
 from omnistage_worker.memory import DeviceReading, Ledger, Reading, nvml_target, pick_grown_pid
@@ -31,27 +31,12 @@ from omnistage_worker.transitions import (
 WS = types_pb2
 
 
-@pytest.mark.parametrize(
-    ("text", "value"),
-    [
-        ("1024", 1024),
-        ("80Gi", 80 * 2**30),
-        ("512Mi", 512 * 2**20),
-        ("1.5Gi", 3 * 2**29),
-        ("2G", 2 * 10**9),
-        ("4k", 4000),
-        (" 7 ", 7),
-    ],
-)
-def test_parse_quantity(text: str, value: int) -> None:
-    assert parse_quantity(text) == value
-
-
 @pytest.mark.parametrize("text", ["", "Gi", "-1", "1.2.3", "12Xi", "ten"])
-def test_parse_quantity_refuses(text: str) -> None:
+def test_byte_flag_refusals_name_the_flag(text: str) -> None:
+    """The grammar itself is tested once, in tests/unit/test_quantities.py."""
     with pytest.raises(ConfigError) as info:
-        parse_quantity(text, "--memory-capacity")
-    assert info.value.flag == "--memory-capacity"
+        parse_byte_flag(text, "--residual-slack")
+    assert info.value.flag == "--residual-slack"
 
 
 def test_parse_device() -> None:

@@ -29,8 +29,8 @@ from omnistage_worker.config import (
     ConfigError,
     Identity,
     WorkerConfig,
+    parse_byte_flag,
     parse_device,
-    parse_quantity,
     read_token,
 )
 from omnistage_worker.host_allocator import fix_mmap_threshold
@@ -115,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     """Turn parsed flags into a validated :class:`WorkerConfig` (raises :class:`ConfigError`)."""
     device = parse_device(args.device)
     capacity = (
-        parse_quantity(args.memory_capacity, "--memory-capacity")
+        parse_byte_flag(args.memory_capacity, "--memory-capacity")
         if args.memory_capacity not in (None, "")
         else None
     )
@@ -134,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         tls_key=args.tls_key,
         memory_capacity=capacity,
         memory_ledger=args.memory_ledger,
-        residual_slack=parse_quantity(args.residual_slack, "--residual-slack"),
+        residual_slack=parse_byte_flag(args.residual_slack, "--residual-slack"),
         identity=Identity(
             stage=args.stage,
             namespace=args.namespace,

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from omnistage_worker.quantities import QuantityError, parse_quantity
+
 MI: Final = 1024 * 1024
 DEFAULT_RESIDUAL_SLACK: Final = 128 * MI
 DEFAULT_PORT: Final = 50051
@@ -24,23 +26,6 @@ RUNNER_BACKENDS: Final[dict[str, tuple[str, ...]]] = {
 BACKENDS: Final = ("diffusers", "transformers", "vllm")
 DTYPES: Final = ("auto", "float32", "float16", "bfloat16")
 
-_SUFFIXES: Final[dict[str, int]] = {
-    "": 1,
-    "k": 10**3,
-    "K": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
-}
-_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKMGTPE]i?)?\s*$")
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 
 
@@ -53,22 +38,12 @@ class ConfigError(ValueError):
         self.reason = reason
 
 
-def parse_quantity(text: str, flag: str = "quantity") -> int:
-    """Parse a byte count: a plain integer or a Kubernetes quantity such as ``80Gi`` or ``1.5G``."""
-    match = _QUANTITY.match(text)
-    if match is None:
-        raise ConfigError(
-            flag, f"{text!r} is not a byte count (use an integer or a quantity like 80Gi or 512Mi)"
-        )
-    number, suffix = match.group(1), match.group(2) or ""
-    if suffix not in _SUFFIXES:
-        raise ConfigError(flag, f"unknown unit {suffix!r} in {text!r}")
-    whole, _, frac = number.partition(".")
-    multiplier = _SUFFIXES[suffix]
-    value = int(whole or 0) * multiplier
-    if frac:
-        value += int(frac) * multiplier // 10 ** len(frac)
-    return value
+def parse_byte_flag(text: str, flag: str) -> int:
+    """A byte count given to ``flag``: a Kubernetes quantity (:mod:`.quantities`), e.g. ``80Gi``."""
+    try:
+        return parse_quantity(text)
+    except QuantityError as exc:
+        raise ConfigError(flag, str(exc)) from exc
 
 
 @dataclass(frozen=True)
