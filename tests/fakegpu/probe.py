@@ -121,6 +121,4 @@ def from_env(config: WorkerConfig) -> FakeGpuProbe:
         raise ValueError(f"{ENV} is not set: it names the simulated GPU's directory")
     if config.device.is_cuda:
         raise ValueError(f"{ENV}: a simulated GPU is for --device cpu workers")
-    if config.memory_capacity is not None or config.memory_ledger is not None:
-        raise ValueError(f"{ENV}: --memory-capacity/--memory-ledger describe another fake device")
     return FakeGpuProbe(FakeGpu(Path(directory)))

@@ -131,6 +131,25 @@ def test_processes_share_the_directory_and_a_dead_process_frees_its_memory(
     assert gpu.snapshot().procs == {}
 
 
+def test_only_live_processes_count(tmp_path: Path, other_process: subprocess.Popen[bytes]) -> None:
+    """A record counts while its process lives: not a dead pid's, not garbage, not after exit."""
+    gpu = FakeGpu.create(tmp_path / "gpu", Device(uuid="GPU-t", total=GiB, reserve=0, context=0))
+    mine = FakeGpuProbe(gpu, lambda: 100)
+    theirs = FakeGpuProbe(gpu, lambda: 40, pid=other_process.pid)
+    mine.read(), theirs.read()  # each publishes its weights
+    assert mine.read().free == GiB - 140
+    (gpu.procs_dir / "999999999.json").write_text(  # a dead pid
+        '{"pid": 999999999, "create_time": 0, "weights": 7}'
+    )
+    (gpu.procs_dir / "garbage.json").write_text("x")
+    assert mine.read().free == GiB - 140
+    other_process.kill()
+    other_process.wait()
+    assert mine.read().free == GiB - 100  # the other process died without withdrawing
+    mine.close()
+    assert not (gpu.procs_dir / f"{mine.pid}.json").exists()
+
+
 def test_probe_faults_switch_at_run_time(tmp_path: Path) -> None:
     gpu = FakeGpu.create(tmp_path / "gpu", Device(uuid="GPU-t", total=GiB, reserve=0, context=MiB))
     weights = [100 * MiB]
@@ -163,6 +182,6 @@ def test_build_probe_seam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert isinstance(probe, FakeGpuProbe) and probe.device.uuid == "GPU-t"
     with pytest.raises(ValueError, match="module:factory"):
         build_probe(config, env={"OMNISTAGE_MEMORY_PROBE": "tests.fakegpu.probe"})
-    ledger = WorkerConfig(runner="ar", backend="transformers", model=tmp_path, memory_capacity=GiB)
-    with pytest.raises(ValueError, match="another fake device"):
-        from_env(ledger)
+    monkeypatch.delenv("OMNISTAGE_FAKE_GPU")
+    with pytest.raises(ValueError, match="OMNISTAGE_FAKE_GPU is not set"):
+        from_env(config)

@@ -1,10 +1,11 @@
 """The hand-over round against real worker processes over real gRPC (no Kubernetes).
 
 Two ``omnistage-worker`` processes (a tiny Llama and a tiny diffusers pipeline built here from
-configs) share one fake device through the worker's memory ledger, sized so that only one of
-them fits. ``ProcessPort`` is the hand-over's port with processes instead of pods: ``start``
-spawns a worker asleep, ``fence`` kills it and waits for the exit. The round, the arbiter and
-the gRPC client are the operator's own. The order is proven from the workers' ACK timestamps.
+configs) share one simulated GPU (:mod:`tests.fakegpu`, with no driver reserve, context or
+activations: only the weights are charged), sized so that only one of them fits.
+``ProcessPort`` is the hand-over's port with processes instead of pods: ``start`` spawns a
+worker asleep, ``fence`` kills it and waits for the exit. The round, the arbiter and the gRPC
+client are the operator's own. The order is proven from the workers' ACK timestamps.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from omnistage_operator.handover import (
     run_round,
 )
 from omnistage_operator.worker_client import WorkerClient
+from tests.fakegpu.device import FakeGpu
+from tests.fakegpu.model import Device
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 WORKER = str(Path(sys.executable).parent / "omnistage-worker")
+REPO = str(Path(__file__).resolve().parents[2])  # the worker imports tests.fakegpu
 # Tiny Llama ~81 KiB, tiny SD ~1014 KiB of accounted weights: together they exceed this device.
 CAPACITY = 1_100_000
 TOKEN = "t0ken-for-tests"
@@ -59,7 +63,9 @@ class ProcessPort:
     def __init__(self, tmp: Path, models: dict[str, Path]) -> None:
         self.tmp = tmp
         self.models = models
-        self.ledger = tmp / "ledger"
+        self.gpu = FakeGpu.create(
+            tmp / "gpu", Device(uuid="GPU-t", total=CAPACITY, reserve=0, context=0, activation=0)
+        )
         self.token_file = tmp / "token"
         self.token_file.write_text(TOKEN)
         self.intents: dict[str, StageIntent] = {}
@@ -127,16 +133,18 @@ class ProcessPort:
                 str(self.token_file),
                 "--stage",
                 stage,
-                "--memory-capacity",
-                f"{CAPACITY}.0",
-                "--memory-ledger",
-                str(self.ledger),
                 "--residual-slack",
                 "1024.0",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))),
+                "OMNISTAGE_MEMORY_PROBE": "tests.fakegpu.probe:from_env",
+                "OMNISTAGE_FAKE_GPU": str(self.gpu.dir),
+            },
         )
         self.clients[stage] = WorkerClient(f"127.0.0.1:{port}", token=TOKEN)
         self.started.add(stage)

@@ -1,4 +1,4 @@
-"""The ``omnistage-worker`` command: flag errors, a real subprocess, SIGTERM, the memory ledger."""
+"""The ``omnistage-worker`` command: flag errors, a real subprocess, SIGTERM, a shared device."""
 
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker.cli import build_parser, config_from_args
 from omnistage_worker.config import ConfigError
+from tests.fakegpu.device import FakeGpu
+from tests.fakegpu.model import Device
 from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
 
 WORKER = [sys.executable, "-m", "omnistage_worker"]
+FAKE_GPU_PROBE = "tests.fakegpu.probe:from_env"
 SUBPROCESS_ENV = {**os.environ, "OMNISTAGE_CPU_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -48,6 +51,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
             "--device",
         ),
         (
+            # The simulated device is the test harness's (OMNISTAGE_MEMORY_PROBE), not a flag.
             [
                 "--runner",
                 "ar",
@@ -55,38 +59,10 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                 "transformers",
                 "--model",
                 ".",
-                "--device",
-                "cuda:0",
                 "--memory-capacity",
                 "8Gi",
             ],
             "--memory-capacity",
-        ),
-        (
-            [
-                "--runner",
-                "ar",
-                "--backend",
-                "transformers",
-                "--model",
-                ".",
-                "--memory-capacity",
-                "lots",
-            ],
-            "--memory-capacity",
-        ),
-        (
-            [
-                "--runner",
-                "ar",
-                "--backend",
-                "transformers",
-                "--model",
-                ".",
-                "--memory-ledger",
-                "/tmp",
-            ],
-            "--memory-ledger",
         ),
         (
             [
@@ -170,8 +146,6 @@ def test_empty_token_file(tmp_path: Path) -> None:
 
 def test_environment_defaults(tmp_path: Path) -> None:
     env = {
-        "OMNISTAGE_MEMORY_CAPACITY": "2Gi",
-        "OMNISTAGE_MEMORY_LEDGER": str(tmp_path),
         "OMNISTAGE_STAGE": "painter",
         "POD_NAME": "painter-0",
         "POD_NAMESPACE": "ml",
@@ -182,8 +156,6 @@ def test_environment_defaults(tmp_path: Path) -> None:
         ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
     )
     config = config_from_args(args)
-    assert config.memory_capacity == 2 * 1024**3
-    assert config.memory_ledger == tmp_path
     identity = config.identity
     assert (identity.stage, identity.pod, identity.namespace, identity.node) == (
         "painter",
@@ -203,23 +175,26 @@ def test_environment_defaults(tmp_path: Path) -> None:
             str(tmp_path),
             "--device",
             "cuda",
-            "--memory-capacity",
-            "1Gi",
+            "--residual-slack",
+            "1 Gi",
         ]
     )
     with pytest.raises(ConfigError) as info:
         config_from_args(args)
-    assert info.value.flag == "--memory-capacity"
+    assert info.value.flag == "--residual-slack"
 
 
 class Subprocess:
     """A real ``omnistage-worker`` process whose stderr goes to a file."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._log_file = log.open("w")
         self.proc = subprocess.Popen(
-            [*WORKER, *args], stdout=self._log_file, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV
+            [*WORKER, *args],
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env={**SUBPROCESS_ENV, **(env or {})},
         )
 
     def port(self, within: float = 60.0) -> int:
@@ -248,19 +223,26 @@ def spawn(tmp_path: Path) -> Iterator[list[Subprocess]]:
         proc.stop()
 
 
-async def test_ledger_and_sigterm(
-    start_worker: StartWorker, diffusion_dir: Path, tmp_path: Path, spawn: list[Subprocess]
+async def test_shared_device_and_sigterm(
+    start_worker: StartWorker,
+    diffusion_dir: Path,
+    tmp_path: Path,
+    spawn: list[Subprocess],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two workers share one fake device; a wake that does not fit is refused; SIGTERM drains."""
-    ledger = tmp_path / "ledger"
+    """Two workers share one simulated GPU; a wake that does not fit is refused; SIGTERM drains."""
     probe = await start_worker(diffusion_dir, "diffusion", "diffusers")
     footprint = (await probe.status()).used_bytes
     await probe.server.stop(0)
-    capacity = footprint * 3 // 2  # room for one awake pipeline, not two
+    gpu_dir = tmp_path / "gpu"
+    # Room for one awake pipeline, not two (beside the driver reserve and two contexts).
+    device = FakeGpu.create(gpu_dir, Device(uuid="GPU-cli", total=footprint * 3 // 2)).device()
+    context, idle_free = device.context, device.total - device.reserve
+    simulated = {"OMNISTAGE_MEMORY_PROBE": FAKE_GPU_PROBE, "OMNISTAGE_FAKE_GPU": str(gpu_dir)}
+    for name, value in simulated.items():
+        monkeypatch.setenv(name, value)
 
-    a = await start_worker(
-        diffusion_dir, "diffusion", "diffusers", memory_capacity=capacity, memory_ledger=ledger
-    )
+    a = await start_worker(diffusion_dir, "diffusion", "diffusers")
     b_proc = Subprocess(
         [
             "--runner",
@@ -277,16 +259,13 @@ async def test_ledger_and_sigterm(
             "asleep",
             "--sleep-level",
             "1",
-            "--memory-capacity",
-            str(capacity),
-            "--memory-ledger",
-            str(ledger),
             "--stage",
             "b-stage",
             "--shutdown-grace",
             "20",
         ],
         tmp_path / "b.log",
+        simulated,
     )
     spawn.append(b_proc)
     port = b_proc.port()
@@ -303,8 +282,9 @@ async def test_ledger_and_sigterm(
         b_status = await b.status()
         assert b_status.worker.stage == "b-stage"
         assert b_status.worker.pid == b_proc.proc.pid
-        assert b_status.used_bytes == 0
-        assert b_status.free_bytes == capacity - footprint  # it sees A's memory in the ledger
+        assert b_status.used_bytes == context  # asleep: its context only
+        # It sees A's memory on the device: A's context and weights, and its own context.
+        assert b_status.free_bytes == idle_free - 2 * context - footprint
 
         refused = await b.wake()
         assert not refused.ok
@@ -314,8 +294,8 @@ async def test_ledger_and_sigterm(
         assert (await a.sleep(1)).ok
         woke = await b.wake()
         assert woke.ok, woke.error
-        assert woke.free_after_bytes == capacity - footprint
-        assert (await a.status()).free_bytes == capacity - footprint
+        assert woke.free_after_bytes == idle_free - 2 * context - footprint
+        assert (await a.status()).free_bytes == idle_free - 2 * context - footprint
         a_refused = await a.wake()
         assert not a_refused.ok and "not enough free device memory" in a_refused.error
 
@@ -340,8 +320,8 @@ async def test_ledger_and_sigterm(
         assert result.image.png.startswith(b"\x89PNG")
         returncode = await asyncio.to_thread(b_proc.proc.wait, 30)
         assert returncode == 0, b_proc.log.read_text()
-        assert not (ledger / str(b_proc.proc.pid)).exists()
-        assert (await a.status()).free_bytes == capacity  # B withdrew from the ledger
+        assert not (gpu_dir / "procs" / f"{b_proc.proc.pid}.json").exists()
+        assert (await a.status()).free_bytes == idle_free - context  # B left the device
         log = b_proc.log.read_text()
         assert "started asleep at level 1" in log
         assert "shutting down" in log and "stopped" in log

@@ -1,11 +1,9 @@
-"""Pure logic of the worker: byte flags, devices, planning, health, acks, NVML mapping, ledger."""
+"""Pure logic of the worker: byte flags, devices, planning, health, acks, NVML mapping."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 
 import grpc
 import pytest
@@ -15,7 +13,7 @@ from omnistage_worker.acks import Outcome, build_ack
 from omnistage_worker.config import ConfigError, Identity, parse_byte_flag, parse_device
 from omnistage_worker.health import INFERENCE_SERVICE, NOT_SERVING, OVERALL, SERVING, statuses
 from omnistage_worker.host_allocator import fix_mmap_threshold
-from omnistage_worker.memory import DeviceReading, Ledger, Reading, nvml_target, pick_grown_pid
+from omnistage_worker.memory import DeviceReading, Reading, nvml_target, pick_grown_pid
 from omnistage_worker.transitions import (
     Current,
     Plan,
@@ -176,25 +174,6 @@ def test_pick_grown_pid() -> None:
     assert pick_grown_pid({1: 100}, {1: 100, 7: n}, n) == 7  # a pid new to the list
     assert pick_grown_pid({1: 0, 2: 0}, {1: n, 2: n}, n) is None  # ambiguous
     assert pick_grown_pid({1: 0}, {1: n // 2}, n) is None  # not grown enough
-
-
-def test_ledger_counts_live_workers_only(tmp_path: Path) -> None:
-    mine = Ledger(tmp_path)
-    mine.publish(100)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        theirs = Ledger(tmp_path, pid=other.pid)
-        theirs.publish(40)
-        assert mine.others_used() == 40
-        (tmp_path / "999999999").write_text('{"used": 7, "create_time": 0}')  # a dead pid
-        (tmp_path / "garbage").write_text("x")
-        assert mine.others_used() == 40
-    finally:
-        other.kill()
-        other.wait()
-    assert mine.others_used() == 0  # the other worker died without withdrawing
-    mine.remove()
-    assert not (tmp_path / str(mine.pid)).exists()
 
 
 def test_fix_mmap_threshold(monkeypatch: pytest.MonkeyPatch) -> None:

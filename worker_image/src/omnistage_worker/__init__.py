@@ -2,7 +2,7 @@
 
 Modules: ``cli`` (flags), ``config`` (validation), ``server`` (grpc.aio server), ``state`` (the
 worker and its serialized transitions), ``transitions`` (pure decisions), ``acks`` (Ack
-building, task-id memory), ``memory`` (NVML / accounting probes, CPU ledger), ``health``,
+building, task-id memory), ``memory`` (a probe per device kind: NVML, accounting), ``health``,
 ``auth``, ``sleep_service``, ``inference_service``, ``runners`` (diffusers, transformers, vLLM)
 and ``engine`` (weight movement for the torch runners).
 
@@ -20,8 +20,9 @@ Decisions a user of the worker should know:
   stays awake).
 - The Ack of a sleep is ok=false when the measured memory left exceeds the baseline (the CUDA
   context measured by NVML before any weight loads; 0 on CPU) plus ``--residual-slack``.
-- On CPU with ``--memory-capacity`` a wake that would not fit in the fake device's free memory
-  (as the ledger shows it) is refused with ok=false, as a GPU would fail with out-of-memory.
+- On a device measured by accounting (CPU, or the test harness's simulated GPU) a wake that
+  would not fit in the device's free memory is refused with ok=false, as a GPU would fail with
+  out-of-memory.
 - While the model loads the gRPC server already answers: GetStatus says LOADING, Sleep/WakeUp
   are UNAVAILABLE. A load failure leaves the worker FAILED with the reason (health "" then
   NOT_SERVING, so a liveness probe restarts it).

@@ -67,17 +67,6 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument(
-        "--memory-capacity",
-        default=env.get("OMNISTAGE_MEMORY_CAPACITY"),
-        help="CPU only: size of the fake device (bytes or a quantity like 80Gi)",
-    )
-    p.add_argument(
-        "--memory-ledger",
-        type=Path,
-        default=env.get("OMNISTAGE_MEMORY_LEDGER") or None,
-        help="CPU only: directory shared by all workers on one fake device",
-    )
-    p.add_argument(
         "--residual-slack",
         default=str(DEFAULT_RESIDUAL_SLACK),
         help="bytes allowed above the baseline after a sleep (default 128Mi)",
@@ -114,11 +103,6 @@ def build_parser(env: Mapping[str, str]) -> Parser:
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     """Turn parsed flags into a validated :class:`WorkerConfig` (raises :class:`ConfigError`)."""
     device = parse_device(args.device)
-    capacity = (
-        parse_byte_flag(args.memory_capacity, "--memory-capacity")
-        if args.memory_capacity not in (None, "")
-        else None
-    )
     token = read_token(args.token_file) if args.token_file is not None else None
     return WorkerConfig(
         runner=args.runner,
@@ -132,8 +116,6 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         token=token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        memory_capacity=capacity,
-        memory_ledger=args.memory_ledger,
         residual_slack=parse_byte_flag(args.residual_slack, "--residual-slack"),
         identity=Identity(
             stage=args.stage,

@@ -99,8 +99,6 @@ class WorkerConfig:
     token: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    memory_capacity: int | None = None
-    memory_ledger: Path | None = None
     residual_slack: int = DEFAULT_RESIDUAL_SLACK
     identity: Identity = field(default_factory=Identity)
     dtype: str = "auto"
@@ -144,22 +142,6 @@ def validate(config: WorkerConfig) -> None:
     for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
         if path is not None and not path.is_file():
             raise ConfigError(flag, f"{str(path)!r} is not a readable file")
-    if config.device.is_cuda:
-        if config.memory_capacity is not None:
-            raise ConfigError(
-                "--memory-capacity", "only for --device cpu (on CUDA, NVML measures the device)"
-            )
-        if config.memory_ledger is not None:
-            raise ConfigError("--memory-ledger", "only for --device cpu")
-    if config.memory_capacity is not None and config.memory_capacity <= 0:
-        raise ConfigError("--memory-capacity", "must be positive")
-    if config.memory_ledger is not None:
-        if config.memory_capacity is None:
-            raise ConfigError("--memory-ledger", "needs --memory-capacity (the fake device's size)")
-        if config.memory_ledger.exists() and not config.memory_ledger.is_dir():
-            raise ConfigError(
-                "--memory-ledger", f"{str(config.memory_ledger)!r} is not a directory"
-            )
     if config.residual_slack < 0:
         raise ConfigError("--residual-slack", "must not be negative")
     if config.dtype not in DTYPES:

@@ -37,13 +37,7 @@ from omnistage_worker import termination
 from omnistage_worker.acks import AckCache, Outcome, TaskIdConflict, build_ack, replayed
 from omnistage_worker.acks import identity_proto as _identity_proto
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.memory import (
-    AccountingProbe,
-    MemoryProbe,
-    Reading,
-    build_probe,
-    cuda_allocator,
-)
+from omnistage_worker.memory import AccountingProbe, MemoryProbe, Reading, build_probe
 from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController, Stats
 from omnistage_worker.transitions import (
     Current,
@@ -57,7 +51,6 @@ from omnistage_worker.transitions import (
 )
 
 log = logging.getLogger(__name__)
-_cuda_allocator = cuda_allocator  # moved to memory; tests/worker/gpu_smoke.py imports it here
 
 SLEEP = types_pb2.OPERATION_SLEEP
 WAKE = types_pb2.OPERATION_WAKE_UP
@@ -717,7 +710,7 @@ class Worker:
         return response
 
     async def aclose(self, within: float = 30.0) -> None:
-        """Free the engine's buffers, withdraw from the memory ledger, end the worker threads.
+        """Free the engine's buffers, leave the device, end the worker threads.
 
         The engine is closed on its own thread and waited for: a process that exits while a
         thread is inside torch's C++ code aborts.

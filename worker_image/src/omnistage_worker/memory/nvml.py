@@ -1,227 +1,24 @@
-"""Measured device memory: NVML for this process on CUDA, exact tensor accounting on CPU.
+"""CUDA devices: NVML figures for this process (and, for vLLM, its children).
 
-A probe's :meth:`MemoryProbe.read` is taken before and after every transition; nothing here
-trusts a return code. On CPU the "device" is a fake one: its capacity comes from
-``--memory-capacity`` and, with ``--memory-ledger``, every worker on the same fake device
-publishes its own used bytes to ``<ledger>/<pid>`` so free = capacity - sum over live workers.
-
-:func:`build_probe` picks the probe: ``OMNISTAGE_MEMORY_PROBE=module:factory`` (a test seam: the
-test harness's simulated GPU, ``tests.fakegpu.probe:from_env``, is plugged in this way and
-``factory(config)`` builds it), else NVML on CUDA, else CPU accounting.
+NVML renumbers nothing: ``CUDA_VISIBLE_DEVICES`` is mapped to NVML indices or UUIDs here, and
+in a container with its own PID namespace the process is recognised by the growth of a probe
+allocation (:meth:`NvmlProbe.resolve_pid`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 
 from omnistage.worker.v1 import types_pb2
-from omnistage_worker.config import WorkerConfig
+from omnistage_worker.memory.base import DeviceReading, Reading
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DeviceReading:
-    """Memory of one device at one instant; ``used`` is this worker's own share."""
-
-    device: str
-    index: int
-    uuid: str
-    used: int
-    free: int
-    total: int
-
-
-@dataclass(frozen=True)
-class Reading:
-    """Memory of all the worker's devices at one instant."""
-
-    devices: tuple[DeviceReading, ...]
-    source: types_pb2.MemorySource.ValueType
-
-    @property
-    def used(self) -> int:
-        return sum(d.used for d in self.devices)
-
-    @property
-    def free(self) -> int:
-        return sum(d.free for d in self.devices)
-
-    @property
-    def total(self) -> int:
-        return sum(d.total for d in self.devices)
-
-
-class MemoryProbe(Protocol):
-    """Something that measures the worker's device memory.
-
-    The worker calls :meth:`touch` once before any weight loads (so the context is measured
-    alone: the residual baseline), brackets every Generate with :meth:`serving`, and calls
-    :meth:`release_cached` right after a sleep, before the measurement that goes into its Ack.
-    """
-
-    source: types_pb2.MemorySource.ValueType
-
-    def touch(self) -> None:
-        """Create this process's device context (CUDA: what a first tensor does)."""
-        ...
-
-    def serving(self) -> contextlib.AbstractContextManager[None]:
-        """Bracket one Generate (a real GPU needs nothing; a simulated one charges activations)."""
-        ...
-
-    def release_cached(self) -> None:
-        """Give cached device blocks back to the driver (after a sleep)."""
-        ...
-
-    def read(self) -> Reading: ...
-
-    def close(self) -> None: ...
-
-
-PROBE_ENV = "OMNISTAGE_MEMORY_PROBE"
-
-
-def build_probe(config: WorkerConfig, env: dict[str, str] | None = None) -> MemoryProbe:
-    """The probe for ``config``: ``$OMNISTAGE_MEMORY_PROBE``'s factory, NVML on CUDA, else CPU.
-
-    ``OMNISTAGE_MEMORY_PROBE=package.module:factory`` imports the module and returns
-    ``factory(config)``: a documented seam for simulated devices in tests (it wins over the
-    device flag, and the factory refuses a configuration it cannot simulate).
-    """
-    environ = os.environ if env is None else env
-    seam = environ.get(PROBE_ENV, "").strip()
-    if seam:
-        module_name, sep, attr = seam.partition(":")
-        if not sep or not module_name or not attr:
-            raise ValueError(f"{PROBE_ENV}={seam!r}: expected 'package.module:factory'")
-        factory = getattr(importlib.import_module(module_name), attr)
-        probe: MemoryProbe = factory(config)
-        log.info("memory probe from %s=%s: %s", PROBE_ENV, seam, type(probe).__name__)
-        return probe
-    if config.device.is_cuda:
-        return NvmlProbe(config.device.index, include_children=config.backend == "vllm")
-    ledger = Ledger(config.memory_ledger) if config.memory_ledger is not None else None
-    return AccountingProbe(lambda: 0, config.memory_capacity, ledger)
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU: tensor accounting and the shared ledger
-
-
-class Ledger:
-    """A directory shared by the workers of one fake device; one file per worker process.
-
-    Each file holds ``{"used": bytes, "create_time": t}``; ``create_time`` guards against a
-    dead worker's pid being reused by an unrelated process.
-    """
-
-    def __init__(self, directory: Path, pid: int | None = None) -> None:
-        self.directory = directory
-        self.pid = os.getpid() if pid is None else pid
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._create_time = psutil.Process(self.pid).create_time()
-        self._path = directory / str(self.pid)
-
-    def publish(self, used: int) -> None:
-        """Write this worker's used bytes (atomically: write then rename)."""
-        tmp = self.directory / f".{self.pid}.tmp"
-        tmp.write_text(json.dumps({"used": used, "create_time": self._create_time}))
-        os.replace(tmp, self._path)
-
-    def others_used(self) -> int:
-        """Sum of the used bytes published by the other live workers."""
-        total = 0
-        for entry in self.directory.iterdir():
-            if not entry.name.isdigit() or int(entry.name) == self.pid:
-                continue
-            record = _read_record(entry)
-            if record is None:
-                continue
-            used, create_time = record
-            if _alive(int(entry.name), create_time):
-                total += used
-        return total
-
-    def remove(self) -> None:
-        """Withdraw this worker's entry (at exit)."""
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
-
-
-def _read_record(path: Path) -> tuple[int, float] | None:
-    try:
-        data: Any = json.loads(path.read_text())
-        return int(data["used"]), float(data["create_time"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _alive(pid: int, create_time: float) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - create_time) < 1.0 and proc.status() != "zombie"
-    except psutil.Error:
-        return False
-
-
-class AccountingProbe:
-    """CPU figures from exact tensor accounting (``used_fn`` sums the weight tensors)."""
-
-    source = types_pb2.MEMORY_SOURCE_ACCOUNTING
-
-    def __init__(
-        self,
-        used_fn: Callable[[], int],
-        capacity: int | None = None,
-        ledger: Ledger | None = None,
-    ) -> None:
-        self._used_fn = used_fn
-        self.capacity = capacity if capacity is not None else psutil.virtual_memory().total
-        self.ledger = ledger
-
-    def set_used_fn(self, used_fn: Callable[[], int]) -> None:
-        """Point the probe at the accounting of a newly built engine."""
-        self._used_fn = used_fn
-
-    def touch(self) -> None:
-        """Host memory needs no context."""
-
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """Tensor accounting counts the weights only."""
-        yield
-
-    def release_cached(self) -> None:
-        """Nothing is cached outside the accounted tensors."""
-
-    def read(self) -> Reading:
-        used = self._used_fn()
-        others = 0
-        if self.ledger is not None:
-            self.ledger.publish(used)
-            others = self.ledger.others_used()
-        free = self.capacity - used - others
-        device = DeviceReading("cpu", 0, "", used, free, self.capacity)
-        return Reading((device,), self.source)
-
-    def close(self) -> None:
-        if self.ledger is not None:
-            self.ledger.remove()
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA: NVML, process-scoped
 
 
 def visible_device_ids(env: str | None) -> list[str] | None:
