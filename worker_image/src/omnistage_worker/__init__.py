@@ -1,10 +1,13 @@
 """omnistage worker: serves one model stage and sleeps/wakes it with measured ACKs.
 
-Modules: ``cli`` (flags), ``config`` (validation), ``server`` (grpc.aio server), ``state`` (the
-worker and its serialized transitions), ``transitions`` (pure decisions), ``acks`` (Ack
-building, task-id memory), ``memory`` (a probe per device kind: NVML, accounting), ``health``,
-``auth``, ``sleep_service``, ``inference_service``, ``runners`` (diffusers, transformers, vLLM)
-and ``engine`` (weight movement for the torch runners).
+Modules: ``cli`` (flags), ``config`` (validation), ``quantities`` (the Kubernetes quantity
+grammar, shared with the operator), ``server`` (grpc.aio server), ``state`` (the worker: state,
+measuring, Generate), ``loading`` (load and the initial state), ``sleep_wake`` (Sleep and WakeUp
+carried out, measured, acked), ``transitions`` (their pure decisions), ``status`` (GetStatus),
+``lane`` (the worker's threads), ``acks`` (Ack building, task-id memory), ``memory`` (a probe
+per device kind: NVML, accounting), ``health``, ``auth``, ``sleep_service``,
+``inference_service``, ``runners`` (diffusers, transformers, vLLM) and ``engine`` (weight
+movement for the torch runners).
 
 Decisions a user of the worker should know:
 

@@ -80,7 +80,7 @@ def build_ack(outcome: Outcome, identity: Identity) -> types_pb2.Ack:
         ok=not outcome.error,
         error=outcome.error,
         operation=outcome.operation,
-        level=_level(outcome.level),
+        level=level_proto(outcome.level),
         state=outcome.state,
         freed_bytes=sum(d.freed_bytes for d in devices),
         used_before_bytes=sum(d.used_before_bytes for d in devices),
@@ -104,7 +104,8 @@ def build_ack(outcome: Outcome, identity: Identity) -> types_pb2.Ack:
     return ack
 
 
-def _level(level: int) -> types_pb2.SleepLevel.ValueType:
+def level_proto(level: int) -> types_pb2.SleepLevel.ValueType:
+    """A sleep level (0: awake) as the proto enum."""
     if level == 1:
         return types_pb2.SLEEP_LEVEL_OFFLOAD
     if level == 2:

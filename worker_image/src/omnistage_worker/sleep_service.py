@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc
+from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
 from omnistage_worker.state import Worker
 from omnistage_worker.transitions import (
     Refused,
@@ -31,7 +32,7 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
     async def Sleep(
         self, request: sleep_service_pb2.SleepRequest, context: Context
     ) -> sleep_service_pb2.SleepResponse:
-        try:
+        async def order() -> types_pb2.Ack:
             task_id = require_task_id(request.task_id)
             level = level_from_proto(request.level)
             drain_timeout = drain_timeout_from_proto(
@@ -39,22 +40,28 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
                 if request.HasField("drain_timeout")
                 else None
             )
-            ack = await self.worker.sleep(task_id, level, request.epoch, drain_timeout)
-        except Refused as exc:
-            await context.abort(exc.code, exc.message)
-        return sleep_service_pb2.SleepResponse(ack=ack)
+            return await self.worker.sleep(task_id, level, request.epoch, drain_timeout)
+
+        return sleep_service_pb2.SleepResponse(ack=await _ack(order, context))
 
     async def WakeUp(
         self, request: sleep_service_pb2.WakeUpRequest, context: Context
     ) -> sleep_service_pb2.WakeUpResponse:
-        try:
-            task_id = require_task_id(request.task_id)
-            ack = await self.worker.wake(task_id, request.epoch)
-        except Refused as exc:
-            await context.abort(exc.code, exc.message)
-        return sleep_service_pb2.WakeUpResponse(ack=ack)
+        async def order() -> types_pb2.Ack:
+            return await self.worker.wake(require_task_id(request.task_id), request.epoch)
+
+        return sleep_service_pb2.WakeUpResponse(ack=await _ack(order, context))
 
     async def GetStatus(
         self, request: sleep_service_pb2.GetStatusRequest, context: Context
     ) -> sleep_service_pb2.GetStatusResponse:
         return self.worker.status()
+
+
+async def _ack(order: Callable[[], Awaitable[types_pb2.Ack]], context: Context) -> types_pb2.Ack:
+    """The Ack of ``order``, or the call aborted with the refusal's status and message."""
+    try:
+        return await order()
+    except Refused as exc:
+        await context.abort(exc.code, exc.message)
+    raise AssertionError("unreachable: context.abort raises")

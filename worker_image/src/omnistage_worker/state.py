@@ -1,21 +1,12 @@
-"""The worker: one model, its state, and the serialized transitions that move its weights.
+"""The worker: one model, its state and measurements, and the requests that use them.
 
-Rules carried out here (decisions come from :mod:`omnistage_worker.transitions`):
+The concerns around it each have their module: :mod:`.loading` (the model and the initial
+state), :mod:`.sleep_wake` (Sleep and WakeUp carried out, measured and acked; the decisions are
+:mod:`.transitions`), :mod:`.status` (the GetStatus answer), :mod:`.lane` (the threads that run
+the engine and the model). Here: the state and its listeners, FAILED, measuring, Generate.
 
-- transitions run one at a time (an asyncio lock); a second one waits for the first;
-- an order from an older leadership epoch than the highest obeyed is refused (before the
-  task-id cache is consulted, and again once the lock is held), and changes nothing;
-- a sleep first refuses new Generate calls, then waits for those in flight to finish (the
-  drain, bounded by the request's drain timeout or ``--drain-timeout``); the Ack times the
-  drain and the transition apart;
-- memory is measured before and after every transition; the Ack carries the measurements;
-- a sleep whose measured residual is above the bound leaves the worker FAILED, never ASLEEP;
-  a later Sleep measures again and may bring it to ASLEEP; a WakeUp is refused meanwhile;
-- a repeated task id joins the transition started for it and gets its Ack, marked replayed;
-  a not-ok Ack is final for its task id too (the operator retries under a new id);
-- a transition runs to its end even when the caller goes away;
-- the peak device memory while Active (since the last wake or load) is measured after each
-  Generate and reported in GetStatus and in every Ack.
+The peak device memory while Active (since the last wake or load) is measured after each
+Generate and reported in GetStatus and in every Ack.
 """
 
 from __future__ import annotations
@@ -23,110 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
-import threading
-import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
-from typing import Any, TypeVar
 
 import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_pb2
-from omnistage_worker import termination
-from omnistage_worker.acks import AckCache, Outcome, TaskIdConflict, build_ack, replayed
-from omnistage_worker.acks import identity_proto as _identity_proto
+from omnistage_worker import loading, termination
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.memory import AccountingProbe, MemoryProbe, Reading, build_probe
-from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController, Stats
-from omnistage_worker.transitions import (
-    Current,
-    Plan,
-    Refused,
-    check_epoch,
-    generate_refusal,
-    plan_sleep,
-    plan_wake,
-    residual_error,
-)
+from omnistage_worker.lane import DaemonLane
+from omnistage_worker.memory import MemoryProbe, Reading
+from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController
+from omnistage_worker.sleep_wake import SleepWake
+from omnistage_worker.status import build_status
+from omnistage_worker.transitions import Current, Refused, generate_refusal
 
 log = logging.getLogger(__name__)
 
-SLEEP = types_pb2.OPERATION_SLEEP
-WAKE = types_pb2.OPERATION_WAKE_UP
-
-
-class _Start:
-    """When a transition began: wall clock for the Ack, monotonic clock for its duration."""
-
-    def __init__(self) -> None:
-        self.at = _now()
-        self.monotonic = time.monotonic()
-
-
-T = TypeVar("T")
 Listener = Callable[[Current], Awaitable[None]]
-
-_LEVEL_PROTO = {
-    0: types_pb2.SLEEP_LEVEL_UNSPECIFIED,
-    1: types_pb2.SLEEP_LEVEL_OFFLOAD,
-    2: types_pb2.SLEEP_LEVEL_DISCARD,
-}
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-class DaemonLane:
-    """One long-lived daemon thread that runs blocking calls in order.
-
-    Long-lived, so the engine and the model always run on the same threads (no per-call thread
-    and its allocator arena); daemon, so a call stuck past ``close``'s bound never holds up
-    process exit.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while (call := self._calls.get()) is not None:
-            call()
-
-    def close(self, within: float = 30.0) -> None:
-        """End the thread once the calls already queued have run, and wait for it (bounded).
-
-        Waiting matters: a process that finalizes while this thread is still inside torch's
-        C++ code aborts ("terminate called without an active exception", exit -6)."""
-        self._calls.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(within)
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the lane's thread; its result or exception."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-
-        def deliver(ok: bool, value: Any) -> None:
-            if future.done():
-                return
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
-
-        def call() -> None:
-            try:
-                result = fn()
-            except BaseException as exc:
-                loop.call_soon_threadsafe(deliver, False, exc)
-            else:
-                loop.call_soon_threadsafe(deliver, True, result)
-
-        self._calls.put(call)
-        return await future
 
 
 class Worker:
@@ -141,12 +45,10 @@ class Worker:
         self.baseline = 0
         self._state: types_pb2.WorkerState.ValueType = types_pb2.WORKER_STATE_LOADING
         self._level = 0
-        self._error = ""
-        self._lock = asyncio.Lock()
-        self._acks = AckCache(config.ack_cache_size)
+        self.error = ""
         self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.idle = asyncio.Event()  # set while no Generate is in flight
+        self.idle.set()
         self._listeners: list[Listener] = []
         self.last_ack: types_pb2.Ack | None = None
         self.active_footprint = 0
@@ -159,14 +61,15 @@ class Worker:
         self._last_reading: Reading | None = None
         self.loaded = asyncio.Event()
         # Transitions (and the load) run on one thread, Generate calls on another.
-        self._transition_lane = DaemonLane("omnistage-transitions")
+        self.transition_lane = DaemonLane("omnistage-transitions")
         self._generate_lane = DaemonLane("omnistage-generate")
+        self._sleep_wake = SleepWake(self)
 
     # -- state ----------------------------------------------------------------------------
 
     @property
     def current(self) -> Current:
-        return Current(self._state, self._level, self._error, self._residual_failed)
+        return Current(self._state, self._level, self.error, self._residual_failed)
 
     @property
     def state(self) -> types_pb2.WorkerState.ValueType:
@@ -188,7 +91,7 @@ class Worker:
         """Call ``listener`` after every state change (health follows the state this way)."""
         self._listeners.append(listener)
 
-    async def _set_state(self, state: types_pb2.WorkerState.ValueType, level: int) -> None:
+    async def set_state(self, state: types_pb2.WorkerState.ValueType, level: int) -> None:
         if (state, level) != (self._state, self._level):
             log.info(
                 "state %s -> %s (level %d)",
@@ -200,72 +103,31 @@ class Worker:
         for listener in self._listeners:
             await listener(self.current)
 
-    async def _fail(self, error: str, level: int | None = None, residual: bool = False) -> None:
+    async def fail(self, error: str, level: int | None = None, residual: bool = False) -> None:
         """FAILED with ``error``; ``residual``: only the measured residual after a sleep failed
         (the weights are off the device at ``level``, and a later Sleep measures again)."""
-        self._error = error
+        self.error = error
         self._residual_failed = residual
         log.error("worker failed: %s", error)
         # Shown in the pod's status if the container ends while failed (liveness does that).
         termination.write(self.config.termination_log, f"worker failed: {error}")
-        await self._set_state(
-            types_pb2.WORKER_STATE_FAILED, self._level if level is None else level
-        )
+        await self.set_state(types_pb2.WORKER_STATE_FAILED, self._level if level is None else level)
 
-    # -- loading --------------------------------------------------------------------------
+    def clear_residual_failure(self) -> None:
+        """A sleep measured again within the bound: the residual failure is over."""
+        if self._residual_failed:
+            self.error = ""
+            self._residual_failed = False
+            termination.write(self.config.termination_log, "")
 
-    async def load(self) -> None:
-        """Load the model and bring it to the initial state; FAILED with the reason on error."""
-        try:
-            await self._transition_lane.run(self._load_blocking)
-        except Exception as exc:
-            log.exception("loading failed")
-            await self._fail(f"loading {self.config.model} failed: {exc}")
-            self.loaded.set()
-            return
-        assert self.controller is not None
-        if self.config.initial_state == "active":
-            self.active_footprint = self.peak_active = self._measure().used
-            await self._set_state(types_pb2.WORKER_STATE_ACTIVE, 0)
-        else:
-            self._measure()
-            await self._set_state(types_pb2.WORKER_STATE_ASLEEP, self.controller.level)
-        self.loaded.set()
-
-    def _load_blocking(self) -> None:
-        config = self.config
-        started = time.monotonic()
-        self.probe = build_probe(config)
-        self.probe.touch()
-        self.baseline = self.probe.read().used
-        log.info("device context measured: %d bytes (the residual baseline)", self.baseline)
-        log.info("loading model from %s", config.model)
-        self.runner.load()
-        level2_start = config.initial_state == "asleep" and config.sleep_level == 2
-        if level2_start and not self.runner.supports_level2:
-            raise RuntimeError("--sleep-level 2 needs *.safetensors weight files to reload from")
-        controller = self.runner.build_controller()
-        if isinstance(self.probe, AccountingProbe):
-            self.probe.set_used_fn(controller.device_bytes)
-        if config.initial_state == "active":
-            stats = controller.activate()
-            verb = "activated"
-        else:
-            stats = controller.start_asleep(config.sleep_level)
-            verb = f"started asleep at level {config.sleep_level}"
-        self.controller = controller
-        log.info(
-            "model %s: %d weight bytes, %d bytes moved in %.2fs (load total %.2fs)",
-            verb,
-            controller.weights_bytes,
-            stats.bytes_moved,
-            stats.seconds,
-            time.monotonic() - started,
-        )
+    def require_controller(self) -> SleepController:
+        if self.controller is None:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "worker is loading the model")
+        return self.controller
 
     # -- measuring ------------------------------------------------------------------------
 
-    def _measure(self) -> Reading:
+    def measure(self) -> Reading:
         assert self.probe is not None
         reading = self.probe.read()
         self._last_reading = reading
@@ -273,19 +135,19 @@ class Worker:
 
     def snapshot(self) -> Reading | None:
         """A fresh reading, or the last one when measuring fails or nothing is loaded yet."""
-        if self.probe is None or self._lock.locked():
+        if self.probe is None or self._sleep_wake.busy:
             # During a transition the engine is moving tensors: report the last measurement.
             return self._last_reading
         try:
-            reading = self._measure()
+            reading = self.measure()
         except Exception:
             log.exception("memory measurement failed")
             return self._last_reading
         if self._state == types_pb2.WORKER_STATE_ACTIVE:
-            self._note_peak(reading)
+            self.note_peak(reading)
         return reading
 
-    def _note_peak(self, reading: Reading) -> None:
+    def note_peak(self, reading: Reading) -> None:
         """Count a reading taken while the weights are on the device into the active peak."""
         self.peak_active = max(self.peak_active, reading.used)
 
@@ -294,17 +156,20 @@ class Worker:
         if self.probe is None:
             return
         try:
-            self._note_peak(self._measure())
+            self.note_peak(self.measure())
         except Exception:
             log.exception("memory measurement after a request failed")
 
-    def _release_cached(self) -> None:
-        """Return cached device blocks to the driver, where the probe knows how."""
-        release = getattr(self.probe, "release_cached", None)
-        if callable(release):
-            release()
+    def release_cached(self) -> None:
+        """Return cached device blocks to the driver (blocking: run it on the transition lane)."""
+        if self.probe is not None:
+            self.probe.release_cached()
 
-    # -- transitions ----------------------------------------------------------------------
+    # -- loading, transitions, status -----------------------------------------------------
+
+    async def load(self) -> None:
+        """Load the model and bring it to the initial state; FAILED with the reason on error."""
+        await loading.load(self)
 
     async def sleep(
         self, task_id: str, level: int, epoch: int = 0, drain_timeout: float | None = None
@@ -316,320 +181,15 @@ class Worker:
         not-ok Ack; like every Ack it is final for its task id (a repeat replays it), so the
         operator retries under a new task id, after a backoff.
         """
-        return await self._transition(
-            task_id,
-            f"sleep level {level}",
-            epoch,
-            lambda: self._sleep(task_id, level, epoch, drain_timeout),
-        )
+        return await self._sleep_wake.sleep(task_id, level, epoch, drain_timeout)
 
     async def wake(self, task_id: str, epoch: int = 0) -> types_pb2.Ack:
         """Wake up; the Ack of this task id (replayed when seen before)."""
-        return await self._transition(task_id, "wake-up", epoch, lambda: self._wake(task_id, epoch))
+        return await self._sleep_wake.wake(task_id, epoch)
 
-    def _obey(self, epoch: int) -> None:
-        """Remember ``epoch`` as obeyed (epoch 0, no election, never lowers it)."""
-        if epoch > self.epoch:
-            log.info("obeying leadership epoch %d (was %d)", epoch, self.epoch)
-            self.epoch = epoch
-
-    async def _transition(
-        self,
-        task_id: str,
-        key: str,
-        epoch: int,
-        run: Callable[[], Awaitable[types_pb2.Ack]],
-    ) -> types_pb2.Ack:
-        # A stale leader learns nothing, not even a replayed Ack; its id is not remembered.
-        check_epoch(epoch, self.epoch)
-        try:
-            existing = self._acks.get(task_id, key)
-        except TaskIdConflict as exc:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        if existing is not None:
-            log.info("task %s repeated: returning its first ack", task_id)
-            return replayed(await asyncio.shield(existing))
-
-        async def guarded() -> types_pb2.Ack:
-            try:
-                return await run()
-            except BaseException:
-                self._acks.discard(task_id)  # refused or crashed: the id may be retried
-                raise
-
-        task = asyncio.ensure_future(guarded())
-        self._acks.put(task_id, key, task)
-        ack = await asyncio.shield(task)
-        return ack
-
-    async def _sleep(
-        self, task_id: str, level: int, epoch: int, drain_timeout: float | None
-    ) -> types_pb2.Ack:
-        async with self._lock:
-            check_epoch(epoch, self.epoch)  # a newer leader may have been obeyed meanwhile
-            plan = plan_sleep(self.current, level)
-            deeper = plan is Plan.DEEPEN or (plan is Plan.RECHECK and level > self._level)
-            if deeper and not self.runner.can_deepen:
-                raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"level: this backend cannot go from level {self._level} to {level} "
-                    "without waking (which would take device memory); wake it first",
-                )
-            if level == 2 and not self.runner.supports_level2 and plan is not Plan.NOOP:
-                raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "level: 2 is not supported for this model (no *.safetensors files to "
-                    "reload from)",
-                )
-            self._obey(epoch)
-            if plan is Plan.NOOP:
-                start = _Start()
-                reading = self._measure()
-                return self._finish(
-                    self._outcome(task_id, SLEEP, reading, reading, start, epoch=epoch, noop=True)
-                )
-            if plan is Plan.RECHECK:
-                return await self._recheck(task_id, level, epoch)
-            previous = (self._state, self._level)
-            await self._set_state(types_pb2.WORKER_STATE_SLEEPING, self._level)
-            timeout = self.config.drain_timeout_s if drain_timeout is None else drain_timeout
-            drain: _Start | None = None
-            drained = True
-            if plan is Plan.SLEEP and self._inflight:
-                drain = _Start()
-                drained = await self._drain(timeout)
-            start = _Start()
-            if not drained:
-                await self._set_state(*previous)
-                reading = self._measure()
-                self._note_peak(reading)
-                error = (
-                    f"in-flight requests ({self._inflight}) did not finish within the drain "
-                    f"timeout of {timeout:g}s; the sleep was not started"
-                )
-                return self._finish(
-                    self._outcome(
-                        task_id,
-                        SLEEP,
-                        reading,
-                        reading,
-                        start,
-                        epoch=epoch,
-                        drain=drain,
-                        error=error,
-                    )
-                )
-            before = self._measure()
-            if plan is Plan.SLEEP:
-                self._note_peak(before)  # still Active: the weights have not moved yet
-            controller = self._require_controller()
-            try:
-                stats: Stats = await self._transition_lane.run(lambda: controller.sleep(level))
-                if self.probe is not None:
-                    await self._transition_lane.run(self.probe.release_cached)
-            except Exception as exc:
-                log.exception("sleep failed")
-                await self._fail(f"sleep to level {level} failed: {exc}")
-                after = self._measure()
-                return self._finish(
-                    self._outcome(
-                        task_id,
-                        SLEEP,
-                        before,
-                        after,
-                        start,
-                        epoch=epoch,
-                        drain=drain,
-                        error=self._error,
-                    )
-                )
-            after = self._measure()
-            error = await self._settle_asleep(after, controller.level)
-            return self._finish(
-                self._outcome(
-                    task_id,
-                    SLEEP,
-                    before,
-                    after,
-                    start,
-                    epoch=epoch,
-                    drain=drain,
-                    bytes_moved=stats.bytes_moved,
-                    noop=stats.noop,
-                    error=error,
-                )
-            )
-
-    async def _settle_asleep(self, after: Reading, level: int) -> str:
-        """ASLEEP at ``level`` when the measured residual is within the bound; otherwise FAILED
-        (the memory may still be held, so the worker never reads as asleep). The Ack's error."""
-        error = residual_error(after.used, self.residual_bound)
-        if error:
-            log.warning("sleep ack not ok: %s", error)
-            await self._fail(error, level=level, residual=True)
-        else:
-            if self._residual_failed:  # measured again, and now within the bound
-                self._error = ""
-                self._residual_failed = False
-                termination.write(self.config.termination_log, "")
-            await self._set_state(types_pb2.WORKER_STATE_ASLEEP, level)
-        return error
-
-    async def _recheck(self, task_id: str, level: int, epoch: int) -> types_pb2.Ack:
-        """A Sleep to a worker that failed its residual check: go deeper when asked, return
-        cached blocks to the device again, measure again; ASLEEP only when within the bound."""
-        start = _Start()
-        before = self._measure()
-        controller = self._require_controller()
-        target = max(level, controller.level)
-        try:
-            stats: Stats = await self._transition_lane.run(lambda: controller.sleep(target))
-            await self._transition_lane.run(self._release_cached)
-        except Exception as exc:
-            log.exception("sleep (re-check) failed")
-            await self._fail(f"sleep to level {target} failed: {exc}")
-            after = self._measure()
-            return self._finish(
-                self._outcome(task_id, SLEEP, before, after, start, epoch=epoch, error=self._error)
-            )
-        after = self._measure()
-        error = await self._settle_asleep(after, controller.level)
-        return self._finish(
-            self._outcome(
-                task_id,
-                SLEEP,
-                before,
-                after,
-                start,
-                epoch=epoch,
-                bytes_moved=stats.bytes_moved,
-                noop=stats.noop,
-                error=error,
-            )
-        )
-
-    async def _wake(self, task_id: str, epoch: int) -> types_pb2.Ack:
-        async with self._lock:
-            check_epoch(epoch, self.epoch)  # a newer leader may have been obeyed meanwhile
-            plan = plan_wake(self.current)
-            self._obey(epoch)
-            start = _Start()
-            before = self._measure()
-            peak = self.peak_active  # the Ack reports the peak before this transition
-
-            def outcome(after: Reading, **extra: Any) -> Outcome:
-                return self._outcome(
-                    task_id, WAKE, before, after, start, epoch=epoch, peak_active=peak, **extra
-                )
-
-            if plan is Plan.NOOP:
-                return self._finish(outcome(before, noop=True))
-            controller = self._require_controller()
-            shortfall = self._capacity_shortfall(before, controller)
-            if shortfall:
-                log.warning("wake refused: %s", shortfall)
-                return self._finish(outcome(before, error=shortfall))
-            asleep_level = self._level
-            await self._set_state(types_pb2.WORKER_STATE_WAKING, asleep_level)
-            try:
-                stats: Stats = await self._transition_lane.run(controller.wake)
-            except Exception as exc:
-                log.exception("wake failed")
-                error = f"wake from level {asleep_level} failed: {exc}"
-                try:
-                    await self._transition_lane.run(lambda: controller.sleep(asleep_level))
-                    await self._transition_lane.run(self._release_cached)
-                    await self._settle_asleep(self._measure(), controller.level)
-                except Exception as again:
-                    await self._fail(f"{error}; putting it back to sleep failed too: {again}")
-                return self._finish(outcome(self._measure(), error=error))
-            after = self._measure()
-            self.active_footprint = self.peak_active = after.used
-            await self._set_state(types_pb2.WORKER_STATE_ACTIVE, 0)
-            return self._finish(outcome(after, bytes_moved=stats.bytes_moved, noop=stats.noop))
-
-    def _capacity_shortfall(self, before: Reading, controller: SleepController) -> str:
-        """On a fake (accounting) device, refuse a wake that would not fit, as a GPU would OOM."""
-        if before.source != types_pb2.MEMORY_SOURCE_ACCOUNTING:
-            return ""
-        # What the wake allocates: the engine's flat buffer (weights plus alignment padding).
-        need = int(getattr(controller, "flat_bytes", controller.weights_bytes))
-        need -= controller.device_bytes()
-        if need <= before.free:
-            return ""
-        return (
-            f"not enough free device memory to wake: need {need} bytes, "
-            f"{before.free} free of {before.total} (accounting)"
-        )
-
-    def _outcome(
-        self,
-        task_id: str,
-        operation: types_pb2.Operation.ValueType,
-        before: Reading,
-        after: Reading,
-        start: _Start,
-        *,
-        drain: _Start | None = None,
-        **extra: Any,
-    ) -> Outcome:
-        """What a transition did, as of now, in the worker's current state and level.
-
-        ``start`` is when the transition itself began; ``drain``, when a sleep began waiting
-        for in-flight requests before it (the wait lasted until ``start``).
-        """
-        extra.setdefault("peak_active", self.peak_active)
-        if drain is not None:
-            extra["drain_started_at"] = drain.at
-            extra["drain_seconds"] = max(0.0, start.monotonic - drain.monotonic)
-        return Outcome(
-            task_id,
-            operation,
-            self._state,
-            self._level,
-            before,
-            after,
-            start.at,
-            _now(),
-            time.monotonic() - start.monotonic,
-            residual_bound=self.residual_bound,
-            **extra,
-        )
-
-    def _require_controller(self) -> SleepController:
-        if self.controller is None:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, "worker is loading the model")
-        return self.controller
-
-    def _finish(self, outcome: Outcome) -> types_pb2.Ack:
-        ack = build_ack(outcome, self.identity)
-        self.last_ack = ack
-        log.info(
-            "ack %s task=%s ok=%s level=%d state=%s freed=%d used %d -> %d moved=%d in %.3fs%s%s",
-            types_pb2.Operation.Name(ack.operation),
-            ack.task_id,
-            ack.ok,
-            outcome.level,
-            types_pb2.WorkerState.Name(ack.state),
-            ack.freed_bytes,
-            ack.used_before_bytes,
-            ack.used_after_bytes,
-            ack.bytes_moved,
-            outcome.seconds,
-            " (noop)" if ack.noop else "",
-            f" error: {ack.error}" if ack.error else "",
-        )
-        return ack
-
-    async def _drain(self, within: float) -> bool:
-        """Wait for in-flight Generate calls to finish, for at most ``within`` seconds."""
-        if self._inflight:
-            log.info("sleep waits for %d in-flight request(s) (up to %gs)", self._inflight, within)
-        try:
-            await asyncio.wait_for(self._idle.wait(), within)
-        except TimeoutError:
-            return False
-        return True
+    def status(self) -> sleep_service_pb2.GetStatusResponse:
+        """Everything GetStatus reports, measured now."""
+        return build_status(self)
 
     # -- inference ------------------------------------------------------------------------
 
@@ -645,7 +205,7 @@ class Worker:
         except InvalidRequest as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         self._inflight += 1
-        self._idle.clear()
+        self.idle.clear()
 
         probe = self.probe
 
@@ -660,54 +220,12 @@ class Worker:
             finally:
                 self._inflight -= 1
                 if self._inflight == 0:
-                    self._idle.set()
+                    self.idle.set()
                 # Synchronous, so it runs before a draining sleep moves anything.
                 self._measure_peak()
 
         # The model keeps running if the caller goes away; a sleep waits for it either way.
         return await asyncio.shield(asyncio.ensure_future(run()))
-
-    # -- status ---------------------------------------------------------------------------
-
-    def status(self) -> sleep_service_pb2.GetStatusResponse:
-        """Everything GetStatus reports, measured now."""
-        config = self.config
-        reading = self.snapshot()
-        response = sleep_service_pb2.GetStatusResponse(
-            state=self._state,
-            level=_LEVEL_PROTO[self._level],
-            model=str(config.model),
-            runner=self.runner.runner_kind,
-            backend=self.runner.backend_kind,
-            worker=_identity_proto(self.identity),
-            weights_bytes=self.controller.weights_bytes if self.controller else 0,
-            active_footprint_bytes=self.active_footprint,
-            error=self._error,
-            inflight_requests=self._inflight,
-            peak_active_bytes=self.peak_active,
-            context_bytes=self.baseline,
-            epoch=self.epoch,
-        )
-        response.drain_timeout.FromNanoseconds(int(config.drain_timeout_s * 1e9))
-        if reading is not None:
-            response.used_bytes = reading.used
-            response.free_bytes = reading.free
-            response.total_bytes = reading.total
-            response.source = reading.source
-            for dev in reading.devices:
-                response.devices.add(
-                    device=dev.device,
-                    index=dev.index,
-                    uuid=dev.uuid,
-                    used_before_bytes=dev.used,
-                    used_after_bytes=dev.used,
-                    free_after_bytes=dev.free,
-                    total_bytes=dev.total,
-                    free_before_bytes=dev.free,
-                )
-        if self.last_ack is not None:
-            response.last_ack.CopyFrom(self.last_ack)
-        return response
 
     async def aclose(self, within: float = 30.0) -> None:
         """Free the engine's buffers, leave the device, end the worker threads.
@@ -718,10 +236,10 @@ class Worker:
         close = getattr(self.controller, "close", None)
         if callable(close):
             try:
-                await asyncio.wait_for(self._transition_lane.run(close), within)
+                await asyncio.wait_for(self.transition_lane.run(close), within)
             except Exception:
                 log.exception("closing the weight engine failed")
         if self.probe is not None:
             self.probe.close()
-        self._transition_lane.close()
+        self.transition_lane.close()
         self._generate_lane.close()

@@ -1,6 +1,6 @@
 """The worker's state machine as pure decisions: what a Sleep or WakeUp must do now.
 
-No I/O here; :mod:`omnistage_worker.state` carries the plans out.
+No I/O here; :mod:`omnistage_worker.sleep_wake` carries the plans out.
 """
 
 from __future__ import annotations
