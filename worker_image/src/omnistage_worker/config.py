@@ -114,6 +114,19 @@ class WorkerConfig:
 
 def validate(config: WorkerConfig) -> None:
     """Refuse an inconsistent configuration with a :class:`ConfigError` naming the flag."""
+    _check_model(config)
+    _check_serving(config)
+    if config.residual_slack < 0:
+        raise ConfigError("--residual-slack", "must not be negative")
+    if config.dtype not in DTYPES:
+        raise ConfigError("--dtype", f"{config.dtype!r} (one of {', '.join(DTYPES)})")
+    if config.backend == "vllm":
+        _check_vllm(config)
+    _check_limits(config)
+
+
+def _check_model(config: WorkerConfig) -> None:
+    """Runner, backend and the model directory."""
     if config.runner not in RUNNER_BACKENDS:
         raise ConfigError("--runner", f"unknown runner {config.runner!r} (diffusion or ar)")
     if config.backend not in BACKENDS:
@@ -129,6 +142,10 @@ def validate(config: WorkerConfig) -> None:
         raise ConfigError("--model", f"model directory {str(config.model)!r} does not exist")
     if not config.model.is_dir():
         raise ConfigError("--model", f"{str(config.model)!r} is not a directory")
+
+
+def _check_serving(config: WorkerConfig) -> None:
+    """Port, initial state and level, token and TLS files."""
     if not 0 <= config.port <= 65535:
         raise ConfigError("--port", f"{config.port} is not a TCP port (0-65535)")
     if config.initial_state not in ("active", "asleep"):
@@ -142,24 +159,27 @@ def validate(config: WorkerConfig) -> None:
     for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
         if path is not None and not path.is_file():
             raise ConfigError(flag, f"{str(path)!r} is not a readable file")
-    if config.residual_slack < 0:
-        raise ConfigError("--residual-slack", "must not be negative")
-    if config.dtype not in DTYPES:
-        raise ConfigError("--dtype", f"{config.dtype!r} (one of {', '.join(DTYPES)})")
-    if config.backend == "vllm":
-        if not config.device.is_cuda:
-            raise ConfigError("--device", "the vllm backend needs a CUDA device")
-        if config.device.index != 0:
-            raise ConfigError(
-                "--device",
-                "with --backend vllm use cuda (vLLM takes its GPUs from CUDA_VISIBLE_DEVICES)",
-            )
-        if config.initial_state == "asleep":
-            raise ConfigError(
-                "--initial-state",
-                "asleep is not supported with --backend vllm: vLLM takes device memory "
-                "while it loads, so it cannot start without touching the GPU",
-            )
+
+
+def _check_vllm(config: WorkerConfig) -> None:
+    """vLLM takes its GPUs from CUDA_VISIBLE_DEVICES and device memory while it loads."""
+    if not config.device.is_cuda:
+        raise ConfigError("--device", "the vllm backend needs a CUDA device")
+    if config.device.index != 0:
+        raise ConfigError(
+            "--device",
+            "with --backend vllm use cuda (vLLM takes its GPUs from CUDA_VISIBLE_DEVICES)",
+        )
+    if config.initial_state == "asleep":
+        raise ConfigError(
+            "--initial-state",
+            "asleep is not supported with --backend vllm: vLLM takes device memory "
+            "while it loads, so it cannot start without touching the GPU",
+        )
+
+
+def _check_limits(config: WorkerConfig) -> None:
+    """Numbers that must not be negative (or zero)."""
     if config.identity.rank < 0:
         raise ConfigError("--rank", "must not be negative")
     if config.shutdown_grace_s < 0:

@@ -46,6 +46,48 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
+class _Files:
+    """Read-only file descriptors, opened on first use and closed together."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _copy_chunk(
+    fd: int,
+    chunk: list[CopyRun],
+    host: torch.Tensor,
+    flat: torch.Tensor,
+    *,
+    stream: torch.cuda.Stream,
+    done: torch.cuda.Event,
+) -> int:
+    """Read ``chunk``'s file span into ``host``, queue its copies into ``flat`` on ``stream``,
+    record ``done`` after them; the bytes read."""
+    base = chunk[0].src_offset
+    end = max(r.src_offset + r.nbytes for r in chunk)
+    _pread_into(fd, byte_view(host)[: end - base], base)
+    with torch.cuda.stream(stream):  # new threads start on the default stream
+        for run in chunk:
+            lo = run.src_offset - base
+            flat[run.dst_offset : run.dst_offset + run.nbytes].copy_(
+                host[lo : lo + run.nbytes], non_blocking=True
+            )
+        done.record(stream)
+    return end - base
+
+
 class FileLoader:
     """Copies file byte ranges into a flat device buffer with overlapped reads and copies."""
 
@@ -100,19 +142,16 @@ class FileLoader:
         """CPU destination: read each run straight into the destination bytes."""
         dest = byte_view(flat)
         total = 0
-        fds: dict[Path, int] = {}
+        files = _Files()
         try:
             for path, chunk in work:
-                fd = fds.get(path)
-                if fd is None:
-                    fd = fds[path] = os.open(path, os.O_RDONLY)
+                fd = files.fd(path)
                 for run in chunk:
                     target = dest[run.dst_offset : run.dst_offset + run.nbytes]
                     _pread_into(fd, target, run.src_offset)
                     total += run.nbytes
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            files.close()
         return total
 
     def _load_cuda(self, work: list[tuple[Path, list[CopyRun]]], flat: torch.Tensor) -> int:
@@ -132,30 +171,18 @@ class FileLoader:
             buffers = self._staging[index]
             events = [torch.cuda.Event(), torch.cuda.Event()]  # type: ignore[no-untyped-call]
             used = [False, False]
-            fds: dict[Path, int] = {}
+            files = _Files()
             turn = 0
             try:
                 while not stop.is_set() and (item := tasks.get()) is not None:
                     path, chunk = item
-                    fd = fds.get(path)
-                    if fd is None:
-                        fd = fds[path] = os.open(path, os.O_RDONLY)
                     if used[turn]:
                         events[turn].synchronize()
                     host = buffers[turn].tensor
-                    base = chunk[0].src_offset
-                    end = max(r.src_offset + r.nbytes for r in chunk)
-                    view = byte_view(host)[: end - base]
-                    _pread_into(fd, view, base)
-                    with torch.cuda.stream(stream):  # new threads start on the default stream
-                        for run in chunk:
-                            lo = run.src_offset - base
-                            flat[run.dst_offset : run.dst_offset + run.nbytes].copy_(
-                                host[lo : lo + run.nbytes], non_blocking=True
-                            )
-                        events[turn].record(stream)
+                    totals[index] += _copy_chunk(
+                        files.fd(path), chunk, host, flat, stream=stream, done=events[turn]
+                    )
                     used[turn] = True
-                    totals[index] += end - base
                     turn ^= 1
                 for turn_used, event in zip(used, events, strict=True):
                     if turn_used:
@@ -164,8 +191,7 @@ class FileLoader:
                 errors.append(exc)
                 stop.set()
             finally:
-                for fd in fds.values():
-                    os.close(fd)
+                files.close()
 
         workers = [
             threading.Thread(target=reader, args=(i,), name=f"omnistage-reload-{i}", daemon=True)
