@@ -14,10 +14,4 @@ from omnistage_worker.quantities import (
     parse_quantity,
 )
 
-__all__ = [
-    "QUANTITY_PATTERN",
-    "QuantityError",
-    "format_bytes",
-    "format_quantity",
-    "parse_quantity",
-]
+__all__ = ["QUANTITY_PATTERN", "QuantityError", "format_bytes", "format_quantity", "parse_quantity"]

@@ -30,7 +30,6 @@ def build_status(worker: Worker) -> sleep_service_pb2.GetStatusResponse:
         context_bytes=worker.baseline,
         epoch=worker.epoch,
     )
-    response.drain_timeout.FromNanoseconds(int(config.drain_timeout_s * 1e9))
     if reading is not None:
         response.used_bytes = reading.used
         response.free_bytes = reading.free
@@ -38,6 +37,7 @@ def build_status(worker: Worker) -> sleep_service_pb2.GetStatusResponse:
         response.source = reading.source
         # Per device, "before" and "after" are both now (nothing moved, nothing freed).
         response.devices.extend(device_figures(reading, reading))
+    response.drain_timeout.FromNanoseconds(int(config.drain_timeout_s * 1e9))
     if worker.last_ack is not None:
         response.last_ack.CopyFrom(worker.last_ack)
     return response
