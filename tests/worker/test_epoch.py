@@ -76,22 +76,24 @@ async def test_newer_leader_obeyed_while_draining_refuses_the_old_one(
     runner = worker.server.worker.runner
     assert isinstance(runner, HeldMemoryLM)
     runner.hold = threading.Event()
-    request = asyncio.ensure_future(worker.generate(max_new_tokens=2))
+    try:
+        request = asyncio.ensure_future(worker.generate(max_new_tokens=2))
 
-    async def inflight() -> bool:
-        return (await worker.status()).inflight_requests == 1
+        async def inflight() -> bool:
+            return (await worker.status()).inflight_requests == 1
 
-    await wait_for(inflight, what="the request to start")
-    sleep = asyncio.ensure_future(worker.sleep(1, epoch=5))
+        await wait_for(inflight, what="the request to start")
+        sleep = asyncio.ensure_future(worker.sleep(1, epoch=5))
 
-    async def sleeping() -> bool:
-        return (await worker.status()).state == types_pb2.WORKER_STATE_SLEEPING
+        async def sleeping() -> bool:
+            return (await worker.status()).state == types_pb2.WORKER_STATE_SLEEPING
 
-    await wait_for(sleeping, what="the sleep to wait for the request")
-    err = await rpc_error(worker.wake(epoch=3))
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert not sleep.done()
-    runner.hold.set()
+        await wait_for(sleeping, what="the sleep to wait for the request")
+        err = await rpc_error(worker.wake(epoch=3))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert not sleep.done()
+    finally:
+        runner.hold.set()  # never leave a request blocked behind the test
     assert (await request).text.token_ids
     ack = await sleep
     assert ack.ok and ack.epoch == 5 and ack.state == ASLEEP
