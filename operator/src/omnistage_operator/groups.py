@@ -297,6 +297,7 @@ class KubeGroupPort:
             if (
                 pod is not None
                 and phase in _TERMINAL
+                and not pod["metadata"].get("deletionTimestamp")  # deleted on purpose: no crash
                 and key not in self.r.fence_pending
                 and (pod["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
             ):
