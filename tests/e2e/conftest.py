@@ -273,11 +273,14 @@ def stage_manifest(
     vram_request: str | None = None,
     model_path: str = "/models/m",
     drain_timeout_s: int | None = None,
+    worker_args: list[str] | None = None,
 ) -> dict[str, Any]:
     """An OmniStage for the tiny ``kind`` ("ar" or "sd") model, pinned to ``node`` (no
     ``vram.request`` unless given: the footprint is measured)."""
     runner, backend = {"ar": ("AR", "Transformers"), "sd": ("Diffusion", "Diffusers")}[kind]
     worker: dict[str, Any] = {"device": "cpu"}
+    if worker_args:
+        worker["args"] = list(worker_args)
     if port is not None:
         worker["port"] = port
     extra: dict[str, Any] = {}
