@@ -316,7 +316,10 @@ def test_starting_pods_are_charged_their_context() -> None:
         "c": StageFacts(WorkerPhase.ABSENT),
     }
     # 9.5 GiB free: 9 GiB fit, but not with a 612 MiB context of the starting pod b.
-    d = plan(intents, facts, GroupMemory(10 * GI, 9 * GI + 512 * MI))
+    mem = GroupMemory(
+        10 * GI, 9 * GI + 512 * MI, (DeviceMemory("GPU-0", 10 * GI, 9 * GI + 512 * MI),)
+    )
+    d = plan(intents, facts, mem)
     assert d.wake == ()
     assert d.waiting["a"][0].reason is BlockReason.FREE_TOO_LOW
     assert "starting contexts" in d.waiting["a"][0].message
@@ -324,6 +327,10 @@ def test_starting_pods_are_charged_their_context() -> None:
     # A context measured by a worker of the group replaces the default.
     facts["a"] = StageFacts(WorkerPhase.ASLEEP, level=1, context_bytes=256 * MI)
     assert context_charge(facts) == 256 * MI
+    assert plan(intents, facts, mem).wake == ("a",)
+    # On a host-accounting device (no GPU UUIDs) processes take no CUDA context.
+    facts["a"] = StageFacts(WorkerPhase.ASLEEP, level=1)
+    assert context_charge(facts, gpu=False) == 0
     assert plan(intents, facts, GroupMemory(10 * GI, 9 * GI + 512 * MI)).wake == ("a",)
 
 

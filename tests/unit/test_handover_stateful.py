@@ -21,8 +21,8 @@ Invariants:
 - within a round: no wake while a stage told to sleep lacks an ok ACK or a confirmed fence, and
   not before the sleep ACKs were published;
 - across rounds: no WakeUp is ever sent while any other stage of the group may still hold memory
-  beyond its context (Failed with a residual, a lying ACK, a pending fence, hung, still
-  sleeping) unless it is an honest, reachable Active co-tenant;
+  beyond its context (Failed with a residual, a lying ACK, a pending fence, hung, a stage that
+  must sleep) unless it is an honest, reachable co-tenant that wants Active;
 - a wake whose footprint the operator knew is never refused for lack of memory;
 - the device never holds more than its total;
 - after faults stop, no stage outside the admitted set holds memory, admitted stages are Active
@@ -277,8 +277,12 @@ class SimPort:
         if any(c[0] == "sleep" for c in self.calls):
             assert ("checkpoint", "") in self.calls, "wake before the sleep ACKs were published"
         for name, other in w.workers.items():
+            # A co-tenant may hold memory only while it wants Active (it may be admitted beside
+            # this stage), answers, told no lie, is not being fenced and has not failed; one
+            # that must release memory is covered by the round's ACK check above.
             honest_tenant = (
-                other.state is WorkerPhase.ACTIVE
+                w.intents[name].want_active
+                and other.state is not WorkerPhase.FAILED
                 and other.responsive
                 and not other.lied
                 and not w.fence_pending.get(name, False)

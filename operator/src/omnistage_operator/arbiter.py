@@ -280,7 +280,7 @@ def usable_memory(
     """
     if memory.free is None:
         return None
-    charge = context_charge(facts)
+    charge = context_charge(facts, memory.gpu)
     usable = memory.free
     for name, fact in facts.items():
         intent = intents.get(name)
@@ -296,11 +296,13 @@ def usable_memory(
     return usable
 
 
-def context_charge(facts: Mapping[str, StageFacts]) -> int:
+def context_charge(facts: Mapping[str, StageFacts], gpu: bool = True) -> int:
     """The context charged per starting pod: the largest a worker of the group measured, else
-    ``DEFAULT_CONTEXT_BYTES``."""
+    ``DEFAULT_CONTEXT_BYTES`` on GPUs (0 on a host-accounting device: no CUDA context)."""
     measured = [f.context_bytes for f in facts.values() if f.context_bytes]
-    return max(measured) if measured else DEFAULT_CONTEXT_BYTES
+    if measured:
+        return max(measured)
+    return DEFAULT_CONTEXT_BYTES if gpu else 0
 
 
 def device_mismatches(
@@ -541,7 +543,7 @@ def plan(
             msg = f"{name} is {fact.phase.value} and must sleep first"
             common.append(Blocker(BlockReason.MUST_SLEEP, msg, name))
 
-    context = context_charge(facts)
+    context = context_charge(facts, memory.gpu)
     starting = [
         n for n in intents if n not in off_device and facts[n].phase is WorkerPhase.STARTING
     ]
