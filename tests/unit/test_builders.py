@@ -102,6 +102,7 @@ def test_worker_args_exact() -> None:
         "--sleep-level", "1",
         "--token-file", "/var/run/secrets/omnistage/token",
         "--device", "cpu",
+        "--drain-timeout", "600",
         "--dtype", "float32",
         "--steps", "2",
     ]  # fmt: skip
@@ -110,6 +111,14 @@ def test_worker_args_exact() -> None:
     ]  # fmt: skip
     with pytest.raises(ValueError):
         worker_args(stage, initial_state=DesiredState.ACTIVE, sleep_level=3)
+
+
+def test_drain_timeout_reaches_the_worker_without_a_new_pod() -> None:
+    stage, _ = make(drainTimeoutSeconds=1800)
+    args = worker_args(stage, initial_state=DesiredState.ASLEEP)
+    assert args[args.index("--drain-timeout") + 1] == "1800"
+    # Every Sleep carries the value too, so changing it does not replace a running pod.
+    assert pod_spec_hash(stage) == pod_spec_hash(make()[0])
 
 
 def test_diffusion_args() -> None:
@@ -146,6 +155,7 @@ def test_dra_pod_shape() -> None:
         "service": "omnistage.worker.v1.SleepService",
     }
     assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     env = {e["name"]: e for e in c["env"]}
     assert list(env) == ["POD_IP", "POD_NAME", "POD_NAMESPACE", "NODE_NAME", "OMNISTAGE_STAGE"]
     for name, path in [

@@ -26,8 +26,17 @@ SERVICES = ("/api", "v1", "services")
 SECRETS = ("/api", "v1", "secrets")
 EVENTS = ("/api", "v1", "events")
 CLAIMS = ("/apis", "resource.k8s.io/v1", "resourceclaims")
+RESOURCE_SLICES = ("/apis", "resource.k8s.io/v1", "resourceslices")  # cluster-scoped
 
 Resource = tuple[str, str, str]
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (the API counts bytes), on a character."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode(errors="ignore") + "..."
 
 
 class KubeError(Exception):
@@ -76,6 +85,16 @@ class Kube:
         if code >= 300:
             self._raise(f"get {res[2]}/{name}", code, body)
         return cast(dict[str, Any], body)
+
+    async def list_cluster(
+        self, res: Resource, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Items of a cluster-scoped list (``fieldSelector`` optional)."""
+        params = {"fieldSelector": field_selector} if field_selector else None
+        code, body = await self._call("GET", res, None, params=params)
+        if code >= 300:
+            self._raise(f"list {res[2]}", code, body)
+        return cast(list[dict[str, Any]], body.get("items", []))
 
     async def list(
         self, res: Resource, namespace: str, label_selector: str | None = None
@@ -191,7 +210,7 @@ class Kube:
                 "uid": meta.get("uid"),
             },
             "reason": reason,
-            "message": message[:1000],
+            "message": _clip(message, 1000),
             "type": "Warning" if warning else "Normal",
             "source": {"component": "omnistage-operator"},
             "reportingComponent": "omnistage-operator",
