@@ -112,6 +112,12 @@ def test_worker_args_exact() -> None:
         worker_args(stage, initial_state=DesiredState.ACTIVE, sleep_level=3)
 
 
+def test_drain_timeout_reaches_the_worker_without_a_new_pod() -> None:
+    stage, _ = make(drainTimeoutSeconds=1800)
+    # Every Sleep carries the value too, so changing it does not replace a running pod.
+    assert pod_spec_hash(stage) == pod_spec_hash(make()[0])
+
+
 def test_diffusion_args() -> None:
     stage, _ = make(runner="Diffusion", backend="Diffusers", sleepLevel=2)
     args = worker_args(stage, initial_state=DesiredState.ACTIVE)
@@ -146,6 +152,7 @@ def test_dra_pod_shape() -> None:
         "service": "omnistage.worker.v1.SleepService",
     }
     assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
     env = {e["name"]: e for e in c["env"]}
     assert list(env) == ["POD_IP", "POD_NAME", "POD_NAMESPACE", "NODE_NAME", "OMNISTAGE_STAGE"]
     for name, path in [

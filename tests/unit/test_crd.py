@@ -113,6 +113,12 @@ def test_condition_status_enum(root: dict[str, Any]) -> None:
         ("spec.colocation.priority", S.DEFAULT_PRIORITY, S.MIN_PRIORITY, S.MAX_PRIORITY),
         ("spec.gpus", S.DEFAULT_GPUS, 0, S.MAX_GPUS),
         ("spec.worker.port", S.DEFAULT_PORT, S.MIN_PORT, S.MAX_PORT),
+        (
+            "spec.drainTimeoutSeconds",
+            S.DEFAULT_DRAIN_TIMEOUT_S,
+            S.MIN_DRAIN_TIMEOUT_S,
+            S.MAX_DRAIN_TIMEOUT_S,
+        ),
     ],
 )
 def test_integer_defaults_and_bounds(

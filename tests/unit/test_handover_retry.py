@@ -36,7 +36,18 @@ class StartingWorkerPort:
     async def start(self, stage: str) -> None:
         raise AssertionError("no pod is created here")
 
-    async def sleep(self, stage: str, level: int, task_id: str) -> AckFacts:
+    async def probe(self, stage: str) -> StageFacts:
+        return (await self.observe()).facts[stage]
+
+    async def sleep(
+        self,
+        stage: str,
+        level: int,
+        task_id: str,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> AckFacts:
         self.task_ids.append(task_id)
         if time.monotonic() - self.began < self.refuse_s:
             raise WorkerUnavailable("connection refused")

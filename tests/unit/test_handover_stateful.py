@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from omnistage_operator.arbiter import (
+    BlockReason,
     GroupMemory,
     StageFacts,
     StageIntent,
@@ -114,7 +115,18 @@ class SimPort:
             raise WorkerUnavailable(f"{stage} does not answer")
         return wk
 
-    async def sleep(self, stage: str, level: int, task_id: str) -> AckFacts:
+    async def probe(self, stage: str) -> StageFacts:
+        return (await self.observe()).facts[stage]
+
+    async def sleep(
+        self,
+        stage: str,
+        level: int,
+        task_id: str,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> AckFacts:
         self.calls.append(("sleep", stage))
         self.unresolved.add(stage)
         wk = self._check(stage)
@@ -339,7 +351,9 @@ def _wish(m: HandoverMachine, name: str, want: bool) -> None:
     )
 
 
-def test_hung_holder_is_fenced_before_the_wake_even_without_free_figures() -> None:
+def test_hung_holder_is_fenced_and_without_free_figures_nothing_wakes() -> None:
+    """Issue 14: the wake gate fails closed. (It used to wake s1 in the round without free
+    figures, trusting the fence alone.)"""
     m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 1)])
     m._round([])
     m._round([])
@@ -350,19 +364,40 @@ def test_hung_holder_is_fenced_before_the_wake_even_without_free_figures() -> No
     m.measure_free = False
     port = m._round([])
     assert ("fence", "s0") in port.calls
-    assert port.calls.index(("fence", "s0")) < port.calls.index(("wake", "s1"))
+    assert ("wake", "s1") not in port.calls
+    assert m.last is not None and m.last.decision is not None
+    assert m.last.decision.waiting["s1"][0].reason is BlockReason.NOT_MEASURED
+    m.measure_free = True
+    port = m._round([])
+    assert port.calls == [("start", "s0")]  # the fenced stage comes back asleep; no wake now
+    port = m._round([])
+    assert ("wake", "s1") in port.calls
     assert m.workers["s1"].state is WorkerPhase.ACTIVE
     assert m.total_used() <= m.capacity
 
 
-def test_not_ok_sleep_ack_is_retried_with_same_id_then_fenced() -> None:
+def test_not_ok_sleep_ack_is_retried_under_a_new_id_then_fenced() -> None:
+    """Issue 14: the worker caches a not-ok Ack under its task id, so a retry under the same id
+    only replays it; the retry goes under a new id (it used to reuse the id, and fence)."""
     m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 2)])
     m._round([])
     m._round([])
     _wish(m, "s0", False)
     _wish(m, "s1", True)
-    port = m._round(["not_ok"])
-    assert port.calls.count(("sleep", "s0")) == 2  # the retry replays the same task id
+    port = m._round(["not_ok"])  # the retry's new id gets a fresh, ok, sleep
+    assert m.last is not None and m.last.sleeps[0].ok
+    ids = m.last.sleeps[0].task_ids
+    assert len(ids) == 2 and ids[0] != ids[1]
+    assert ("fence", "s0") not in port.calls
+    assert m.workers["s1"].state is WorkerPhase.ACTIVE
+
+    m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 2)])
+    m._round([])
+    m._round([])
+    _wish(m, "s0", False)
+    _wish(m, "s1", True)
+    port = m._round(["not_ok", "not_ok"])
+    assert port.calls.count(("sleep", "s0")) == 2
     assert port.calls.index(("fence", "s0")) < port.calls.index(("wake", "s1"))
     assert m.workers["s1"].state is WorkerPhase.ACTIVE
 
@@ -390,6 +425,9 @@ def test_sleep_in_progress_is_awaited_before_the_wake() -> None:
     port = m._round([])
     assert ("wake", "s1") not in port.calls and ("sleep", "s0") not in port.calls
     m.transitions_finish()
+    port = m._round([])
+    assert ("wake", "s1") not in port.calls  # no free figures: the gate stays closed (issue 14)
+    m.measure_free = True
     port = m._round([])
     assert ("wake", "s1") in port.calls
     assert m.total_used() <= m.capacity

@@ -142,7 +142,18 @@ class ProcessPort:
         self.started.add(stage)
         self.reached.discard(stage)
 
-    async def sleep(self, stage: str, level: int, task_id: str) -> AckFacts:
+    async def probe(self, stage: str) -> StageFacts:
+        return (await self.observe()).facts[stage]
+
+    async def sleep(
+        self,
+        stage: str,
+        level: int,
+        task_id: str,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> AckFacts:
         if stage not in self.clients:
             raise WorkerUnavailable("no process")
         ack = await self.clients[stage].sleep(level, task_id, 5.0)

@@ -49,6 +49,7 @@ def test_minimal_body_gets_crd_defaults() -> None:
     assert stage.vram_request is None and stage.vram_request_bytes is None
     assert stage.placement.mode is PlacementMode.DRA
     assert stage.worker.port == 50051 and stage.worker.device is None
+    assert stage.drain_timeout_s == 600
     assert stage.key == "ml/llm"
     hash(stage)  # usable as a dict key / set member
 
@@ -140,6 +141,9 @@ _DELETE = object()
         ("spec.worker.device", "tpu", "spec.worker.device", "auto, cpu, cuda"),
         ("spec.worker.dtype", "int4", "spec.worker.dtype", "bfloat16"),
         ("spec.worker.args", ["--port=1"], "spec.worker.args[0]", "set by the operator"),
+        ("spec.worker.args", ["--drain-timeout=5"], "spec.worker.args[0]", "by the operator"),
+        ("spec.drainTimeoutSeconds", 0, "spec.drainTimeoutSeconds", "1 and 86400"),
+        ("spec.drainTimeoutSeconds", 86401, "spec.drainTimeoutSeconds", "1 and 86400"),
         ("spec.worker.args", "--x", "spec.worker.args", "list"),
         ("spec.template.env", [{"name": "POD_IP", "value": "x"}], "spec.template.env[0].name", ""),
         ("spec.template.env", [{"value": "x"}], "spec.template.env[0].name", "required"),

@@ -1,28 +1,38 @@
 """The colocation-group arbiter: who may hold GPU memory, who must sleep first, who waits and why.
 
 Pure logic: no I/O, no kopf, no clock. ``plan`` takes the group's stage intents (from specs), the
-facts its workers measured, the latest measured free/capacity of the group's devices and the
+facts its workers measured, the latest measured memory of the group's devices and the
 bookkeeping of the hand-over in progress, and returns a ``Decision``.
 
 Rules (the operator's promise rests on them):
 
+- Footprint: the largest of ``vram.request``, the peak the worker measured while Active, its
+  measured active footprint and the need learned from a wake refused for lack of memory
+  (``footprint``). Unknown (none of them) means "the whole group": such a stage is admitted
+  only first in order and alone, and it is woken only when no other stage of the group may
+  hold memory and the free memory is measured; its footprint is learned from that wake.
 - Admission: stages that want Active are ordered by priority (higher first), then by when they
   asked (the most recent ask first, so ``kubectl patch`` of ``spec.state`` switches the awake
   stage), then by name. Walking that order, a stage is admitted when its footprint fits the
-  capacity left by the stages admitted before it. The footprint is the active footprint its
-  worker measured on its last wake, else ``vram.request``, else the whole device. While the
-  capacity is unknown (no worker measured it yet) only the first stage is admitted.
+  capacity left by the stages admitted before it. A stage whose worker FAILED is not admitted
+  (it is fenced and comes back asleep). While the capacity is unknown only the first stage is
+  admitted.
 - Every stage that is not admitted and may hold memory gets a sleep order at its spec's level,
   except while its worker is Loading, Sleeping or Waking: that transition is awaited first.
-  A stage may hold memory unless its pod is absent (API confirmed), it is a pod created asleep
-  that was never reached, or its worker reported Asleep. An unreachable worker holds memory
-  until it is fenced (its pod deleted and the deletion confirmed).
-- Pods are always created asleep (so a restarted container never takes memory on its own); a
-  wake of an admitted, measured-asleep stage is allowed only when every stage
-  that had to sleep in this hand-over has an ok sleep ACK or is fenced, no stage outside the
-  admitted set may hold memory, and the latest measured free memory covers the footprint plus
-  a margin (capped at the capacity). Wakes in one decision are charged against the free figure
-  one after the other.
+  A FAILED worker, an asleep worker whose last sleep ACK the device contradicted, and a stage
+  with a pending fence get a fence order instead (admitted or not).
+- ``may_hold_memory``: a stage holds memory unless its pod is absent (API confirmed), or it is a
+  pod created asleep and not reached yet (charged its CUDA context instead), or its worker
+  reported Asleep -- and never while a fence of it is pending or its sleep ACK was contradicted.
+  An unreachable or FAILED worker holds memory until fenced (pod deleted, deletion confirmed).
+- Wake gate (fails closed): a wake of an admitted, measured-asleep stage is allowed only when
+  every stage that had to sleep or be fenced in this hand-over has an ok ACK or a confirmed
+  fence, no stage outside the admitted set may hold memory, no pod was started in this round,
+  every worker sees the claim's devices, the free memory is measured, and on every device the
+  free memory, less a context (``context_bytes``) for each starting pod, covers the footprint
+  per device plus a margin. Wakes in one decision are charged one after the other.
+- Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
+  admitted without charge and neither gate nor are gated by the GPU's memory.
 """
 
 from __future__ import annotations
@@ -32,9 +42,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 __all__ = [
+    "DEFAULT_CONTEXT_BYTES",
     "BlockReason",
     "Blocker",
     "Decision",
+    "DeviceMemory",
+    "FenceOrder",
     "GroupMemory",
     "Handover",
     "SleepOrder",
@@ -42,10 +55,16 @@ __all__ = [
     "StageIntent",
     "WorkerPhase",
     "admission_order",
+    "context_charge",
+    "device_mismatches",
     "footprint",
     "may_hold_memory",
     "plan",
 ]
+
+# The CUDA context of one process as NVML sees it on an H100 (bench LIMITS.md, 2026-11-21):
+# charged for every pod that is starting while no worker of the group has measured its own.
+DEFAULT_CONTEXT_BYTES = 612 << 20
 
 
 class WorkerPhase(StrEnum):
@@ -59,10 +78,9 @@ class WorkerPhase(StrEnum):
     SLEEPING = "Sleeping"
     ASLEEP = "Asleep"
     WAKING = "Waking"
-    FAILED = "Failed"
+    FAILED = "Failed"  # holds memory until fenced (a failed residual check never reads Asleep)
 
 
-_NOT_HOLDING = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING, WorkerPhase.ASLEEP})
 _IN_PROGRESS = frozenset({WorkerPhase.LOADING, WorkerPhase.WAKING})
 _TRANSITIONS = _IN_PROGRESS | {WorkerPhase.SLEEPING}
 
@@ -77,24 +95,54 @@ class StageIntent:
     requested_active_at: float = 0.0  # epoch seconds of the latest ask for Active
     sleep_level: int = 1
     vram_request: int | None = None
+    gpus: int = 1  # 0: a CPU stage (host RAM only)
+    drain_timeout_s: float | None = None  # spec's drain timeout; None: the worker's own
 
 
 @dataclass(frozen=True)
 class StageFacts:
-    """What the stage's worker measured (or that it could not be reached)."""
+    """What the stage's worker measured, plus what the operator persisted about it."""
 
     phase: WorkerPhase
     level: int | None = None  # sleep level while asleep
     used_bytes: int = 0
     active_footprint: int | None = None  # measured after the worker's last wake or load
+    peak_active: int | None = None  # most held while Active since the last wake (GetStatus)
+    learned_need: int | None = None  # from a wake refused for lack of memory (persisted)
+    context_bytes: int | None = None  # the worker's CUDA context, measured at its start
+    fence_pending: bool = False  # a fence was started and not confirmed (persisted in status)
+    ack_contradicted: str | None = None  # why its last ok sleep ACK is not trusted
+    inflight_requests: int = 0
+    device_uuids: tuple[str, ...] = ()  # GPU devices the worker sees (empty: none or CPU)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One GPU's latest measured capacity and free memory (all processes)."""
+
+    uuid: str
+    total: int
+    free: int
 
 
 @dataclass(frozen=True)
 class GroupMemory:
-    """The latest measured capacity and free memory of the group's devices (sums)."""
+    """The group's device memory (``memory.group_memory`` builds it from worker reports).
+
+    ``capacity`` and ``free`` are per device: the smallest device's figures. ``devices`` lists
+    each GPU (empty for a CPU/accounting group: then the scalars are the one device).
+    ``claim_uuids``: the devices of the group's claim, when known (checked against workers).
+    """
 
     capacity: int | None = None
     free: int | None = None
+    devices: tuple[DeviceMemory, ...] = ()
+    claim_uuids: tuple[str, ...] | None = None
+
+    @property
+    def gpu(self) -> bool:
+        """The figures come from GPUs (device UUIDs), not from host accounting."""
+        return bool(self.devices)
 
 
 @dataclass(frozen=True)
@@ -113,7 +161,7 @@ class Handover:
 
 
 class BlockReason(StrEnum):
-    """Why a stage that wants Active is not woken now."""
+    """Why a stage that wants Active is not woken now (CamelCase: usable as condition reasons)."""
 
     MEMORY_CLAIMED = "MemoryClaimed"  # admitted stages before it take the memory
     TOO_LARGE = "LargerThanDevice"  # its footprint exceeds the whole capacity
@@ -122,6 +170,12 @@ class BlockReason(StrEnum):
     UNREACHABLE = "Unreachable"  # a holder does not answer; it is fenced before any wake
     FREE_TOO_LOW = "MeasuredFreeTooLow"  # measured free memory does not cover the footprint
     SELF_BUSY = "Transitioning"  # its own worker is starting, loading, sleeping or failed
+    NOT_MEASURED = "MemoryNotMeasured"  # no measured free memory: the gate stays closed
+    FENCE_PENDING = "FencePending"  # a fence was started and its pod is not confirmed gone
+    ACK_CONTRADICTED = "AckContradicted"  # an ok sleep ACK the device's figures contradict
+    WORKER_FAILED = "WorkerFailed"  # a FAILED worker holds memory until fenced
+    PODS_STARTING = "PodsStarting"  # pods started in this round: contexts not measured yet
+    DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
 
 
 @dataclass(frozen=True)
@@ -135,11 +189,26 @@ class Blocker:
 
 @dataclass(frozen=True)
 class SleepOrder:
-    """Put ``stage`` to sleep at ``level``; ``releases_memory`` is False for a 1->2 deepening."""
+    """Put ``stage`` to sleep at ``level``; ``releases_memory`` is False for a 1->2 deepening.
+
+    ``drain_timeout_s``: how long the worker may wait for in-flight requests (None: its own
+    bound); ``inflight_requests``: what its GetStatus reported when the order was made.
+    """
 
     stage: str
     level: int
     releases_memory: bool = True
+    drain_timeout_s: float | None = None
+    inflight_requests: int = 0
+
+
+@dataclass(frozen=True)
+class FenceOrder:
+    """Delete ``stage``'s pod and wait for the API's confirmation before any wake."""
+
+    stage: str
+    reason: BlockReason
+    message: str
 
 
 @dataclass(frozen=True)
@@ -151,6 +220,7 @@ class Decision:
     wake: tuple[str, ...]
     waiting: Mapping[str, tuple[Blocker, ...]] = field(default_factory=dict)
     footprints: Mapping[str, int | None] = field(default_factory=dict)
+    fence: tuple[FenceOrder, ...] = ()
 
     @property
     def holder_sleeps(self) -> frozenset[str]:
@@ -167,17 +237,75 @@ class Decision:
 
 
 def may_hold_memory(facts: StageFacts) -> bool:
-    """Whether a stage's worker may hold device memory, as far as measured facts tell."""
-    return facts.phase not in _NOT_HOLDING
+    """Whether a stage's worker may hold device memory, as far as measured facts tell.
+
+    Absent (deletion confirmed) never holds; a pending fence or a contradicted sleep ACK
+    always holds; a starting pod and a measured-asleep worker hold only their context (charged
+    by ``context_charge``); everything else (Failed and Unreachable included) holds.
+    """
+    if facts.phase is WorkerPhase.ABSENT:
+        return False
+    if facts.fence_pending or facts.ack_contradicted:
+        return True
+    return facts.phase not in (WorkerPhase.STARTING, WorkerPhase.ASLEEP)
 
 
-def footprint(intent: StageIntent, facts: StageFacts, capacity: int | None) -> int | None:
-    """Measured active footprint, else ``vram.request``, else the capacity (None: unknown)."""
-    if facts.active_footprint is not None and facts.active_footprint > 0:
-        return facts.active_footprint
-    if intent.vram_request is not None:
-        return intent.vram_request
-    return capacity
+def footprint(intent: StageIntent, facts: StageFacts) -> int | None:
+    """The largest of ``vram.request``, the measured peak and active footprint and the learned
+    need (a sum over the stage's devices); None when none is known (the stage needs the group)."""
+    known = [
+        n
+        for n in (
+            intent.vram_request,
+            facts.peak_active,
+            facts.active_footprint,
+            facts.learned_need,
+        )
+        if n is not None and n > 0
+    ]
+    return max(known) if known else None
+
+
+def context_charge(facts: Mapping[str, StageFacts]) -> int:
+    """The context charged per starting pod: the largest a worker of the group measured, else
+    ``DEFAULT_CONTEXT_BYTES``."""
+    measured = [f.context_bytes for f in facts.values() if f.context_bytes]
+    return max(measured) if measured else DEFAULT_CONTEXT_BYTES
+
+
+def device_mismatches(
+    claim_uuids: tuple[str, ...] | None,
+    facts: Mapping[str, StageFacts],
+    intents: Mapping[str, StageIntent] | None = None,
+) -> tuple[Blocker, ...]:
+    """A ``DeviceMismatch`` blocker per GPU worker whose devices differ from the claim's.
+
+    Workers that report no GPU (not reached, CPU stages) are not judged; without a claim
+    (explicit placement) the workers must agree with each other.
+    """
+    seen = {
+        name: f.device_uuids
+        for name, f in sorted(facts.items())
+        if f.device_uuids and (intents is None or name not in intents or intents[name].gpus > 0)
+    }
+    if claim_uuids is None:
+        if not seen:
+            return ()
+        reference = next(iter(seen.values()))
+        want, source = frozenset(reference), f"{next(iter(seen))}'s devices"
+    else:
+        want, source = frozenset(claim_uuids), "the group's claim"
+    out = []
+    for name, uuids in seen.items():
+        if frozenset(uuids) != want:
+            out.append(
+                Blocker(
+                    BlockReason.DEVICE_MISMATCH,
+                    f"{name} sees devices {sorted(uuids)}, not {source} {sorted(want)}",
+                    name,
+                )
+            )
+    return tuple(out)
 
 
 def admission_order(intents: Mapping[str, StageIntent]) -> list[str]:
@@ -196,53 +324,106 @@ def _fmt(n: int | None) -> str:
     return f"{n}B"
 
 
-def _admit(
+def _per_device(fp: int | None, intent: StageIntent) -> int | None:
+    """A stage's footprint on each of its devices (its figures are sums over them)."""
+    if fp is None:
+        return None
+    gpus = max(1, intent.gpus)
+    return -(-fp // gpus)
+
+
+def _admit(  # noqa: PLR0917 - private helper of plan
     intents: Mapping[str, StageIntent],
     facts: Mapping[str, StageFacts],
     memory: GroupMemory,
-    fps: Mapping[str, int | None],
+    needs: Mapping[str, int | None],
+    off_device: frozenset[str],
     waiting: dict[str, list[Blocker]],
 ) -> list[str]:
     admitted: list[str] = []
+    charged: list[str] = []  # admitted stages that take device memory
     capacity = memory.capacity
     left = capacity
     for name in admission_order(intents):
-        fp = fps[name]
+        fact = facts[name]
+        if name in off_device:
+            admitted.append(name)  # host RAM only: no charge on the group's GPUs
+            continue
+        if fact.phase is WorkerPhase.FAILED:
+            waiting[name].append(
+                Blocker(BlockReason.WORKER_FAILED, "own worker failed; it is fenced first")
+            )
+            continue
+        if fact.fence_pending:
+            waiting[name].append(
+                Blocker(BlockReason.FENCE_PENDING, "own pod's fence is not confirmed yet")
+            )
+            continue
+        if fact.ack_contradicted:
+            waiting[name].append(
+                Blocker(BlockReason.ACK_CONTRADICTED, f"own sleep ACK {fact.ack_contradicted}")
+            )
+            continue
+        need = needs[name]
         if capacity is None or left is None:
-            if admitted:
+            if charged:
                 waiting[name].append(
                     Blocker(
                         BlockReason.MEMORY_CLAIMED,
-                        f"device capacity not measured yet; {admitted[0]} goes first",
-                        admitted[0],
+                        f"device capacity not measured yet; {charged[0]} goes first",
+                        charged[0],
                     )
                 )
             else:
                 admitted.append(name)
+                charged.append(name)
             continue
-        if fp is not None and fp > capacity:
+        if need is not None and need > capacity:
             waiting[name].append(
                 Blocker(
                     BlockReason.TOO_LARGE,
-                    f"footprint {_fmt(fp)} exceeds the group's capacity {_fmt(capacity)}",
+                    f"footprint {_fmt(need)} per device exceeds the device capacity "
+                    f"{_fmt(capacity)}",
                 )
             )
             continue
-        need = capacity if fp is None else fp
-        if need <= left:
+        # Unknown footprint: the stage needs the whole group (alone, and first).
+        take = capacity if need is None else need
+        if take <= left and (need is not None or not charged):
             admitted.append(name)
-            left -= need
+            charged.append(name)
+            left -= take
             continue
-        for other in admitted:
+        for other in charged:
             waiting[name].append(
                 Blocker(
                     BlockReason.MEMORY_CLAIMED,
                     f"{other} (priority {intents[other].priority}) claims "
-                    f"{_fmt(fps[other])}; {_fmt(need)} needed, {_fmt(left)} left",
+                    f"{_fmt(needs[other])}; "
+                    + ("footprint unknown (the whole device)" if need is None else _fmt(need))
+                    + f" needed, {_fmt(left)} left",
                     other,
                 )
             )
     return admitted
+
+
+def _fence_order(name: str, fact: StageFacts) -> FenceOrder | None:
+    if fact.phase is WorkerPhase.ABSENT:
+        return None
+    if fact.fence_pending:
+        return FenceOrder(
+            name, BlockReason.FENCE_PENDING, f"{name}'s fence is pending: its pod is not gone"
+        )
+    if fact.ack_contradicted:
+        return FenceOrder(
+            name,
+            BlockReason.ACK_CONTRADICTED,
+            f"{name}'s sleep ACK is contradicted by the device: {fact.ack_contradicted}",
+        )
+    if fact.phase is WorkerPhase.FAILED:
+        return FenceOrder(name, BlockReason.WORKER_FAILED, f"{name}'s worker failed")
+    return None
 
 
 def plan(
@@ -252,24 +433,43 @@ def plan(
     handover: Handover | None = None,
     *,
     margin_bytes: int = 0,
+    started: frozenset[str] = frozenset(),
 ) -> Decision:
-    """Decide sleeps, wakes and waits for one group (see the module docstring for the rules)."""
+    """Decide sleeps, fences, wakes and waits for one group (see the module docstring).
+
+    ``started``: the stages whose pods this round created (no wake in that round).
+    """
     absent = StageFacts(WorkerPhase.ABSENT)
     facts = {name: facts.get(name, absent) for name in intents}
-    fps = {name: footprint(intents[name], facts[name], memory.capacity) for name in intents}
+    off_device = frozenset(n for n in intents if memory.gpu and intents[n].gpus == 0)
+    fps = {name: footprint(intents[name], facts[name]) for name in intents}
+    needs = {name: _per_device(fps[name], intents[name]) for name in intents}
     waiting: dict[str, list[Blocker]] = {name: [] for name in intents}
 
-    admitted = _admit(intents, facts, memory, fps, waiting)
+    admitted = _admit(intents, facts, memory, needs, off_device, waiting)
     admitted_set = frozenset(admitted)
 
     sleeps: list[SleepOrder] = []
+    fences: list[FenceOrder] = []
     for name in sorted(intents):
+        intent, fact = intents[name], facts[name]
+        fence = _fence_order(name, fact)
+        if fence is not None:
+            fences.append(fence)
+            continue
         if name in admitted_set:
             continue
-        intent, fact = intents[name], facts[name]
         if may_hold_memory(fact):
             if fact.phase not in _TRANSITIONS:  # a transition in progress is awaited, not raced
-                sleeps.append(SleepOrder(name, intent.sleep_level, releases_memory=True))
+                sleeps.append(
+                    SleepOrder(
+                        name,
+                        intent.sleep_level,
+                        releases_memory=name not in off_device,
+                        drain_timeout_s=intent.drain_timeout_s,
+                        inflight_requests=fact.inflight_requests,
+                    )
+                )
         elif (
             fact.phase is WorkerPhase.ASLEEP
             and fact.level is not None
@@ -284,23 +484,40 @@ def plan(
             common.append(
                 Blocker(
                     BlockReason.AWAITING_ACK,
-                    f"no ok sleep ACK from {other} for hand-over {handover.id}",
+                    f"no ok sleep ACK or confirmed fence of {other} for hand-over {handover.id}",
                     other,
                 )
             )
+    common.extend(device_mismatches(memory.claim_uuids, facts, intents))
+    for name in sorted(started):
+        msg = f"pod of {name} started in this round; its context is not measured yet"
+        common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
+    fence_of = {f.stage: f for f in fences}
     for name in sorted(intents):
         fact = facts[name]
-        if name in admitted_set or not may_hold_memory(fact):
+        if name in off_device or not may_hold_memory(fact):
             continue
-        if fact.phase is WorkerPhase.UNREACHABLE:
+        if name in fence_of:
+            common.append(Blocker(fence_of[name].reason, fence_of[name].message, name))
+        elif name in admitted_set:
+            continue
+        elif fact.phase is WorkerPhase.UNREACHABLE:
             msg = f"{name} does not answer and may hold memory; it is fenced before any wake"
             common.append(Blocker(BlockReason.UNREACHABLE, msg, name))
         else:
             msg = f"{name} is {fact.phase.value} and must sleep first"
             common.append(Blocker(BlockReason.MUST_SLEEP, msg, name))
 
+    context = context_charge(facts)
+    starting = [
+        n for n in intents if n not in off_device and facts[n].phase is WorkerPhase.STARTING
+    ]
+    free_left: dict[str, int] | None = None
+    if memory.free is not None:
+        free_left = (
+            {d.uuid: d.free for d in memory.devices} if memory.devices else {"": memory.free}
+        )
     wakes: list[str] = []
-    free_left = memory.free
     for name in admitted:
         fact = facts[name]
         if (
@@ -313,25 +530,42 @@ def plan(
                 Blocker(BlockReason.SELF_BUSY, f"own worker is {fact.phase.value}")
             )
             continue
+        if name in off_device:
+            wakes.append(name)  # host RAM only: the GPU gate does not apply
+            continue
         blockers = [b for b in common if b.stage != name]
-        fp = fps[name]
-        if not blockers and free_left is not None:
-            capacity = memory.capacity if memory.capacity is not None else free_left
-            need = capacity if fp is None else min(fp + margin_bytes, capacity)
-            if free_left < need:
-                blockers.append(
-                    Blocker(
-                        BlockReason.FREE_TOO_LOW,
-                        f"measured free {_fmt(free_left)} < needed {_fmt(need)} "
-                        f"(footprint {_fmt(fp)} + margin)",
-                    )
+        need = needs[name]
+        if not blockers and free_left is None:
+            blockers.append(
+                Blocker(
+                    BlockReason.NOT_MEASURED,
+                    "the group's free device memory is not measured; no wake on a guess",
                 )
+            )
+        elif not blockers and free_left is not None:
+            charge = context * sum(1 for n in starting if n != name)
+            capacity = memory.capacity
+            for uuid, free in sorted(free_left.items()):
+                cap = capacity if capacity is not None else free
+                required = margin_bytes if need is None else min(need + margin_bytes, cap)
+                if free - charge < required or (need is None and free - charge <= 0):
+                    where = f" on {uuid}" if uuid else ""
+                    blockers.append(
+                        Blocker(
+                            BlockReason.FREE_TOO_LOW,
+                            f"measured free {_fmt(free)}{where}"
+                            + (f" less {_fmt(charge)} of starting contexts" if charge else "")
+                            + f" < needed {_fmt(required)} (footprint {_fmt(need)} + margin)",
+                        )
+                    )
+                    break
         if blockers:
             waiting[name].extend(blockers)
             continue
         wakes.append(name)
         if free_left is not None:
-            free_left -= fp if fp is not None else free_left
+            for uuid in free_left:
+                free_left[uuid] -= need if need is not None else free_left[uuid]
 
     return Decision(
         admitted=tuple(admitted),
@@ -339,4 +573,5 @@ def plan(
         wake=tuple(wakes),
         waiting={k: tuple(v) for k, v in waiting.items() if v},
         footprints=fps,
+        fence=tuple(fences),
     )

@@ -37,6 +37,10 @@ Decisions beyond the contract:
     ``restartPolicy: Never``: a worker's initial state is fixed in its args, so a kubelet
     restart could bring an old "active" worker back onto memory another stage now holds; the
     operator recreates a failed pod with the state the arbiter chooses instead.
+    ``terminationMessagePolicy: FallbackToLogsOnError``: a worker that exits is explained in
+    its pod status (the operator shows it in the stage's status and Events).
+    ``NVIDIA_VISIBLE_DEVICES`` is set only in Explicit placement (the spec's device list); in
+    DRA mode the devices come from the claim, and the worker image's default sees none.
     ``enableServiceLinks: false`` and, unless ``template.serviceAccountName`` is set,
     ``automountServiceAccountToken: false``: the worker never talks to the API server.
 """
@@ -342,6 +346,9 @@ def build_worker_pod(
         "readinessProbe": _grpc_probe(port, READINESS_SERVICE, period=5, failures=3),
         "livenessProbe": _grpc_probe(port, LIVENESS_SERVICE, period=10, failures=6),
         "volumeMounts": mounts,
+        # A worker that exits at start (bad model path, refused flag) says why in its
+        # termination message; without one, the kubelet keeps its last log lines instead.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if resources:
         container["resources"] = resources

@@ -14,7 +14,10 @@ Reasons (``Reason`` StrEnum; values are CamelCase, usable anywhere a ``str`` is)
     ``SLEEPING``, ``SLEEP_ACKNOWLEDGED``, ``WAKING``, ``WAKE_ACKNOWLEDGED``, ``MEMORY_VERIFIED``,
     ``RESIDUAL_MEMORY``, ``ACK_FAILED``, ``ACK_TIMEOUT``, ``FENCED``, ``WAITING_FOR_MEMORY``,
     ``WAITING_FOR_ACKS``, ``ADMITTED``, ``DESIRED_ASLEEP``, ``INSUFFICIENT_MEMORY``,
-    ``LOWER_PRIORITY``, ``SPEC_INVALID``, ``FAILED``, ``RESUMING``.
+    ``LOWER_PRIORITY``, ``SPEC_INVALID``, ``FAILED``, ``RESUMING``, ``SLEEP_REFUSED``,
+    ``WAKE_REFUSED``, ``ACK_CONTRADICTED``, ``WORKER_FAILED``, ``FENCE_PENDING``,
+    ``LARGER_THAN_DEVICE``, ``MEMORY_NOT_MEASURED``, ``DEVICE_MISMATCH``, ``DRAINING``,
+    ``PODS_STARTING``.
 Functions:
     ``set_condition(conditions, type, status, reason, message, observed_generation, now)
     -> list[dict]``: a new list with that condition set; ``lastTransitionTime`` is kept when
@@ -97,6 +100,16 @@ class Reason(StrEnum):
     SPEC_INVALID = "SpecInvalid"
     FAILED = "Failed"
     RESUMING = "Resuming"
+    SLEEP_REFUSED = "SleepRefused"  # the worker refused the sleep (its code and words follow)
+    WAKE_REFUSED = "WakeRefused"
+    ACK_CONTRADICTED = "AckContradicted"  # an ok sleep ACK the device's free memory belies
+    WORKER_FAILED = "WorkerFailed"  # a FAILED worker holds memory until fenced
+    FENCE_PENDING = "FencePending"  # pod deletion started, not confirmed: holds memory
+    LARGER_THAN_DEVICE = "LargerThanDevice"  # its footprint (or learned need) exceeds a device
+    MEMORY_NOT_MEASURED = "MemoryNotMeasured"  # no measured free memory: no wake on a guess
+    DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
+    DRAINING = "Draining"  # the sleep waits for in-flight requests (within the drain timeout)
+    PODS_STARTING = "PodsStarting"
 
 
 def format_time(now: datetime) -> str:

@@ -55,6 +55,7 @@ from omnistage_operator.labels import (
     STAGE_LABEL,
     selector_string,
 )
+from omnistage_operator.leadership import Leadership, LeadershipLost, SoleWriter
 from omnistage_operator.quantities import format_bytes
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import DesiredState, PlacementMode, SpecError, StageSpec, parse_stage
@@ -298,6 +299,7 @@ class KubeGroupPort:
         spec, body = self.specs[stage], self.bodies[stage]
         if body["metadata"].get("deletionTimestamp"):
             return
+        self._ensure_leading(f"start of {stage}")
         old = self.pods.get(stage)
         if old is not None:  # ended or of another group: delete it, wait until confirmed gone
             await self._delete_confirmed(old, f"old pod of {stage} not gone", count_timeout=False)
@@ -318,6 +320,12 @@ class KubeGroupPort:
         await self.r.kube.create(SERVICES, self.ns, build_service(spec, owner=owner))
         self._listed = False
 
+    def _ensure_leading(self, what: str) -> None:
+        """Raise ``LeadershipLost`` unless this operator still leads: an order (Sleep, WakeUp,
+        a fence's delete) is never sent by a process that may have been replaced."""
+        if not self.r.leadership.leading():
+            raise LeadershipLost(f"{what} in group {self.ns}/{self.group}: no longer leading")
+
     def _client(self, stage: str) -> WorkerClient:
         pod = self.pods.get(stage)
         client = None if pod is None else self.r.client_for(self.ns, self.specs[stage], pod)
@@ -327,8 +335,12 @@ class KubeGroupPort:
 
     async def sleep(self, stage: str, level: int, task_id: str) -> AckFacts:
         """Sleep with the contract's deadline; the ACK is kept for status."""
+        client = self._client(stage)
+        self._ensure_leading(f"Sleep {task_id}")
         t0 = time.monotonic()
-        ack = await self._client(stage).sleep(level, task_id, self.r.settings.sleep_timeout_s)
+        ack = await client.sleep(
+            level, task_id, self.r.settings.sleep_timeout_s, epoch=self.r.leadership.epoch
+        )
         metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
         self.r.last_acks[(self.ns, stage)] = ack
         result = "ok" if ack.ok else "not_ok"
@@ -339,8 +351,12 @@ class KubeGroupPort:
 
     async def wake(self, stage: str, task_id: str) -> AckFacts:
         """WakeUp with the contract's deadline; the ACK is kept for status."""
+        client = self._client(stage)
+        self._ensure_leading(f"WakeUp {task_id}")
         t0 = time.monotonic()
-        ack = await self._client(stage).wake(task_id, self.r.settings.wake_timeout_s)
+        ack = await client.wake(
+            task_id, self.r.settings.wake_timeout_s, epoch=self.r.leadership.epoch
+        )
         metrics.ACK_SECONDS.labels("wake").observe(time.monotonic() - t0)
         self.r.last_acks[(self.ns, stage)] = ack
         result = "ok" if ack.ok else "not_ok"
@@ -355,6 +371,7 @@ class KubeGroupPort:
         """Delete the stage's pod; return only once the API server confirms it is gone."""
         pod = self.pods.get(stage)
         body = self.bodies[stage]
+        self._ensure_leading(f"fence of {stage}")
         self.r.emit(body, "Fencing", f"deleting the worker pod: {reason}", warning=True)
         if pod is not None:
             name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
@@ -395,9 +412,14 @@ def _container_started(pod: Mapping[str, Any]) -> bool:
 class GroupRunner:
     """Serialized hand-over loops per group, plus what must survive between rounds."""
 
-    def __init__(self, kube: Kube, settings: Settings) -> None:
+    def __init__(
+        self, kube: Kube, settings: Settings, leadership: Leadership | None = None
+    ) -> None:
+        """``leadership``: who may order workers (``SoleWriter`` without election); a round
+        runs only while it leads, and every order carries its epoch."""
         self.kube = kube
         self.settings = settings
+        self.leadership: Leadership = leadership if leadership is not None else SoleWriter()
         self.policy = RoundPolicy(
             ack_retries=settings.ack_retries,
             backoff_s=settings.retry_backoff_s,
@@ -504,6 +526,11 @@ class GroupRunner:
         self.auth_errors.pop(key, None)
         self.published.pop(key, None)
 
+    def kick_all(self) -> None:
+        """Ask for a round of every group seen so far (e.g. on becoming the leader)."""
+        for namespace, group in list(self._loops):
+            self.kick(namespace, group)
+
     def kick(self, namespace: str, group: str) -> None:
         """Ask for a round of the group (coalesced with one in progress)."""
         loop = self._loops.setdefault((namespace, group), _Loop())
@@ -534,10 +561,22 @@ class GroupRunner:
                 loop.backoff_s = 0.2
 
     async def round(self, namespace: str, group: str) -> bool:
-        """One round; True when something is still in progress (poll again soon)."""
+        """One round; True when something is still in progress (poll again soon).
+
+        Runs only while this operator leads; leadership lost in the middle ends the round
+        (``LeadershipLost`` from the port) with nothing more ordered or published: the new
+        leader's first round reads every worker's real state."""
+        if not self.leadership.leading():
+            log.debug("group %s/%s: not leading, no round", namespace, group)
+            return False
         port = KubeGroupPort(self, namespace, group)
         t0 = time.monotonic()
-        outcome = await run_round(port, self.policy, self.new_id)
+        try:
+            outcome = await run_round(port, self.policy, self.new_id)
+        except LeadershipLost as exc:
+            log.warning("group %s/%s: round ended: %s", namespace, group, exc)
+            metrics.ROUNDS.labels(namespace, group, "leadership_lost").inc()
+            return False
         if outcome.sleeps or outcome.wakes:
             took = time.monotonic() - t0
             metrics.HANDOVER_SECONDS.labels(namespace, group).observe(took)

@@ -1,16 +1,29 @@
 """Executes the arbiter's decisions for one group: sleeps, ACK checks, fencing, then wakes.
 
-``run_round`` is written against ``GroupPort`` (observe, start, sleep, wake, fence), so the same
-code runs against real workers and the Kubernetes API (``groups.KubeGroupPort``) and against a
-simulated fleet in the property tests. One round:
+``run_round`` is written against ``GroupPort`` (observe, probe, start, sleep, wake, fence), so the
+same code runs against real workers and the Kubernetes API (``groups.KubeGroupPort``) and against
+a simulated fleet in the property tests. One round:
 
 1. observe every stage (GetStatus of every reachable worker, pods from the API) and plan;
-2. create the pods of stages that have none (always asleep: a wake goes through the gate);
-3. send every sleep order concurrently; a sleep whose ACK is not ok, or does not come, is retried
-   with backoff and the same task id, then the stage is fenced (pod deleted, deletion confirmed);
-4. observe again and plan with this hand-over's bookkeeping (who had to sleep, who ACKed ok,
-   who was fenced); publish that (``checkpoint``: the sleep ACKs land in status first), then
-   wake what the arbiter now allows.
+2. create the pods of stages that have none (always asleep: a wake goes through the gate; no
+   wake in a round that started pods, their contexts are not measured yet);
+3. send every sleep order and every fence order concurrently. A sleep's ACK deadline is its
+   drain timeout (when requests are in flight) plus the transition allowance; a sleep whose
+   worker is still draining (Sleeping with requests in flight) is waited for up to that bound,
+   never fenced. A sleep that gets no answer is retried with backoff under the same task id (it
+   may have been delivered) for the retry window; a not-ok ACK is retried after backoff under a
+   NEW task id (the worker replays a cached Ack for an old one); a deliberate refusal
+   (``WorkerRefused``) is reported, not retried for a window (a FAILED worker is fenced at
+   once, other refusals after the normal retries); an ok ACK the device's own figures
+   contradict (``facts.ack_contradiction``) is not trusted: reported and fenced. Then the stage
+   is fenced (pod deleted, deletion confirmed); a fence not confirmed stays pending (the kube
+   side persists ``RoundOutcome.fence_pending``, and the arbiter keeps the gate closed);
+4. observe again and plan with this hand-over's bookkeeping (who had to sleep or be fenced, who
+   ACKed ok, who was fenced); publish that (``checkpoint``: the sleep ACKs land in status
+   first), then wake what the arbiter now allows. A wake refused for lack of memory teaches the
+   stage's need (``RoundOutcome.learned_needs``, persisted by the kube side and given back as
+   ``StageFacts.learned_need``); it is not asked again until the memory is there, and never when
+   the need exceeds the device (``LargerThanDevice``).
 
 Callers serialize rounds per group (``GroupRunner``); nothing here is safe to run twice at once
 for the same group.
@@ -22,11 +35,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from omnistage_operator import conditions as cond
 from omnistage_operator.arbiter import (
     Decision,
+    FenceOrder,
     GroupMemory,
     Handover,
     SleepOrder,
@@ -35,15 +50,20 @@ from omnistage_operator.arbiter import (
     WorkerPhase,
     plan,
 )
-from omnistage_operator.facts import AckFacts
+from omnistage_operator.facts import AckFacts, ack_contradiction, memory_need
+from omnistage_operator.leadership import LeadershipLost
 
 __all__ = [
     "FenceFailed",
+    "FenceResult",
     "GroupObservation",
     "GroupPort",
+    "Refusal",
     "RoundOutcome",
     "RoundPolicy",
     "SleepResult",
+    "WorkerRefused",
+    "WorkerUnauthenticated",
     "WorkerUnavailable",
     "run_round",
 ]
@@ -58,6 +78,46 @@ class WorkerUnavailable(Exception):
 class WorkerUnauthenticated(WorkerUnavailable):
     """The worker refused the operator's bearer token: for the hand-over it is unreachable
     (it may hold memory, so it is fenced in the end), and the stage's status says why."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A worker's deliberate refusal: the gRPC status code's name and its message."""
+
+    code: str  # "FAILED_PRECONDITION" | "INVALID_ARGUMENT" | "RESOURCE_EXHAUSTED" | ...
+    message: str
+
+    @property
+    def worker_failed(self) -> bool:
+        """The worker is FAILED (it refuses every transition; it holds memory until fenced)."""
+        return "worker failed" in self.message
+
+    @property
+    def stale_epoch(self) -> bool:
+        """The worker has obeyed a newer leader: this operator must stop ordering."""
+        return "epoch" in self.message.lower()
+
+    @property
+    def need_bytes(self) -> int | None:
+        """For a wake refused for lack of memory: the bytes it needs."""
+        if self.code == "RESOURCE_EXHAUSTED" or "not enough" in self.message:
+            return memory_need(f"not enough: {self.message}")
+        return None
+
+
+class WorkerRefused(Exception):
+    """The worker answered with a deliberate refusal (FAILED_PRECONDITION, INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED): not silence, so not retried as if the call was lost."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    @property
+    def refusal(self) -> Refusal:
+        """The refusal as data."""
+        return Refusal(self.code, self.message)
 
 
 class FenceFailed(Exception):
@@ -84,16 +144,34 @@ class GroupPort(Protocol):
         """Create the stage's children; the worker pod starts asleep."""
         ...
 
-    async def sleep(self, stage: str, level: int, task_id: str) -> AckFacts:
-        """Call Sleep; raises ``WorkerUnavailable`` when no ACK comes."""
+    async def probe(self, stage: str) -> StageFacts:
+        """GetStatus of one worker as the arbiter's facts (UNREACHABLE when it does not answer);
+        used while a sleep is out, to tell a draining worker from a lost one."""
+        ...
+
+    async def sleep(
+        self,
+        stage: str,
+        level: int,
+        task_id: str,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> AckFacts:
+        """Call Sleep (``drain_timeout_s`` goes in the request; ``timeout_s`` is the call's
+        deadline); raises ``WorkerUnavailable`` when no ACK comes, ``WorkerRefused`` when the
+        worker refuses."""
         ...
 
     async def wake(self, stage: str, task_id: str) -> AckFacts:
-        """Call WakeUp; raises ``WorkerUnavailable`` when no ACK comes."""
+        """Call WakeUp; raises ``WorkerUnavailable`` when no ACK comes, ``WorkerRefused`` when
+        the worker refuses (RESOURCE_EXHAUSTED: not enough memory, its need in the message)."""
         ...
 
     async def fence(self, stage: str, reason: str) -> None:
-        """Delete the stage's pod and return once the API confirms it is gone."""
+        """Delete the stage's pod and return once the API confirms it is gone; raise
+        ``FenceFailed`` when it is not confirmed in time (the fence then stays pending: the
+        kube side persists it from ``RoundOutcome.fence_pending``)."""
         ...
 
     async def checkpoint(self, outcome: RoundOutcome) -> None:
@@ -103,7 +181,7 @@ class GroupPort(Protocol):
 
 @dataclass(frozen=True)
 class RoundPolicy:
-    """Retry and margin settings of a round."""
+    """Retry, deadline and margin settings of a round."""
 
     ack_retries: int = 3
     backoff_s: float = 0.25
@@ -111,88 +189,229 @@ class RoundPolicy:
     # Keep retrying a sleep that got no answer for at least this long before fencing (a worker
     # that refuses connections is usually still starting; a hung one uses up its deadlines).
     retry_window_s: float = 0.0
+    # A sleep's ACK deadline: the transition allowance, plus the drain timeout when requests
+    # are in flight (the stage's ``drain_timeout_s``, else this default: the worker's own).
+    transition_allowance_s: float = 60.0
+    default_drain_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
 class SleepResult:
-    """How one sleep order ended."""
+    """How one sleep order ended; ``reason``/``message`` are what a condition shows."""
 
     order: SleepOrder
-    task_id: str
+    task_id: str  # the last task id sent
     ack: AckFacts | None  # the last ACK received, if any
     attempts: int
     fenced: bool = False
-    fence_error: str = ""
+    fence_error: str = ""  # the fence was started and not confirmed: it is pending
     seconds: float = 0.0
+    task_ids: tuple[str, ...] = ()  # every task id sent, in order (a not-ok ACK: a new one)
+    refusal: Refusal | None = None  # the last deliberate refusal, if any
+    contradiction: str = ""  # why an ok ACK was not trusted (the device's figures)
+    drained: bool = False  # the round waited for the worker's drain of in-flight requests
 
     @property
     def ok(self) -> bool:
-        """An ok ACK arrived."""
-        return self.ack is not None and self.ack.ok
+        """An ok ACK arrived and the device's own figures agree with it."""
+        return self.ack is not None and self.ack.ok and not self.contradiction
+
+    @property
+    def fence_pending(self) -> bool:
+        """A fence was started and not confirmed gone."""
+        return bool(self.fence_error)
+
+    @property
+    def worker_s(self) -> float:
+        """Time inside the worker: its drain plus its transition (the rest is the operator's)."""
+        if self.ack is None:
+            return 0.0
+        return self.ack.duration_s + self.ack.drain_s
+
+    @property
+    def reason(self) -> cond.Reason:
+        """A CamelCase reason for the stage's MemoryReleased condition and Events."""
+        if self.ok:
+            return cond.Reason.SLEEP_ACKNOWLEDGED
+        if self.contradiction:
+            return cond.Reason.ACK_CONTRADICTED
+        if self.refusal is not None:
+            if self.refusal.worker_failed:
+                return cond.Reason.WORKER_FAILED
+            return cond.Reason.SLEEP_REFUSED
+        if self.ack is not None:
+            return cond.Reason.ACK_FAILED
+        return cond.Reason.ACK_TIMEOUT
+
+    @property
+    def message(self) -> str:
+        """What happened, with the figures or the worker's own words."""
+        if self.ok and self.ack is not None:
+            return f"sleep {self.task_id} ACKed ok"
+        if self.contradiction:
+            why = self.contradiction
+        elif self.refusal is not None:
+            why = f"refused ({self.refusal.code}): {self.refusal.message}"
+        elif self.ack is not None:
+            why = f"ACK {self.ack.task_id} not ok: {self.ack.error}"
+        else:
+            why = "no sleep ACK"
+        if self.fenced:
+            return f"{why}; pod fenced (deleted, confirmed gone)"
+        if self.fence_error:
+            return f"{why}; fence pending: {self.fence_error}"
+        return why
+
+
+@dataclass(frozen=True)
+class FenceResult:
+    """How one fence order of the arbiter ended."""
+
+    order: FenceOrder
+    fenced: bool
+    error: str = ""
 
 
 @dataclass
 class RoundOutcome:
-    """What a round did, for status, events and metrics."""
+    """What a round did, for status, events and metrics.
+
+    The kube side persists ``fence_pending`` (fences started and not confirmed; cleared once the
+    pod is confirmed gone) and ``learned_needs`` (bytes per stage, from wakes refused for lack
+    of memory), and gives them back as ``StageFacts.fence_pending`` / ``learned_need``.
+    """
 
     handover_id: str | None = None
     started: list[str] = field(default_factory=list)
     sleeps: list[SleepResult] = field(default_factory=list)
+    fences: list[FenceResult] = field(default_factory=list)
     wakes: dict[str, AckFacts] = field(default_factory=dict)
     wake_errors: dict[str, str] = field(default_factory=dict)
+    wake_refusals: dict[str, Refusal] = field(default_factory=dict)
+    learned_needs: dict[str, int] = field(default_factory=dict)
+    fence_pending: set[str] = field(default_factory=set)
+    fence_confirmed: set[str] = field(default_factory=set)
     decision: Decision | None = None
     observation: GroupObservation | None = None
 
     @property
     def changed(self) -> bool:
         """Whether the round acted on anything."""
-        return bool(self.started or self.sleeps or self.wakes or self.wake_errors)
+        return bool(self.started or self.sleeps or self.fences or self.wakes or self.wake_errors)
+
+
+def _retry_id(base: str, n: int) -> str:
+    return base if n == 0 else f"{base}-r{n}"
 
 
 async def _sleep_or_fence(
-    port: GroupPort, order: SleepOrder, task_id: str, policy: RoundPolicy
+    port: GroupPort, order: SleepOrder, base_id: str, policy: RoundPolicy
 ) -> SleepResult:
     began = time.monotonic()
+    drain = (
+        order.drain_timeout_s
+        if order.drain_timeout_s is not None
+        else policy.default_drain_timeout_s
+    )
+    bound = drain + policy.transition_allowance_s  # the longest a draining sleep is waited for
+    timeout = bound if order.inflight_requests > 0 else policy.transition_allowance_s
     ack: AckFacts | None = None
+    refusal: Refusal | None = None
+    contradiction = ""
+    drained = False
+    ids: list[str] = []
+    renewals = 0  # not-ok ACKs so far: each retry after one goes under a new task id
+    task_id = base_id
     attempts = 0
     attempt = 0
+
+    def result(**kw: object) -> SleepResult:
+        return SleepResult(
+            order, task_id, ack, attempts, seconds=time.monotonic() - began,
+            task_ids=tuple(ids), refusal=refusal, contradiction=contradiction, drained=drained,
+            **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+
     while True:
-        attempts = attempt + 1
+        attempts += 1
+        if task_id not in ids:
+            ids.append(task_id)
         log.info(
             "sleep %s: level %d to %s (attempt %d)", task_id, order.level, order.stage, attempts
         )
+        lost = False
         try:
-            ack = await port.sleep(order.stage, order.level, task_id)
+            ack = await port.sleep(
+                order.stage, order.level, task_id, drain_timeout_s=order.drain_timeout_s,
+                timeout_s=max(0.0, min(timeout, bound - (time.monotonic() - began)))
+                or policy.transition_allowance_s,
+            )  # fmt: skip
+        except WorkerRefused as exc:
+            refusal = exc.refusal
+            log.warning("sleep %s of %s refused: %s", task_id, order.stage, exc)
+            if refusal.stale_epoch:
+                raise LeadershipLost(f"{order.stage} refused sleep {task_id}: {exc}") from exc
+            if refusal.worker_failed:
+                break  # a FAILED worker refuses every transition: fence it now
         except WorkerUnavailable as exc:
+            lost = True
             log.warning("sleep %s of %s: no ACK (%s)", task_id, order.stage, exc)
+            if order.releases_memory and time.monotonic() - began < bound:
+                facts = await port.probe(order.stage)
+                if facts.phase is WorkerPhase.SLEEPING and facts.inflight_requests > 0:
+                    drained = True  # still draining within its drain timeout: wait, no fence
+                    attempts -= 1
+                    await asyncio.sleep(min(policy.backoff_s, 1.0))
+                    timeout = bound
+                    continue
         else:
             if ack.ok:
-                return SleepResult(order, task_id, ack, attempts, seconds=time.monotonic() - began)
+                why = ack_contradiction(ack)
+                if why is None:
+                    return result()
+                contradiction = why
+                log.warning("sleep %s of %s: %s", task_id, order.stage, why)
+                break  # retrying only replays (or no-ops) the lie: fence
             log.warning("sleep %s of %s: ACK not ok: %s", task_id, order.stage, ack.error)
-        within_window = ack is None and time.monotonic() - began < policy.retry_window_s
+            renewals += 1
+            task_id = _retry_id(base_id, renewals)
+        within_window = lost and time.monotonic() - began < policy.retry_window_s
         if attempts >= max(1, policy.ack_retries) and not within_window:
             break
         await asyncio.sleep(min(policy.backoff_s * (2**attempt), 5.0))
         attempt += 1
     if not order.releases_memory:
         # A 1->2 deepening of a stage that holds no memory: nothing to protect by fencing.
-        return SleepResult(order, task_id, ack, attempts, seconds=time.monotonic() - began)
-    reason = ack.error if ack is not None else "no sleep ACK"
+        return result()
+    reason = result().message
     try:
         await port.fence(order.stage, f"sleep {task_id} failed after {attempts} attempts: {reason}")
     except FenceFailed as exc:
-        return SleepResult(
-            order, task_id, ack, attempts, fence_error=str(exc), seconds=time.monotonic() - began
-        )
-    return SleepResult(order, task_id, ack, attempts, fenced=True, seconds=time.monotonic() - began)
+        return result(fence_error=str(exc) or "fence not confirmed")
+    return result(fenced=True)
 
 
-async def _wake(port: GroupPort, stage: str, task_id: str, policy: RoundPolicy) -> AckFacts | str:
+async def _fence(port: GroupPort, order: FenceOrder) -> FenceResult:
+    try:
+        await port.fence(order.stage, f"{order.reason.value}: {order.message}")
+    except FenceFailed as exc:
+        return FenceResult(order, False, str(exc) or "fence not confirmed")
+    return FenceResult(order, True)
+
+
+async def _wake(
+    port: GroupPort, stage: str, task_id: str, policy: RoundPolicy
+) -> AckFacts | Refusal | str:
     last = "no wake ACK"
     for attempt in range(max(1, policy.ack_retries)):
         log.info("wake %s: to %s (attempt %d)", task_id, stage, attempt + 1)
         try:
             return await port.wake(stage, task_id)
+        except WorkerRefused as exc:
+            log.warning("wake %s of %s refused: %s", task_id, stage, exc)
+            if exc.refusal.stale_epoch:
+                raise LeadershipLost(f"{stage} refused wake {task_id}: {exc}") from exc
+            return exc.refusal  # deliberate: not asked again in this round
         except WorkerUnavailable as exc:
             last = f"no wake ACK: {exc}"
             log.warning("wake %s of %s: %s", task_id, stage, last)
@@ -201,14 +420,37 @@ async def _wake(port: GroupPort, stage: str, task_id: str, policy: RoundPolicy) 
     return last
 
 
-def _plan(obs: GroupObservation, handover: Handover | None, policy: RoundPolicy) -> Decision:
-    return plan(obs.intents, obs.facts, obs.memory, handover, margin_bytes=policy.margin_bytes)
+def _remember(obs: GroupObservation, out: RoundOutcome) -> GroupObservation:
+    """The observation with what this round learned and the kube side has not persisted yet."""
+    facts = dict(obs.facts)
+    for name, seen in obs.facts.items():
+        fact = seen
+        learned = out.learned_needs.get(name)
+        pending = name in out.fence_pending and fact.phase is not WorkerPhase.ABSENT
+        if learned is not None and (fact.learned_need or 0) < learned:
+            fact = replace(fact, learned_need=learned)
+        if pending and not fact.fence_pending:
+            fact = replace(fact, fence_pending=True)
+        facts[name] = fact
+    return GroupObservation(obs.intents, facts, obs.memory)
+
+
+def _plan(
+    obs: GroupObservation,
+    handover: Handover | None,
+    policy: RoundPolicy,
+    started: frozenset[str] = frozenset(),
+) -> Decision:
+    return plan(
+        obs.intents, obs.facts, obs.memory, handover, margin_bytes=policy.margin_bytes,
+        started=started,
+    )  # fmt: skip
 
 
 async def run_round(
     port: GroupPort, policy: RoundPolicy, new_id: Callable[[], str]
 ) -> RoundOutcome:
-    """Observe, sleep what must sleep (fencing failures), then wake what the arbiter allows."""
+    """Observe, sleep or fence what must release memory, then wake what the arbiter allows."""
     out = RoundOutcome()
     obs = await port.observe()
     decision = _plan(obs, None, policy)
@@ -217,26 +459,36 @@ async def run_round(
         if obs.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase is WorkerPhase.ABSENT:
             await port.start(name)
             out.started.append(name)
+    started = frozenset(out.started)
+    if started:
+        decision = _plan(obs, None, policy, started)
 
     handover: Handover | None = None
-    if decision.sleep:
+    if decision.sleep or decision.fence:
         hid = new_id()
         out.handover_id = hid
-        results = await asyncio.gather(
-            *(
-                _sleep_or_fence(port, order, f"{hid}-{order.stage}-sleep{order.level}", policy)
-                for order in decision.sleep
-            )
-        )
-        out.sleeps.extend(results)
+        sleeps = [
+            _sleep_or_fence(port, order, f"{hid}-{order.stage}-sleep{order.level}", policy)
+            for order in decision.sleep
+        ]
+        fences = [_fence(port, order) for order in decision.fence]
+        results = await asyncio.gather(*sleeps, *fences)
+        slept = [r for r in results if isinstance(r, SleepResult)]
+        fenced = [r for r in results if isinstance(r, FenceResult)]
+        out.sleeps.extend(slept)
+        out.fences.extend(fenced)
+        out.fence_pending |= {r.order.stage for r in slept if r.fence_pending}
+        out.fence_pending |= {r.order.stage for r in fenced if not r.fenced}
+        out.fence_confirmed |= {r.order.stage for r in slept if r.fenced}
+        out.fence_confirmed |= {r.order.stage for r in fenced if r.fenced}
         handover = Handover(
             id=hid,
-            sleepers=decision.holder_sleeps,
-            acked=frozenset(r.order.stage for r in results if r.ok),
-            fenced=frozenset(r.order.stage for r in results if r.fenced),
+            sleepers=decision.holder_sleeps | {o.stage for o in decision.fence},
+            acked=frozenset(r.order.stage for r in slept if r.ok),
+            fenced=frozenset(out.fence_confirmed),
         )
-        obs = await port.observe()
-        decision = _plan(obs, handover, policy)
+        obs = _remember(await port.observe(), out)
+        decision = _plan(obs, handover, policy, started)
         out.decision, out.observation = decision, obs
         await port.checkpoint(out)
 
@@ -247,12 +499,20 @@ async def run_round(
             result = await _wake(port, name, f"{hid}-{name}-wake", policy)
             if isinstance(result, str):
                 out.wake_errors[name] = result
+            elif isinstance(result, Refusal):
+                out.wake_refusals[name] = result
+                out.wake_errors[name] = f"refused ({result.code}): {result.message}"
+                if result.need_bytes is not None:
+                    out.learned_needs[name] = result.need_bytes
             else:
                 out.wakes[name] = result
                 if not result.ok:
                     out.wake_errors[name] = result.error or "wake ACK not ok"
-        obs = await port.observe()
-        decision = _plan(obs, handover, policy)
+                    need = memory_need(result.error)
+                    if need is not None:
+                        out.learned_needs[name] = need
+        obs = _remember(await port.observe(), out)
+        decision = _plan(obs, handover, policy, started)
 
     out.decision = decision
     out.observation = obs

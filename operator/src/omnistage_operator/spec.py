@@ -17,8 +17,9 @@ Enums (``StrEnum``; values are exactly the CRD's):
     ``MemorySource`` (``NVML="nvml"``, ``ACCOUNTING="accounting"``)
 Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``KIND="OmniStage"``,
     ``PLURAL="omnistages"``, defaults ``DEFAULT_*``, bounds ``MIN_/MAX_PRIORITY``, ``MAX_GPUS``,
-    ``MIN_/MAX_PORT``, ``MAX_STAGE_NAME_LENGTH``; ``DTYPES``; ``BACKENDS_FOR_RUNNER``; names the
-    operator owns: ``RESERVED_ENV``, ``RESERVED_ARGS``, ``RESERVED_VOLUMES``, ``TOKEN_MOUNT_DIR``.
+    ``MIN_/MAX_PORT``, ``MIN_/MAX_DRAIN_TIMEOUT_S``, ``MAX_STAGE_NAME_LENGTH``; ``DTYPES``;
+    ``BACKENDS_FOR_RUNNER``; names the operator owns: ``RESERVED_ENV``, ``RESERVED_ARGS``,
+    ``RESERVED_VOLUMES``, ``TOKEN_MOUNT_DIR``.
 Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     ``ModelSpec(path, mount_path, volume)``, ``Colocation(group, priority)``,
     ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype)``,
@@ -26,7 +27,8 @@ Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     annotations, labels, service_account_name, priority_class_name)``,
     ``StageSpec(name, namespace, uid, generation, runner, backend, model, image, state,
     sleep_level, colocation, gpus, vram_request, vram_request_bytes, placement, worker,
-    template)`` with properties ``group``, ``priority``, ``key`` (``"ns/name"``), ``wants_active``.
+    template, drain_timeout_s)`` with properties ``group``, ``priority``, ``key``
+    (``"ns/name"``), ``wants_active``.
 Functions:
     ``parse_stage(body: Mapping[str, Any]) -> StageSpec`` (raises ``SpecError``)
 Errors:
@@ -48,6 +50,7 @@ from omnistage_operator.quantities import QuantityError, parse_quantity
 __all__ = [
     "API_VERSION",
     "BACKENDS_FOR_RUNNER",
+    "DEFAULT_DRAIN_TIMEOUT_S",
     "DEFAULT_GPUS",
     "DEFAULT_MOUNT_PATH",
     "DEFAULT_PORT",
@@ -56,10 +59,12 @@ __all__ = [
     "DTYPES",
     "GROUP",
     "KIND",
+    "MAX_DRAIN_TIMEOUT_S",
     "MAX_GPUS",
     "MAX_PORT",
     "MAX_PRIORITY",
     "MAX_STAGE_NAME_LENGTH",
+    "MIN_DRAIN_TIMEOUT_S",
     "MIN_PORT",
     "MIN_PRIORITY",
     "PLURAL",
@@ -96,6 +101,8 @@ DEFAULT_SLEEP_LEVEL = 1
 DEFAULT_PRIORITY = 0
 DEFAULT_GPUS = 1
 DEFAULT_PORT = 50051
+DEFAULT_DRAIN_TIMEOUT_S = 600
+MIN_DRAIN_TIMEOUT_S, MAX_DRAIN_TIMEOUT_S = 1, 86400
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
 MAX_GPUS = 8
 MIN_PORT, MAX_PORT = 1024, 65535
@@ -125,6 +132,7 @@ RESERVED_ARGS = frozenset(
         "--token-file",
         "--device",
         "--dtype",
+        "--drain-timeout",
     }
 )
 # Names the builders use for their own volumes and mount points.
@@ -297,6 +305,9 @@ class StageSpec:
     placement: Placement = field(default_factory=Placement)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     template: TemplateOverrides = field(default_factory=TemplateOverrides)
+    # How long a sleep waits for in-flight requests; the worker (--drain-timeout) and every
+    # Sleep the operator sends (SleepRequest.drain_timeout, and its deadline) honour this one value.
+    drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
 
     @property
     def group(self) -> str:
@@ -630,4 +641,11 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
         placement=_parse_placement(spec),
         worker=_parse_worker(spec),
         template=_parse_template(spec),
+        drain_timeout_s=_int(
+            spec.get("drainTimeoutSeconds"),
+            "spec.drainTimeoutSeconds",
+            DEFAULT_DRAIN_TIMEOUT_S,
+            MIN_DRAIN_TIMEOUT_S,
+            MAX_DRAIN_TIMEOUT_S,
+        ),
     )

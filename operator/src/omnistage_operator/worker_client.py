@@ -69,20 +69,22 @@ class WorkerClient:
             raise self._unavailable("GetStatus", exc) from exc
         return report_from_proto(resp)
 
-    async def sleep(self, level: int, task_id: str, timeout_s: float) -> AckFacts:
-        """Sleep at ``level`` (1 or 2) under ``task_id``."""
+    async def sleep(
+        self, level: int, task_id: str, timeout_s: float, *, epoch: int = 0
+    ) -> AckFacts:
+        """Sleep at ``level`` (1 or 2) under ``task_id``, ordered by leadership ``epoch``."""
         if level not in _LEVELS:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        req = sleep_service_pb2.SleepRequest(task_id=task_id, level=_LEVELS[level])
+        req = sleep_service_pb2.SleepRequest(task_id=task_id, level=_LEVELS[level], epoch=epoch)
         try:
             resp = await self._stub.Sleep(req, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise self._unavailable(f"Sleep {task_id}", exc) from exc
         return ack_from_proto(resp.ack)
 
-    async def wake(self, task_id: str, timeout_s: float) -> AckFacts:
-        """WakeUp under ``task_id``."""
-        req = sleep_service_pb2.WakeUpRequest(task_id=task_id)
+    async def wake(self, task_id: str, timeout_s: float, *, epoch: int = 0) -> AckFacts:
+        """WakeUp under ``task_id``, ordered by leadership ``epoch``."""
+        req = sleep_service_pb2.WakeUpRequest(task_id=task_id, epoch=epoch)
         try:
             resp = await self._stub.WakeUp(req, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:

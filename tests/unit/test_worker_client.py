@@ -1,0 +1,142 @@
+"""The operator's worker client and port against an in-process gRPC SleepService.
+
+The fake service records every request it receives and answers as told (an Ack, or an abort with
+a status code), so the tests see what the operator really puts on the wire: the leadership
+epoch, the drain timeout, the deadline, and how each refusal is classified.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
+from omnistage_operator.groups import GroupRunner, KubeGroupPort
+from omnistage_operator.leadership import LeadershipLost
+from omnistage_operator.settings import Settings
+from omnistage_operator.spec import parse_stage
+from omnistage_operator.worker_client import WorkerClient
+
+
+@dataclass
+class FakeService(sleep_service_pb2_grpc.SleepServiceServicer):
+    """Records requests; ``abort`` (code, message) makes every call fail with that status."""
+
+    requests: list[tuple[str, Any, float | None]] = field(default_factory=list)
+    abort: tuple[grpc.StatusCode, str] | None = None
+    delay_s: float = 0.0
+
+    async def _answer(self, op: str, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.requests.append((op, request, context.time_remaining()))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.abort is not None:
+            await context.abort(*self.abort)
+        operation = types_pb2.OPERATION_SLEEP if op == "sleep" else types_pb2.OPERATION_WAKE_UP
+        return types_pb2.Ack(
+            task_id=request.task_id, ok=True, operation=operation, epoch=request.epoch
+        )
+
+    async def Sleep(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return sleep_service_pb2.SleepResponse(ack=await self._answer("sleep", request, context))
+
+    async def WakeUp(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return sleep_service_pb2.WakeUpResponse(ack=await self._answer("wake", request, context))
+
+    async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return sleep_service_pb2.GetStatusResponse(state=types_pb2.WORKER_STATE_ASLEEP)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[FakeService, str]]:
+    service = FakeService()
+    server = grpc.aio.server()
+    sleep_service_pb2_grpc.add_SleepServiceServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield service, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def test_sleep_and_wake_carry_the_leadership_epoch(
+    served: tuple[FakeService, str],
+) -> None:
+    service, target = served
+    client = WorkerClient(target)
+    try:
+        ack = await client.sleep(1, "t-sleep", 5.0, epoch=7)
+        assert ack.ok
+        await client.wake("t-wake", 5.0, epoch=7)
+    finally:
+        await client.close()
+    assert [(op, req.epoch) for op, req, _ in service.requests] == [("sleep", 7), ("wake", 7)]
+
+
+class _Leadership:
+    def __init__(self, leading: bool, epoch: int = 3) -> None:
+        self.epoch = epoch
+        self.is_leading = leading
+
+    def leading(self) -> bool:
+        return self.is_leading
+
+
+class _NoKube:
+    """Any API call fails the test: a non-leading operator must not even read."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the API was called ({name}) by a non-leading operator")
+
+
+def _stage_body(port: int) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "ar", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": {
+            "runner": "AR",
+            "backend": "Transformers",
+            "image": "img",
+            "model": {"path": "/models/m"},
+            "colocation": {"group": "g"},
+            "worker": {"port": port},
+        },
+    }
+
+
+async def test_no_round_while_not_leading() -> None:
+    runner = GroupRunner(_NoKube(), Settings(), _Leadership(False))  # type: ignore[arg-type]
+    assert await runner.round("ns", "g") is False
+
+
+async def test_port_refuses_to_order_once_leadership_is_lost(
+    served: tuple[FakeService, str],
+) -> None:
+    service, target = served
+    leadership = _Leadership(True, epoch=4)
+    runner = GroupRunner(_NoKube(), Settings(), leadership)  # type: ignore[arg-type]
+    port = KubeGroupPort(runner, "ns", "g")
+    body = _stage_body(int(target.rsplit(":", 1)[1]))
+    port.specs["ar"] = parse_stage(body)
+    port.bodies["ar"] = body
+    port.pods["ar"] = {
+        "metadata": {"name": "ar-worker", "uid": "p1"},
+        "status": {"podIP": "127.0.0.1"},
+    }
+    try:
+        await port.sleep("ar", 1, "t1")
+        leadership.is_leading = False
+        with pytest.raises(LeadershipLost):
+            await port.sleep("ar", 1, "t2")
+        with pytest.raises(LeadershipLost):
+            await port.wake("ar", "t3")
+        with pytest.raises(LeadershipLost):
+            await port.fence("ar", "test")
+    finally:
+        await runner.close()
+    assert [(op, req.task_id, req.epoch) for op, req, _ in service.requests] == [("sleep", "t1", 4)]
