@@ -102,6 +102,7 @@ def test_worker_args_exact() -> None:
         "--sleep-level", "1",
         "--token-file", "/var/run/secrets/omnistage/token",
         "--device", "cpu",
+        "--drain-timeout", "600",
         "--dtype", "float32",
         "--steps", "2",
     ]  # fmt: skip
@@ -114,6 +115,8 @@ def test_worker_args_exact() -> None:
 
 def test_drain_timeout_reaches_the_worker_without_a_new_pod() -> None:
     stage, _ = make(drainTimeoutSeconds=1800)
+    args = worker_args(stage, initial_state=DesiredState.ASLEEP)
+    assert args[args.index("--drain-timeout") + 1] == "1800"
     # Every Sleep carries the value too, so changing it does not replace a running pod.
     assert pod_spec_hash(stage) == pod_spec_hash(make()[0])
 

@@ -6,12 +6,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from omnistage_operator.arbiter import Blocker, BlockReason, WorkerPhase
-from omnistage_operator.facts import AckFacts, WorkerReport
+from omnistage_operator.facts import AckFacts, DeviceFigures, WorkerReport
 from omnistage_operator.status import (
     StageObservation,
     build_status,
     format_timestamp,
     parse_timestamp,
+    persisted_facts,
 )
 
 NOW = datetime(2026, 11, 21, 5, 0, tzinfo=UTC)
@@ -100,3 +101,54 @@ def test_allowed_wake_shows_waking() -> None:
     rep = WorkerReport(WorkerPhase.ASLEEP, level=1, total_bytes=GI, free_bytes=GI)
     obs = StageObservation(1, True, WorkerPhase.ASLEEP, report=rep, admitted=True, waking=True)
     assert build_status(obs, None, NOW)["state"] == "Waking"
+
+
+def test_lying_ack_is_not_memory_released() -> None:
+    """Issue 14: an ok sleep ACK the device's figures contradict used to read
+    MemoryReleased=True ("measured ... used on the device")."""
+    dev = DeviceFigures("GPU-0", 0, 80 * GI, 16 * GI, 0, 10 * GI, 10 * GI)
+    ack = AckFacts(
+        "h1-a-sleep1", True, "sleep", WorkerPhase.ASLEEP, level=1, freed_bytes=16 * GI,
+        devices=(dev,), free_before_bytes=10 * GI, free_after_bytes=10 * GI,
+    )  # fmt: skip
+    rep = WorkerReport(WorkerPhase.ASLEEP, level=1, total_bytes=80 * GI, last_ack=ack)
+    st = build_status(StageObservation(1, False, WorkerPhase.ASLEEP, report=rep, last_ack=ack),
+                      None, NOW)  # fmt: skip
+    mr = _cond(st, "MemoryReleased")
+    assert (mr["status"], mr["reason"]) == ("False", "AckContradicted")
+    assert "gained 0" in mr["message"]
+
+
+def test_pending_fence_and_learned_need_persist_and_read_back() -> None:
+    obs = StageObservation(
+        1, True, WorkerPhase.UNREACHABLE, fence_pending="sleep h1 failed",
+        learned_need=20 * GI,
+        waiting=(Blocker(BlockReason.TOO_LARGE, "footprint 20Gi exceeds 16Gi"),),
+    )  # fmt: skip
+    st = build_status(obs, None, NOW)
+    assert st["fencePending"] == "sleep h1 failed" and st["learnedNeedBytes"] == 20 * GI
+    assert _cond(st, "MemoryReleased")["reason"] == "FencePending"
+    assert _cond(st, "Admitted")["reason"] == "LargerThanDevice"
+    back = persisted_facts(st)
+    assert back.fence_pending and back.learned_need == 20 * GI
+    assert persisted_facts({}) == persisted_facts(None) and not persisted_facts({}).fence_pending
+    cleared = build_status(StageObservation(1, True, WorkerPhase.ABSENT), st, LATER)
+    assert cleared["fencePending"] is None  # a merge patch removes it
+
+
+def test_round_problems_become_conditions() -> None:
+    rep = WorkerReport(WorkerPhase.ACTIVE, used_bytes=GI, total_bytes=4 * GI)
+    obs = StageObservation(
+        1, False, WorkerPhase.ACTIVE, report=rep,
+        sleep_problem=("SleepRefused", "refused (FAILED_PRECONDITION): level: 2 unsupported"),
+    )  # fmt: skip
+    mr = _cond(build_status(obs, None, NOW), "MemoryReleased")
+    assert (mr["reason"], mr["status"]) == ("SleepRefused", "False") and "level: 2" in mr["message"]
+    rep = WorkerReport(WorkerPhase.ASLEEP, level=1, total_bytes=4 * GI)
+    obs = StageObservation(
+        1, True, WorkerPhase.ASLEEP, report=rep, wake_problem=("WakeRefused", "not enough memory"),
+        waiting=(Blocker(BlockReason.NOT_MEASURED, "no free figure"),),
+    )  # fmt: skip
+    st = build_status(obs, None, NOW)
+    assert _cond(st, "Ready")["reason"] == "WakeRefused"
+    assert _cond(st, "Admitted")["reason"] == "MemoryNotMeasured"

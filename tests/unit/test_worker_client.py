@@ -17,6 +17,7 @@ import pytest
 
 from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
 from omnistage_operator.groups import GroupRunner, KubeGroupPort
+from omnistage_operator.handover import WorkerRefused, WorkerUnauthenticated, WorkerUnavailable
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import parse_stage
@@ -140,3 +141,74 @@ async def test_port_refuses_to_order_once_leadership_is_lost(
     finally:
         await runner.close()
     assert [(op, req.task_id, req.epoch) for op, req, _ in service.requests] == [("sleep", "t1", 4)]
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    ],
+)
+async def test_deliberate_answers_are_refusals_with_the_workers_words(
+    served: tuple[FakeService, str], code: grpc.StatusCode
+) -> None:
+    service, target = served
+    service.abort = (code, "worker failed: model directory /m does not exist")
+    client = WorkerClient(target)
+    try:
+        with pytest.raises(WorkerRefused) as info:
+            await client.wake("t", 5.0)
+    finally:
+        await client.close()
+    assert info.value.code == code.name
+    assert info.value.message == "worker failed: model directory /m does not exist"
+    assert not isinstance(info.value, WorkerUnavailable)
+
+
+async def test_silence_is_unavailable_and_a_bad_token_unauthenticated(
+    served: tuple[FakeService, str],
+) -> None:
+    service, target = served
+    client = WorkerClient(target)
+    try:
+        service.delay_s = 1.0
+        with pytest.raises(WorkerUnavailable, match="DEADLINE_EXCEEDED"):
+            await client.sleep(1, "slow", 0.2)
+        service.delay_s = 0.0
+        service.abort = (grpc.StatusCode.UNAVAILABLE, "going away")
+        with pytest.raises(WorkerUnavailable, match="UNAVAILABLE"):
+            await client.sleep(1, "gone", 5.0)
+        service.abort = (grpc.StatusCode.UNAUTHENTICATED, "bad token")
+        with pytest.raises(WorkerUnauthenticated):
+            await client.sleep(1, "tok", 5.0)
+    finally:
+        await client.close()
+
+
+async def test_sleep_carries_the_drain_timeout_and_the_port_waits_drain_plus_sleep_timeout(
+    served: tuple[FakeService, str],
+) -> None:
+    service, target = served
+    runner = GroupRunner(_NoKube(), Settings(sleep_timeout_s=7.0))  # type: ignore[arg-type]
+    port = KubeGroupPort(runner, "ns", "g")
+    body = _stage_body(int(target.rsplit(":", 1)[1]))
+    body["spec"]["drainTimeoutSeconds"] = 45
+    port.specs["ar"] = parse_stage(body)
+    port.bodies["ar"] = body
+    port.pods["ar"] = {
+        "metadata": {"name": "ar-worker", "uid": "p1"},
+        "status": {"podIP": "127.0.0.1"},
+    }
+    try:
+        await port.sleep("ar", 1, "t1", drain_timeout_s=45.0)  # no deadline given: 45 + 7
+        await port.sleep("ar", 1, "t2", drain_timeout_s=45.0, timeout_s=3.0)
+    finally:
+        await runner.close()
+    (_, first, left1), (_, second, left2) = service.requests
+    assert first.drain_timeout.ToTimedelta().total_seconds() == 45.0
+    assert second.drain_timeout.ToTimedelta().total_seconds() == 45.0
+    assert left1 is not None and 50.0 < left1 <= 52.5
+    assert left2 is not None and left2 <= 3.5

@@ -23,6 +23,7 @@ from omnistage.worker.v1 import (
     types_pb2,
 )
 from omnistage_worker.config import WorkerConfig
+from omnistage_worker.runners.base import ModelRunner
 from omnistage_worker.server import WorkerServer
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
@@ -69,20 +70,27 @@ class WorkerHandle:
         )
         return response
 
-    async def sleep(self, level: int, task_id: str | None = None) -> types_pb2.Ack:
-        response = await self.sleep_stub.Sleep(
-            sleep_service_pb2.SleepRequest(
-                task_id=task_id or new_task_id(),
-                level=level,  # type: ignore[arg-type]
-            ),
-            metadata=self.metadata,
+    async def sleep(
+        self,
+        level: int,
+        task_id: str | None = None,
+        epoch: int = 0,
+        drain_timeout: float | None = None,
+    ) -> types_pb2.Ack:
+        request = sleep_service_pb2.SleepRequest(
+            task_id=task_id or new_task_id(),
+            level=level,  # type: ignore[arg-type]
+            epoch=epoch,
         )
+        if drain_timeout is not None:
+            request.drain_timeout.FromNanoseconds(int(drain_timeout * 1e9))
+        response = await self.sleep_stub.Sleep(request, metadata=self.metadata)
         ack: types_pb2.Ack = response.ack
         return ack
 
-    async def wake(self, task_id: str | None = None) -> types_pb2.Ack:
+    async def wake(self, task_id: str | None = None, epoch: int = 0) -> types_pb2.Ack:
         response = await self.sleep_stub.WakeUp(
-            sleep_service_pb2.WakeUpRequest(task_id=task_id or new_task_id()),
+            sleep_service_pb2.WakeUpRequest(task_id=task_id or new_task_id(), epoch=epoch),
             metadata=self.metadata,
         )
         ack: types_pb2.Ack = response.ack
@@ -105,6 +113,13 @@ def new_task_id() -> str:
     return uuid.uuid4().hex
 
 
+async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
+    """The gRPC error ``call`` fails with (the test fails when it succeeds)."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
 async def wait_for(
     condition: Callable[[], Awaitable[bool]], within: float = 30.0, what: str = "condition"
 ) -> None:
@@ -125,11 +140,15 @@ async def start_worker() -> AsyncIterator[StartWorker]:
     handles: list[WorkerHandle] = []
 
     async def start(model: Path, runner: str, backend: str, **overrides: Any) -> WorkerHandle:
+        """``runner_factory`` (config -> runner) replaces the runner for a test double."""
         wait = overrides.pop("wait_loaded", True)
+        factory: Callable[[WorkerConfig], ModelRunner] | None = overrides.pop(
+            "runner_factory", None
+        )
         config = WorkerConfig(
             runner=runner, backend=backend, model=model, host="127.0.0.1", port=0, **overrides
         )
-        server = WorkerServer(config)
+        server = WorkerServer(config, factory(config) if factory is not None else None)
         port = await server.start()
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         handle = WorkerHandle(server, channel, token=config.token)

@@ -20,6 +20,7 @@ from omnistage_worker.transitions import (
     Current,
     Plan,
     Refused,
+    check_epoch,
     generate_refusal,
     level_from_proto,
     plan_sleep,
@@ -81,6 +82,29 @@ def test_planning() -> None:
         plan_sleep(Current(WS.WORKER_STATE_FAILED, 0, "boom"), 1)
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert info.value.message == "worker failed: boom"
+
+
+def test_failed_residual_is_measured_again_never_woken() -> None:
+    failed = Current(WS.WORKER_STATE_FAILED, 1, "device memory still used", residual=True)
+    assert plan_sleep(failed, 1) is Plan.RECHECK
+    assert plan_sleep(failed, 2) is Plan.RECHECK
+    with pytest.raises(Refused) as info:
+        plan_wake(failed)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.message == "worker failed: device memory still used"
+
+
+def test_epochs() -> None:
+    check_epoch(5, 5)
+    check_epoch(6, 5)
+    check_epoch(0, 5)  # no election: always obeyed
+    with pytest.raises(Refused) as info:
+        check_epoch(3, 5)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.message == "order from epoch 3 refused: this worker has obeyed epoch 5"
+    with pytest.raises(Refused) as info:
+        check_epoch(-1, 0)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_generate_refusals() -> None:
@@ -147,6 +171,8 @@ def test_ack_sums_devices() -> None:
     assert [d.freed_bytes for d in ack.devices] == [500, 450]
     assert ack.freed_bytes == 950 and ack.used_after_bytes == 150
     assert ack.free_after_bytes == 1850
+    assert [d.free_before_bytes for d in ack.devices] == [400, 500]
+    assert not ack.HasField("drain_started_at")
     assert ack.duration.ToMilliseconds() == 250
     assert ack.worker.rank == 1 and ack.source == WS.MEMORY_SOURCE_NVML
 

@@ -92,8 +92,9 @@ async def test_failed_load(start_worker: StartWorker, tmp_path: Path) -> None:
     status = await worker.status()
     assert status.state == types_pb2.WORKER_STATE_FAILED
     assert "loading" in status.error and str(empty) in status.error
-    err = await rpc_error(worker.sleep(1))
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert (err.details() or "").startswith("worker failed: loading")
+    for call in (worker.sleep(1), worker.wake()):
+        err = await rpc_error(call)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (err.details() or "").startswith("worker failed: loading")
     err = await rpc_error(worker.generate())
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION

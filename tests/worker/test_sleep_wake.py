@@ -22,6 +22,7 @@ def assert_consistent(ack: types_pb2.Ack) -> None:
         assert dev.freed_bytes == dev.used_before_bytes - dev.used_after_bytes
         assert dev.total_bytes > 0
         assert dev.free_after_bytes == dev.total_bytes - dev.used_after_bytes
+        assert dev.free_before_bytes == dev.total_bytes - dev.used_before_bytes
     assert ack.freed_bytes == ack.used_before_bytes - ack.used_after_bytes
     assert ack.used_before_bytes == sum(d.used_before_bytes for d in ack.devices)
     assert ack.used_after_bytes == sum(d.used_after_bytes for d in ack.devices)
@@ -143,7 +144,11 @@ async def test_residual_above_bound_is_not_ok(start_worker: StartWorker, lm_dir:
     assert not ack.ok
     assert "above the bound" in ack.error
     assert ack.residual_bound_bytes == -1
-    assert ack.state == ASLEEP  # the sleep happened; the figures are what failed
+    # The sleep happened but the figures failed: never read as asleep (it may hold memory).
+    assert ack.state == types_pb2.WORKER_STATE_FAILED
+    assert ack.level == types_pb2.SLEEP_LEVEL_OFFLOAD
+    status = await worker.status()
+    assert status.state == types_pb2.WORKER_STATE_FAILED and status.error == ack.error
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -208,6 +208,7 @@ def worker_args(
         TOKEN_FILE,
     ]
     args += ["--device", worker_device(stage)]
+    args += ["--drain-timeout", str(stage.drain_timeout_s)]
     if stage.worker.dtype is not None:
         args += ["--dtype", stage.worker.dtype]
     args += list(stage.worker.args)

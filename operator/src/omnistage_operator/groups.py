@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from omnistage_operator import conditions as cond
 from omnistage_operator import metrics
 from omnistage_operator.arbiter import (
-    GroupMemory,
     StageFacts,
     StageIntent,
     WorkerPhase,
@@ -43,11 +43,21 @@ from omnistage_operator.handover import (
     GroupObservation,
     RoundOutcome,
     RoundPolicy,
+    WorkerRefused,
     WorkerUnauthenticated,
     WorkerUnavailable,
     run_round,
 )
-from omnistage_operator.kube import CLAIMS, OMNISTAGE, PODS, SECRETS, SERVICES, Kube, KubeError
+from omnistage_operator.kube import (
+    CLAIMS,
+    OMNISTAGE,
+    PODS,
+    RESOURCE_SLICES,
+    SECRETS,
+    SERVICES,
+    Kube,
+    KubeError,
+)
 from omnistage_operator.labels import (
     GROUP_LABEL,
     MANAGED_BY_LABEL,
@@ -56,6 +66,15 @@ from omnistage_operator.labels import (
     selector_string,
 )
 from omnistage_operator.leadership import Leadership, LeadershipLost, SoleWriter
+from omnistage_operator.memory import group_memory
+from omnistage_operator.pods import (
+    RESET_AFTER_S,
+    TERMINAL_PHASES,
+    CrashBackoff,
+    claim_device_uuids,
+    container_started,
+    exit_message,
+)
 from omnistage_operator.quantities import format_bytes
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import DesiredState, PlacementMode, SpecError, StageSpec, parse_stage
@@ -64,6 +83,7 @@ from omnistage_operator.status import (
     build_status,
     format_timestamp,
     parse_timestamp,
+    persisted_facts,
 )
 from omnistage_operator.worker_client import WorkerClient
 
@@ -73,7 +93,20 @@ log = logging.getLogger(__name__)
 
 GroupKey = tuple[str, str]  # (namespace, group)
 StageKey = tuple[str, str]  # (namespace, stage)
-_TERMINAL = ("Failed", "Succeeded")
+_TERMINAL = TERMINAL_PHASES
+# Condition reasons that are news for a user: an Event (Warning) when a condition takes one.
+_WARN_REASONS = frozenset(
+    {
+        cond.Reason.LARGER_THAN_DEVICE,
+        cond.Reason.DEVICE_MISMATCH,
+        cond.Reason.ACK_CONTRADICTED,
+        cond.Reason.FENCE_PENDING,
+        cond.Reason.WORKER_FAILED,
+        cond.Reason.SLEEP_REFUSED,
+        cond.Reason.WAKE_REFUSED,
+        "WorkerExited",
+    }
+)
 _BUSY = frozenset(
     {
         WorkerPhase.STARTING,
@@ -114,6 +147,7 @@ class KubeGroupPort:
         self.reports: dict[str, WorkerReport] = {}
         self.facts: dict[str, StageFacts] = {}
         self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
+        self.held_back: dict[str, float] = {}  # stages in crash back-off: seconds left
         self._listed = False
 
     # -- observing -------------------------------------------------------------------------
@@ -135,6 +169,8 @@ class KubeGroupPort:
             requested_active_at=asked or 0.0 if want else 0.0,
             sleep_level=spec.sleep_level,
             vram_request=spec.vram_request_bytes,
+            gpus=spec.gpus,
+            drain_timeout_s=float(spec.drain_timeout_s),
         )
 
     async def _status_of(self, name: str, pod: Mapping[str, Any]) -> WorkerReport | None:
@@ -150,7 +186,7 @@ class KubeGroupPort:
                 self.r.emit(self.bodies[name], "WorkerUnauthenticated", str(exc), warning=True)
             self.r.auth_errors[key] = str(exc)
             return None
-        except WorkerUnavailable as exc:
+        except (WorkerUnavailable, WorkerRefused) as exc:
             log.debug("GetStatus %s/%s: %s", self.ns, name, exc)
             return None
         self.r.auth_errors.pop(key, None)
@@ -161,19 +197,27 @@ class KubeGroupPort:
     ) -> StageFacts:
         if pod is None:
             return StageFacts(WorkerPhase.ABSENT)
+        key = (self.ns, name)
+        learned = self.r.learned.get(key) or None
         uid = pod["metadata"]["uid"]
         phase = (pod.get("status") or {}).get("phase", "Pending")
-        if phase in _TERMINAL:
-            return StageFacts(WorkerPhase.ABSENT)  # the kubelet reported its containers ended
         if (pod["metadata"].get("labels") or {}).get(GROUP_LABEL) != self.group:
             # A pod of another group (the CRD makes the group immutable, so only a pod left
             # from a deleted and re-created stage): its memory is on that group's devices; it
             # is deleted (confirmed) before this group's pod is created.
             return StageFacts(WorkerPhase.ABSENT)
+        if key in self.r.fence_pending:
+            # A fence was started and the API has not confirmed the pod gone: whatever the
+            # pod or its worker says, it may hold memory, and the gate stays closed.
+            if rep is not None:
+                return rep.stage_facts(fence_pending=True, learned_need=learned)
+            return StageFacts(WorkerPhase.UNREACHABLE, fence_pending=True, learned_need=learned)
+        if phase in _TERMINAL:
+            return StageFacts(WorkerPhase.ABSENT)  # the kubelet reported its containers ended
         if rep is not None:
             self.r.reached.add(uid)
-            return rep.stage_facts()
-        if phase == "Pending" and not _container_started(pod):
+            return rep.stage_facts(learned_need=learned)
+        if phase == "Pending" and not container_started(pod):
             return StageFacts(WorkerPhase.STARTING)
         if uid in self.r.created and uid not in self.r.reached:
             return StageFacts(WorkerPhase.STARTING)
@@ -190,6 +234,7 @@ class KubeGroupPort:
             await self._list()
             self._listed = True
         names = sorted(self.specs)
+        await self._adopt_persisted(names)
         with_pod = [
             n
             for n in names
@@ -199,14 +244,69 @@ class KubeGroupPort:
         reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
         self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
         self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
-        measured = [r for r in self.reports.values() if r.total_bytes > 0]
-        memory = (
-            GroupMemory(max(r.total_bytes for r in measured), min(r.free_bytes for r in measured))
-            if measured
-            else GroupMemory()
+        self._note_exits(names)
+        # A stage in crash back-off holds nothing (its container ended) and is left out of the
+        # arbitration until the back-off ends: it is neither admitted nor started, so the
+        # group's healthy stages are not put to sleep for it.
+        arbitrated = [n for n in names if n not in self.held_back]
+        claim_uuids = await self.r.claim_uuids(self.ns, self.group, self.specs)
+        memory = group_memory(
+            {n: r for n, r in self.reports.items() if n in arbitrated},
+            {n: self.specs[n].gpus for n in arbitrated},
+            claim_uuids,
         )
-        intents = {n: self._intent(self.specs[n], self.bodies[n]) for n in names}
-        return GroupObservation(intents, dict(self.facts), memory)
+        intents = {n: self._intent(self.specs[n], self.bodies[n]) for n in arbitrated}
+        facts = {n: self.facts[n] for n in arbitrated}
+        return GroupObservation(intents, facts, memory)
+
+    async def _adopt_persisted(self, names: list[str]) -> None:
+        """Facts a previous operator process persisted in status (a pending fence, a learned
+        need) come back; a pending fence whose pod the API no longer lists is confirmed."""
+        for name in names:
+            key = (self.ns, name)
+            persisted = persisted_facts(self.bodies[name].get("status"))
+            if (
+                persisted.fence_pending
+                and key not in self.r.fence_pending
+                and key not in self.r.fences_cleared
+            ):
+                reason = persisted.fence_reason or "fence pending (persisted)"
+                self.r.fence_pending[key] = reason
+            if persisted.learned_need is not None and key not in self.r.learned:
+                self.r.learned[key] = persisted.learned_need
+            if key in self.r.fence_pending and name not in self.pods:
+                await self.r.fence_confirmed(self.ns, name, self.bodies[name])
+
+    def _note_exits(self, names: list[str]) -> None:
+        """Count exited worker containers into each stage's back-off; reset the back-off of a
+        stage whose pod has run Active long enough."""
+        now = time.time()
+        self.held_back.clear()
+        for name in names:
+            key = (self.ns, name)
+            pod = self.pods.get(name)
+            fact = self.facts[name]
+            if pod is not None and fact.phase is WorkerPhase.ACTIVE:
+                uid = pod["metadata"]["uid"]
+                since = self.r.active_since.get(key)
+                if since is None or since[0] != uid:
+                    self.r.active_since[key] = (uid, now)
+                elif now - since[1] >= RESET_AFTER_S and key in self.r.backoffs:
+                    del self.r.backoffs[key]
+            phase = (pod.get("status") or {}).get("phase") if pod is not None else None
+            if (
+                pod is not None
+                and phase in _TERMINAL
+                and key not in self.r.fence_pending
+                and (pod["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
+            ):
+                message = exit_message(pod) or "worker container ended"
+                self.r.worker_exited(self.bodies[name], pod["metadata"]["uid"], message, now)
+            backoff = self.r.backoffs.get(key)
+            if backoff is not None and fact.phase is WorkerPhase.ABSENT:
+                left = backoff.waiting(now)
+                if left > 0:
+                    self.held_back[name] = left
 
     async def _list(self) -> None:
         await self.r.ensure_secret(self.ns)  # also repairs a Secret left from another token
@@ -251,7 +351,11 @@ class KubeGroupPort:
         gone before the round creates the new pod, asleep, behind the usual ACK gate."""
         meta = pod["metadata"]
         body = self.bodies[stage]
+        self._ensure_leading(f"replacement of {meta['name']}")
         self.r.emit(body, "PodOutdated", f"pod {meta['name']} predates the spec; replacing it")
+        # What was learned about the old pod (its need, its crashes) is about the old spec.
+        self.r.learned[(self.ns, stage)] = 0
+        self.r.backoffs.pop((self.ns, stage), None)
         await self._delete_confirmed(pod, f"outdated pod {meta['name']} not confirmed gone")
         self.r.emit(body, "PodReplaced", f"outdated pod {meta['name']} deleted and confirmed gone")
 
@@ -333,13 +437,38 @@ class KubeGroupPort:
             raise WorkerUnavailable(f"{stage} has no running pod with an address")
         return client
 
-    async def sleep(self, stage: str, level: int, task_id: str) -> AckFacts:
-        """Sleep with the contract's deadline; the ACK is kept for status."""
+    async def probe(self, stage: str) -> StageFacts:
+        """GetStatus of one worker, as the arbiter's facts (a draining sleep is told from a
+        lost worker by this)."""
+        pod = self.pods.get(stage)
+        if pod is None:
+            return StageFacts(WorkerPhase.ABSENT)
+        rep = await self._status_of(stage, pod)
+        if rep is not None:
+            self.reports[stage] = rep
+        return self._facts(stage, pod, rep)
+
+    async def sleep(
+        self,
+        stage: str,
+        level: int,
+        task_id: str,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> AckFacts:
+        """Sleep; the request carries the stage's drain timeout, and the call's deadline is
+        ``timeout_s`` (the round's: --sleep-timeout, plus the drain timeout while requests are
+        in flight), else the drain timeout plus --sleep-timeout. The ACK is kept for status."""
         client = self._client(stage)
         self._ensure_leading(f"Sleep {task_id}")
+        drain = (
+            float(self.specs[stage].drain_timeout_s) if drain_timeout_s is None else drain_timeout_s
+        )
+        deadline = timeout_s if timeout_s is not None else drain + self.r.settings.sleep_timeout_s
         t0 = time.monotonic()
         ack = await client.sleep(
-            level, task_id, self.r.settings.sleep_timeout_s, epoch=self.r.leadership.epoch
+            level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain
         )
         metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
         self.r.last_acks[(self.ns, stage)] = ack
@@ -371,7 +500,12 @@ class KubeGroupPort:
         """Delete the stage's pod; return only once the API server confirms it is gone."""
         pod = self.pods.get(stage)
         body = self.bodies[stage]
+        key = (self.ns, stage)
         self._ensure_leading(f"fence of {stage}")
+        # Persisted before the delete: an operator restarted from here on keeps the gate
+        # closed until the API confirms the pod gone (status.fencePending).
+        await self.r.fence_started(self.ns, stage, reason)
+        rep = self.reports.get(stage)
         self.r.emit(body, "Fencing", f"deleting the worker pod: {reason}", warning=True)
         if pod is not None:
             name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
@@ -384,11 +518,17 @@ class KubeGroupPort:
                 self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
                 raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
         self._listed = False
+        await self.r.fence_confirmed(self.ns, stage, body)
         metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
-        self.r.fenced[(self.ns, stage)] = reason
+        self.r.fenced[key] = reason
         self.r.emit(
             body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
         )
+        if pod is not None and rep is not None and rep.phase is WorkerPhase.FAILED:
+            # A worker that failed (at load, or a residual it could not release) is a crash:
+            # its stage backs off before a new pod, with the worker's own reason in status.
+            why = f"worker failed: {rep.error}" if rep.error else "worker failed"
+            self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time())
 
 
 def _outdated(pod: Mapping[str, Any], spec: StageSpec) -> bool:
@@ -399,14 +539,6 @@ def _outdated(pod: Mapping[str, Any], spec: StageSpec) -> bool:
         return False  # ended or already going: the round's usual path handles it
     built = (pod["metadata"].get("annotations") or {}).get(POD_SPEC_HASH_ANNOTATION)
     return built is not None and built != pod_spec_hash(spec)
-
-
-def _container_started(pod: Mapping[str, Any]) -> bool:
-    for cs in (pod.get("status") or {}).get("containerStatuses") or ():
-        state = cs.get("state") or {}
-        if "running" in state or "terminated" in state:
-            return True
-    return False
 
 
 class GroupRunner:
@@ -425,6 +557,7 @@ class GroupRunner:
             backoff_s=settings.retry_backoff_s,
             margin_bytes=settings.wake_margin_bytes,
             retry_window_s=settings.sleep_timeout_s,
+            transition_allowance_s=settings.sleep_timeout_s,
         )
         self.asks: dict[StageKey, float] = {}
         self.created: set[str] = set()  # pod uids this process created
@@ -432,6 +565,16 @@ class GroupRunner:
         self.last_acks: dict[StageKey, AckFacts] = {}
         self.fenced: dict[StageKey, str] = {}
         self.auth_errors: dict[StageKey, str] = {}  # workers that refused the operator's token
+        self.fence_pending: dict[StageKey, str] = {}  # fences started, pod not confirmed gone
+        self.fences_cleared: set[StageKey] = set()  # confirmed by this process (status may lag)
+        self.learned: dict[StageKey, int] = {}  # needs learned from refused wakes (0: forgotten)
+        self.backoffs: dict[StageKey, CrashBackoff] = {}
+        self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
+        self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
+        self.wake_problems: dict[StageKey, tuple[str, str]] = {}
+        self._claims: dict[str, tuple[str, tuple[str, ...]]] = {}  # claim key: (uid, uuids)
+        self._claim_errors: set[str] = set()
+        self._retry_in: dict[GroupKey, float] = {}
         self.published: dict[StageKey, dict[str, Any]] = {}
         self._loops: dict[GroupKey, _Loop] = {}
         self._clients: dict[str, WorkerClient] = {}
@@ -472,6 +615,87 @@ class GroupRunner:
         if self.settings.placement == "explicit" or spec.placement.mode is PlacementMode.EXPLICIT:
             return None
         return pod_claim_name(spec)
+
+    async def claim_uuids(
+        self, namespace: str, group: str, specs: Mapping[str, StageSpec]
+    ) -> tuple[str, ...] | None:
+        """GPU UUIDs the group's claim was allocated (from the ResourceSlices' ``uuid``
+        attribute), for the device-identity check; None without a claim (Explicit placement:
+        the workers are checked against each other), before allocation, or when the API does
+        not let this operator read claims and slices (the check is then skipped, logged once)."""
+        if not any(self.claim_for(spec) is not None for spec in specs.values()):
+            return None
+        name = claim_name(group)
+        cache_key = f"{namespace}/{name}"
+        try:
+            claim = await self.kube.get(CLAIMS, namespace, name)
+            if claim is None:
+                return None
+            uid = claim["metadata"].get("uid", "")
+            cached = self._claims.get(cache_key)
+            if cached is not None and cached[0] == uid:
+                return cached[1]  # an allocation does not change while the claim lives
+            results = ((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}
+            drivers = {r.get("driver") for r in results.get("results") or () if r.get("driver")}
+            slices: list[dict[str, Any]] = []
+            for driver in sorted(drivers):
+                slices += await self.kube.list_cluster(
+                    RESOURCE_SLICES, field_selector=f"spec.driver={driver}"
+                )
+        except KubeError as exc:
+            if cache_key not in self._claim_errors:
+                self._claim_errors.add(cache_key)
+                log.warning("%s: device identity not checked: %s", cache_key, exc)
+            return None
+        uuids = claim_device_uuids(claim, slices)
+        if uuids is not None:
+            self._claims[cache_key] = (uid, uuids)
+        return uuids
+
+    async def fence_started(self, namespace: str, name: str, reason: str) -> None:
+        """Record a fence before its delete: in memory and in ``status.fencePending`` (raises
+        ``FenceFailed`` when the status cannot be written: no delete goes out unrecorded)."""
+        key = (namespace, name)
+        self.fence_pending[key] = reason
+        self.fences_cleared.discard(key)
+        self.published.pop(key, None)
+        patch = {"status": {"fencePending": reason}}
+        try:
+            await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
+        except KubeError as exc:
+            raise FenceFailed(f"fence of {name} not recorded in status: {exc}") from exc
+
+    async def fence_confirmed(
+        self, namespace: str, name: str, body: Mapping[str, Any] | None = None
+    ) -> None:
+        """The API confirmed the fenced pod gone: clear the pending fence (memory and status)."""
+        key = (namespace, name)
+        was = self.fence_pending.pop(key, None)
+        self.fences_cleared.add(key)
+        self.published.pop(key, None)
+        patch = {"status": {"fencePending": None}}
+        try:
+            await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
+        except KubeError as exc:
+            log.warning("%s/%s: pending fence not cleared in status: %s", namespace, name, exc)
+        if was is not None and body is not None:
+            self.emit(body, "FenceConfirmed", f"pod confirmed gone; fence done: {was}")
+
+    def worker_exited(self, body: Mapping[str, Any], uid: str, message: str, now: float) -> None:
+        """Count a worker's exit (once per pod) into its stage's back-off, with an Event."""
+        meta = body["metadata"]
+        key = (meta.get("namespace") or "default", meta["name"])
+        before = self.backoffs.get(key, CrashBackoff())
+        after = before.exited(uid, message, now)
+        if after is before:
+            return
+        self.backoffs[key] = after
+        self.emit(
+            body,
+            "WorkerExited",
+            f"{message} (exit {after.restarts}; next pod in {after.delay_s():.0f}s)",
+            warning=True,
+        )
 
     async def ensure_secret(self, namespace: str) -> None:
         """Copy the worker token into the namespace's Secret (once per process)."""
@@ -525,6 +749,13 @@ class GroupRunner:
         self.fenced.pop(key, None)
         self.auth_errors.pop(key, None)
         self.published.pop(key, None)
+        self.fence_pending.pop(key, None)
+        self.fences_cleared.discard(key)
+        self.learned.pop(key, None)
+        self.backoffs.pop(key, None)
+        self.active_since.pop(key, None)
+        self.sleep_problems.pop(key, None)
+        self.wake_problems.pop(key, None)
 
     def kick_all(self) -> None:
         """Ask for a round of every group seen so far (e.g. on becoming the leader)."""
@@ -554,11 +785,14 @@ class GroupRunner:
                 loop.backoff_s = min(loop.backoff_s * 2, 5.0)
                 self._followup(namespace, group, loop, loop.backoff_s)
                 return
+            retry = self._retry_in.pop((namespace, group), None)
             if busy:
                 self._followup(namespace, group, loop, loop.backoff_s)
                 loop.backoff_s = min(loop.backoff_s * 1.5, 2.0)
             else:
                 loop.backoff_s = 0.2
+                if retry is not None:  # a crash back-off ends: create the stage's pod then
+                    self._followup(namespace, group, loop, retry + 0.05)
 
     async def round(self, namespace: str, group: str) -> bool:
         """One round; True when something is still in progress (poll again soon).
@@ -586,6 +820,9 @@ class GroupRunner:
                 [s.order.stage for s in outcome.sleeps], list(outcome.wakes), took,
             )  # fmt: skip
         metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
+        self._remember(namespace, outcome)
+        if port.held_back:
+            self._retry_in[(namespace, group)] = min(port.held_back.values())
         await self.publish(port, outcome)
         facts = port.facts.values()
         return (
@@ -593,6 +830,25 @@ class GroupRunner:
             or bool(outcome.wake_errors)
             or any(not s.ok and not s.fenced for s in outcome.sleeps)
         )
+
+    def _remember(self, namespace: str, outcome: RoundOutcome) -> None:
+        """Keep what a round learned beyond the round: needs, and the workers' own words on a
+        sleep or wake that did not go through (until one does)."""
+        for name, need in outcome.learned_needs.items():
+            self.learned[(namespace, name)] = need
+        for s in outcome.sleeps:
+            key = (namespace, s.order.stage)
+            if s.ok:
+                self.sleep_problems.pop(key, None)
+            else:
+                self.sleep_problems[key] = (s.reason.value, s.message)
+        for name in outcome.wakes:
+            if name not in outcome.wake_errors:
+                self.wake_problems.pop((namespace, name), None)
+        for name, err in outcome.wake_errors.items():
+            refused = name in outcome.wake_refusals
+            reason = cond.Reason.WAKE_REFUSED if refused else cond.Reason.ACK_FAILED
+            self.wake_problems[(namespace, name)] = (reason.value, err)
 
     # -- status ----------------------------------------------------------------------------
 
@@ -610,8 +866,7 @@ class GroupRunner:
                 )
                 self.emit(body, "Slept", msg)
             elif not s.fenced:
-                why = s.ack.error if s.ack is not None else "no ACK"
-                self.emit(body, "SleepFailed", f"{s.task_id}: {why}; {s.fence_error}", warning=True)
+                self.emit(body, s.reason.value, f"{s.task_id}: {s.message}", warning=True)
         for name, a in outcome.wakes.items():
             body = port.bodies.get(name)
             if body is not None and a.ok:
@@ -621,7 +876,8 @@ class GroupRunner:
         for name, err in outcome.wake_errors.items():
             body = port.bodies.get(name)
             if body is not None:
-                self.emit(body, "WakeFailed", err, warning=True)
+                refused = name in outcome.wake_refusals
+                self.emit(body, "WakeRefused" if refused else "WakeFailed", err, warning=True)
         for name in outcome.started:
             body = port.bodies.get(name)
             if body is not None:
@@ -642,6 +898,7 @@ class GroupRunner:
             fact = port.facts.get(name, StageFacts(WorkerPhase.ABSENT))
             if fact.phase is WorkerPhase.ACTIVE:
                 self.fenced.pop(key, None)
+                self.wake_problems.pop(key, None)
             pod = port.pods.get(name)
             obs = StageObservation(
                 generation=spec.generation,
@@ -658,9 +915,15 @@ class GroupRunner:
                 sleep_level=spec.sleep_level,
                 waking=decision is not None and name in decision.wake,
                 worker_error=self.auth_errors.get(key),
+                fence_pending=self.fence_pending.get(key),
+                learned_need=self.learned.get(key) or None,
+                sleep_problem=self.sleep_problems.get(key),
+                wake_problem=self.wake_problems.get(key),
             )
             previous = self.published.get(key) or body.get("status") or {}
             status = build_status(obs, previous, now)
+            self._extend_status(status, port, name, now)
+            self._condition_events(body, previous, status)
             if _same(status, self.published.get(key)):
                 continue
             old_state = previous.get("state")
@@ -676,6 +939,63 @@ class GroupRunner:
             self.emit(body, "SpecInvalid", str(exc), warning=True)
             patches.append(self._patch_status(port.ns, name, status))
         await asyncio.gather(*patches)
+
+    def _extend_status(
+        self, status: dict[str, Any], port: KubeGroupPort, name: str, now: datetime
+    ) -> None:
+        """Per-device figures and the crash back-off, which ``build_status`` does not know."""
+        key = (port.ns, name)
+        rep = port.reports.get(name)
+        devices = [
+            {
+                "uuid": d.uuid or None,
+                "index": d.index,
+                "usedBytes": d.used_after,
+                "freeBytes": d.free_after,
+                "totalBytes": d.total,
+                "used": format_bytes(d.used_after),
+                "free": format_bytes(d.free_after),
+                "total": format_bytes(d.total),
+            }
+            for d in (rep.devices if rep is not None else ())
+            if d.total > 0
+        ]
+        status["devices"] = devices or None
+        backoff = self.backoffs.get(key)
+        if backoff is None:
+            status["backoff"] = None
+            return
+        status["backoff"] = {
+            "restarts": backoff.restarts,
+            "until": format_timestamp(backoff.until),
+            "message": backoff.message,
+        }
+        if name in port.held_back or port.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase in (
+            WorkerPhase.ABSENT,
+            WorkerPhase.STARTING,
+        ):
+            # Its worker exited and no new one answers yet: say so, in the worker's words.
+            if name in port.held_back:
+                status["state"] = "Failed"
+            left = port.held_back.get(name, 0.0)
+            msg = f"{backoff.message} (exited {backoff.restarts}x"
+            msg += f"; next pod in {left:.0f}s)" if left else "; new pod starting)"
+            status["conditions"] = cond.set_condition(
+                status.get("conditions"), cond.READY, False, "WorkerExited", msg,
+                port.specs[name].generation, now,
+            )  # fmt: skip
+
+    def _condition_events(
+        self, body: Mapping[str, Any], previous: Mapping[str, Any], status: Mapping[str, Any]
+    ) -> None:
+        """A Warning Event when a condition takes a reason a user must hear about."""
+        before = {c.get("type"): c.get("reason") for c in previous.get("conditions") or ()}
+        for c in status.get("conditions") or ():
+            reason = c.get("reason")
+            if reason in _WARN_REASONS and before.get(c.get("type")) != reason:
+                if reason in ("WorkerExited", "SleepRefused", "WakeRefused"):
+                    continue  # the round's own Events already say it
+                self.emit(body, str(reason), str(c.get("message", "")), warning=True)
 
     async def _patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:

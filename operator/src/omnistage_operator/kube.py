@@ -26,6 +26,7 @@ SERVICES = ("/api", "v1", "services")
 SECRETS = ("/api", "v1", "secrets")
 EVENTS = ("/api", "v1", "events")
 CLAIMS = ("/apis", "resource.k8s.io/v1", "resourceclaims")
+RESOURCE_SLICES = ("/apis", "resource.k8s.io/v1", "resourceslices")  # cluster-scoped
 
 Resource = tuple[str, str, str]
 
@@ -76,6 +77,16 @@ class Kube:
         if code >= 300:
             self._raise(f"get {res[2]}/{name}", code, body)
         return cast(dict[str, Any], body)
+
+    async def list_cluster(
+        self, res: Resource, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Items of a cluster-scoped list (``fieldSelector`` optional)."""
+        params = {"fieldSelector": field_selector} if field_selector else None
+        code, body = await self._call("GET", res, None, params=params)
+        if code >= 300:
+            self._raise(f"list {res[2]}", code, body)
+        return cast(list[dict[str, Any]], body.get("items", []))
 
     async def list(
         self, res: Resource, namespace: str, label_selector: str | None = None

@@ -2,6 +2,11 @@
 
 Everything written here comes from what the worker measured (GetStatus, ACKs) or from what
 the operator itself did (a fence); nothing is assumed from a spec.
+
+Two facts must survive an operator restart, so they live in status and come back through
+``persisted_facts``: ``fencePending`` (a fence started and not confirmed: the stage holds memory
+until its pod is confirmed gone) and ``learnedNeedBytes`` (the need a wake refused for lack of
+memory reported: the stage's footprint from then on).
 """
 
 from __future__ import annotations
@@ -13,11 +18,18 @@ from typing import Any
 
 from omnistage_operator import conditions as cond
 from omnistage_operator.arbiter import Blocker, BlockReason, WorkerPhase
-from omnistage_operator.facts import AckFacts, WorkerReport
+from omnistage_operator.facts import AckFacts, WorkerReport, ack_contradiction
 from omnistage_operator.quantities import format_bytes
 from omnistage_operator.spec import Phase
 
-__all__ = ["StageObservation", "build_status", "format_timestamp", "parse_timestamp"]
+__all__ = [
+    "PersistedFacts",
+    "StageObservation",
+    "build_status",
+    "format_timestamp",
+    "parse_timestamp",
+    "persisted_facts",
+]
 
 
 def format_timestamp(epoch_s: float) -> str:
@@ -55,6 +67,33 @@ class StageObservation:
     sleep_level: int = 1
     waking: bool = False  # the arbiter allowed its wake; the WakeUp is going out
     worker_error: str | None = None  # why the worker could not be asked (e.g. UNAUTHENTICATED)
+    fence_pending: str | None = None  # a fence started and not confirmed (why it was started)
+    learned_need: int | None = None  # bytes, from a wake refused for lack of memory
+    # The round's own word on this stage, as (CamelCase reason, message): a sleep that was not
+    # ok (``SleepResult.reason``/``message``) and a wake that was refused or failed.
+    sleep_problem: tuple[str, str] | None = None
+    wake_problem: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class PersistedFacts:
+    """What status carries across operator restarts (see the module docstring)."""
+
+    fence_pending: bool = False
+    fence_reason: str | None = None
+    learned_need: int | None = None
+
+
+def persisted_facts(status: Mapping[str, Any] | None) -> PersistedFacts:
+    """Read back ``fencePending`` and ``learnedNeedBytes`` from a stage's status."""
+    st = status or {}
+    reason = st.get("fencePending")
+    need = st.get("learnedNeedBytes")
+    return PersistedFacts(
+        fence_pending=bool(reason),
+        fence_reason=reason if isinstance(reason, str) and reason else None,
+        learned_need=need if isinstance(need, int) and need > 0 else None,
+    )
 
 
 def _state(o: StageObservation) -> Phase:
@@ -89,17 +128,30 @@ def _ack_status(ack: AckFacts) -> dict[str, Any]:
         "durationSeconds": round(ack.duration_s, 6),
         "time": format_timestamp(ack.finished_at) if ack.finished_at else None,
         "startedAt": format_timestamp(ack.started_at) if ack.started_at else None,
+        "drainSeconds": round(ack.drain_s, 6) if ack.drain_s else None,
         "workers": list(ack.workers),
         "error": ack.error or None,
     }
 
 
+_BLOCK_REASONS = {  # in order of precedence
+    BlockReason.DEVICE_MISMATCH: cond.Reason.DEVICE_MISMATCH,
+    BlockReason.TOO_LARGE: cond.Reason.LARGER_THAN_DEVICE,
+    BlockReason.ACK_CONTRADICTED: cond.Reason.ACK_CONTRADICTED,
+    BlockReason.FENCE_PENDING: cond.Reason.FENCE_PENDING,
+    BlockReason.WORKER_FAILED: cond.Reason.WORKER_FAILED,
+    BlockReason.AWAITING_ACK: cond.Reason.WAITING_FOR_ACKS,
+    BlockReason.NOT_MEASURED: cond.Reason.MEMORY_NOT_MEASURED,
+    BlockReason.PODS_STARTING: cond.Reason.PODS_STARTING,
+    BlockReason.FREE_TOO_LOW: cond.Reason.INSUFFICIENT_MEMORY,
+}
+
+
 def _waiting_reason(blockers: Sequence[Blocker]) -> cond.Reason:
     reasons = {b.reason for b in blockers}
-    if BlockReason.AWAITING_ACK in reasons:
-        return cond.Reason.WAITING_FOR_ACKS
-    if BlockReason.TOO_LARGE in reasons or BlockReason.FREE_TOO_LOW in reasons:
-        return cond.Reason.INSUFFICIENT_MEMORY
+    for block, reason in _BLOCK_REASONS.items():
+        if block in reasons:
+            return reason
     if BlockReason.MEMORY_CLAIMED in reasons:
         return cond.Reason.LOWER_PRIORITY
     return cond.Reason.WAITING_FOR_MEMORY
@@ -123,6 +175,8 @@ def build_status(
         "requestedActiveAt": (
             format_timestamp(o.requested_active_at) if o.requested_active_at else None
         ),
+        "fencePending": o.fence_pending or None,
+        "learnedNeedBytes": o.learned_need or None,
     }
     if r is not None:
         residual = r.used_bytes if r.phase is WorkerPhase.ASLEEP else 0
@@ -137,13 +191,15 @@ def build_status(
             "capacity": format_bytes(r.total_bytes),
             "lastFreed": format_bytes(max(last_freed, 0)) if last_freed is not None else None,
             "source": r.source or None,
+            "peakActiveBytes": r.peak_active_bytes or None,
+            "contextBytes": r.context_bytes or None,
         }
     if o.last_ack is not None:
         status["lastAck"] = _ack_status(o.last_ack)
 
     cs: list[dict[str, Any]] | None = list(prev.get("conditions") or [])
     ready = state is Phase.ACTIVE
-    ready_reason = {
+    ready_reason: str = {
         Phase.ACTIVE: cond.Reason.WORKER_READY,
         Phase.LOADING: cond.Reason.LOADING,
         Phase.WAKING: cond.Reason.WAKING,
@@ -156,11 +212,14 @@ def build_status(
     ready_msg = f"worker is {o.phase.value}" + (f": {r.error}" if r is not None and r.error else "")
     if o.worker_error is not None and r is None:
         ready_reason, ready_msg = cond.Reason.WORKER_UNAUTHENTICATED, o.worker_error
+    elif o.wake_problem is not None and not ready:
+        ready_reason, ready_msg = o.wake_problem
     cs = cond.set_condition(cs, cond.READY, ready, ready_reason, ready_msg, gen, now)
 
     asleep = o.phase is WorkerPhase.ASLEEP
     ack = o.last_ack
     slept_ok = ack is not None and ack.op == "sleep" and ack.ok
+    reason: str
     if asleep:
         reason = cond.Reason.SLEEP_ACKNOWLEDGED if slept_ok else cond.Reason.DESIRED_ASLEEP
         msg = f"worker reports asleep at level {r.level if r else '?'}"
@@ -168,10 +227,27 @@ def build_status(
         reason, msg = ready_reason, f"worker is {o.phase.value}"
     cs = cond.set_condition(cs, cond.ASLEEP, asleep, reason, msg, gen, now)
 
-    if o.fenced_reason is not None:
+    contradicted = (
+        ack_contradiction(r.last_ack)
+        if r is not None and r.last_ack is not None and r.phase is WorkerPhase.ASLEEP
+        else None
+    )
+    if o.fence_pending is not None and o.phase is not WorkerPhase.ABSENT:
+        cs = cond.set_condition(
+            cs, cond.MEMORY_RELEASED, False, cond.Reason.FENCE_PENDING,
+            f"fence started, pod not confirmed gone: {o.fence_pending}", gen, now,
+        )  # fmt: skip
+    elif o.fenced_reason is not None:
         cs = cond.set_condition(
             cs, cond.MEMORY_RELEASED, True, cond.Reason.FENCED, o.fenced_reason, gen, now
         )
+    elif contradicted is not None:
+        cs = cond.set_condition(
+            cs, cond.MEMORY_RELEASED, False, cond.Reason.ACK_CONTRADICTED, contradicted, gen, now
+        )
+    elif o.sleep_problem is not None and o.phase is not WorkerPhase.ABSENT:
+        reason_, message_ = o.sleep_problem
+        cs = cond.set_condition(cs, cond.MEMORY_RELEASED, False, reason_, message_, gen, now)
     elif asleep and r is not None:
         if ack is not None and ack.op == "sleep" and not ack.ok:
             mr, mr_reason = False, cond.Reason.ACK_FAILED

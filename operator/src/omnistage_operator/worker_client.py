@@ -1,21 +1,33 @@
 """grpc.aio client of a worker's SleepService: a deadline on every call, bearer token, optional TLS.
 
-Retries are the caller's business and always reuse the task id (the worker replays the first
-ACK for a repeated id). Every RPC failure becomes ``WorkerUnavailable`` naming the code
-(``WorkerUnauthenticated`` when the worker refused the token).
+Retries are the caller's business (the worker replays the first ACK for a repeated id). RPC
+failures are classified: a deliberate answer (FAILED_PRECONDITION, INVALID_ARGUMENT,
+RESOURCE_EXHAUSTED, PERMISSION_DENIED) is ``WorkerRefused`` with the code's name and the worker's
+message; UNAUTHENTICATED is ``WorkerUnauthenticated``; silence (UNAVAILABLE, DEADLINE_EXCEEDED and
+every other code) is ``WorkerUnavailable``.
 """
 
 from __future__ import annotations
 
 import grpc
+from google.protobuf import duration_pb2
 
 from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
 from omnistage_operator.facts import AckFacts, WorkerReport, ack_from_proto, report_from_proto
-from omnistage_operator.handover import WorkerUnauthenticated, WorkerUnavailable
+from omnistage_operator.handover import WorkerRefused, WorkerUnauthenticated, WorkerUnavailable
 
 __all__ = ["WorkerClient"]
 
 _LEVELS = {1: types_pb2.SLEEP_LEVEL_OFFLOAD, 2: types_pb2.SLEEP_LEVEL_DISCARD}
+# Codes a worker answers on purpose: not silence, so never retried as if the call was lost.
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
 
 
 class WorkerClient:
@@ -50,7 +62,10 @@ class WorkerClient:
         """Close the channel."""
         await self._channel.close()
 
-    def _unavailable(self, what: str, exc: grpc.aio.AioRpcError) -> WorkerUnavailable:
+    def _error(self, what: str, exc: grpc.aio.AioRpcError) -> Exception:
+        """The exception an RPC error stands for (see the module docstring)."""
+        if exc.code() in REFUSALS:
+            return WorkerRefused(exc.code().name, exc.details() or "")
         message = f"{what} at {self.target}: {exc.code().name}: {exc.details()}"
         if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
             return WorkerUnauthenticated(
@@ -66,20 +81,31 @@ class WorkerClient:
                 sleep_service_pb2.GetStatusRequest(), timeout=timeout_s, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
-            raise self._unavailable("GetStatus", exc) from exc
+            raise self._error("GetStatus", exc) from exc
         return report_from_proto(resp)
 
     async def sleep(
-        self, level: int, task_id: str, timeout_s: float, *, epoch: int = 0
+        self,
+        level: int,
+        task_id: str,
+        timeout_s: float,
+        *,
+        epoch: int = 0,
+        drain_timeout_s: float | None = None,
     ) -> AckFacts:
-        """Sleep at ``level`` (1 or 2) under ``task_id``, ordered by leadership ``epoch``."""
+        """Sleep at ``level`` (1 or 2) under ``task_id``, ordered by leadership ``epoch``;
+        ``drain_timeout_s`` bounds the worker's wait for in-flight requests (None: its own)."""
         if level not in _LEVELS:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         req = sleep_service_pb2.SleepRequest(task_id=task_id, level=_LEVELS[level], epoch=epoch)
+        if drain_timeout_s is not None:
+            drain = duration_pb2.Duration()
+            drain.FromNanoseconds(int(drain_timeout_s * 1e9))
+            req.drain_timeout.CopyFrom(drain)
         try:
             resp = await self._stub.Sleep(req, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            raise self._unavailable(f"Sleep {task_id}", exc) from exc
+            raise self._error(f"Sleep {task_id}", exc) from exc
         return ack_from_proto(resp.ack)
 
     async def wake(self, task_id: str, timeout_s: float, *, epoch: int = 0) -> AckFacts:
@@ -88,5 +114,5 @@ class WorkerClient:
         try:
             resp = await self._stub.WakeUp(req, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
-            raise self._unavailable(f"WakeUp {task_id}", exc) from exc
+            raise self._error(f"WakeUp {task_id}", exc) from exc
         return ack_from_proto(resp.ack)

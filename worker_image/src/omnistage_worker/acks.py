@@ -29,6 +29,12 @@ class Outcome:
     noop: bool = False
     error: str = ""
     residual_bound: int = 0
+    epoch: int = 0
+    peak_active: int = 0
+    # A sleep that waited for in-flight requests: when it began waiting and for how long
+    # (started_at, finished_at and seconds cover the transition after that wait).
+    drain_started_at: datetime | None = None
+    drain_seconds: float = 0.0
 
 
 def identity_proto(identity: Identity) -> types_pb2.WorkerIdentity:
@@ -48,7 +54,8 @@ def device_figures(before: Reading, after: Reading) -> list[types_pb2.DeviceMemo
     prior = {d.device: d for d in before.devices}
     out = []
     for dev in after.devices:
-        used_before = prior[dev.device].used if dev.device in prior else dev.used
+        earlier = prior.get(dev.device, dev)
+        used_before = earlier.used
         out.append(
             types_pb2.DeviceMemory(
                 device=dev.device,
@@ -59,6 +66,7 @@ def device_figures(before: Reading, after: Reading) -> list[types_pb2.DeviceMemo
                 freed_bytes=used_before - dev.used,
                 free_after_bytes=dev.free,
                 total_bytes=dev.total,
+                free_before_bytes=earlier.free,
             )
         )
     return out
@@ -84,10 +92,15 @@ def build_ack(outcome: Outcome, identity: Identity) -> types_pb2.Ack:
         noop=outcome.noop,
         residual_bound_bytes=outcome.residual_bound,
         bytes_moved=outcome.bytes_moved,
+        epoch=outcome.epoch,
+        peak_active_bytes=outcome.peak_active,
     )
     ack.duration.FromNanoseconds(int(outcome.seconds * 1e9))
     ack.started_at.FromDatetime(outcome.started_at)
     ack.finished_at.FromDatetime(outcome.finished_at)
+    if outcome.drain_started_at is not None:
+        ack.drain_started_at.FromDatetime(outcome.drain_started_at)
+        ack.drain_duration.FromNanoseconds(int(outcome.drain_seconds * 1e9))
     return ack
 
 

@@ -1,4 +1,11 @@
-"""``omnistage-worker``: parse flags, validate them (exit 2 naming the flag), then serve."""
+"""``omnistage-worker``: parse flags, validate them (exit 2 naming the flag), then serve.
+
+A fatal start error (a bad flag, a missing model directory, a server that cannot start) is
+also written, as one line, to the termination message (:mod:`omnistage_worker.termination`),
+so the pod's status says why the worker exited. A model that fails to load does not end the
+process: the worker stays up FAILED (GetStatus and every refusal carry the reason, liveness
+reads NOT_SERVING) and writes the same termination message, shown once the pod ends.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +17,12 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
+from omnistage_worker import termination
 from omnistage_worker.config import (
     BACKENDS,
+    DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_PORT,
     DEFAULT_RESIDUAL_SLACK,
     DTYPES,
@@ -28,9 +38,19 @@ from omnistage_worker.host_allocator import fix_mmap_threshold
 log = logging.getLogger("omnistage_worker")
 
 
-def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose refusals also go to the termination message."""
+
+    termination_log: Path | None = None
+
+    def error(self, message: str) -> NoReturn:
+        termination.write(self.termination_log, f"{self.prog}: {message}")
+        super().error(message)
+
+
+def build_parser(env: Mapping[str, str]) -> Parser:
     """The argument parser; defaults that come from the environment are read from ``env``."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="omnistage-worker",
         description="Serve one model stage over gRPC and sleep/wake it with measured ACKs.",
     )
@@ -74,6 +94,19 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         help="torch intra-op threads (default: torch's choice); set it when workers share cores",
     )
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds (SIGTERM)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env.get("OMNISTAGE_DRAIN_TIMEOUT") or DEFAULT_DRAIN_TIMEOUT_S),
+        help="seconds a sleep waits for in-flight requests when the Sleep request sets no "
+        "drain_timeout of its own (default 600)",
+    )
+    p.add_argument(
+        termination.FLAG,
+        default=env.get(termination.ENV),
+        help="file for a one-line reason when the worker gives up (default: "
+        "/dev/termination-log when the kubelet provides it; empty: none)",
+    )
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     return p
 
@@ -111,7 +144,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         ),
         dtype=args.dtype,
         shutdown_grace_s=args.shutdown_grace,
+        drain_timeout_s=args.drain_timeout,
         cpu_threads=args.cpu_threads,
+        termination_log=termination.resolve(args.termination_log),
     )
 
 
@@ -144,7 +179,10 @@ async def run(config: WorkerConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``omnistage-worker``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(os.environ)
+    # Known before parsing, so a refusal of any flag reaches the termination message too.
+    parser.termination_log = termination.resolve(termination.from_argv(argv, os.environ))
     args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
@@ -161,7 +199,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.initial_state,
         config.sleep_level,
     )
-    return asyncio.run(run(config))
+    try:
+        return asyncio.run(run(config))
+    except Exception as exc:
+        log.exception("the worker could not start or failed")
+        termination.write(config.termination_log, f"worker failed: {exc}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Final
 MI: Final = 1024 * 1024
 DEFAULT_RESIDUAL_SLACK: Final = 128 * MI
 DEFAULT_PORT: Final = 50051
+DEFAULT_DRAIN_TIMEOUT_S: Final = 600.0
 
 RUNNER_BACKENDS: Final[dict[str, tuple[str, ...]]] = {
     "diffusion": ("diffusers",),
@@ -129,9 +130,10 @@ class WorkerConfig:
     identity: Identity = field(default_factory=Identity)
     dtype: str = "auto"
     shutdown_grace_s: float = 30.0
-    drain_timeout_s: float = 600.0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     ack_cache_size: int = 1024
     cpu_threads: int | None = None
+    termination_log: Path | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -205,6 +207,8 @@ def validate(config: WorkerConfig) -> None:
         raise ConfigError("--rank", "must not be negative")
     if config.shutdown_grace_s < 0:
         raise ConfigError("--shutdown-grace", "must not be negative")
+    if not config.drain_timeout_s >= 0:  # also refuses NaN
+        raise ConfigError("--drain-timeout", "must not be negative")
     if config.cpu_threads is not None and config.cpu_threads < 1:
         raise ConfigError("--cpu-threads", "must be at least 1")
     if config.ack_cache_size < 1:

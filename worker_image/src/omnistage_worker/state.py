@@ -3,15 +3,25 @@
 Rules carried out here (decisions come from :mod:`omnistage_worker.transitions`):
 
 - transitions run one at a time (an asyncio lock); a second one waits for the first;
-- a sleep first refuses new Generate calls, then waits for those in flight to finish;
+- an order from an older leadership epoch than the highest obeyed is refused (before the
+  task-id cache is consulted, and again once the lock is held), and changes nothing;
+- a sleep first refuses new Generate calls, then waits for those in flight to finish (the
+  drain, bounded by the request's drain timeout or ``--drain-timeout``); the Ack times the
+  drain and the transition apart;
 - memory is measured before and after every transition; the Ack carries the measurements;
+- a sleep whose measured residual is above the bound leaves the worker FAILED, never ASLEEP;
+  a later Sleep measures again and may bring it to ASLEEP; a WakeUp is refused meanwhile;
 - a repeated task id joins the transition started for it and gets its Ack, marked replayed;
-- a transition runs to its end even when the caller goes away.
+  a not-ok Ack is final for its task id too (the operator retries under a new id);
+- a transition runs to its end even when the caller goes away;
+- the peak device memory while Active (since the last wake or load) is measured after each
+  Generate and reported in GetStatus and in every Ack.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -23,15 +33,17 @@ from typing import Any, TypeVar
 import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_pb2
+from omnistage_worker import termination
 from omnistage_worker.acks import AckCache, Outcome, TaskIdConflict, build_ack, replayed
 from omnistage_worker.acks import identity_proto as _identity_proto
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.memory import AccountingProbe, Ledger, MemoryProbe, NvmlProbe, Reading
+from omnistage_worker.memory import AccountingProbe, MemoryProbe, Reading, build_probe
 from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController, Stats
 from omnistage_worker.transitions import (
     Current,
     Plan,
     Refused,
+    check_epoch,
     generate_refusal,
     plan_sleep,
     plan_wake,
@@ -138,6 +150,12 @@ class Worker:
         self._listeners: list[Listener] = []
         self.last_ack: types_pb2.Ack | None = None
         self.active_footprint = 0
+        # The most device memory measured while Active since the last wake or load.
+        self.peak_active = 0
+        # The highest leadership epoch obeyed (0: none seen).
+        self.epoch = 0
+        # FAILED because memory was still used after a sleep (a later Sleep re-checks).
+        self._residual_failed = False
         self._last_reading: Reading | None = None
         self.loaded = asyncio.Event()
         # Transitions (and the load) run on one thread, Generate calls on another.
@@ -148,7 +166,7 @@ class Worker:
 
     @property
     def current(self) -> Current:
-        return Current(self._state, self._level, self._error)
+        return Current(self._state, self._level, self._error, self._residual_failed)
 
     @property
     def state(self) -> types_pb2.WorkerState.ValueType:
@@ -182,10 +200,17 @@ class Worker:
         for listener in self._listeners:
             await listener(self.current)
 
-    async def _fail(self, error: str) -> None:
+    async def _fail(self, error: str, level: int | None = None, residual: bool = False) -> None:
+        """FAILED with ``error``; ``residual``: only the measured residual after a sleep failed
+        (the weights are off the device at ``level``, and a later Sleep measures again)."""
         self._error = error
+        self._residual_failed = residual
         log.error("worker failed: %s", error)
-        await self._set_state(types_pb2.WORKER_STATE_FAILED, self._level)
+        # Shown in the pod's status if the container ends while failed (liveness does that).
+        termination.write(self.config.termination_log, f"worker failed: {error}")
+        await self._set_state(
+            types_pb2.WORKER_STATE_FAILED, self._level if level is None else level
+        )
 
     # -- loading --------------------------------------------------------------------------
 
@@ -200,7 +225,7 @@ class Worker:
             return
         assert self.controller is not None
         if self.config.initial_state == "active":
-            self.active_footprint = self._measure().used
+            self.active_footprint = self.peak_active = self._measure().used
             await self._set_state(types_pb2.WORKER_STATE_ACTIVE, 0)
         else:
             self._measure()
@@ -210,17 +235,10 @@ class Worker:
     def _load_blocking(self) -> None:
         config = self.config
         started = time.monotonic()
-        if config.device.is_cuda:
-            _create_cuda_context(config.device.index)
-            self.probe = NvmlProbe(config.device.index, include_children=config.backend == "vllm")
-            self.baseline = self.probe.read().used
-            log.info(
-                "CUDA context measured by NVML: %d bytes (the residual baseline)", self.baseline
-            )
-        else:
-            ledger = Ledger(config.memory_ledger) if config.memory_ledger is not None else None
-            self.probe = AccountingProbe(lambda: 0, config.memory_capacity, ledger)
-            self.probe.read()
+        self.probe = build_probe(config)
+        self.probe.touch()
+        self.baseline = self.probe.read().used
+        log.info("device context measured: %d bytes (the residual baseline)", self.baseline)
         log.info("loading model from %s", config.model)
         self.runner.load()
         level2_start = config.initial_state == "asleep" and config.sleep_level == 2
@@ -259,26 +277,71 @@ class Worker:
             # During a transition the engine is moving tensors: report the last measurement.
             return self._last_reading
         try:
-            return self._measure()
+            reading = self._measure()
         except Exception:
             log.exception("memory measurement failed")
             return self._last_reading
+        if self._state == types_pb2.WORKER_STATE_ACTIVE:
+            self._note_peak(reading)
+        return reading
+
+    def _note_peak(self, reading: Reading) -> None:
+        """Count a reading taken while the weights are on the device into the active peak."""
+        self.peak_active = max(self.peak_active, reading.used)
+
+    def _measure_peak(self) -> None:
+        """Measure now (after a Generate, before any cache release) into the active peak."""
+        if self.probe is None:
+            return
+        try:
+            self._note_peak(self._measure())
+        except Exception:
+            log.exception("memory measurement after a request failed")
+
+    def _release_cached(self) -> None:
+        """Return cached device blocks to the driver, where the probe knows how."""
+        release = getattr(self.probe, "release_cached", None)
+        if callable(release):
+            release()
 
     # -- transitions ----------------------------------------------------------------------
 
-    async def sleep(self, task_id: str, level: int) -> types_pb2.Ack:
-        """Sleep at ``level``; the Ack of this task id (replayed when seen before)."""
+    async def sleep(
+        self, task_id: str, level: int, epoch: int = 0, drain_timeout: float | None = None
+    ) -> types_pb2.Ack:
+        """Sleep at ``level``; the Ack of this task id (replayed when seen before).
+
+        ``drain_timeout`` (seconds) bounds the wait for in-flight requests instead of
+        ``--drain-timeout``. A drain that runs out leaves the worker as it was and answers a
+        not-ok Ack; like every Ack it is final for its task id (a repeat replays it), so the
+        operator retries under a new task id, after a backoff.
+        """
         return await self._transition(
-            task_id, f"sleep level {level}", lambda: self._sleep(task_id, level)
+            task_id,
+            f"sleep level {level}",
+            epoch,
+            lambda: self._sleep(task_id, level, epoch, drain_timeout),
         )
 
-    async def wake(self, task_id: str) -> types_pb2.Ack:
+    async def wake(self, task_id: str, epoch: int = 0) -> types_pb2.Ack:
         """Wake up; the Ack of this task id (replayed when seen before)."""
-        return await self._transition(task_id, "wake-up", lambda: self._wake(task_id))
+        return await self._transition(task_id, "wake-up", epoch, lambda: self._wake(task_id, epoch))
+
+    def _obey(self, epoch: int) -> None:
+        """Remember ``epoch`` as obeyed (epoch 0, no election, never lowers it)."""
+        if epoch > self.epoch:
+            log.info("obeying leadership epoch %d (was %d)", epoch, self.epoch)
+            self.epoch = epoch
 
     async def _transition(
-        self, task_id: str, key: str, run: Callable[[], Awaitable[types_pb2.Ack]]
+        self,
+        task_id: str,
+        key: str,
+        epoch: int,
+        run: Callable[[], Awaitable[types_pb2.Ack]],
     ) -> types_pb2.Ack:
+        # A stale leader learns nothing, not even a replayed Ack; its id is not remembered.
+        check_epoch(epoch, self.epoch)
         try:
             existing = self._acks.get(task_id, key)
         except TaskIdConflict as exc:
@@ -299,10 +362,14 @@ class Worker:
         ack = await asyncio.shield(task)
         return ack
 
-    async def _sleep(self, task_id: str, level: int) -> types_pb2.Ack:
+    async def _sleep(
+        self, task_id: str, level: int, epoch: int, drain_timeout: float | None
+    ) -> types_pb2.Ack:
         async with self._lock:
+            check_epoch(epoch, self.epoch)  # a newer leader may have been obeyed meanwhile
             plan = plan_sleep(self.current, level)
-            if plan is Plan.DEEPEN and not self.runner.can_deepen:
+            deeper = plan is Plan.DEEPEN or (plan is Plan.RECHECK and level > self._level)
+            if deeper and not self.runner.can_deepen:
                 raise Refused(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"level: this backend cannot go from level {self._level} to {level} "
@@ -314,40 +381,70 @@ class Worker:
                     "level: 2 is not supported for this model (no *.safetensors files to "
                     "reload from)",
                 )
-            start = _Start()
+            self._obey(epoch)
             if plan is Plan.NOOP:
+                start = _Start()
                 reading = self._measure()
                 return self._finish(
-                    self._outcome(task_id, SLEEP, reading, reading, start, noop=True)
+                    self._outcome(task_id, SLEEP, reading, reading, start, epoch=epoch, noop=True)
                 )
+            if plan is Plan.RECHECK:
+                return await self._recheck(task_id, level, epoch)
             previous = (self._state, self._level)
             await self._set_state(types_pb2.WORKER_STATE_SLEEPING, self._level)
-            if plan is Plan.SLEEP and not await self._drain():
+            timeout = self.config.drain_timeout_s if drain_timeout is None else drain_timeout
+            drain: _Start | None = None
+            drained = True
+            if plan is Plan.SLEEP and self._inflight:
+                drain = _Start()
+                drained = await self._drain(timeout)
+            start = _Start()
+            if not drained:
                 await self._set_state(*previous)
                 reading = self._measure()
+                self._note_peak(reading)
                 error = (
-                    f"in-flight requests did not finish within "
-                    f"{self.config.drain_timeout_s:.0f}s; the sleep was not started"
+                    f"in-flight requests ({self._inflight}) did not finish within the drain "
+                    f"timeout of {timeout:g}s; the sleep was not started"
                 )
                 return self._finish(
-                    self._outcome(task_id, SLEEP, reading, reading, start, error=error)
+                    self._outcome(
+                        task_id,
+                        SLEEP,
+                        reading,
+                        reading,
+                        start,
+                        epoch=epoch,
+                        drain=drain,
+                        error=error,
+                    )
                 )
             before = self._measure()
+            if plan is Plan.SLEEP:
+                self._note_peak(before)  # still Active: the weights have not moved yet
             controller = self._require_controller()
             try:
                 stats: Stats = await self._transition_lane.run(lambda: controller.sleep(level))
+                if self.probe is not None:
+                    await self._transition_lane.run(self.probe.release_cached)
             except Exception as exc:
                 log.exception("sleep failed")
                 await self._fail(f"sleep to level {level} failed: {exc}")
                 after = self._measure()
                 return self._finish(
-                    self._outcome(task_id, SLEEP, before, after, start, error=self._error)
+                    self._outcome(
+                        task_id,
+                        SLEEP,
+                        before,
+                        after,
+                        start,
+                        epoch=epoch,
+                        drain=drain,
+                        error=self._error,
+                    )
                 )
             after = self._measure()
-            await self._set_state(types_pb2.WORKER_STATE_ASLEEP, controller.level)
-            error = residual_error(after.used, self.residual_bound)
-            if error:
-                log.warning("sleep ack not ok: %s", error)
+            error = await self._settle_asleep(after, controller.level)
             return self._finish(
                 self._outcome(
                     task_id,
@@ -355,20 +452,75 @@ class Worker:
                     before,
                     after,
                     start,
+                    epoch=epoch,
+                    drain=drain,
                     bytes_moved=stats.bytes_moved,
                     noop=stats.noop,
                     error=error,
                 )
             )
 
-    async def _wake(self, task_id: str) -> types_pb2.Ack:
+    async def _settle_asleep(self, after: Reading, level: int) -> str:
+        """ASLEEP at ``level`` when the measured residual is within the bound; otherwise FAILED
+        (the memory may still be held, so the worker never reads as asleep). The Ack's error."""
+        error = residual_error(after.used, self.residual_bound)
+        if error:
+            log.warning("sleep ack not ok: %s", error)
+            await self._fail(error, level=level, residual=True)
+        else:
+            if self._residual_failed:  # measured again, and now within the bound
+                self._error = ""
+                self._residual_failed = False
+                termination.write(self.config.termination_log, "")
+            await self._set_state(types_pb2.WORKER_STATE_ASLEEP, level)
+        return error
+
+    async def _recheck(self, task_id: str, level: int, epoch: int) -> types_pb2.Ack:
+        """A Sleep to a worker that failed its residual check: go deeper when asked, return
+        cached blocks to the device again, measure again; ASLEEP only when within the bound."""
+        start = _Start()
+        before = self._measure()
+        controller = self._require_controller()
+        target = max(level, controller.level)
+        try:
+            stats: Stats = await self._transition_lane.run(lambda: controller.sleep(target))
+            await self._transition_lane.run(self._release_cached)
+        except Exception as exc:
+            log.exception("sleep (re-check) failed")
+            await self._fail(f"sleep to level {target} failed: {exc}")
+            after = self._measure()
+            return self._finish(
+                self._outcome(task_id, SLEEP, before, after, start, epoch=epoch, error=self._error)
+            )
+        after = self._measure()
+        error = await self._settle_asleep(after, controller.level)
+        return self._finish(
+            self._outcome(
+                task_id,
+                SLEEP,
+                before,
+                after,
+                start,
+                epoch=epoch,
+                bytes_moved=stats.bytes_moved,
+                noop=stats.noop,
+                error=error,
+            )
+        )
+
+    async def _wake(self, task_id: str, epoch: int) -> types_pb2.Ack:
         async with self._lock:
+            check_epoch(epoch, self.epoch)  # a newer leader may have been obeyed meanwhile
             plan = plan_wake(self.current)
+            self._obey(epoch)
             start = _Start()
             before = self._measure()
+            peak = self.peak_active  # the Ack reports the peak before this transition
 
             def outcome(after: Reading, **extra: Any) -> Outcome:
-                return self._outcome(task_id, WAKE, before, after, start, **extra)
+                return self._outcome(
+                    task_id, WAKE, before, after, start, epoch=epoch, peak_active=peak, **extra
+                )
 
             if plan is Plan.NOOP:
                 return self._finish(outcome(before, noop=True))
@@ -386,12 +538,13 @@ class Worker:
                 error = f"wake from level {asleep_level} failed: {exc}"
                 try:
                     await self._transition_lane.run(lambda: controller.sleep(asleep_level))
-                    await self._set_state(types_pb2.WORKER_STATE_ASLEEP, controller.level)
+                    await self._transition_lane.run(self._release_cached)
+                    await self._settle_asleep(self._measure(), controller.level)
                 except Exception as again:
                     await self._fail(f"{error}; putting it back to sleep failed too: {again}")
                 return self._finish(outcome(self._measure(), error=error))
             after = self._measure()
-            self.active_footprint = after.used
+            self.active_footprint = self.peak_active = after.used
             await self._set_state(types_pb2.WORKER_STATE_ACTIVE, 0)
             return self._finish(outcome(after, bytes_moved=stats.bytes_moved, noop=stats.noop))
 
@@ -416,9 +569,19 @@ class Worker:
         before: Reading,
         after: Reading,
         start: _Start,
+        *,
+        drain: _Start | None = None,
         **extra: Any,
     ) -> Outcome:
-        """What a transition did, as of now, in the worker's current state and level."""
+        """What a transition did, as of now, in the worker's current state and level.
+
+        ``start`` is when the transition itself began; ``drain``, when a sleep began waiting
+        for in-flight requests before it (the wait lasted until ``start``).
+        """
+        extra.setdefault("peak_active", self.peak_active)
+        if drain is not None:
+            extra["drain_started_at"] = drain.at
+            extra["drain_seconds"] = max(0.0, start.monotonic - drain.monotonic)
         return Outcome(
             task_id,
             operation,
@@ -458,12 +621,12 @@ class Worker:
         )
         return ack
 
-    async def _drain(self) -> bool:
-        """Wait for in-flight Generate calls to finish (bounded by the drain timeout)."""
+    async def _drain(self, within: float) -> bool:
+        """Wait for in-flight Generate calls to finish, for at most ``within`` seconds."""
         if self._inflight:
-            log.info("sleep waits for %d in-flight request(s)", self._inflight)
+            log.info("sleep waits for %d in-flight request(s) (up to %gs)", self._inflight, within)
         try:
-            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
+            await asyncio.wait_for(self._idle.wait(), within)
         except TimeoutError:
             return False
         return True
@@ -484,13 +647,22 @@ class Worker:
         self._inflight += 1
         self._idle.clear()
 
+        probe = self.probe
+
+        def serve() -> inference_service_pb2.GenerateResponse:
+            # on the lane's thread: a simulated device charges the request's activations
+            with probe.serving() if probe is not None else contextlib.nullcontext():
+                return self.runner.generate(request)
+
         async def run() -> inference_service_pb2.GenerateResponse:
             try:
-                return await self._generate_lane.run(lambda: self.runner.generate(request))
+                return await self._generate_lane.run(serve)
             finally:
                 self._inflight -= 1
                 if self._inflight == 0:
                     self._idle.set()
+                # Synchronous, so it runs before a draining sleep moves anything.
+                self._measure_peak()
 
         # The model keeps running if the caller goes away; a sleep waits for it either way.
         return await asyncio.shield(asyncio.ensure_future(run()))
@@ -512,7 +684,11 @@ class Worker:
             active_footprint_bytes=self.active_footprint,
             error=self._error,
             inflight_requests=self._inflight,
+            peak_active_bytes=self.peak_active,
+            context_bytes=self.baseline,
+            epoch=self.epoch,
         )
+        response.drain_timeout.FromNanoseconds(int(config.drain_timeout_s * 1e9))
         if reading is not None:
             response.used_bytes = reading.used
             response.free_bytes = reading.free
@@ -527,6 +703,7 @@ class Worker:
                     used_after_bytes=dev.used,
                     free_after_bytes=dev.free,
                     total_bytes=dev.total,
+                    free_before_bytes=dev.free,
                 )
         if self.last_ack is not None:
             response.last_ack.CopyFrom(self.last_ack)
@@ -549,33 +726,3 @@ class Worker:
         self._transition_lane.close()
         self._generate_lane.close()
 
-
-def _cuda_allocator(index: int) -> Callable[[int], Callable[[], None]]:
-    """``allocate(n)``: take n bytes on the device (outside the caching allocator's pool)."""
-    import torch
-
-    def allocate(nbytes: int) -> Callable[[], None]:
-        block = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
-        block.fill_(1)
-        torch.cuda.synchronize(index)
-
-        def release() -> None:
-            nonlocal block
-            del block
-            torch.cuda.synchronize(index)
-            torch.cuda.empty_cache()
-
-        return release
-
-    return allocate
-
-
-def _create_cuda_context(index: int) -> None:
-    """Create the CUDA context before any weight loads, so NVML can measure it alone."""
-    import torch
-
-    torch.cuda.set_device(index)
-    probe = torch.zeros(1, device=f"cuda:{index}")
-    del probe
-    torch.cuda.synchronize(index)
-    torch.cuda.empty_cache()

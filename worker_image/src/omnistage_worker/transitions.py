@@ -22,6 +22,7 @@ class Plan(enum.Enum):
     SLEEP = "sleep"  # active -> asleep (weights leave the device)
     DEEPEN = "deepen"  # asleep at 1 -> asleep at 2 (the host copy is dropped)
     WAKE = "wake"  # asleep -> active
+    RECHECK = "recheck"  # failed its residual check: release cached memory, measure again
 
 
 class Refused(Exception):
@@ -38,8 +39,11 @@ class Current:
     """The worker's state as the planner sees it."""
 
     state: WS.ValueType
-    level: int  # 0 when awake
+    level: int  # 0 when awake (for a failed residual check: the level the weights are at)
     error: str = ""
+    # FAILED only because memory was still in use after a sleep: the weights are off the
+    # device, and a later Sleep may measure again (the only way out of FAILED).
+    residual: bool = False
 
 
 def _refuse_unready(current: Current) -> None:
@@ -53,8 +57,11 @@ def plan_sleep(current: Current, level: int) -> Plan:
     """Plan a sleep to ``level`` (1 or 2).
 
     Sleeping at the current level is a no-op; asleep at 2, a sleep at 1 is a no-op too (the
-    device memory is already free; the Ack reports level 2).
+    device memory is already free; the Ack reports level 2). A worker that failed its residual
+    check is measured again (:attr:`Plan.RECHECK`); any other failure refuses.
     """
+    if current.state == types_pb2.WORKER_STATE_FAILED and current.residual:
+        return Plan.RECHECK
     _refuse_unready(current)
     if current.state == types_pb2.WORKER_STATE_ACTIVE:
         return Plan.SLEEP
@@ -64,7 +71,11 @@ def plan_sleep(current: Current, level: int) -> Plan:
 
 
 def plan_wake(current: Current) -> Plan:
-    """Plan a wake: a no-op while awake."""
+    """Plan a wake: a no-op while awake; FAILED_PRECONDITION with the reason when failed.
+
+    A worker that failed its residual check is never woken: it may still hold memory the
+    operator counted as free, so the operator fences it (or a later Sleep measures again).
+    """
     _refuse_unready(current)
     if current.state == types_pb2.WORKER_STATE_ACTIVE:
         return Plan.NOOP
@@ -99,6 +110,27 @@ def residual_error(used_after: int, bound: int) -> str:
         f"device memory still used after sleep: {used_after} bytes measured, "
         f"above the bound of {bound} bytes (baseline + residual slack)"
     )
+
+
+def check_epoch(order: int, obeyed: int) -> None:
+    """Refuse an order from an older leadership epoch than the highest this worker obeyed.
+
+    Epoch 0 means no leader election and is always accepted.
+    """
+    if order < 0:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"epoch: {order} is negative")
+    if order and order < obeyed:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"order from epoch {order} refused: this worker has obeyed epoch {obeyed}",
+        )
+
+
+def drain_timeout_from_proto(seconds: float | None) -> float | None:
+    """A request's drain timeout in seconds (None: unset); INVALID_ARGUMENT when negative."""
+    if seconds is not None and seconds < 0:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"drain_timeout: {seconds:g}s is negative")
+    return seconds
 
 
 def level_from_proto(value: int) -> int:

@@ -1,0 +1,99 @@
+"""Leadership epochs over real gRPC: an order from an older epoch is refused and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import grpc
+
+from omnistage.worker.v1 import sleep_service_pb2, types_pb2
+from tests.worker.conftest import StartWorker, WorkerHandle, rpc_error, wait_for
+from tests.worker.doubles import HeldMemoryLM
+
+ACTIVE = types_pb2.WORKER_STATE_ACTIVE
+ASLEEP = types_pb2.WORKER_STATE_ASLEEP
+
+
+async def test_older_epoch_is_refused_and_changes_nothing(lm_worker: WorkerHandle) -> None:
+    assert (await lm_worker.status()).epoch == 0
+    slept = await lm_worker.sleep(1, task_id="s5", epoch=5)
+    assert slept.ok and slept.epoch == 5
+    assert (await lm_worker.status()).epoch == 5
+
+    err = await rpc_error(lm_worker.wake(task_id="w3", epoch=3))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == "order from epoch 3 refused: this worker has obeyed epoch 5"
+    err = await rpc_error(lm_worker.sleep(2, task_id="d3", epoch=3))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    status = await lm_worker.status()
+    assert status.state == ASLEEP and status.level == types_pb2.SLEEP_LEVEL_OFFLOAD
+    assert status.epoch == 5 and status.last_ack.task_id == "s5"
+
+    # The refused ids were not remembered: the current leader may use them.
+    woke = await lm_worker.wake(task_id="w3", epoch=5)
+    assert woke.ok and not woke.replayed and woke.epoch == 5 and woke.state == ACTIVE
+
+    # Epoch 0 (no election) is always obeyed and never lowers the remembered epoch.
+    plain = await lm_worker.sleep(1, epoch=0)
+    assert plain.ok and plain.epoch == 0
+    assert (await lm_worker.status()).epoch == 5
+    newer = await lm_worker.wake(epoch=7)
+    assert newer.ok and newer.epoch == 7
+    assert (await lm_worker.status()).epoch == 7
+
+
+async def test_stale_leader_cannot_replay_a_task_id(lm_worker: WorkerHandle) -> None:
+    first = await lm_worker.sleep(1, task_id="t1", epoch=4)
+    assert first.ok
+    assert (await lm_worker.wake(task_id="t2", epoch=6)).ok
+    err = await rpc_error(lm_worker.sleep(1, task_id="t1", epoch=4))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "epoch 4 refused" in (err.details() or "") and "epoch 6" in (err.details() or "")
+    assert (await lm_worker.status()).state == ACTIVE
+    # The current leader repeating the id gets the first Ack back (idempotence), nothing more.
+    again = await lm_worker.sleep(1, task_id="t1", epoch=6)
+    assert again.replayed and again.epoch == 4
+    assert (await lm_worker.status()).state == ACTIVE
+
+
+async def test_negative_epoch_is_invalid(lm_worker: WorkerHandle) -> None:
+    err = await rpc_error(
+        lm_worker.sleep_stub.Sleep(
+            sleep_service_pb2.SleepRequest(task_id="t", level=1, epoch=-1)  # type: ignore[arg-type]
+        )
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.details() or "").startswith("epoch:")
+
+
+async def test_newer_leader_obeyed_while_draining_refuses_the_old_one(
+    start_worker: StartWorker, lm_dir: Path
+) -> None:
+    """A sleep of epoch 5 that waits for a request already fences epoch 3's orders."""
+    worker = await start_worker(lm_dir, "ar", "transformers", runner_factory=HeldMemoryLM)
+    runner = worker.server.worker.runner
+    assert isinstance(runner, HeldMemoryLM)
+    runner.hold = threading.Event()
+    try:
+        request = asyncio.ensure_future(worker.generate(max_new_tokens=2))
+
+        async def inflight() -> bool:
+            return (await worker.status()).inflight_requests == 1
+
+        await wait_for(inflight, what="the request to start")
+        sleep = asyncio.ensure_future(worker.sleep(1, epoch=5))
+
+        async def sleeping() -> bool:
+            return (await worker.status()).state == types_pb2.WORKER_STATE_SLEEPING
+
+        await wait_for(sleeping, what="the sleep to wait for the request")
+        err = await rpc_error(worker.wake(epoch=3))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert not sleep.done()
+    finally:
+        runner.hold.set()  # never leave a request blocked behind the test
+    assert (await request).text.token_ids
+    ack = await sleep
+    assert ack.ok and ack.epoch == 5 and ack.state == ASLEEP
