@@ -72,3 +72,24 @@ namespaces to resolve its namespace list; and the cluster-wide peering object.
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 {{- end }}
+
+{{/*
+Leader election, in the release namespace only: the replicas' Lease (named after the release)
+and the Events on it. "create" cannot be limited by name, so it is granted alone; reading and
+writing (merge patches carrying the resourceVersion) is limited to the one Lease. No list/watch.
+*/}}
+{{- define "omnistage.rbac.leaderElectionRules" -}}
+# Leader election: create the Lease the first time.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+# Leader election: read, renew and take over only this release's Lease.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "omnistage.fullname" . | quote }}]
+  verbs: ["get", "patch"]
+# Leader election: LeaderElected/LeaderLost Events on the Lease.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
