@@ -213,11 +213,15 @@ async def main() -> int:
 
     # A container with its own PID namespace: NVML does not know our pid. Pretend so, and
     # check that the probe recognises this process by the growth of a probe allocation.
-    from omnistage_worker.memory import NvmlProbe
-    from omnistage_worker.state import _cuda_allocator
+    import importlib
 
-    probe = NvmlProbe(0, pid=999_999_999)
-    probe.resolve_pid(_cuda_allocator(0))
+    from omnistage_worker import memory
+
+    # memory.cuda_allocator (it moved there from state._cuda_allocator with the probe rework)
+    state_module = importlib.import_module("omnistage_worker.state")
+    allocator = getattr(memory, "cuda_allocator", None) or state_module._cuda_allocator
+    probe = memory.NvmlProbe(0, pid=999_999_999)
+    probe.resolve_pid(allocator(0))
     checks["nvml_pid_recognised_by_growth"] = probe.pid == os.getpid()
     results["nvml_processes"] = probe.processes()
 
