@@ -387,3 +387,28 @@ class Watcher:
         self._stop.set()
         self._thread.join(30)
         return self.log
+
+
+def _ack(op: str, task: str, start: float, end: float, *, noop: bool = False) -> AckFacts:
+    phase = WorkerPhase.ACTIVE if op == "wake" else WorkerPhase.ASLEEP
+    return AckFacts(task, True, op, phase, started_at=start, finished_at=end, noop=noop)
+
+
+def _report(phase: WorkerPhase, ack: AckFacts | None) -> Probe:
+    return Probe(WorkerReport(phase=phase, last_ack=ack), 0, 0.0)
+
+
+def test_holding_log_finds_two_holders_from_ack_timestamps() -> None:
+    """The chaos test's judge: a wake that starts before the other stage's sleep finished is an
+    overlap; a wake after it, or a no-op wake, is not."""
+    log = HoldingLog()
+    log.record("a", _report(WorkerPhase.ACTIVE, None))  # holding from the start
+    log.record("b", _report(WorkerPhase.ASLEEP, None))
+    log.record("a", _report(WorkerPhase.ASLEEP, _ack("sleep", "1", 10.0, 10.5)))
+    log.record("b", _report(WorkerPhase.ACTIVE, _ack("wake", "2", 10.6, 10.8)))
+    log.record("b", _report(WorkerPhase.ACTIVE, _ack("wake", "3", 10.9, 10.9, noop=True)))
+    assert log.overlaps(["a", "b"]) == []
+    assert log.intervals("a", 100.0) == [(float("-inf"), 10.5)]
+    log.record("a", _report(WorkerPhase.ACTIVE, _ack("wake", "4", 11.0, 11.2)))  # b still holds
+    ((x, y, (lo, hi)),) = log.overlaps(["a", "b"])
+    assert (x, y, lo) == ("a", "b", 11.0) and hi > lo
