@@ -35,9 +35,11 @@ STAGE_RULES: set[Rule] = (
     | _grants("events.k8s.io", "events", "create patch")
     | _grants("resource.k8s.io", "resourceclaims", "get list watch create delete")
 )
-FRAMEWORK_RULES: set[Rule] = _grants(
-    "apiextensions.k8s.io", "customresourcedefinitions", "list watch"
-) | _grants("", "namespaces", "list watch")
+FRAMEWORK_RULES: set[Rule] = (
+    _grants("apiextensions.k8s.io", "customresourcedefinitions", "list watch")
+    | _grants("", "namespaces", "list watch")
+    | _grants("resource.k8s.io", "resourceslices", "list")
+)
 # Leader election, in the release namespace only: create (not limitable by name), read and
 # conditional writes of the one Lease, Events on it.
 LEASE_RULES: set[Rule] = (

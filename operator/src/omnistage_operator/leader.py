@@ -194,7 +194,7 @@ class Elector:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # an API error: leading() runs out by itself
-                log.warning("leader election: %s: %s", type(exc).__name__, exc)
+                log.warning("leader election: %r (leading: %s)", exc, self.leading())
             self._notice()
             delay = self.timing.retry_period_s
             if not self.leading():
