@@ -255,9 +255,7 @@ def _lease_rules(release: InstalledRelease) -> list[Rule]:
     """LEASE_RULES with the release's Lease name (the unit tests render the default release)."""
     from tests.unit.test_chart_support import FULLNAME
 
-    return sorted(
-        (g, r, v, release.fullname if n == FULLNAME else n) for g, r, v, n in LEASE_RULES
-    )
+    return sorted((g, r, v, release.fullname if n == FULLNAME else n) for g, r, v, n in LEASE_RULES)
 
 
 def test_operator_may_elect_a_leader_in_its_namespace_only(
