@@ -1,9 +1,10 @@
 """Real ``omnistage-worker`` processes on one simulated GPU, driven over gRPC.
 
-No control plane: two worker subprocesses get ``OMNISTAGE_MEMORY_PROBE`` and
+First without a control plane: two worker subprocesses get ``OMNISTAGE_MEMORY_PROBE`` and
 ``OMNISTAGE_FAKE_GPU`` as localnode gives them, and their own figures must show the device's
 physics: a context before any weights, free below total when idle, a serving peak that stays
-until the sleep, each other's memory, and the leak and lie faults.
+until the sleep, each other's memory, and the leak and lie faults. Then as a localnode pod,
+with the faults switched through ``LocalNodes``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from omnistage.worker.v1 import (
     sleep_service_pb2_grpc,
     types_pb2,
 )
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.localnode import LocalNodes
+from tests.cluster.podwait import wait_gone, wait_pod
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device, MiB
 from tests.worker.tiny_models import build_causal_lm
@@ -36,9 +40,13 @@ pytestmark = [pytest.mark.timeout(300)]
 T = TypeVar("T")
 KiB = 1024
 LEAK = 16 * KiB
+WORKER_ARGS = [
+    "--runner", "ar", "--backend", "transformers", "--model", "/models/m",
+    "--host", "$(POD_IP)", "--port", "50051",
+]  # fmt: skip
 
 
-def wait_for(what: str, check: Callable[[], T | None], timeout: float = 90.0) -> T:
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = 180.0) -> T:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -177,3 +185,79 @@ def test_worker_figures_follow_the_simulated_device(tmp_path: Path, workers: lis
     # a killed process's memory is freed, as the driver frees it
     a.stop()
     wait_for("A's memory to vanish", lambda: b.status().free_bytes == clean + device.context)
+
+
+def test_worker_pod_on_localnode_measures_its_simulated_gpu(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str, tmp_path: Path
+) -> None:
+    """A worker pod placed on gpu-1 sees that device (its UUID, its physics) and its faults."""
+    model = build_causal_lm(tmp_path / "lm")
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "worker"},
+        "spec": {
+            "terminationGracePeriodSeconds": 5,
+            "volumes": [{"name": "model", "hostPath": {"path": str(model)}}],
+            "containers": [
+                {
+                    "name": "worker",
+                    "image": "ignored",
+                    "command": ["omnistage-worker"],
+                    "args": WORKER_ARGS,
+                    "env": [
+                        {
+                            "name": "POD_IP",
+                            "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+                        },
+                        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "gpu-1"},
+                        {"name": "OMNISTAGE_CPU_THREADS", "value": "1"},
+                    ],
+                    "volumeMounts": [{"name": "model", "mountPath": "/models/m"}],
+                }
+            ],
+        },
+    }
+    control_plane.apply(pod, namespace=namespace)
+
+    def started(p: dict[str, Any]) -> bool:
+        statuses = p["status"].get("containerStatuses") or [{}]
+        return bool(p["status"].get("podIP")) and "running" in (statuses[0].get("state") or {})
+
+    running = wait_pod(control_plane, namespace, "worker", started, "running", timeout=90)
+    pid = int(running["status"]["containerStatuses"][0]["containerID"].split("://")[1])
+    gpu = local_nodes.fake_gpu(0, "gpu-1")
+    device = gpu.device()
+    with grpc.insecure_channel(f"{running['status']['podIP']}:50051") as channel:
+        stub = sleep_service_pb2_grpc.SleepServiceStub(channel)
+
+        def status() -> Any:
+            try:
+                return stub.GetStatus(sleep_service_pb2.GetStatusRequest(), timeout=5)
+            except grpc.RpcError:
+                return None
+
+        active = wait_for(
+            "the worker Active",  # loading competes for 2 shared cores: be patient
+            lambda: (s := status()) is not None and s.state == types_pb2.WORKER_STATE_ACTIVE and s,
+            180,
+        )
+        assert active.devices[0].uuid == device.uuid  # the ResourceSlice's UUID for gpu-1
+        weights = active.used_bytes - device.context
+        assert weights > 0 and active.total_bytes == device.total
+        seen = local_nodes.device_snapshot(0, "gpu-1")  # the device seen from outside
+        assert seen.procs[pid].used == active.used_bytes
+        assert active.free_bytes == seen.free == device.total - device.reserve - active.used_bytes
+
+        local_nodes.device_faults(0, "gpu-1", pid=pid, leak_on_sleep="all", lie=True)
+        try:
+            req = sleep_service_pb2.SleepRequest(task_id=uuid.uuid4().hex, level=1)  # type: ignore[arg-type]
+            ack = stub.Sleep(req, timeout=60).ack
+        finally:
+            local_nodes.clear_device_faults(0, "gpu-1")
+        # the ACK says all is free; only the device's free memory shows the weights still held
+        assert ack.ok and ack.used_after_bytes == device.context
+        assert local_nodes.device_snapshot(0, "gpu-1").free == seen.free
+    control_plane.kubectl("delete", "pod", "worker", "-n", namespace, "--wait=false")
+    wait_gone(control_plane, namespace, "worker", timeout=30)
+    assert pid not in local_nodes.device_snapshot(0, "gpu-1").procs  # the driver freed it

@@ -210,6 +210,7 @@ def test_runtime_env_and_termination_message() -> None:
         "NVIDIA_VISIBLE_DEVICES": "all",
         "CUDA_MODULE_LOADING": "LAZY",
         "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+        "NCCL_NVLS_ENABLE": "0",
         "SECRET_THING": "x",
     }
     assert runtime_env(host, real_gpus=False) == {
@@ -221,6 +222,7 @@ def test_runtime_env_and_termination_message() -> None:
         "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
         "CUDA_MODULE_LOADING": "LAZY",
         "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+        "NCCL_NVLS_ENABLE": "0",
     }
     log = b"".join(f"line {i}\n".encode() for i in range(200))
     tail = termination_message("FallbackToLogsOnError", 1, "", log)

@@ -1,10 +1,11 @@
 """Fixtures for the operator's end-to-end tests on the local control plane.
 
 ``omnistage_crd`` installs the CRD; ``tiny_models`` builds a tiny Llama and a tiny diffusers
-pipeline from configs (nothing downloaded); ``gpu_node`` starts a localnode node with ONE fake
-GPU of ``CAPACITY`` bytes, so the tiny diffusion stage fits only alone; ``operator`` runs the
-real ``omnistage-operator`` as a subprocess with the admin kubeconfig. Helpers poll for
-conditions with deadlines and read the workers' own GetStatus over gRPC.
+pipeline from configs (nothing downloaded); ``gpu`` starts a localnode node with ONE simulated
+GPU of ``CAPACITY`` bytes (driver reserve, a context per process, activations while serving:
+``tests/fakegpu``), so the tiny diffusion stage fits only alone (``gpu_node``: its name);
+``operator`` runs the real ``omnistage-operator`` as a subprocess with the admin kubeconfig.
+Helpers poll for conditions with deadlines and read the workers' own GetStatus over gRPC.
 """
 
 from __future__ import annotations
@@ -74,11 +75,30 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"ar": build_causal_lm(root / "ar"), "sd": build_diffusion_pipeline(root / "sd")}
 
 
+@dataclass
+class Gpu:
+    """One localnode node with one simulated GPU: its name, and the harness (faults, the
+    device seen from outside as nvidia-smi would show it)."""
+
+    nodes: LocalNodes
+    node: str
+    device: str = "gpu-0"
+
+    def snapshot(self) -> Any:
+        return self.nodes.device_snapshot(self.node, self.device)
+
+
 @pytest.fixture
-def gpu_node(make_local_nodes: Callable[..., LocalNodes]) -> str:
-    """A fresh node with one fake GPU of ``CAPACITY`` bytes; returns its name."""
+def gpu(make_local_nodes: Callable[..., LocalNodes]) -> Gpu:
+    """A fresh node with one simulated GPU of ``CAPACITY`` bytes."""
     nodes = make_local_nodes(nodes=1, gpus=1, gpu_memory=CAPACITY)
-    return nodes.node_names[0]
+    return Gpu(nodes, nodes.node_names[0])
+
+
+@pytest.fixture
+def gpu_node(gpu: Gpu) -> str:
+    """The name of the ``gpu`` fixture's node."""
+    return gpu.node
 
 
 class OperatorProcess:
@@ -250,22 +270,35 @@ def stage_manifest(
     priority: int = 0,
     port: int | None = None,
     sleep_level: int = 1,
+    vram_request: str | None = None,
+    model_path: str = "/models/m",
+    drain_timeout_s: int | None = None,
+    worker_args: list[str] | None = None,
 ) -> dict[str, Any]:
-    """An OmniStage for the tiny ``kind`` ("ar" or "sd") model, pinned to ``node``."""
+    """An OmniStage for the tiny ``kind`` ("ar" or "sd") model, pinned to ``node`` (no
+    ``vram.request`` unless given: the footprint is measured)."""
     runner, backend = {"ar": ("AR", "Transformers"), "sd": ("Diffusion", "Diffusers")}[kind]
     worker: dict[str, Any] = {"device": "cpu"}
+    if worker_args:
+        worker["args"] = list(worker_args)
     if port is not None:
         worker["port"] = port
+    extra: dict[str, Any] = {}
+    if vram_request is not None:
+        extra["vram"] = {"request": vram_request}
+    if drain_timeout_s is not None:
+        extra["drainTimeoutSeconds"] = drain_timeout_s
     return {
         "apiVersion": "omnistage.io/v1alpha1",
         "kind": "OmniStage",
         "metadata": {"name": name},
         "spec": {
+            **extra,
             "runner": runner,
             "backend": backend,
             "image": "omnistage/worker:e2e",
             "model": {
-                "path": "/models/m",
+                "path": model_path,
                 "mountPath": "/models/m",
                 "volume": {"hostPath": {"path": str(models[kind]), "type": "Directory"}},
             },

@@ -1,7 +1,8 @@
 """ACK-gated hand-overs end to end: real API server, localnode, real workers, the real operator.
 
-Each test uses a fresh node with one fake GPU of ``CAPACITY`` bytes on which the tiny diffusion
-stage fits only alone (the workers account their tensors in a ledger shared per device).
+Each test uses a fresh node with one simulated GPU of ``CAPACITY`` bytes on which the tiny
+diffusion stage fits only alone. The GPU has real physics (driver reserve, a context per worker
+process, activations while serving) and no stage sets ``vram.request``: footprints are measured.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from omnistage_operator.arbiter import WorkerPhase
 from tests.e2e.conftest import (
     CAPACITY,
     Cluster,
+    Gpu,
     OperatorProcess,
     stage_manifest,
     wait_for,
@@ -28,27 +30,25 @@ pytestmark = [pytest.mark.timeout(600)]
 
 
 class MemoryWatch:
-    """Polls the workers' own GetStatus; records the most device memory held at one instant.
+    """Samples the simulated GPU from outside (as nvidia-smi would): the most memory its
+    processes held at one instant, and the most processes holding weights at once."""
 
-    Each worker reads the device's shared ledger at once (free = capacity - every live
-    worker's bytes, not clamped), so ``total - free`` of one reading is a consistent sum.
-    """
-
-    def __init__(self, cluster: Cluster, stages: list[str]) -> None:
-        self.cluster = cluster
-        self.stages = stages
+    def __init__(self, gpu: Gpu) -> None:
+        self.gpu = gpu
         self.max_sum = 0
+        self.max_resident = 0
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            for s in self.stages:
-                rep = self.cluster.worker_status(s)
-                if rep is not None and rep.total_bytes > 0:
-                    self.max_sum = max(self.max_sum, rep.total_bytes - rep.free_bytes)
-                    self.samples += 1
+            snap = self.gpu.snapshot()
+            self.max_sum = max(self.max_sum, snap.device.reserve + snap.used_total)
+            resident = sum(1 for p in snap.procs.values() if p.weights > 0)
+            self.max_resident = max(self.max_resident, resident)
+            self.samples += 1
+            time.sleep(0.005)
 
     def __enter__(self) -> MemoryWatch:
         self._thread.start()
@@ -67,10 +67,11 @@ def _active_pair(cluster: Cluster, models: dict[str, Path], node: str) -> None:
 
 
 def test_switch_waits_for_the_sleep_ack(
-    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu_node: str
+    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu: Gpu
 ) -> None:
+    gpu_node = gpu.node
     _active_pair(cluster, tiny_models, gpu_node)
-    with MemoryWatch(cluster, ["ar", "sd"]) as watch:
+    with MemoryWatch(gpu) as watch:
         cluster.patch_state("sd", "Active")
         wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
     ar_status, sd_status = cluster.status("ar"), cluster.status("sd")
@@ -80,8 +81,11 @@ def test_switch_waits_for_the_sleep_ack(
     assert ar_status["waitingFor"] == ["sd"]
     ack = ar_status["lastAck"]
     assert (ack["op"], ack["ok"], ack["level"]) == ("sleep", True, 1)
-    assert ack["freedBytes"] > 0 and ack["usedAfterBytes"] == 0
-    assert ar_status["memory"]["usedBytes"] == 0
+    # What stays is the worker's CUDA context, measured at its start: nothing more.
+    context = ar_status["memory"]["contextBytes"]
+    assert context > 0
+    assert ack["freedBytes"] > 0 and ack["usedAfterBytes"] == context
+    assert ar_status["memory"]["usedBytes"] == context
     assert sd_status["lastAck"]["op"] == "wake" and sd_status["lastAck"]["ok"] is True
 
     # The order, from the workers' own ACKs (their clocks, their measurements).
@@ -94,6 +98,7 @@ def test_switch_waits_for_the_sleep_ack(
     assert ar_worker.last_ack.finished_at < sd_worker.last_ack.started_at
     assert ar_worker.phase is WorkerPhase.ASLEEP and sd_worker.phase is WorkerPhase.ACTIVE
     assert watch.samples > 0 and watch.max_sum <= CAPACITY
+    assert watch.max_resident == 1  # the two stages' weights were never on the GPU together
 
     # kubectl get omnistages shows who holds the GPU.
     out = cluster.cp.kubectl("get", "omnistages", "-n", cluster.namespace).stdout
@@ -189,11 +194,11 @@ def _worker_pid(cluster: Cluster, stage: str) -> int:
 
 
 def test_operator_killed_mid_handover_converges(
-    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu_node: str
+    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu: Gpu
 ) -> None:
-    _active_pair(cluster, tiny_models, gpu_node)
+    _active_pair(cluster, tiny_models, gpu.node)
     pid = _worker_pid(cluster, "ar")
-    with MemoryWatch(cluster, ["ar", "sd"]) as watch:
+    with MemoryWatch(gpu) as watch:
         # Freeze the AR worker so the hand-over is caught with its Sleep sent and no ACK yet.
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -212,6 +217,7 @@ def test_operator_killed_mid_handover_converges(
         wait_for("ar Waiting", lambda: cluster.state("ar") == "Waiting", 60)
     assert watch.samples > 0
     assert watch.max_sum <= CAPACITY, f"holders reached {watch.max_sum} > {CAPACITY}"
+    assert watch.max_resident == 1
     ar_worker = cluster.worker_status("ar")
     sd_worker = cluster.worker_status("sd")
     assert ar_worker is not None and ar_worker.phase is WorkerPhase.ASLEEP

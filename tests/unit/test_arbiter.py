@@ -19,6 +19,7 @@ from omnistage_operator.arbiter import (
     footprint,
     may_hold_memory,
     plan,
+    usable_memory,
 )
 
 GI = 1 << 30
@@ -126,8 +127,10 @@ def test_wakes_in_one_decision_are_charged_against_free() -> None:
     facts = {n: StageFacts(WorkerPhase.ASLEEP, level=1) for n in intents}
     d = plan(intents, facts, GroupMemory(8 * GI, 5 * GI))
     assert len(d.wake) == 1
+    # Issue 14: admission counts the memory the group can use (free + what its own workers
+    # hold), so the second stage is no longer admitted (it used to be, then FREE_TOO_LOW).
     assert d.waiting[next(n for n in intents if n not in d.wake)][0].reason is (
-        BlockReason.FREE_TOO_LOW
+        BlockReason.MEMORY_CLAIMED
     )
 
 
@@ -144,6 +147,29 @@ def test_deepening_sleep_does_not_gate_wakes() -> None:
     assert d.sleep == (SleepOrder("a", 2, False),)
     assert d.holder_sleeps == frozenset()
     assert d.wake == ("b",)
+
+
+def test_admission_counts_only_the_memory_the_group_can_use() -> None:
+    """Driver reserve, contexts and other processes are not the group's: a co-tenant lower in
+    order is not admitted beside a stage that then could never wake (issue 14: it used to be
+    admitted against the total, and the first stage waited forever)."""
+    intents = {
+        "big": StageIntent("big", True, requested_active_at=2, vram_request=8 * GI),
+        "small": StageIntent("small", True, requested_active_at=1),
+    }
+    facts = {
+        "big": StageFacts(WorkerPhase.ASLEEP, 1, used_bytes=612 * MI, context_bytes=612 * MI),
+        "small": StageFacts(WorkerPhase.ACTIVE, used_bytes=GI + 612 * MI,
+                            active_footprint=GI + 612 * MI, context_bytes=612 * MI),
+    }  # fmt: skip
+    # 11 GiB device; reserve and two contexts leave ~8.7 GiB for the group, 7.7 GiB free.
+    mem = GroupMemory(11 * GI, 7 * GI + 700 * MI)
+    assert usable_memory(intents, facts, mem) == 8 * GI + 700 * MI
+    d = plan(intents, facts, mem)
+    assert d.admitted == ("big",) and d.sleep == (SleepOrder("small", 1, True),)
+    # An unreachable worker's memory is unknown: admission falls back to the capacity.
+    facts["small"] = StageFacts(WorkerPhase.UNREACHABLE)
+    assert usable_memory(intents, facts, mem) is None
 
 
 def test_steady_state_orders_nothing() -> None:

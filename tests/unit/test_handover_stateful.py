@@ -1,17 +1,39 @@
-"""Property-based tests of the arbiter driven through the real hand-over round.
+"""Property-based tests of the arbiter driven through the real hand-over round, on GPU physics.
 
-``run_round`` (operator/src/omnistage_operator/handover.py) runs against a simulated fleet: a
-port whose workers keep the *true* memory they hold, answer sleeps with ok / not-ok ACKs, lose
-ACKs (timeouts before or after the transition), crash, hang, restart their container, and an
-operator that restarts (forgets everything it had in memory). The simulator is the only fake
-here: it is the one way to cause these faults at random, thousands of times.
+``run_round`` (operator/src/omnistage_operator/handover.py) runs against a simulated fleet whose
+device behaves like a real GPU in everything the operator can observe (issue 14):
+
+- a driver reserve: free memory is below the total even when nothing runs;
+- a CUDA context per started worker process, held while the process lives, asleep or not;
+- memory taken while serving: a peak above the weights, kept (allocator pool) until the sleep;
+- a wake that does not fit is refused by the worker (RESOURCE_EXHAUSTED, with its need);
+- faults: ACKs lost before or after the transition, transient not-ok ACKs, sleeps that leave
+  memory behind (the worker turns FAILED, never Asleep, and keeps the memory), ACKs that say ok
+  while the memory stays (the device's own free figures do not move), refusals (level 2
+  unsupported), slow drains, crashes, hangs, container restarts, fences the kubelet never
+  confirms, and operator restarts (everything in memory forgotten; what the kube side persists
+  in status -- pending fences, learned needs -- survives).
+
+The port builds the operator's view with the operator's own code (``WorkerReport.stage_facts``,
+``memory.group_memory``), and persists what the kube side persists.
 
 Invariants:
-- never a wake while a stage told to sleep in this round lacks an ok ACK or a confirmed fence;
-- the true memory of all processes never exceeds the capacity (checked at every wake);
-- after faults stop, every admitted stage is Active, every other stage holds nothing, and the
-  first stage in admission order (priority, latest ask) that fits is Active;
-- once converged with unchanged specs, a further round orders no sleep and no wake.
+- within a round: no wake while a stage told to sleep lacks an ok ACK or a confirmed fence, and
+  not before the sleep ACKs were published;
+- across rounds: no WakeUp is ever sent while any other stage of the group may still hold memory
+  beyond its context (Failed with a residual, a lying ACK, a pending fence, hung, still
+  sleeping) unless it is an honest, reachable Active co-tenant;
+- a wake whose footprint the operator knew is never refused for lack of memory;
+- the device never holds more than its total;
+- after faults stop, no stage outside the admitted set holds memory, admitted stages are Active
+  unless the measured free memory does not cover them, the first stage in admission order that
+  fits is Active, and a further round orders nothing.
+
+On the code before issue 14 this model fails: a stage without ``vram.request`` never wakes
+(footprint = capacity > free, the liveness check fails); an ACK that lies is accepted and the
+next stage woken beside the memory it still holds (cross-round check); a wake follows the start
+of a pod in the same round on a free figure that predates its context (refused although the
+footprint was known); a not-ok sleep retried under its old id only replays the not-ok ACK.
 """
 
 from __future__ import annotations
@@ -32,36 +54,57 @@ from omnistage_operator.arbiter import (
     WorkerPhase,
     admission_order,
 )
-from omnistage_operator.facts import AckFacts
+from omnistage_operator.facts import AckFacts, DeviceFigures, WorkerReport
 from omnistage_operator.handover import (
+    FenceFailed,
     GroupObservation,
     RoundOutcome,
     RoundPolicy,
+    WorkerRefused,
     WorkerUnavailable,
     run_round,
 )
+from omnistage_operator.memory import group_memory
 
 MI = 1 << 20
-SLEEP_OUTCOMES = st.sampled_from(["ok", "ok", "ok", "not_ok", "lost_before", "lost_after"])
+GI = 1 << 30
+UNIT = GI  # sizes are drawn in GiB (an ACK's lie must exceed max(2% of total, 256 MiB))
+RESERVE = 512 * MI  # the driver's reserve: never free
+CONTEXT = 612 * MI  # a process's CUDA context (H100, LIMITS.md), held while it lives
+UUID = "GPU-sim-0"
+MARGIN = 0
+SLEEP_OUTCOMES = st.sampled_from(
+    ["ok", "ok", "ok", "not_ok", "lost_before", "lost_after", "residual", "lie", "refuse",
+     "slow_drain"]
+)  # fmt: skip
 
 
 @dataclass
 class SimWorker:
-    """One stage's pod and process, with the memory it truly holds."""
+    """One stage's pod and process, with the memory it truly holds (context included)."""
 
-    true_fp: int
+    weights: int
+    extra: int  # activations and pools taken while serving, above the weights
     pod: bool = False
     alive: bool = False
     responsive: bool = True
     state: WorkerPhase = WorkerPhase.ASLEEP
     level: int = 1
     used: int = 0
+    lied: bool = False  # its last ok sleep ACK claimed memory it still holds
+    inflight: int = 0
     measured_fp: int | None = None
+    measured_peak: int | None = None
+    last_ack: AckFacts | None = None
     acks: dict[str, AckFacts] = field(default_factory=dict)
+
+    @property
+    def beyond_context(self) -> int:
+        return max(0, self.used - CONTEXT) if self.pod and self.alive else 0
 
 
 class SimPort:
-    """A ``GroupPort`` over simulated workers; checks the promise at every wake."""
+    """A ``GroupPort`` over simulated workers on one simulated GPU; checks the promise."""
 
     def __init__(self, world: HandoverMachine) -> None:
         self.world = world
@@ -72,41 +115,66 @@ class SimPort:
         outcomes = self.world.outcomes
         return outcomes.pop(0) if outcomes else "ok"
 
+    def _report(self, wk: SimWorker) -> WorkerReport:
+        w = self.world
+        free = w.free()
+        reported_used = CONTEXT if wk.lied else wk.used
+        return WorkerReport(
+            phase=wk.state,
+            level=wk.level if wk.state is WorkerPhase.ASLEEP else None,
+            used_bytes=reported_used,
+            free_bytes=free,
+            total_bytes=w.capacity,
+            source="nvml",
+            active_footprint_bytes=wk.measured_fp or 0,
+            peak_active_bytes=wk.measured_peak or 0,
+            context_bytes=CONTEXT,
+            inflight_requests=wk.inflight,
+            last_ack=wk.last_ack,
+            devices=(
+                DeviceFigures(UUID, 0, w.capacity, used_after=reported_used, free_after=free),
+            ),
+        )
+
     async def observe(self) -> GroupObservation:
         w = self.world
         facts: dict[str, StageFacts] = {}
-        free: int | None = None
+        reports: dict[str, WorkerReport] = {}
         for name, wk in w.workers.items():
+            pending = w.fence_pending.get(name, False)
             if not wk.pod:
-                facts[name] = StageFacts(WorkerPhase.ABSENT)
+                facts[name] = StageFacts(WorkerPhase.ABSENT, fence_pending=pending)
             elif wk.alive and wk.responsive:
                 w.reached.add(name)
-                facts[name] = StageFacts(
-                    wk.state,
-                    level=wk.level if wk.state is WorkerPhase.ASLEEP else None,
-                    used_bytes=wk.used,
-                    active_footprint=wk.measured_fp,
+                reports[name] = self._report(wk)
+                facts[name] = reports[name].stage_facts(
+                    fence_pending=pending, learned_need=w.learned.get(name)
                 )
-                free = w.capacity - w.total_used()
             elif name in w.created and name not in w.reached:
-                facts[name] = StageFacts(WorkerPhase.STARTING)
+                facts[name] = StageFacts(WorkerPhase.STARTING, fence_pending=pending)
             else:
-                facts[name] = StageFacts(WorkerPhase.UNREACHABLE)
-        if free is not None and not w.measure_free:
-            # Exercise the holder/ACK rules alone: the measured-free gate would also catch a
-            # holder the rules missed, since the simulated device figure is always true.
-            free = None
-            return GroupObservation(dict(w.intents), facts, GroupMemory(w.capacity, None))
-        memory = GroupMemory(w.capacity if free is not None else None, free)
+                facts[name] = StageFacts(WorkerPhase.UNREACHABLE, fence_pending=pending)
+        memory = group_memory(reports, {n: 1 for n in w.intents}, [UUID])
+        if not w.measure_free:
+            memory = GroupMemory(memory.capacity, None, claim_uuids=memory.claim_uuids)
         return GroupObservation(dict(w.intents), facts, memory)
 
+    async def probe(self, stage: str) -> StageFacts:
+        return (await self.observe()).facts[stage]
+
     async def start(self, stage: str) -> None:
-        wk = self.world.workers[stage]
+        w = self.world
+        wk = w.workers[stage]
         assert not wk.pod, f"start of {stage} whose pod exists"
-        wk.pod, wk.alive, wk.responsive = True, True, True
-        wk.state, wk.used, wk.level = WorkerPhase.ASLEEP, 0, self.world.intents[stage].sleep_level
-        self.world.created.add(stage)
-        self.world.reached.discard(stage)
+        wk.pod, wk.responsive, wk.lied, wk.inflight = True, True, False, 0
+        wk.state, wk.level = WorkerPhase.ASLEEP, w.intents[stage].sleep_level
+        wk.measured_fp = wk.measured_peak = wk.last_ack = None
+        wk.acks = {}
+        # The new process touches the device: its context, or it dies at CUDA init.
+        wk.alive = w.free() >= CONTEXT
+        wk.used = CONTEXT if wk.alive else 0
+        w.created.add(stage)
+        w.reached.discard(stage)
         self.calls.append(("start", stage))
 
     def _check(self, stage: str) -> SimWorker:
@@ -115,8 +183,22 @@ class SimPort:
             raise WorkerUnavailable(f"{stage} does not answer")
         return wk
 
-    async def probe(self, stage: str) -> StageFacts:
-        return (await self.observe()).facts[stage]
+    def _ack(
+        self, wk: SimWorker, task_id: str, ok: bool, before: int, free_before: int, **kw: object
+    ) -> AckFacts:
+        free = self.world.free()
+        dev = DeviceFigures(
+            UUID, 0, self.world.capacity, used_before=before, used_after=wk.used,
+            free_before=free_before, free_after=free,
+        )  # fmt: skip
+        ack = AckFacts(
+            task_id, ok, "sleep", wk.state, total_bytes=self.world.capacity,
+            free_after_bytes=free, free_before_bytes=free_before, devices=(dev,),
+            used_before_bytes=before, used_after_bytes=wk.used, **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+        wk.acks[task_id] = ack
+        wk.last_ack = ack
+        return ack
 
     async def sleep(
         self,
@@ -132,38 +214,99 @@ class SimPort:
         wk = self._check(stage)
         if task_id in wk.acks:
             ack = wk.acks[task_id]
+        elif wk.state is WorkerPhase.FAILED:
+            raise WorkerRefused("FAILED_PRECONDITION", "worker failed: residual above bound")
+        elif wk.state is WorkerPhase.SLEEPING:
+            raise WorkerUnavailable("deadline exceeded (still draining)")
         else:
+            before, free_before = wk.used, self.world.free()
             outcome = self._outcome()
+            if wk.state is WorkerPhase.ASLEEP:
+                outcome = "noop"  # already asleep: nothing moves (faults need memory to move)
             if outcome == "lost_before":
                 raise WorkerUnavailable("deadline exceeded")
-            if outcome == "not_ok":
-                ack = AckFacts(task_id, False, "sleep", wk.state, error="residual too high")
+            if outcome == "refuse":
+                raise WorkerRefused("FAILED_PRECONDITION", "level: 2 is not supported")
+            if outcome == "slow_drain":
+                wk.state, wk.inflight = WorkerPhase.SLEEPING, 1
+                raise WorkerUnavailable("deadline exceeded while draining")
+            if outcome == "not_ok":  # e.g. the drain timed out: the sleep was not started
+                ack = self._ack(wk, task_id, False, before, free_before, error="drain timeout")
+            elif outcome == "residual":  # memory left behind: FAILED, never Asleep
+                wk.used = CONTEXT + max(UNIT, wk.weights // 2)
+                wk.state = WorkerPhase.FAILED
+                ack = self._ack(wk, task_id, False, before, free_before, error="residual")
+            elif outcome == "lie":  # says ok and freed; the memory stays (device unchanged)
+                wk.state, wk.level, wk.lied = WorkerPhase.ASLEEP, level, True
+                claimed = before - CONTEXT
+                ack = self._ack(wk, task_id, True, before, free_before, level=level,
+                                freed_bytes=claimed)  # fmt: skip
             else:
-                wk.state, wk.used, wk.level = WorkerPhase.ASLEEP, 0, level
-                ack = AckFacts(task_id, True, "sleep", WorkerPhase.ASLEEP, level=level)
-            wk.acks[task_id] = ack
+                if wk.state is not WorkerPhase.ASLEEP:
+                    wk.used = CONTEXT
+                wk.state, wk.level = WorkerPhase.ASLEEP, max(level, wk.level)
+                ack = self._ack(wk, task_id, True, before, free_before, level=wk.level,
+                                freed_bytes=before - wk.used, noop=outcome == "noop")  # fmt: skip
             if outcome == "lost_after":
                 raise WorkerUnavailable("deadline exceeded after the transition")
         if ack.ok:
             self.unresolved.discard(stage)
         return ack
 
+    def _known_footprint(self, stage: str) -> int | None:
+        w = self.world
+        wk = w.workers[stage]
+        known = [
+            n
+            for n in (w.intents[stage].vram_request, wk.measured_fp, wk.measured_peak,
+                      w.learned.get(stage))
+            if n
+        ]  # fmt: skip
+        return max(known) if known else None
+
     async def wake(self, stage: str, task_id: str) -> AckFacts:
         self.calls.append(("wake", stage))
+        w = self.world
         wk = self._check(stage)
         if task_id in wk.acks:
             return wk.acks[task_id]
+        if wk.state is WorkerPhase.FAILED:
+            raise WorkerRefused("FAILED_PRECONDITION", "worker failed: residual above bound")
         others = self.unresolved - {stage}
         assert not others, f"wake of {stage} while {sorted(others)} lack an ok sleep ACK"
         if any(c[0] == "sleep" for c in self.calls):
             assert ("checkpoint", "") in self.calls, "wake before the sleep ACKs were published"
-        if wk.state is not WorkerPhase.ACTIVE:
-            total = self.world.total_used() - wk.used + wk.true_fp
-            assert total <= self.world.capacity, (
-                f"wake of {stage} puts {total} bytes on a {self.world.capacity}-byte device"
+        for name, other in w.workers.items():
+            honest_tenant = (
+                other.state is WorkerPhase.ACTIVE
+                and other.responsive
+                and not other.lied
+                and not w.fence_pending.get(name, False)
             )
-        wk.state, wk.used, wk.measured_fp = WorkerPhase.ACTIVE, wk.true_fp, wk.true_fp
-        ack = AckFacts(task_id, True, "wake", WorkerPhase.ACTIVE)
+            assert name == stage or other.beyond_context == 0 or honest_tenant, (
+                f"WakeUp of {stage} while {name} may still hold {other.beyond_context} bytes "
+                f"({other.state}, responsive={other.responsive}, lied={other.lied}, "
+                f"fence pending={w.fence_pending.get(name, False)})"
+            )
+        if wk.state is WorkerPhase.ACTIVE:
+            ack = AckFacts(task_id, True, "wake", WorkerPhase.ACTIVE, noop=True)
+            wk.acks[task_id] = ack
+            return ack
+        free = w.free()
+        if wk.weights > free:
+            known = self._known_footprint(stage)
+            assert known is None or known < wk.weights, (
+                f"wake of {stage} refused for memory although its footprint {known} was known "
+                f"({wk.weights} needed, {free} free)"
+            )
+            raise WorkerRefused(
+                "RESOURCE_EXHAUSTED",
+                f"not enough free device memory to wake: need {wk.weights} bytes, "
+                f"{free} free of {w.capacity}",
+            )
+        wk.used = CONTEXT + wk.weights
+        wk.state, wk.measured_fp, wk.measured_peak = WorkerPhase.ACTIVE, wk.used, wk.used
+        ack = AckFacts(task_id, True, "wake", WorkerPhase.ACTIVE, freed_bytes=-wk.weights)
         wk.acks[task_id] = ack
         return ack
 
@@ -172,13 +315,19 @@ class SimPort:
 
     async def fence(self, stage: str, reason: str) -> None:
         self.calls.append(("fence", stage))
-        wk = self.world.workers[stage]
-        wk.pod, wk.alive, wk.used, wk.state = False, False, 0, WorkerPhase.ASLEEP
+        w = self.world
+        w.fence_pending[stage] = True  # the kube side persists a fence before it starts
+        if stage in w.stuck_kubelet:
+            raise FenceFailed(f"pod of {stage} not confirmed gone")
+        wk = w.workers[stage]
+        wk.pod, wk.alive, wk.used, wk.state, wk.lied = False, False, 0, WorkerPhase.ASLEEP, False
+        wk.inflight = 0
+        w.fence_pending[stage] = False
         self.unresolved.discard(stage)
 
 
 class HandoverMachine(RuleBasedStateMachine):
-    """Random specs, ACK outcomes, crashes, hangs, sleeps in progress and operator restarts."""
+    """Random specs, faults, serving, kubelet stalls and operator restarts on GPU physics."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -188,6 +337,9 @@ class HandoverMachine(RuleBasedStateMachine):
         self.outcomes: list[str] = []
         self.created: set[str] = set()
         self.reached: set[str] = set()
+        self.fence_pending: dict[str, bool] = {}  # persisted in status by the kube side
+        self.learned: dict[str, int] = {}  # persisted in status by the kube side
+        self.stuck_kubelet: set[str] = set()
         self.clock = itertools.count(1)
         self.ids = itertools.count(1)
         self.last: RoundOutcome | None = None
@@ -196,12 +348,16 @@ class HandoverMachine(RuleBasedStateMachine):
     def total_used(self) -> int:
         return sum(w.used for w in self.workers.values() if w.pod and w.alive)
 
+    def free(self) -> int:
+        return self.capacity - RESERVE - self.total_used()
+
     @initialize(
-        capacity=st.integers(4, 16),
+        capacity=st.integers(6, 24),
         stages=st.lists(
             st.tuples(
-                st.integers(1, 10),  # true footprint (MiB)
-                st.sampled_from(["none", "exact", "over"]),  # vram.request
+                st.integers(1, 8),  # weights (GiB)
+                st.integers(0, 3),  # taken while serving, above the weights (GiB)
+                st.sampled_from(["none", "exact", "over", "weights"]),  # vram.request
                 st.integers(-2, 2),  # priority
                 st.booleans(),  # wants Active
                 st.sampled_from([1, 2]),
@@ -210,13 +366,15 @@ class HandoverMachine(RuleBasedStateMachine):
             max_size=4,
         ),
     )
-    def setup(self, capacity: int, stages: list[tuple[int, str, int, bool, int]]) -> None:
-        self.capacity = capacity * MI
-        for i, (drawn_fp, req, prio, want, level) in enumerate(stages):
+    def setup(self, capacity: int, stages: list[tuple[int, int, str, int, bool, int]]) -> None:
+        self.capacity = capacity * UNIT
+        for i, (weights, extra, req, prio, want, level) in enumerate(stages):
             name = f"s{i}"
-            fp = min(drawn_fp, capacity)  # a stage bigger than the device OOMs on its own
-            request = {"none": None, "exact": fp * MI, "over": (fp + 1) * MI}[req]
-            self.workers[name] = SimWorker(true_fp=fp * MI)
+            peak = (weights + extra) * UNIT + CONTEXT
+            request = {
+                "none": None, "exact": peak, "over": peak + UNIT, "weights": weights * UNIT
+            }[req]  # fmt: skip
+            self.workers[name] = SimWorker(weights=weights * UNIT, extra=extra * UNIT)
             self.intents[name] = StageIntent(
                 name, want, prio, float(next(self.clock)), level, request
             )
@@ -224,8 +382,15 @@ class HandoverMachine(RuleBasedStateMachine):
     def _round(self, outcomes: list[str]) -> SimPort:
         self.outcomes = list(outcomes)
         port = SimPort(self)
-        policy = RoundPolicy(ack_retries=2, backoff_s=0.0)
+        policy = RoundPolicy(
+            ack_retries=2, backoff_s=0.0, margin_bytes=MARGIN, transition_allowance_s=0.0,
+            default_drain_timeout_s=0.0,
+        )  # fmt: skip
         self.last = asyncio.run(run_round(port, policy, lambda: f"h{next(self.ids)}"))
+        # What the kube side persists in status after a round.
+        self.learned.update(self.last.learned_needs)
+        for name in self.last.fence_pending:
+            self.fence_pending[name] = True
         return port
 
     @rule(outcomes=st.lists(SLEEP_OUTCOMES, max_size=6), measure_free=st.booleans())
@@ -252,10 +417,19 @@ class HandoverMachine(RuleBasedStateMachine):
         )  # fmt: skip
 
     @rule(data=st.data())
+    def serve(self, data: st.DataObject) -> None:
+        """Requests take activations and pools above the weights; kept until the sleep."""
+        wk = self.workers[data.draw(st.sampled_from(sorted(self.workers)))]
+        if wk.pod and wk.alive and wk.state is WorkerPhase.ACTIVE and not wk.lied:
+            want = CONTEXT + wk.weights + wk.extra
+            wk.used = max(wk.used, min(want, wk.used + self.free()))  # beyond: the request OOMs
+            wk.measured_peak = max(wk.measured_peak or 0, wk.used)
+
+    @rule(data=st.data())
     def crash(self, data: st.DataObject) -> None:
         wk = self.workers[data.draw(st.sampled_from(sorted(self.workers)))]
         if wk.pod:
-            wk.alive, wk.used = False, 0
+            wk.alive, wk.used, wk.inflight = False, 0, 0
 
     @rule(data=st.data())
     def hang(self, data: st.DataObject) -> None:
@@ -268,8 +442,11 @@ class HandoverMachine(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(self.workers)))
         wk = self.workers[name]
         if wk.pod and not (wk.alive and wk.responsive):
-            # The pod was built with --initial-state asleep, so the new process holds nothing.
+            # The pod was built with --initial-state asleep: the new process holds its context.
             wk.alive, wk.responsive, wk.state, wk.used = True, True, WorkerPhase.ASLEEP, 0
+            wk.alive = self.free() >= CONTEXT
+            wk.used = CONTEXT if wk.alive else 0
+            wk.lied, wk.inflight, wk.last_ack, wk.acks = False, 0, None, {}
             wk.level = self.intents[name].sleep_level
 
     @rule(data=st.data())
@@ -283,46 +460,70 @@ class HandoverMachine(RuleBasedStateMachine):
     def transitions_finish(self) -> None:
         for wk in self.workers.values():
             if wk.state is WorkerPhase.SLEEPING:
-                wk.state, wk.used = WorkerPhase.ASLEEP, 0
+                wk.state, wk.inflight = WorkerPhase.ASLEEP, 0
+                wk.used = CONTEXT if wk.alive else 0
+
+    @rule(data=st.data())
+    def kubelet_stuck(self, data: st.DataObject) -> None:
+        """Deleting this stage's pod is never confirmed (until the kubelet recovers)."""
+        self.stuck_kubelet.add(data.draw(st.sampled_from(sorted(self.workers))))
+
+    @rule()
+    def kubelet_recovers(self) -> None:
+        self.stuck_kubelet.clear()
 
     @rule()
     def operator_restart(self) -> None:
+        """Everything in the operator's memory is gone; status (pending fences, learned needs)
+        and the workers' own figures remain."""
         self.created.clear()
         self.reached.clear()
+
+    def _fits_alone(self, name: str) -> bool:
+        wk = self.workers[name]
+        need = max(self.intents[name].vram_request or 0, CONTEXT + wk.weights + wk.extra)
+        others = CONTEXT * (len(self.workers) - 1)
+        return need + CONTEXT + others + RESERVE + MARGIN <= self.capacity
 
     @precondition(lambda self: bool(self.workers))
     @rule()
     def settle(self) -> None:
         """Faults stop: the group converges to the admitted set and stays there."""
         self.measure_free = True
+        self.stuck_kubelet.clear()
         self.transitions_finish()
         for name, wk in self.workers.items():
             if wk.pod and not (wk.alive and wk.responsive):
-                wk.alive, wk.responsive, wk.state, wk.used = True, True, WorkerPhase.ASLEEP, 0
+                wk.responsive = True
+                wk.alive = self.free() >= CONTEXT
+                wk.state, wk.used = WorkerPhase.ASLEEP, CONTEXT if wk.alive else 0
+                wk.lied, wk.inflight, wk.last_ack, wk.acks = False, 0, None, {}
                 wk.level = self.intents[name].sleep_level
-        for _ in range(4):
+        for _ in range(8):
             self._round([])
         assert self.last is not None and self.last.decision is not None
-        admitted = set(self.last.decision.admitted)
+        decision = self.last.decision
+        admitted = set(decision.admitted)
         for name, wk in self.workers.items():
-            holds = wk.pod and wk.alive and wk.state is not WorkerPhase.ASLEEP
-            assert holds == (name in admitted), (name, wk.state, sorted(admitted))
+            holds = wk.beyond_context > 0
+            assert not holds or name in admitted, (name, wk.state, sorted(admitted))
+            if name in admitted and not holds:
+                reasons = {b.reason for b in decision.waiting.get(name, ())}
+                assert reasons & {BlockReason.FREE_TOO_LOW}, (name, wk.state, reasons)
         for name in admission_order(self.intents):
-            if (
-                self.workers[name].true_fp <= self.capacity
-                and (self.intents[name].vram_request or 0) <= self.capacity
-            ):
+            if self._fits_alone(name):
                 assert self.workers[name].state is WorkerPhase.ACTIVE, (
-                    f"{name} wants Active, fits and comes first, yet is {self.workers[name].state}"
+                    f"{name} wants Active, fits and comes first, yet is "
+                    f"{self.workers[name].state}: {decision.waiting.get(name)}"
                 )
             break
         port = self._round([])
-        moves = [c for c in port.calls if c[0] in ("sleep", "wake", "fence")]
+        moves = [c for c in port.calls if c[0] in ("sleep", "wake", "fence", "start")]
         assert not moves, f"converged group still moves: {moves}"
 
     @invariant()
     def memory_within_capacity(self) -> None:
-        assert self.total_used() <= self.capacity
+        assert self.total_used() + RESERVE <= self.capacity
 
 
 HandoverMachine.TestCase.settings = settings(
@@ -334,12 +535,12 @@ HandoverMachine.TestCase.settings = settings(
 TestHandover = HandoverMachine.TestCase
 
 
-def _machine(capacity_mi: int, stages: list[tuple[int, str, int, bool, int]]) -> HandoverMachine:
+def _machine(capacity: int, stages: list[tuple[int, str, int, bool, int]]) -> HandoverMachine:
     m = HandoverMachine()
-    m.capacity = capacity_mi * MI
-    for i, (fp, req, prio, want, level) in enumerate(stages):
-        request = {"none": None, "exact": fp * MI}[req]
-        m.workers[f"s{i}"] = SimWorker(true_fp=fp * MI)
+    m.capacity = capacity * UNIT
+    for i, (weights, req, prio, want, level) in enumerate(stages):
+        request = {"none": None, "exact": weights * UNIT + CONTEXT}[req]
+        m.workers[f"s{i}"] = SimWorker(weights=weights * UNIT, extra=0)
         m.intents[f"s{i}"] = StageIntent(f"s{i}", want, prio, float(i + 1), level, request)
     return m
 
@@ -354,7 +555,7 @@ def _wish(m: HandoverMachine, name: str, want: bool) -> None:
 def test_hung_holder_is_fenced_and_without_free_figures_nothing_wakes() -> None:
     """Issue 14: the wake gate fails closed. (It used to wake s1 in the round without free
     figures, trusting the fence alone.)"""
-    m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 1)])
+    m = _machine(8, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 1)])
     m._round([])
     m._round([])
     assert m.workers["s0"].state is WorkerPhase.ACTIVE
@@ -379,7 +580,7 @@ def test_hung_holder_is_fenced_and_without_free_figures_nothing_wakes() -> None:
 def test_not_ok_sleep_ack_is_retried_under_a_new_id_then_fenced() -> None:
     """Issue 14: the worker caches a not-ok Ack under its task id, so a retry under the same id
     only replays it; the retry goes under a new id (it used to reuse the id, and fence)."""
-    m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 2)])
+    m = _machine(8, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 2)])
     m._round([])
     m._round([])
     _wish(m, "s0", False)
@@ -391,7 +592,7 @@ def test_not_ok_sleep_ack_is_retried_under_a_new_id_then_fenced() -> None:
     assert ("fence", "s0") not in port.calls
     assert m.workers["s1"].state is WorkerPhase.ACTIVE
 
-    m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 2)])
+    m = _machine(8, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 2)])
     m._round([])
     m._round([])
     _wish(m, "s0", False)
@@ -403,7 +604,7 @@ def test_not_ok_sleep_ack_is_retried_under_a_new_id_then_fenced() -> None:
 
 
 def test_lost_ack_after_transition_is_recovered_by_the_retry() -> None:
-    m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 1)])
+    m = _machine(8, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 1)])
     m._round([])
     m._round([])
     _wish(m, "s0", False)
@@ -415,7 +616,7 @@ def test_lost_ack_after_transition_is_recovered_by_the_retry() -> None:
 
 
 def test_sleep_in_progress_is_awaited_before_the_wake() -> None:
-    m = _machine(4, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 1)])
+    m = _machine(8, [(3, "exact", 0, True, 1), (3, "exact", 0, False, 1)])
     m._round([])
     m._round([])
     m.workers["s0"].state = WorkerPhase.SLEEPING  # an earlier operator's sleep, still running

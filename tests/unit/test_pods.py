@@ -70,3 +70,11 @@ def test_claim_uuids_come_from_the_slices_of_the_allocated_devices() -> None:
     assert claim_device_uuids(claim, slices) == ("GPU-0", "GPU-1")
     assert claim_device_uuids({"status": {}}, slices) is None  # not allocated yet
     assert claim_device_uuids(claim, slices[1:]) is None  # a device without a slice
+
+
+def test_a_log_tail_is_cut_to_its_last_lines() -> None:
+    logs = "Loading 0%\rLoading 100%\nwarning: x\n\nERROR model directory /m does not exist\n"
+    msg = exit_message(_pod({"terminated": {"exitCode": 2, "reason": "Error", "message": logs}}))
+    assert msg == (
+        "exit code 2 (Error): Loading 100% | warning: x | ERROR model directory /m does not exist"
+    )

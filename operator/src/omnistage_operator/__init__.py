@@ -3,7 +3,9 @@
 Modules (pure logic first):
 
 - ``arbiter``: who may hold a group's memory, who must sleep first, who waits and why (pure).
-- ``facts``: typed worker facts from GetStatus answers and ACKs.
+- ``facts``: typed worker facts from GetStatus answers and ACKs, and what their figures prove
+  (an ok sleep ACK the device contradicts, the need a refused wake reports).
+- ``memory``: a group's per-device memory from its workers' reports (GPUs only, never host RAM).
 - ``status``: the status subresource assembled from those facts (pure, uses ``conditions``).
 - ``handover``: one round (observe, sleep, ACK or fence, checkpoint, wake) against a port.
 - ``worker_client``: grpc.aio SleepService client (deadlines, bearer token, optional TLS).
@@ -24,4 +26,11 @@ Decisions beyond the design contract:
 - A pod whose containers ended (phase Failed/Succeeded) holds nothing; it is deleted (and the
   deletion confirmed) before the stage gets a new pod. A pod that exists but whose worker does
   not answer holds memory until fenced, unless this process created it and never reached it.
+- Real GPU physics (issue 14): free memory is below the total (driver reserve, every process's
+  context); a footprint is the largest of ``vram.request``, the peak measured while serving and
+  the need a refused wake reported; a stage whose footprint is unknown wakes only when no other
+  stage of its group may hold memory; starting pods are charged a context (612 MiB unless a
+  worker measured its own) and no wake follows a pod start in the same round; the wake gate
+  fails closed; a FAILED worker, a pending fence (persisted in status) and an ok sleep ACK the
+  device's free memory contradicts all hold memory until the pod is confirmed gone.
 """

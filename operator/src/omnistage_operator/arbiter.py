@@ -60,6 +60,7 @@ __all__ = [
     "footprint",
     "may_hold_memory",
     "plan",
+    "usable_memory",
 ]
 
 # The CUDA context of one process as NVML sees it on an H100 (bench LIMITS.md, 2026-11-21):
@@ -266,6 +267,35 @@ def footprint(intent: StageIntent, facts: StageFacts) -> int | None:
     return max(known) if known else None
 
 
+def usable_memory(
+    intents: Mapping[str, StageIntent], facts: Mapping[str, StageFacts], memory: GroupMemory
+) -> int | None:
+    """Per device, what the group's stages could hold if only they used the device: the measured
+    free memory plus what its reached workers hold beyond their contexts (per device). The
+    driver's reserve, every process's context and other processes' memory are not usable.
+
+    None when it cannot be measured: free unknown, or a worker of the group is unreachable (its
+    memory is unknown); admission then uses the capacity. Footprints compared with it include
+    the stage's own context (measured figures do), a deliberate margin of one context.
+    """
+    if memory.free is None:
+        return None
+    charge = context_charge(facts)
+    usable = memory.free
+    for name, fact in facts.items():
+        intent = intents.get(name)
+        if intent is not None and memory.gpu and intent.gpus == 0:
+            continue
+        if fact.phase is WorkerPhase.UNREACHABLE:
+            return None
+        if fact.phase in (WorkerPhase.ABSENT, WorkerPhase.STARTING):
+            continue
+        gpus = max(1, intent.gpus if intent is not None else 1)
+        context = fact.context_bytes or charge
+        usable += max(0, fact.used_bytes - context) // gpus
+    return usable
+
+
 def context_charge(facts: Mapping[str, StageFacts]) -> int:
     """The context charged per starting pod: the largest a worker of the group measured, else
     ``DEFAULT_CONTEXT_BYTES``."""
@@ -343,7 +373,8 @@ def _admit(  # noqa: PLR0917 - private helper of plan
     admitted: list[str] = []
     charged: list[str] = []  # admitted stages that take device memory
     capacity = memory.capacity
-    left = capacity
+    usable = usable_memory(intents, facts, memory)
+    left = capacity if usable is None or capacity is None else min(capacity, usable)
     for name in admission_order(intents):
         fact = facts[name]
         if name in off_device:
@@ -387,12 +418,14 @@ def _admit(  # noqa: PLR0917 - private helper of plan
                 )
             )
             continue
-        # Unknown footprint: the stage needs the whole group (alone, and first).
-        take = capacity if need is None else need
-        if take <= left and (need is not None or not charged):
+        # Unknown footprint: the stage needs the whole group (alone, and first). The first
+        # stage in order is admitted even when the usable memory does not cover it (it waits on
+        # the measured free memory, and the stages after it sleep).
+        take = left if need is None else need
+        if not charged or (need is not None and take <= left):
             admitted.append(name)
             charged.append(name)
-            left -= take
+            left = max(0, left - take)
             continue
         for other in charged:
             waiting[name].append(

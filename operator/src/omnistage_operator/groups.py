@@ -94,6 +94,7 @@ log = logging.getLogger(__name__)
 GroupKey = tuple[str, str]  # (namespace, group)
 StageKey = tuple[str, str]  # (namespace, stage)
 _TERMINAL = TERMINAL_PHASES
+_NOT_LOADED = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING, WorkerPhase.LOADING})
 # Condition reasons that are news for a user: an Event (Warning) when a condition takes one.
 _WARN_REASONS = frozenset(
     {
@@ -152,9 +153,14 @@ class KubeGroupPort:
 
     # -- observing -------------------------------------------------------------------------
 
-    def _intent(self, spec: StageSpec, body: Mapping[str, Any]) -> StageIntent:
+    def _intent(self, spec: StageSpec, body: Mapping[str, Any], fact: StageFacts) -> StageIntent:
+        """The arbiter's view of a spec. A stage whose worker has not loaded yet (no pod, pod
+        starting, worker loading) does not ask for memory yet: it could not be woken anyway,
+        and a worker that never loads (a wrong model path) must not put the group's healthy
+        stages to sleep. Its ask time is kept, so it takes its turn once loaded."""
         deleting = bool(body["metadata"].get("deletionTimestamp"))
         want = spec.wants_active and not deleting
+        ready = fact.phase not in _NOT_LOADED
         key = (self.ns, spec.name)
         asked = self.r.asks.get(key)
         if want and asked is None:
@@ -164,7 +170,7 @@ class KubeGroupPort:
             self.r.asks[key] = asked
         return StageIntent(
             name=spec.name,
-            want_active=want,
+            want_active=want and ready,
             priority=spec.priority,
             requested_active_at=asked or 0.0 if want else 0.0,
             sleep_level=spec.sleep_level,
@@ -255,7 +261,9 @@ class KubeGroupPort:
             {n: self.specs[n].gpus for n in arbitrated},
             claim_uuids,
         )
-        intents = {n: self._intent(self.specs[n], self.bodies[n]) for n in arbitrated}
+        intents = {
+            n: self._intent(self.specs[n], self.bodies[n], self.facts[n]) for n in arbitrated
+        }
         facts = {n: self.facts[n] for n in arbitrated}
         return GroupObservation(intents, facts, memory)
 
@@ -297,6 +305,7 @@ class KubeGroupPort:
             if (
                 pod is not None
                 and phase in _TERMINAL
+                and not pod["metadata"].get("deletionTimestamp")  # deleted on purpose: no crash
                 and key not in self.r.fence_pending
                 and (pod["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
             ):
@@ -865,7 +874,7 @@ class GroupRunner:
                     f"{format_bytes(a.used_after_bytes)} ({a.source}), {a.duration_s:.3f}s"
                 )
                 self.emit(body, "Slept", msg)
-            elif not s.fenced:
+            else:  # the worker's words, or the device's figures, on why it was not ok
                 self.emit(body, s.reason.value, f"{s.task_id}: {s.message}", warning=True)
         for name, a in outcome.wakes.items():
             body = port.bodies.get(name)

@@ -31,6 +31,14 @@ RESOURCE_SLICES = ("/apis", "resource.k8s.io/v1", "resourceslices")  # cluster-s
 Resource = tuple[str, str, str]
 
 
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (the API counts bytes), on a character."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode(errors="ignore") + "..."
+
+
 class KubeError(Exception):
     """An API call failed with a status other than the ones the caller handles."""
 
@@ -202,7 +210,7 @@ class Kube:
                 "uid": meta.get("uid"),
             },
             "reason": reason,
-            "message": message[:1000],
+            "message": _clip(message, 1000),
             "type": "Warning" if warning else "Normal",
             "source": {"component": "omnistage-operator"},
             "reportingComponent": "omnistage-operator",

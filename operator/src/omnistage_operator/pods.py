@@ -59,7 +59,7 @@ def exit_message(pod: Mapping[str, Any]) -> str | None:
             term = (cs.get(key) or {}).get("terminated")
             if not term:
                 continue
-            message = str(term.get("message") or "").strip()
+            message = _last_lines(str(term.get("message") or ""))
             code = term.get("exitCode")
             reason = term.get("reason") or "Terminated"
             head = f"exit code {code} ({reason})" if code is not None else str(reason)
@@ -68,6 +68,14 @@ def exit_message(pod: Mapping[str, Any]) -> str | None:
     if status.get("phase") in TERMINAL_PHASES:
         return str(status.get("message") or status.get("reason") or "pod ended")
     return None
+
+
+def _last_lines(text: str, lines: int = 3, limit: int = 600) -> str:
+    """The end of a termination message: with ``FallbackToLogsOnError`` it is the log's tail,
+    whose last lines say why (progress bars and warnings come before)."""
+    kept = [ln.strip() for ln in text.replace("\r", "\n").splitlines() if ln.strip()][-lines:]
+    out = " | ".join(kept)
+    return out if len(out) <= limit else "..." + out[-(limit - 3) :]
 
 
 @dataclass(frozen=True)

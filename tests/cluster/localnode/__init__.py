@@ -38,7 +38,8 @@ What a pod gets (see ``runtime``):
   several devices: the first one). Real GPUs (``real_gpus=True`` / ``--real-gpus``): the
   ResourceSlice lists NVML's devices (uuid, index, productName, memory) and a container gets
   ``CUDA_VISIBLE_DEVICES`` and ``NVIDIA_VISIBLE_DEVICES`` = its devices' UUIDs (none:
-  ``CUDA_VISIBLE_DEVICES=""``), plus the host's ``CUDA_*``/``NVIDIA_*`` driver settings.
+  ``CUDA_VISIBLE_DEVICES=""``), plus the host's ``CUDA_*``/``NVIDIA_*`` driver settings and
+  ``NCCL_*``/``NVSHMEM_*``/``TORCH_SYMM_MEM_*`` switches.
 - faults, switched by tests at run time: ``device_faults(node, device, leak_on_sleep=,
   lie=, slow_serving_s=, pid=)`` (see :mod:`tests.fakegpu`), and the kubelet fault
   ``hold_deletions(pod)``: a deleted pod keeps running and stays Terminating (the kubelet

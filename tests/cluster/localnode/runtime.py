@@ -61,6 +61,7 @@ INHERITED_ENV = (
 )
 # per-pod device visibility: never inherited, set from the pod's allocation
 _VISIBILITY = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+_GPU_HOST_PREFIXES = ("CUDA_", "NVIDIA_", "NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_")
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
 
 
@@ -68,15 +69,17 @@ def runtime_env(host: dict[str, str] | os._Environ[str], real_gpus: bool) -> dic
     """What a container gets from the host beside its spec's env (a runtime on a GPU host).
 
     Always the few settings a local process needs (``INHERITED_ENV``, ``LD_LIBRARY_PATH``
-    among them); with real GPUs also the host's ``CUDA_*`` and ``NVIDIA_*`` driver settings,
-    except device visibility, which comes from the pod's allocation only.
+    among them); with real GPUs also the host's ``CUDA_*`` and ``NVIDIA_*`` driver settings
+    and its ``NCCL_*``/``NVSHMEM_*``/``TORCH_SYMM_MEM_*`` safety switches (a GPU host may
+    require NVLink multicast off in every program), except device visibility, which comes
+    from the pod's allocation only.
     """
     env = {k: host[k] for k in INHERITED_ENV if k in host}
     if real_gpus:
         env.update(
             (k, v)
             for k, v in host.items()
-            if k.startswith(("CUDA_", "NVIDIA_")) and k not in _VISIBILITY
+            if k.startswith(_GPU_HOST_PREFIXES) and k not in _VISIBILITY
         )
     return env
 

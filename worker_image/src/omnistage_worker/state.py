@@ -37,7 +37,13 @@ from omnistage_worker import termination
 from omnistage_worker.acks import AckCache, Outcome, TaskIdConflict, build_ack, replayed
 from omnistage_worker.acks import identity_proto as _identity_proto
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.memory import AccountingProbe, MemoryProbe, Reading, build_probe
+from omnistage_worker.memory import (
+    AccountingProbe,
+    MemoryProbe,
+    Reading,
+    build_probe,
+    cuda_allocator,
+)
 from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController, Stats
 from omnistage_worker.transitions import (
     Current,
@@ -51,6 +57,7 @@ from omnistage_worker.transitions import (
 )
 
 log = logging.getLogger(__name__)
+_cuda_allocator = cuda_allocator  # moved to memory; tests/worker/gpu_smoke.py imports it here
 
 SLEEP = types_pb2.OPERATION_SLEEP
 WAKE = types_pb2.OPERATION_WAKE_UP
@@ -725,4 +732,3 @@ class Worker:
             self.probe.close()
         self._transition_lane.close()
         self._generate_lane.close()
-
