@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from omnistage_operator.arbiter import WorkerPhase
-from tests.e2e.conftest import CAPACITY, Cluster, stage_manifest, wait_for
+from tests.e2e.conftest import CAPACITY, Cluster, Gpu, stage_manifest, wait_for
+from tests.e2e.test_handover import MemoryWatch
 from tests.e2e.test_leader_support import ElectedOperator, LeaseReader, Watcher, WorkerProbe
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -122,15 +123,19 @@ def test_stopped_leader_is_replaced_within_lease_duration_plus_2s(
 
 
 def test_resumed_leader_order_is_refused_by_the_workers_epoch(
-    cluster: Cluster, lease: LeaseReader, tiny_models: dict[str, Path], gpu_node: str,
+    cluster: Cluster, lease: LeaseReader, tiny_models: dict[str, Path], gpu: Gpu,
     tmp_path: Path,
 ) -> None:  # fmt: skip
     marker = tmp_path / "stop-before-wake"
     a, b = _pair(cluster, tmp_path, stop_before_wake=marker)
+    watch = MemoryWatch(gpu)
+    started = False
     try:
         _start_with_leader(cluster, lease, a, b)
-        _stages(cluster, tiny_models, gpu_node)
+        _stages(cluster, tiny_models, gpu.node)
         watcher = Watcher((cluster.cp, cluster.namespace, ["ar", "sd"]))
+        watch.__enter__()
+        started = True
 
         # op-a decides the hand-over ar -> sd: ar's sleep is ACKed, the WakeUp of sd passed
         # op-a's last leading() check, and op-a stops right before sending it.
@@ -161,6 +166,8 @@ def test_resumed_leader_order_is_refused_by_the_workers_epoch(
         assert "epoch 1" in refusal and "epoch 2" in refusal, refusal  # names both epochs
         time.sleep(1.0)  # let any effect of the stale order show in the workers
         history = watcher.stop()
+        watch.__exit__(None, None, None)
+        started = False
 
         probe = WorkerProbe(cluster.cp, cluster.namespace, ["ar", "sd"])
         sd, ar = probe.status("sd"), probe.status("ar")
@@ -172,7 +179,10 @@ def test_resumed_leader_order_is_refused_by_the_workers_epoch(
         assert sd.report.last_ack is not None and sd.report.last_ack.op == "sleep"
         assert history.samples > 0
         assert history.overlaps(["ar", "sd"]) == []
-        assert history.peak_sum <= CAPACITY
+        # The device itself, seen from outside: never both stages' weights resident.
+        assert watch.samples > 0 and watch.max_sum <= CAPACITY and watch.max_resident == 1
         assert _leads(lease, b) and a.gauge("omnistage_leader") == 0.0
     finally:
+        if started:
+            watch.__exit__(None, None, None)
         _finish(a, b)

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from omnistage_operator.arbiter import WorkerPhase
-from tests.e2e.conftest import CAPACITY, Cluster, stage_manifest, wait_for
+from tests.e2e.conftest import CAPACITY, Cluster, Gpu, stage_manifest, wait_for
+from tests.e2e.test_handover import MemoryWatch
 from tests.e2e.test_leader_support import ElectedOperator, Watcher, WorkerProbe
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -78,8 +79,9 @@ def _fault(op: ElectedOperator, fault: str, hold_s: float) -> None:
 
 
 def test_leader_faults_during_handovers_never_double_hold(
-    cluster: Cluster, tiny_models: dict[str, Path], gpu_node: str, tmp_path: Path
+    cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
 ) -> None:
+    gpu_node = gpu.node
     rng = random.Random(SEED)
     ops = [
         ElectedOperator(cluster.cp, cluster.namespace, tmp_path / n, f"op-{n}", TIMING)
@@ -87,6 +89,7 @@ def test_leader_faults_during_handovers_never_double_hold(
     ]
     runs: list[Run] = []
     watcher: Watcher | None = None
+    device = MemoryWatch(gpu)  # the simulated GPU seen from outside
     try:
         for op in ops:
             op.start()
@@ -95,6 +98,7 @@ def test_leader_faults_during_handovers_never_double_hold(
         probe = WorkerProbe(cluster.cp, cluster.namespace, ["ar", "sd"])
         wait_for("ar Active, sd asleep", lambda: _converged(probe, "ar", "sd"), 180)
         watcher = Watcher((cluster.cp, cluster.namespace, ["ar", "sd"]))
+        device.__enter__()
         started = time.monotonic()
         target = "sd"
         for i in range(RUNS):
@@ -119,14 +123,16 @@ def test_leader_faults_during_handovers_never_double_hold(
         total = time.monotonic() - started
         history = watcher.stop()
         watcher = None
+        device.__exit__(None, None, None)
 
         times = sorted(r.converged_s for r in runs)
         overlaps = history.overlaps(["ar", "sd"])
         acks = sum(len(v) for v in history.acks.values())
         print(
             f"chaos: {len(runs)} runs in {total:.0f}s (seed {SEED}): "
-            f"{len(overlaps)} instants with two holders, device peak {history.peak_sum} of "
-            f"{CAPACITY}; convergence p50 {statistics.median(times):.2f}s, "
+            f"{len(overlaps)} instants with two holders by the ACKs; on the device: peak "
+            f"{device.max_sum} of {CAPACITY}, at most {device.max_resident} stage(s) resident "
+            f"({device.samples} samples); convergence p50 {statistics.median(times):.2f}s, "
             f"max {times[-1]:.2f}s; {acks} ACKs from {history.samples} worker samples"
         )
         for fault in FAULTS:
@@ -134,7 +140,7 @@ def test_leader_faults_during_handovers_never_double_hold(
             print(f"  {fault}: n={len(ts)} p50 {statistics.median(ts):.2f}s max {max(ts):.2f}s")
         assert len(runs) == RUNS
         assert overlaps == [], f"two stages held memory at once: {overlaps[:5]}"
-        assert history.peak_sum <= CAPACITY
+        assert device.max_sum <= CAPACITY and device.max_resident == 1
         # Both stages moved back and forth: the ACK history covers the hand-overs.
         for stage in ("ar", "sd"):
             ops_seen = {a.op for a in history.acks.get(stage, {}).values() if a.ok}
@@ -143,6 +149,7 @@ def test_leader_faults_during_handovers_never_double_hold(
     finally:
         if watcher is not None:
             watcher.stop()
+            device.__exit__(None, None, None)
         for op in ops:
             op.shutdown()
             print(f"--- {op.name} log tail ---\n{op.tail(30)}")

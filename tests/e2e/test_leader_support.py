@@ -8,7 +8,8 @@
   an optional test-only fault point (below).
 - ``WorkerProbe``: the workers' own GetStatus over gRPC (pod IPs cached), with the epoch they
   obeyed, and ``HoldingLog``, which keeps every ACK seen and answers "did two stages ever hold
-  memory at once?" from the workers' ACK timestamps.
+  memory at once?" from the workers' ACK timestamps (the tests also watch the simulated GPU
+  from outside with ``test_handover.MemoryWatch``).
 
 The operators run as ``python -m tests.e2e.test_leader_faultpoint`` (the real CLI plus a
 test-only fault point, see there).
@@ -313,8 +314,6 @@ class HoldingLog:
 
     first_phase: dict[str, WorkerPhase] = field(default_factory=dict)
     acks: dict[str, dict[str, AckFacts]] = field(default_factory=dict)
-    peak_sum: int = 0
-    capacity_total: int = 0
     samples: int = 0
 
     def record(self, stage: str, probe: Probe) -> None:
@@ -324,10 +323,6 @@ class HoldingLog:
         if rep.last_ack is not None and rep.last_ack.task_id:
             a = rep.last_ack
             self.acks.setdefault(stage, {})[f"{a.op}:{a.task_id}:{a.started_at}"] = a
-        if rep.total_bytes > 0:
-            # Free memory of the device's shared ledger: total - free sums every worker.
-            self.peak_sum = max(self.peak_sum, rep.total_bytes - rep.free_bytes)
-            self.capacity_total = rep.total_bytes
 
     def intervals(self, stage: str, now: float) -> list[tuple[float, float]]:
         holding_since: float | None = (
