@@ -239,6 +239,7 @@ def test_install_creates_a_locked_down_operator(
     assert f"kubectl -n {ns} rollout status deployment/{release.fullname}" in notes
     assert "Serving OmniStages in: every namespace (RBAC scope: Cluster)" in notes
     assert "networkPolicy.extraIngressFrom" in notes
+    assert f"kubectl -n {ns} get lease {release.fullname}" in notes
 
 
 def test_operator_is_granted_every_contract_verb(
