@@ -10,7 +10,11 @@ Modules (pure logic first):
 - ``handover``: one round (observe, sleep, ACK or fence, checkpoint, wake) against a port.
 - ``worker_client``: grpc.aio SleepService client (deadlines, bearer token, optional TLS).
 - ``kube``: a thin async Kubernetes client (404/409 handled explicitly).
-- ``groups``: the Kubernetes port of a round and the serialized loop per group.
+- ``pods``: pods, claims and ResourceSlices read as facts (exit reasons, crash back-off,
+  a claim's device UUIDs) (pure).
+- ``port``: ``KubeGroupPort``, the Kubernetes side of a round (observe, start, sleep, wake,
+  fence); ``runner``: ``GroupRunner``, the serialized loop per group and what survives rounds;
+  ``publisher``: status and Events after a round; ``groups`` re-exports them.
 - ``handlers`` (kopf, thin), ``cli`` (``omnistage-operator``), ``settings``, ``metrics``.
 
 Decisions beyond the design contract:

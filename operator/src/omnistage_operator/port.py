@@ -1,0 +1,501 @@
+"""The Kubernetes side of a hand-over round: ``KubeGroupPort`` implements ``handover.GroupPort``.
+
+For one round of one group it lists the group's OmniStages and worker pods, asks every worker for
+its GetStatus, turns both into the arbiter's intents and facts (with what a previous round or
+process persisted: pending fences, learned needs, crash back-offs), creates a stage's children
+(always asleep), and carries out Sleep, WakeUp and fences, checking before each order that this
+operator still leads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from omnistage_operator import metrics
+from omnistage_operator.arbiter import (
+    StageFacts,
+    StageIntent,
+    WorkerPhase,
+)
+from omnistage_operator.builders import (
+    POD_SPEC_HASH_ANNOTATION,
+    build_group_claim,
+    build_service,
+    build_worker_pod,
+    owner_reference,
+    pod_spec_hash,
+)
+from omnistage_operator.facts import AckFacts, WorkerReport
+from omnistage_operator.handover import (
+    FenceFailed,
+    GroupObservation,
+    RoundOutcome,
+    WorkerRefused,
+    WorkerUnauthenticated,
+    WorkerUnavailable,
+)
+from omnistage_operator.kube import (
+    CLAIMS,
+    OMNISTAGE,
+    PODS,
+    SERVICES,
+)
+from omnistage_operator.labels import (
+    GROUP_LABEL,
+    MANAGED_BY_LABEL,
+    MANAGER,
+    STAGE_LABEL,
+    selector_string,
+)
+from omnistage_operator.leadership import LeadershipLost
+from omnistage_operator.memory import group_memory
+from omnistage_operator.pods import (
+    RESET_AFTER_S,
+    TERMINAL_PHASES,
+    container_started,
+    exit_message,
+)
+from omnistage_operator.spec import DesiredState, SpecError, StageSpec, parse_stage
+from omnistage_operator.status import (
+    parse_timestamp,
+    persisted_facts,
+)
+from omnistage_operator.worker_client import WorkerClient
+
+if TYPE_CHECKING:
+    from omnistage_operator.runner import GroupRunner
+
+__all__ = ["KubeGroupPort", "group_of"]
+
+log = logging.getLogger(__name__)
+
+StageKey = tuple[str, str]  # (namespace, stage)
+_TERMINAL = TERMINAL_PHASES
+_NOT_LOADED = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING, WorkerPhase.LOADING})
+
+
+def group_of(body: Mapping[str, Any]) -> str | None:
+    """``spec.colocation.group`` of a raw body, if any."""
+    spec = body.get("spec") or {}
+    coloc = spec.get("colocation") or {}
+    group = coloc.get("group")
+    return group if isinstance(group, str) else None
+
+
+class KubeGroupPort:
+    """``GroupPort`` of one group, for one round."""
+
+    def __init__(self, runner: GroupRunner, namespace: str, group: str) -> None:
+        self.r = runner
+        self.ns = namespace
+        self.group = group
+        self.specs: dict[str, StageSpec] = {}
+        self.bodies: dict[str, dict[str, Any]] = {}
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.reports: dict[str, WorkerReport] = {}
+        self.facts: dict[str, StageFacts] = {}
+        self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
+        self.held_back: dict[str, float] = {}  # stages in crash back-off: seconds left
+        self._listed = False
+
+    # -- observing -------------------------------------------------------------------------
+
+    def _intent(self, spec: StageSpec, body: Mapping[str, Any], fact: StageFacts) -> StageIntent:
+        """The arbiter's view of a spec. A stage whose worker has not loaded yet (no pod, pod
+        starting, worker loading) does not ask for memory yet: it could not be woken anyway,
+        and a worker that never loads (a wrong model path) must not put the group's healthy
+        stages to sleep. Its ask time is kept, so it takes its turn once loaded."""
+        deleting = bool(body["metadata"].get("deletionTimestamp"))
+        want = spec.wants_active and not deleting
+        ready = fact.phase not in _NOT_LOADED
+        key = (self.ns, spec.name)
+        asked = self.r.asks.get(key)
+        if want and asked is None:
+            status = body.get("status") or {}
+            created = parse_timestamp(body["metadata"].get("creationTimestamp"))
+            asked = parse_timestamp(status.get("requestedActiveAt")) or created or time.time()
+            self.r.asks[key] = asked
+        return StageIntent(
+            name=spec.name,
+            want_active=want and ready,
+            priority=spec.priority,
+            requested_active_at=asked or 0.0 if want else 0.0,
+            sleep_level=spec.sleep_level,
+            vram_request=spec.vram_request_bytes,
+            gpus=spec.gpus,
+            drain_timeout_s=float(spec.drain_timeout_s),
+        )
+
+    async def _status_of(self, name: str, pod: Mapping[str, Any]) -> WorkerReport | None:
+        client = self.r.client_for(self.ns, self.specs[name], pod)
+        if client is None:
+            return None
+        key = (self.ns, name)
+        try:
+            report = await client.get_status(self.r.settings.status_timeout_s)
+        except WorkerUnauthenticated as exc:
+            if self.r.auth_errors.get(key) != str(exc):
+                log.warning("%s/%s: %s", self.ns, name, exc)
+                self.r.emit(self.bodies[name], "WorkerUnauthenticated", str(exc), warning=True)
+            self.r.auth_errors[key] = str(exc)
+            return None
+        except (WorkerUnavailable, WorkerRefused) as exc:
+            log.debug("GetStatus %s/%s: %s", self.ns, name, exc)
+            return None
+        self.r.auth_errors.pop(key, None)
+        return report
+
+    def _facts(
+        self, name: str, pod: Mapping[str, Any] | None, rep: WorkerReport | None
+    ) -> StageFacts:
+        if pod is None:
+            return StageFacts(WorkerPhase.ABSENT)
+        key = (self.ns, name)
+        learned = self.r.learned.get(key) or None
+        uid = pod["metadata"]["uid"]
+        phase = (pod.get("status") or {}).get("phase", "Pending")
+        if (pod["metadata"].get("labels") or {}).get(GROUP_LABEL) != self.group:
+            # A pod of another group (the CRD makes the group immutable, so only a pod left
+            # from a deleted and re-created stage): its memory is on that group's devices; it
+            # is deleted (confirmed) before this group's pod is created.
+            return StageFacts(WorkerPhase.ABSENT)
+        if key in self.r.fence_pending:
+            # A fence was started and the API has not confirmed the pod gone: whatever the
+            # pod or its worker says, it may hold memory, and the gate stays closed.
+            if rep is not None:
+                return rep.stage_facts(fence_pending=True, learned_need=learned)
+            return StageFacts(WorkerPhase.UNREACHABLE, fence_pending=True, learned_need=learned)
+        if phase in _TERMINAL:
+            return StageFacts(WorkerPhase.ABSENT)  # the kubelet reported its containers ended
+        if rep is not None:
+            self.r.reached.add(uid)
+            return rep.stage_facts(learned_need=learned)
+        if phase == "Pending" and not container_started(pod):
+            return StageFacts(WorkerPhase.STARTING)
+        if uid in self.r.created and uid not in self.r.reached:
+            return StageFacts(WorkerPhase.STARTING)
+        return StageFacts(WorkerPhase.UNREACHABLE)
+
+    async def observe(self) -> GroupObservation:
+        """Read the group's specs, pods and every worker's GetStatus.
+
+        Within one round, specs and pods are listed again only after this port created or
+        deleted a pod; otherwise only the workers are asked again (a spec changed meanwhile
+        kicks another round).
+        """
+        if not self._listed:
+            await self._list()
+            self._listed = True
+        names = sorted(self.specs)
+        await self._adopt_persisted(names)
+        with_pod = [
+            n
+            for n in names
+            if n in self.pods
+            and (self.pods[n]["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
+        ]
+        reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
+        self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
+        self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
+        self._note_exits(names)
+        # A stage in crash back-off holds nothing (its container ended) and is left out of the
+        # arbitration until the back-off ends: it is neither admitted nor started, so the
+        # group's healthy stages are not put to sleep for it.
+        arbitrated = [n for n in names if n not in self.held_back]
+        claim_uuids = await self.r.claim_uuids(self.ns, self.group, self.specs)
+        memory = group_memory(
+            {n: r for n, r in self.reports.items() if n in arbitrated},
+            {n: self.specs[n].gpus for n in arbitrated},
+            claim_uuids,
+        )
+        intents = {
+            n: self._intent(self.specs[n], self.bodies[n], self.facts[n]) for n in arbitrated
+        }
+        facts = {n: self.facts[n] for n in arbitrated}
+        return GroupObservation(intents, facts, memory)
+
+    async def _adopt_persisted(self, names: list[str]) -> None:
+        """Facts a previous operator process persisted in status (a pending fence, a learned
+        need) come back; a pending fence whose pod the API no longer lists is confirmed."""
+        for name in names:
+            key = (self.ns, name)
+            persisted = persisted_facts(self.bodies[name].get("status"))
+            if (
+                persisted.fence_pending
+                and key not in self.r.fence_pending
+                and key not in self.r.fences_cleared
+            ):
+                reason = persisted.fence_reason or "fence pending (persisted)"
+                self.r.fence_pending[key] = reason
+            if persisted.learned_need is not None and key not in self.r.learned:
+                self.r.learned[key] = persisted.learned_need
+            if key in self.r.fence_pending and name not in self.pods:
+                await self.r.fence_confirmed(self.ns, name, self.bodies[name])
+
+    def _note_exits(self, names: list[str]) -> None:
+        """Count exited worker containers into each stage's back-off; reset the back-off of a
+        stage whose pod has run Active long enough."""
+        now = time.time()
+        self.held_back.clear()
+        for name in names:
+            key = (self.ns, name)
+            pod = self.pods.get(name)
+            fact = self.facts[name]
+            if pod is not None and fact.phase is WorkerPhase.ACTIVE:
+                uid = pod["metadata"]["uid"]
+                since = self.r.active_since.get(key)
+                if since is None or since[0] != uid:
+                    self.r.active_since[key] = (uid, now)
+                elif now - since[1] >= RESET_AFTER_S and key in self.r.backoffs:
+                    del self.r.backoffs[key]
+            phase = (pod.get("status") or {}).get("phase") if pod is not None else None
+            if (
+                pod is not None
+                and phase in _TERMINAL
+                and not pod["metadata"].get("deletionTimestamp")  # deleted on purpose: no crash
+                and key not in self.r.fence_pending
+                and (pod["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
+            ):
+                message = exit_message(pod) or "worker container ended"
+                self.r.worker_exited(self.bodies[name], pod["metadata"]["uid"], message, now)
+            backoff = self.r.backoffs.get(key)
+            if backoff is not None and fact.phase is WorkerPhase.ABSENT:
+                left = backoff.waiting(now)
+                if left > 0:
+                    self.held_back[name] = left
+
+    async def _list(self) -> None:
+        await self.r.ensure_secret(self.ns)  # also repairs a Secret left from another token
+        stages, pods = await asyncio.gather(
+            self.r.kube.list(OMNISTAGE, self.ns),
+            self.r.kube.list(PODS, self.ns, selector_string({MANAGED_BY_LABEL: MANAGER})),
+        )
+        bodies = [b for b in stages if group_of(b) == self.group]
+        self.specs.clear()
+        self.bodies.clear()
+        for body in bodies:
+            try:
+                spec = parse_stage(body)
+            except SpecError as exc:
+                self.invalid[body["metadata"]["name"]] = (body, exc)
+                continue
+            self.specs[spec.name] = spec
+            self.bodies[spec.name] = body
+        self.pods = {
+            p["metadata"]["labels"][STAGE_LABEL]: p
+            for p in pods
+            if p["metadata"].get("labels", {}).get(STAGE_LABEL) in self.specs
+        }
+        orphans = [
+            p
+            for p in pods
+            if p["metadata"].get("labels", {}).get(GROUP_LABEL) == self.group
+            and p["metadata"].get("labels", {}).get(STAGE_LABEL) not in self.specs
+            and (p.get("status") or {}).get("phase") not in _TERMINAL
+        ]
+        for pod in orphans:
+            await self._fence_orphan(pod, {b["metadata"]["name"]: b for b in stages})
+        for name, pod in list(self.pods.items()):
+            if _outdated(pod, self.specs[name]):
+                await self._replace_outdated(name, pod)
+                del self.pods[name]
+
+    async def _replace_outdated(self, stage: str, pod: Mapping[str, Any]) -> None:
+        """The stage's spec changed in a field its pod was built from (image, model, template,
+        ...): delete the pod with its grace period (in-flight requests finish) and wait until
+        the API server confirms it is gone, so its process, and the device memory it held, are
+        gone before the round creates the new pod, asleep, behind the usual ACK gate."""
+        meta = pod["metadata"]
+        body = self.bodies[stage]
+        self._ensure_leading(f"replacement of {meta['name']}")
+        self.r.emit(body, "PodOutdated", f"pod {meta['name']} predates the spec; replacing it")
+        # What was learned about the old pod (its need, its crashes) is about the old spec.
+        self.r.learned[(self.ns, stage)] = 0
+        self.r.backoffs.pop((self.ns, stage), None)
+        await self._delete_confirmed(pod, f"outdated pod {meta['name']} not confirmed gone")
+        self.r.emit(body, "PodReplaced", f"outdated pod {meta['name']} deleted and confirmed gone")
+
+    async def _fence_orphan(
+        self, pod: Mapping[str, Any], stages: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """A pod labelled with this group whose stage is no longer arbitrated here (its spec
+        became invalid, or it was re-created in another group) may hold this group's memory:
+        delete it and wait until the API server confirms it is gone."""
+        meta = pod["metadata"]
+        stage = meta.get("labels", {}).get(STAGE_LABEL, "")
+        body = stages.get(stage)
+        reason = f"pod {meta['name']} belongs to group {self.group} but its stage left the group"
+        if body is not None:
+            self.r.emit(body, "Fencing", reason, warning=True)
+        await self._delete_confirmed(pod, f"pod {meta['name']} not confirmed gone", grace_s=5)
+        metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
+        if body is not None:
+            self.r.emit(body, "Fenced", f"{reason}; deleted and confirmed gone", warning=True)
+
+    async def _delete_confirmed(
+        self,
+        pod: Mapping[str, Any],
+        failure: str,
+        *,
+        grace_s: int | None = None,
+        count_timeout: bool = True,
+    ) -> None:
+        """Delete ``pod`` and wait until the API server confirms it is gone; raise
+        ``FenceFailed(failure)`` (counted as a fence timeout) when it is not within the fence
+        timeout."""
+        meta = pod["metadata"]
+        await self.r.kube.delete(PODS, self.ns, meta["name"], uid=meta["uid"], grace_s=grace_s)
+        if not await self.r.kube.wait_gone(
+            PODS, self.ns, meta["name"], meta["uid"], self.r.settings.fence_timeout_s
+        ):
+            if count_timeout:
+                metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
+            raise FenceFailed(failure)
+
+    # -- acting ----------------------------------------------------------------------------
+
+    async def start(self, stage: str) -> None:
+        """Create the stage's token Secret, group claim, Pod (asleep) and Service."""
+        spec, body = self.specs[stage], self.bodies[stage]
+        if body["metadata"].get("deletionTimestamp"):
+            return
+        self._ensure_leading(f"start of {stage}")
+        old = self.pods.get(stage)
+        if old is not None:  # ended or of another group: delete it, wait until confirmed gone
+            await self._delete_confirmed(old, f"old pod of {stage} not gone", count_timeout=False)
+        await self.r.ensure_secret(self.ns)
+        claim = self.r.claim_for(spec)
+        if claim is not None:
+            gpus = max(s.gpus for s in self.specs.values())
+            manifest = build_group_claim(self.ns, self.group, gpus, self.r.settings.device_class)
+            await self.r.kube.create(CLAIMS, self.ns, manifest)
+        owner = owner_reference(body)
+        pod = build_worker_pod(
+            spec, initial_state=DesiredState.ASLEEP, owner=owner, claim_name=claim
+        )
+        created = await self.r.kube.create_returning(PODS, self.ns, pod)
+        if created is not None:
+            self.r.created.add(created["metadata"]["uid"])
+            log.info("%s/%s: created pod %s (asleep)", self.ns, stage, pod["metadata"]["name"])
+        await self.r.kube.create(SERVICES, self.ns, build_service(spec, owner=owner))
+        self._listed = False
+
+    def _ensure_leading(self, what: str) -> None:
+        """Raise ``LeadershipLost`` unless this operator still leads: an order (Sleep, WakeUp,
+        a fence's delete) is never sent by a process that may have been replaced."""
+        if not self.r.leadership.leading():
+            raise LeadershipLost(f"{what} in group {self.ns}/{self.group}: no longer leading")
+
+    def _client(self, stage: str) -> WorkerClient:
+        pod = self.pods.get(stage)
+        client = None if pod is None else self.r.client_for(self.ns, self.specs[stage], pod)
+        if client is None:
+            raise WorkerUnavailable(f"{stage} has no running pod with an address")
+        return client
+
+    async def probe(self, stage: str) -> StageFacts:
+        """GetStatus of one worker, as the arbiter's facts (a draining sleep is told from a
+        lost worker by this)."""
+        pod = self.pods.get(stage)
+        if pod is None:
+            return StageFacts(WorkerPhase.ABSENT)
+        rep = await self._status_of(stage, pod)
+        if rep is not None:
+            self.reports[stage] = rep
+        return self._facts(stage, pod, rep)
+
+    async def sleep(
+        self,
+        stage: str,
+        level: int,
+        task_id: str,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> AckFacts:
+        """Sleep; the request carries the stage's drain timeout, and the call's deadline is
+        ``timeout_s`` (the round's: --sleep-timeout, plus the drain timeout while requests are
+        in flight), else the drain timeout plus --sleep-timeout. The ACK is kept for status."""
+        client = self._client(stage)
+        self._ensure_leading(f"Sleep {task_id}")
+        drain = (
+            float(self.specs[stage].drain_timeout_s) if drain_timeout_s is None else drain_timeout_s
+        )
+        deadline = timeout_s if timeout_s is not None else drain + self.r.settings.sleep_timeout_s
+        t0 = time.monotonic()
+        ack = await client.sleep(
+            level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain
+        )
+        metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
+        self.r.last_acks[(self.ns, stage)] = ack
+        result = "ok" if ack.ok else "not_ok"
+        metrics.TRANSITIONS.labels(self.ns, self.group, "sleep", result).inc()
+        if ack.ok and ack.freed_bytes > 0 and not ack.replayed:
+            metrics.BYTES_FREED.labels(self.ns, self.group).inc(ack.freed_bytes)
+        return ack
+
+    async def wake(self, stage: str, task_id: str) -> AckFacts:
+        """WakeUp with the contract's deadline; the ACK is kept for status."""
+        client = self._client(stage)
+        self._ensure_leading(f"WakeUp {task_id}")
+        t0 = time.monotonic()
+        ack = await client.wake(
+            task_id, self.r.settings.wake_timeout_s, epoch=self.r.leadership.epoch
+        )
+        metrics.ACK_SECONDS.labels("wake").observe(time.monotonic() - t0)
+        self.r.last_acks[(self.ns, stage)] = ack
+        result = "ok" if ack.ok else "not_ok"
+        metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
+        return ack
+
+    async def checkpoint(self, outcome: RoundOutcome) -> None:
+        """Publish the sleeps' ACKs in status before any wake goes out."""
+        await self.r.publish(self, outcome, events=False)
+
+    async def fence(self, stage: str, reason: str) -> None:
+        """Delete the stage's pod; return only once the API server confirms it is gone."""
+        pod = self.pods.get(stage)
+        body = self.bodies[stage]
+        key = (self.ns, stage)
+        self._ensure_leading(f"fence of {stage}")
+        # Persisted before the delete: an operator restarted from here on keeps the gate
+        # closed until the API confirms the pod gone (status.fencePending).
+        await self.r.fence_started(self.ns, stage, reason)
+        rep = self.reports.get(stage)
+        self.r.emit(body, "Fencing", f"deleting the worker pod: {reason}", warning=True)
+        if pod is not None:
+            name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
+            await self.r.kube.delete(PODS, self.ns, name, uid=uid, grace_s=5)
+            gone = await self.r.kube.wait_gone(
+                PODS, self.ns, name, uid, self.r.settings.fence_timeout_s
+            )
+            if not gone:
+                metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
+                self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
+                raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
+        self._listed = False
+        await self.r.fence_confirmed(self.ns, stage, body)
+        metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
+        self.r.fenced[key] = reason
+        self.r.emit(
+            body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
+        )
+        if pod is not None and rep is not None and rep.phase is WorkerPhase.FAILED:
+            # A worker that failed (at load, or a residual it could not release) is a crash:
+            # its stage backs off before a new pod, with the worker's own reason in status.
+            why = f"worker failed: {rep.error}" if rep.error else "worker failed"
+            self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time())
+
+
+def _outdated(pod: Mapping[str, Any], spec: StageSpec) -> bool:
+    """The pod was built from another version of the fields a pod is made of."""
+    if (pod.get("status") or {}).get("phase") in _TERMINAL or pod["metadata"].get(
+        "deletionTimestamp"
+    ):
+        return False  # ended or already going: the round's usual path handles it
+    built = (pod["metadata"].get("annotations") or {}).get(POD_SPEC_HASH_ANNOTATION)
+    return built is not None and built != pod_spec_hash(spec)

@@ -1,0 +1,249 @@
+"""Status and Events of a group's stages after a round (``StatusPublisher``, mixed into
+``runner.GroupRunner``).
+
+The status body comes from ``status.build_status`` (pure); this module adds what only the
+Kubernetes side knows (per-device figures, the crash back-off), patches status only where it
+changed, and records Events: the round's own (Slept, Woken, refusals, PodCreated) and a Warning
+whenever a condition takes a reason a user must hear about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from omnistage_operator import conditions as cond
+from omnistage_operator.arbiter import (
+    StageFacts,
+    WorkerPhase,
+)
+from omnistage_operator.facts import AckFacts
+from omnistage_operator.handover import (
+    RoundOutcome,
+)
+from omnistage_operator.kube import (
+    OMNISTAGE,
+    Kube,
+    KubeError,
+)
+from omnistage_operator.pods import (
+    CrashBackoff,
+)
+from omnistage_operator.quantities import format_bytes
+from omnistage_operator.status import (
+    StageObservation,
+    build_status,
+    format_timestamp,
+)
+
+if TYPE_CHECKING:
+    from omnistage_operator.port import KubeGroupPort
+
+__all__ = ["StatusPublisher"]
+
+log = logging.getLogger(__name__)
+
+StageKey = tuple[str, str]
+# Condition reasons that are news for a user: an Event (Warning) when a condition takes one.
+_WARN_REASONS = frozenset(
+    {
+        cond.Reason.LARGER_THAN_DEVICE,
+        cond.Reason.DEVICE_MISMATCH,
+        cond.Reason.ACK_CONTRADICTED,
+        cond.Reason.FENCE_PENDING,
+        cond.Reason.WORKER_FAILED,
+        cond.Reason.SLEEP_REFUSED,
+        cond.Reason.WAKE_REFUSED,
+        "WorkerExited",
+    }
+)
+
+
+class StatusPublisher:
+    """Publishing half of ``GroupRunner`` (the attributes below are the runner's)."""
+
+    kube: Kube
+    published: dict[StageKey, dict[str, Any]]
+    asks: dict[StageKey, float]
+    last_acks: dict[StageKey, AckFacts]
+    fenced: dict[StageKey, str]
+    auth_errors: dict[StageKey, str]
+    fence_pending: dict[StageKey, str]
+    learned: dict[StageKey, int]
+    backoffs: dict[StageKey, CrashBackoff]
+    sleep_problems: dict[StageKey, tuple[str, str]]
+    wake_problems: dict[StageKey, tuple[str, str]]
+    _tasks: set[asyncio.Task[Any]]
+
+    def emit(
+        self, body: Mapping[str, Any], reason: str, message: str, *, warning: bool = False
+    ) -> None:
+        """Record an Event without blocking the hand-over."""
+        meta = body["metadata"]
+        level = logging.WARNING if warning else logging.INFO
+        log.log(level, "%s/%s %s: %s", meta.get("namespace"), meta["name"], reason, message)
+        task = asyncio.create_task(
+            self.kube.event(body, reason=reason, message=message, warning=warning)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _events(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+        for s in outcome.sleeps:
+            body = port.bodies.get(s.order.stage)
+            if body is None:
+                continue
+            if s.ok and s.ack is not None:
+                a = s.ack
+                freed = format_bytes(max(a.freed_bytes, 0))
+                msg = (
+                    f"ACK {a.task_id}: level {a.level}, freed {freed}, used after "
+                    f"{format_bytes(a.used_after_bytes)} ({a.source}), {a.duration_s:.3f}s"
+                )
+                self.emit(body, "Slept", msg)
+            else:  # the worker's words, or the device's figures, on why it was not ok
+                self.emit(body, s.reason.value, f"{s.task_id}: {s.message}", warning=True)
+        for name, a in outcome.wakes.items():
+            body = port.bodies.get(name)
+            if body is not None and a.ok:
+                used = format_bytes(a.used_after_bytes)
+                msg = f"ACK {a.task_id}: used {used} ({a.source}), {a.duration_s:.3f}s"
+                self.emit(body, "Woken", msg)
+        for name, err in outcome.wake_errors.items():
+            body = port.bodies.get(name)
+            if body is not None:
+                refused = name in outcome.wake_refusals
+                self.emit(body, "WakeRefused" if refused else "WakeFailed", err, warning=True)
+        for name in outcome.started:
+            body = port.bodies.get(name)
+            if body is not None:
+                self.emit(body, "PodCreated", "worker pod created asleep")
+
+    async def publish(
+        self, port: KubeGroupPort, outcome: RoundOutcome, *, events: bool = True
+    ) -> None:
+        """Patch every stage's status from the facts (only where it changed)."""
+        if events:
+            self._events(port, outcome)
+        decision = outcome.decision
+        now = datetime.now(UTC)
+        patches = []
+        for name, spec in port.specs.items():
+            key = (port.ns, name)
+            body = port.bodies[name]
+            fact = port.facts.get(name, StageFacts(WorkerPhase.ABSENT))
+            if fact.phase is WorkerPhase.ACTIVE:
+                self.fenced.pop(key, None)
+                self.wake_problems.pop(key, None)
+            pod = port.pods.get(name)
+            obs = StageObservation(
+                generation=spec.generation,
+                wants_active=spec.wants_active,
+                phase=fact.phase,
+                report=port.reports.get(name),
+                pod=pod["metadata"]["name"] if pod else None,
+                node=(pod.get("spec") or {}).get("nodeName") if pod else None,
+                last_ack=self.last_acks.get(key),
+                admitted=decision is not None and name in decision.admitted,
+                waiting=decision.waiting.get(name, ()) if decision is not None else (),
+                fenced_reason=self.fenced.get(key),
+                requested_active_at=self.asks.get(key) if spec.wants_active else None,
+                sleep_level=spec.sleep_level,
+                waking=decision is not None and name in decision.wake,
+                worker_error=self.auth_errors.get(key),
+                fence_pending=self.fence_pending.get(key),
+                learned_need=self.learned.get(key) or None,
+                sleep_problem=self.sleep_problems.get(key),
+                wake_problem=self.wake_problems.get(key),
+            )
+            previous = self.published.get(key) or body.get("status") or {}
+            status = build_status(obs, previous, now)
+            self._extend_status(status, port, name, now)
+            self._condition_events(body, previous, status)
+            if _same(status, self.published.get(key)):
+                continue
+            old_state = previous.get("state")
+            if old_state != status["state"]:
+                self.emit(body, "StateChanged", f"{old_state or 'None'} -> {status['state']}")
+            self.published[key] = status
+            patches.append(self._patch_status(port.ns, name, status))
+        for name, (body, exc) in port.invalid.items():
+            status = {"state": "Failed", "observedGeneration": body["metadata"].get("generation")}
+            if _same(status, self.published.get((port.ns, name))):
+                continue
+            self.published[(port.ns, name)] = status
+            self.emit(body, "SpecInvalid", str(exc), warning=True)
+            patches.append(self._patch_status(port.ns, name, status))
+        await asyncio.gather(*patches)
+
+    def _extend_status(
+        self, status: dict[str, Any], port: KubeGroupPort, name: str, now: datetime
+    ) -> None:
+        """Per-device figures and the crash back-off, which ``build_status`` does not know."""
+        key = (port.ns, name)
+        rep = port.reports.get(name)
+        devices = [
+            {
+                "uuid": d.uuid or None,
+                "index": d.index,
+                "usedBytes": d.used_after,
+                "freeBytes": d.free_after,
+                "totalBytes": d.total,
+                "used": format_bytes(d.used_after),
+                "free": format_bytes(d.free_after),
+                "total": format_bytes(d.total),
+            }
+            for d in (rep.devices if rep is not None else ())
+            if d.total > 0
+        ]
+        status["devices"] = devices or None
+        backoff = self.backoffs.get(key)
+        if backoff is None:
+            status["backoff"] = None
+            return
+        status["backoff"] = {
+            "restarts": backoff.restarts,
+            "until": format_timestamp(backoff.until),
+            "message": backoff.message,
+        }
+        if name in port.held_back or port.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase in (
+            WorkerPhase.ABSENT,
+            WorkerPhase.STARTING,
+        ):
+            # Its worker exited and no new one answers yet: say so, in the worker's words.
+            if name in port.held_back:
+                status["state"] = "Failed"
+            left = port.held_back.get(name, 0.0)
+            msg = f"{backoff.message} (exited {backoff.restarts}x"
+            msg += f"; next pod in {left:.0f}s)" if left else "; new pod starting)"
+            status["conditions"] = cond.set_condition(
+                status.get("conditions"), cond.READY, False, "WorkerExited", msg,
+                port.specs[name].generation, now,
+            )  # fmt: skip
+
+    def _condition_events(
+        self, body: Mapping[str, Any], previous: Mapping[str, Any], status: Mapping[str, Any]
+    ) -> None:
+        """A Warning Event when a condition takes a reason a user must hear about."""
+        before = {c.get("type"): c.get("reason") for c in previous.get("conditions") or ()}
+        for c in status.get("conditions") or ():
+            reason = c.get("reason")
+            if reason in _WARN_REASONS and before.get(c.get("type")) != reason:
+                if reason in ("WorkerExited", "SleepRefused", "WakeRefused"):
+                    continue  # the round's own Events already say it
+                self.emit(body, str(reason), str(c.get("message", "")), warning=True)
+
+    async def _patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self.kube.merge_patch(OMNISTAGE, namespace, name, {"status": status}, status=True)
+        except KubeError as exc:
+            self.published.pop((namespace, name), None)
+            log.warning("status of %s/%s not written: %s", namespace, name, exc)
+
+
+def _same(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
+    """Equal ignoring condition transition times' formatting noise (None-safe)."""
+    return a == b

@@ -1,0 +1,414 @@
+"""Serialized hand-over loops per colocation group (``GroupRunner``), and what must survive
+between rounds: asks, learned needs, pending fences, crash back-offs, worker channels, the
+namespace's worker-token Secret.
+
+``kick`` marks a group dirty and its loop runs rounds until nothing new was asked (kicks during a
+round coalesce into one more round). A round runs only while this operator leads; it builds a
+``port.KubeGroupPort``, runs ``handover.run_round`` against it and publishes the stages' status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnistage_operator import conditions as cond
+from omnistage_operator import metrics
+from omnistage_operator.arbiter import (
+    WorkerPhase,
+)
+from omnistage_operator.builders import (
+    build_token_secret,
+    claim_name,
+    pod_claim_name,
+    service_name,
+)
+from omnistage_operator.facts import AckFacts
+from omnistage_operator.handover import (
+    FenceFailed,
+    RoundOutcome,
+    RoundPolicy,
+    run_round,
+)
+from omnistage_operator.kube import (
+    CLAIMS,
+    OMNISTAGE,
+    PODS,
+    RESOURCE_SLICES,
+    SECRETS,
+    SERVICES,
+    Kube,
+    KubeError,
+)
+from omnistage_operator.leadership import Leadership, LeadershipLost, SoleWriter
+from omnistage_operator.pods import (
+    TERMINAL_PHASES,
+    CrashBackoff,
+    claim_device_uuids,
+)
+from omnistage_operator.port import KubeGroupPort, group_of
+from omnistage_operator.publisher import StatusPublisher
+from omnistage_operator.settings import Settings
+from omnistage_operator.spec import PlacementMode, SpecError, StageSpec, parse_stage
+from omnistage_operator.status import (
+    format_timestamp,
+)
+from omnistage_operator.worker_client import WorkerClient
+
+__all__ = ["GroupRunner"]
+
+log = logging.getLogger(__name__)
+
+GroupKey = tuple[str, str]  # (namespace, group)
+StageKey = tuple[str, str]  # (namespace, stage)
+_TERMINAL = TERMINAL_PHASES
+_BUSY = frozenset(
+    {
+        WorkerPhase.STARTING,
+        WorkerPhase.LOADING,
+        WorkerPhase.SLEEPING,
+        WorkerPhase.WAKING,
+        WorkerPhase.UNREACHABLE,
+    }
+)
+
+
+@dataclass
+class _Loop:
+    dirty: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    followup: asyncio.TimerHandle | None = None
+    backoff_s: float = 0.2
+
+
+class GroupRunner(StatusPublisher):
+    """Serialized hand-over loops per group, plus what must survive between rounds."""
+
+    def __init__(
+        self, kube: Kube, settings: Settings, leadership: Leadership | None = None
+    ) -> None:
+        """``leadership``: who may order workers (``SoleWriter`` without election); a round
+        runs only while it leads, and every order carries its epoch."""
+        self.kube = kube
+        self.settings = settings
+        self.leadership: Leadership = leadership if leadership is not None else SoleWriter()
+        self.policy = RoundPolicy(
+            ack_retries=settings.ack_retries,
+            backoff_s=settings.retry_backoff_s,
+            margin_bytes=settings.wake_margin_bytes,
+            retry_window_s=settings.sleep_timeout_s,
+            transition_allowance_s=settings.sleep_timeout_s,
+        )
+        self.asks: dict[StageKey, float] = {}
+        self.created: set[str] = set()  # pod uids this process created
+        self.reached: set[str] = set()  # pod uids whose worker answered
+        self.last_acks: dict[StageKey, AckFacts] = {}
+        self.fenced: dict[StageKey, str] = {}
+        self.auth_errors: dict[StageKey, str] = {}  # workers that refused the operator's token
+        self.fence_pending: dict[StageKey, str] = {}  # fences started, pod not confirmed gone
+        self.fences_cleared: set[StageKey] = set()  # confirmed by this process (status may lag)
+        self.learned: dict[StageKey, int] = {}  # needs learned from refused wakes (0: forgotten)
+        self.backoffs: dict[StageKey, CrashBackoff] = {}
+        self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
+        self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
+        self.wake_problems: dict[StageKey, tuple[str, str]] = {}
+        self._claims: dict[str, tuple[str, tuple[str, ...]]] = {}  # claim key: (uid, uuids)
+        self._claim_errors: set[str] = set()
+        self._retry_in: dict[GroupKey, float] = {}
+        self.published: dict[StageKey, dict[str, Any]] = {}
+        self._loops: dict[GroupKey, _Loop] = {}
+        self._clients: dict[str, WorkerClient] = {}
+        self._secrets: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ids = itertools.count(1)
+        self._token = settings.worker_token()
+        ca = settings.worker_tls_ca
+        self._ca: bytes | None = None
+        if ca:
+            with open(ca, "rb") as f:
+                self._ca = f.read()
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def new_id(self) -> str:
+        """A hand-over id unique to this process and time."""
+        return f"h{int(time.time() * 1000):x}-{next(self._ids)}"
+
+    def client_for(
+        self, namespace: str, spec: StageSpec, pod: Mapping[str, Any]
+    ) -> WorkerClient | None:
+        """The cached channel to a pod's worker (None while it has no address)."""
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or (pod.get("status") or {}).get("phase") in _TERMINAL:
+            return None
+        host = f"[{ip}]" if ":" in ip else ip
+        target = f"{host}:{spec.worker.port}"
+        client = self._clients.get(target)
+        if client is None:
+            name = f"{service_name(spec.name)}.{namespace}.svc"  # what a worker certificate names
+            client = WorkerClient(target, token=self._token, ca_pem=self._ca, server_name=name)
+            self._clients[target] = client
+        return client
+
+    def claim_for(self, spec: StageSpec) -> str | None:
+        """The group claim a stage's pod references (none in explicit placement)."""
+        if self.settings.placement == "explicit" or spec.placement.mode is PlacementMode.EXPLICIT:
+            return None
+        return pod_claim_name(spec)
+
+    async def claim_uuids(
+        self, namespace: str, group: str, specs: Mapping[str, StageSpec]
+    ) -> tuple[str, ...] | None:
+        """GPU UUIDs the group's claim was allocated (from the ResourceSlices' ``uuid``
+        attribute), for the device-identity check; None without a claim (Explicit placement:
+        the workers are checked against each other), before allocation, or when the API does
+        not let this operator read claims and slices (the check is then skipped, logged once)."""
+        if not any(self.claim_for(spec) is not None for spec in specs.values()):
+            return None
+        name = claim_name(group)
+        cache_key = f"{namespace}/{name}"
+        try:
+            claim = await self.kube.get(CLAIMS, namespace, name)
+            if claim is None:
+                return None
+            uid = claim["metadata"].get("uid", "")
+            cached = self._claims.get(cache_key)
+            if cached is not None and cached[0] == uid:
+                return cached[1]  # an allocation does not change while the claim lives
+            results = ((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}
+            drivers = {r.get("driver") for r in results.get("results") or () if r.get("driver")}
+            slices: list[dict[str, Any]] = []
+            for driver in sorted(drivers):
+                slices += await self.kube.list_cluster(
+                    RESOURCE_SLICES, field_selector=f"spec.driver={driver}"
+                )
+        except KubeError as exc:
+            if cache_key not in self._claim_errors:
+                self._claim_errors.add(cache_key)
+                log.warning("%s: device identity not checked: %s", cache_key, exc)
+            return None
+        uuids = claim_device_uuids(claim, slices)
+        if uuids is not None:
+            self._claims[cache_key] = (uid, uuids)
+        return uuids
+
+    async def fence_started(self, namespace: str, name: str, reason: str) -> None:
+        """Record a fence before its delete: in memory and in ``status.fencePending`` (raises
+        ``FenceFailed`` when the status cannot be written: no delete goes out unrecorded)."""
+        key = (namespace, name)
+        self.fence_pending[key] = reason
+        self.fences_cleared.discard(key)
+        self.published.pop(key, None)
+        patch = {"status": {"fencePending": reason}}
+        try:
+            await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
+        except KubeError as exc:
+            raise FenceFailed(f"fence of {name} not recorded in status: {exc}") from exc
+
+    async def fence_confirmed(
+        self, namespace: str, name: str, body: Mapping[str, Any] | None = None
+    ) -> None:
+        """The API confirmed the fenced pod gone: clear the pending fence (memory and status)."""
+        key = (namespace, name)
+        was = self.fence_pending.pop(key, None)
+        self.fences_cleared.add(key)
+        self.published.pop(key, None)
+        patch = {"status": {"fencePending": None}}
+        try:
+            await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
+        except KubeError as exc:
+            log.warning("%s/%s: pending fence not cleared in status: %s", namespace, name, exc)
+        if was is not None and body is not None:
+            self.emit(body, "FenceConfirmed", f"pod confirmed gone; fence done: {was}")
+
+    def worker_exited(self, body: Mapping[str, Any], uid: str, message: str, now: float) -> None:
+        """Count a worker's exit (once per pod) into its stage's back-off, with an Event."""
+        meta = body["metadata"]
+        key = (meta.get("namespace") or "default", meta["name"])
+        before = self.backoffs.get(key, CrashBackoff())
+        after = before.exited(uid, message, now)
+        if after is before:
+            return
+        self.backoffs[key] = after
+        self.emit(
+            body,
+            "WorkerExited",
+            f"{message} (exit {after.restarts}; next pod in {after.delay_s():.0f}s)",
+            warning=True,
+        )
+
+    async def ensure_secret(self, namespace: str) -> None:
+        """Copy the worker token into the namespace's Secret (once per process)."""
+        if namespace in self._secrets or self._token is None:
+            return
+        manifest = build_token_secret(namespace, self._token)
+        if not await self.kube.create(SECRETS, namespace, manifest):
+            await self.kube.merge_patch(SECRETS, namespace, manifest["metadata"]["name"], manifest)
+        self._secrets.add(namespace)
+
+    async def close(self) -> None:
+        """Stop the loops and close the worker channels."""
+        for loop in self._loops.values():
+            if loop.task is not None:
+                loop.task.cancel()
+        for client in self._clients.values():
+            await client.close()
+
+    # -- loops -----------------------------------------------------------------------------
+
+    def record_ask(self, namespace: str, name: str, when: float | None = None) -> None:
+        """The stage just asked for Active (arbiter order: the most recent ask first)."""
+        self.asks[(namespace, name)] = time.time() if when is None else when
+
+    async def persist_ask(self, namespace: str, name: str) -> None:
+        """Write ``status.requestedActiveAt`` of a recorded ask now."""
+        when = self.asks.get((namespace, name))
+        if when is None:
+            return
+        patch = {"status": {"requestedActiveAt": format_timestamp(when)}}
+        await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the in-memory facts of a deleted stage."""
+        key = (namespace, name)
+        self.asks.pop(key, None)
+        self.last_acks.pop(key, None)
+        self.fenced.pop(key, None)
+        self.auth_errors.pop(key, None)
+        self.published.pop(key, None)
+        self.fence_pending.pop(key, None)
+        self.fences_cleared.discard(key)
+        self.learned.pop(key, None)
+        self.backoffs.pop(key, None)
+        self.active_since.pop(key, None)
+        self.sleep_problems.pop(key, None)
+        self.wake_problems.pop(key, None)
+
+    def kick_all(self) -> None:
+        """Ask for a round of every group seen so far (e.g. on becoming the leader)."""
+        for namespace, group in list(self._loops):
+            self.kick(namespace, group)
+
+    def kick(self, namespace: str, group: str) -> None:
+        """Ask for a round of the group (coalesced with one in progress)."""
+        loop = self._loops.setdefault((namespace, group), _Loop())
+        loop.dirty.set()
+        if loop.task is None or loop.task.done():
+            loop.task = asyncio.create_task(self._run(namespace, group, loop))
+
+    def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
+        if loop.followup is not None:
+            loop.followup.cancel()
+        loop.followup = asyncio.get_running_loop().call_later(delay, self.kick, namespace, group)
+
+    async def _run(self, namespace: str, group: str, loop: _Loop) -> None:
+        while loop.dirty.is_set():
+            loop.dirty.clear()
+            try:
+                busy = await self.round(namespace, group)
+            except Exception:
+                log.exception("round of group %s/%s failed; retrying", namespace, group)
+                metrics.ROUNDS.labels(namespace, group, "error").inc()
+                loop.backoff_s = min(loop.backoff_s * 2, 5.0)
+                self._followup(namespace, group, loop, loop.backoff_s)
+                return
+            retry = self._retry_in.pop((namespace, group), None)
+            if busy:
+                self._followup(namespace, group, loop, loop.backoff_s)
+                loop.backoff_s = min(loop.backoff_s * 1.5, 2.0)
+            else:
+                loop.backoff_s = 0.2
+                if retry is not None:  # a crash back-off ends: create the stage's pod then
+                    self._followup(namespace, group, loop, retry + 0.05)
+
+    async def round(self, namespace: str, group: str) -> bool:
+        """One round; True when something is still in progress (poll again soon).
+
+        Runs only while this operator leads; leadership lost in the middle ends the round
+        (``LeadershipLost`` from the port) with nothing more ordered or published: the new
+        leader's first round reads every worker's real state."""
+        if not self.leadership.leading():
+            log.debug("group %s/%s: not leading, no round", namespace, group)
+            return False
+        port = KubeGroupPort(self, namespace, group)
+        t0 = time.monotonic()
+        try:
+            outcome = await run_round(port, self.policy, self.new_id)
+        except LeadershipLost as exc:
+            log.warning("group %s/%s: round ended: %s", namespace, group, exc)
+            metrics.ROUNDS.labels(namespace, group, "leadership_lost").inc()
+            return False
+        if outcome.sleeps or outcome.wakes:
+            took = time.monotonic() - t0
+            metrics.HANDOVER_SECONDS.labels(namespace, group).observe(took)
+            log.info(
+                "group %s/%s hand-over %s: slept %s, woke %s in %.3fs",
+                namespace, group, outcome.handover_id,
+                [s.order.stage for s in outcome.sleeps], list(outcome.wakes), took,
+            )  # fmt: skip
+        metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
+        self._remember(namespace, outcome)
+        if port.held_back:
+            self._retry_in[(namespace, group)] = min(port.held_back.values())
+        await self.publish(port, outcome)
+        facts = port.facts.values()
+        return (
+            any(f.phase in _BUSY for f in facts)
+            or bool(outcome.wake_errors)
+            or any(not s.ok and not s.fenced for s in outcome.sleeps)
+        )
+
+    def _remember(self, namespace: str, outcome: RoundOutcome) -> None:
+        """Keep what a round learned beyond the round: needs, and the workers' own words on a
+        sleep or wake that did not go through (until one does)."""
+        for name, need in outcome.learned_needs.items():
+            self.learned[(namespace, name)] = need
+        for s in outcome.sleeps:
+            key = (namespace, s.order.stage)
+            if s.ok:
+                self.sleep_problems.pop(key, None)
+            else:
+                self.sleep_problems[key] = (s.reason.value, s.message)
+        for name in outcome.wakes:
+            if name not in outcome.wake_errors:
+                self.wake_problems.pop((namespace, name), None)
+        for name, err in outcome.wake_errors.items():
+            refused = name in outcome.wake_refusals
+            reason = cond.Reason.WAKE_REFUSED if refused else cond.Reason.ACK_FAILED
+            self.wake_problems[(namespace, name)] = (reason.value, err)
+
+    async def cleanup_stage(self, body: Mapping[str, Any]) -> None:
+        """Delete a stage's pod (until confirmed gone), Service, and the claim of an empty group."""
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        try:
+            spec: StageSpec | None = parse_stage(body)
+        except SpecError:
+            spec = None
+        pod_name = f"{name}-worker"
+        pod = await self.kube.get(PODS, ns, pod_name)
+        if pod is not None:
+            uid = pod["metadata"]["uid"]
+            await self.kube.delete(PODS, ns, pod_name, uid=uid)
+            if not await self.kube.wait_gone(
+                PODS, ns, pod_name, uid, self.settings.fence_timeout_s
+            ):
+                raise FenceFailed(f"pod {pod_name} not confirmed gone")
+        await self.kube.delete(SERVICES, ns, f"{name}-worker")
+        group = group_of(body)
+        if group is not None and (spec is None or self.claim_for(spec) is not None):
+            others = [
+                b
+                for b in await self.kube.list(OMNISTAGE, ns)
+                if group_of(b) == group
+                and b["metadata"]["name"] != name
+                and not b["metadata"].get("deletionTimestamp")
+            ]
+            if not others:
+                await self.kube.delete(CLAIMS, ns, claim_name(group))
+                log.info("%s: group %s empty, claim deleted", ns, group)
+        self.forget(ns, name)
