@@ -30,7 +30,7 @@ from tests.e2e.test_helm_support import (
     upgrade_chart,
     worker_token,
 )
-from tests.unit.test_chart_rbac import CLUSTER_PEERING, FRAMEWORK_RULES, STAGE_RULES
+from tests.unit.test_chart_rbac import CLUSTER_PEERING, FRAMEWORK_RULES, LEASE_RULES, STAGE_RULES
 from tests.unit.test_chart_support import CHART_DIR, Rule
 
 pytestmark = pytest.mark.cluster
@@ -157,6 +157,10 @@ def _denied(namespace: str) -> list[tuple[str, dict[str, str]]]:
             {**ns, "group": "resource.k8s.io", "verb": "patch", "resource": "resourceclaims"},
         ),
         (
+            "write resourceslices",
+            {"group": "resource.k8s.io", "verb": "patch", "resource": "resourceslices"},
+        ),
+        (
             "create deviceclasses",
             {"group": "resource.k8s.io", "verb": "create", "resource": "deviceclasses"},
         ),
@@ -210,7 +214,9 @@ def test_install_creates_a_locked_down_operator(
     ns = release.namespace
     deployment = _get(control_plane, "deployment", release.fullname, "-n", ns)
     spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
+    affinity = spec["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert affinity["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"] == 100
     # The API server accepted the hardened pod template as rendered.
     container = spec["template"]["spec"]["containers"][0]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -233,6 +239,7 @@ def test_install_creates_a_locked_down_operator(
     assert f"kubectl -n {ns} rollout status deployment/{release.fullname}" in notes
     assert "Serving OmniStages in: every namespace (RBAC scope: Cluster)" in notes
     assert "networkPolicy.extraIngressFrom" in notes
+    assert f"kubectl -n {ns} get lease {release.fullname}" in notes
 
 
 def test_operator_is_granted_every_contract_verb(
@@ -243,6 +250,44 @@ def test_operator_is_granted_every_contract_verb(
     allowed = access_reviews(control_plane, cluster_install.release.user, checks)
     missing = [rule for rule, ok in zip(grants, allowed, strict=True) if not ok]
     assert missing == [], f"the chart's RBAC lacks contract grants: {missing}"
+
+
+def _lease_rules(release: InstalledRelease) -> list[Rule]:
+    """LEASE_RULES with the release's Lease name (the unit tests render the default release)."""
+    from tests.unit.test_chart_support import FULLNAME
+
+    return sorted((g, r, v, release.fullname if n == FULLNAME else n) for g, r, v, n in LEASE_RULES)
+
+
+def test_operator_may_elect_a_leader_in_its_namespace_only(
+    control_plane: ControlPlane, cluster_install: ClusterInstall
+) -> None:
+    release = cluster_install.release
+    grants = _lease_rules(release)
+    allowed = access_reviews(
+        control_plane, release.user, [_check(r, release.namespace) for r in grants]
+    )
+    assert all(allowed), [r for r, ok in zip(grants, allowed, strict=True) if not ok]
+    lease = {"group": "coordination.k8s.io", "resource": "leases"}
+    ns = {"namespace": release.namespace}
+    denied = [
+        ("list leases", {**lease, **ns, "verb": "list"}),
+        ("watch leases", {**lease, **ns, "verb": "watch"}),
+        ("patch another lease", {**lease, **ns, "verb": "patch", "name": "kube-scheduler"}),
+        ("get another lease", {**lease, **ns, "verb": "get", "name": "other"}),
+        ("delete the lease", {**lease, **ns, "verb": "delete", "name": release.fullname}),
+        ("update the lease", {**lease, **ns, "verb": "update", "name": release.fullname}),
+        (
+            "leases elsewhere",
+            {**lease, "namespace": cluster_install.stages, "verb": "create"},
+        ),
+        (
+            "kube-system leases",
+            {**lease, "namespace": "kube-system", "verb": "patch", "name": release.fullname},
+        ),
+    ]
+    ok = access_reviews(control_plane, release.user, [c for _, c in denied])
+    assert [label for (label, _), a in zip(denied, ok, strict=True) if a] == []
 
 
 def test_operator_is_denied_everything_else(
@@ -346,12 +391,16 @@ def test_namespaced_scope_stays_in_its_namespaces(control_plane: ControlPlane) -
             )
             missing = [r for r, ok in zip(grants, allowed, strict=True) if not ok]
             assert missing == [], f"{ns}: missing {missing}"
-        # Nothing of the stage rules outside the served namespaces, nor cluster-wide.
+        # Nothing of the stage rules outside the served namespaces, nor cluster-wide; in the
+        # release namespace only the leader election's Events on its Lease.
+        lease_grants = set(_lease_rules(release))
         for ns in (other, release.namespace, ""):
             allowed = access_reviews(
                 control_plane, release.user, [_check(rule, ns) for rule in grants]
             )
             leaked = [r for r, ok in zip(grants, allowed, strict=True) if ok]
+            if ns == release.namespace:
+                leaked = [r for r in leaked if r not in lease_grants]
             assert leaked == [], f"namespace {ns or '(all)'}: {leaked}"
         framework = sorted(FRAMEWORK_RULES)
         assert all(access_reviews(control_plane, release.user, [_check(r, "") for r in framework]))

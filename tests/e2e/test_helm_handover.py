@@ -47,9 +47,17 @@ class ChartOperator(OperatorProcess):
         super().__init__(cp, namespace, workdir)
         self.kubeconfig = operator_kubeconfig(cp, release)
         self.token_file = worker_token_file(cp, release, workdir)
+        self.release = release
 
     def start(self) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        # As in the chart's pod: the Lease (named after the release) in the release namespace.
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PYTHONUNBUFFERED": "1",
+            "POD_NAMESPACE": self.release.namespace,
+            "OMNISTAGE_LEASE_NAME": self.release.fullname,
+        }
         argv = [
             OPERATOR,
             f"--namespace={self.namespace}",
@@ -111,6 +119,12 @@ def test_handover_under_the_chart_service_account(
 
         log = op.log.read_text(errors="replace")
         assert "Forbidden" not in log and " 403" not in log, op.tail()
+        # It led through the chart's Lease grants: the Lease names it, with Events on it.
+        lease = cluster.cp.get_json(
+            "lease", chart_release.fullname, namespace=chart_release.namespace
+        )
+        assert lease["spec"]["holderIdentity"] and lease["spec"]["leaseTransitions"] >= 1
+        assert "leadership acquired" in log
         assert copied not in log, "the operator logged the worker token"
     finally:
         op.stop()

@@ -87,6 +87,7 @@ def test_switch_as_the_charts_service_account(
     account = next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
     kubeconfig = cluster.cp.service_account_kubeconfig(ns, account)
     op = OperatorProcess(cluster.cp, ns, tmp_path, kubeconfig=kubeconfig)
+    op.extra = [f"--lease-name={account}"]  # as the chart's pod: its Lease grant names it
     op.start()
     try:
         cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu_node, group="grbac"))
@@ -100,6 +101,7 @@ def test_switch_as_the_charts_service_account(
         assert {"Slept", "StateChanged"} <= {e["reason"] for e in cluster.events("ar")}
         log = op.log.read_text(errors="replace")
         assert "Forbidden" not in log and "HTTP 403" not in log, op.tail(40)
+        assert "leadership acquired" in log
     finally:
         op.stop()
         for d in docs:

@@ -35,9 +35,18 @@ STAGE_RULES: set[Rule] = (
     | _grants("events.k8s.io", "events", "create patch")
     | _grants("resource.k8s.io", "resourceclaims", "get list watch create delete")
 )
-FRAMEWORK_RULES: set[Rule] = _grants(
-    "apiextensions.k8s.io", "customresourcedefinitions", "list watch"
-) | _grants("", "namespaces", "list watch")
+FRAMEWORK_RULES: set[Rule] = (
+    _grants("apiextensions.k8s.io", "customresourcedefinitions", "list watch")
+    | _grants("", "namespaces", "list watch")
+    | _grants("resource.k8s.io", "resourceslices", "list")
+)
+# Leader election, in the release namespace only: create (not limitable by name), read and
+# conditional writes of the one Lease, Events on it.
+LEASE_RULES: set[Rule] = (
+    _grants("coordination.k8s.io", "leases", "create")
+    | _grants("coordination.k8s.io", "leases", "get patch", FULLNAME)
+    | _grants("", "events", "create")
+)
 CLUSTER_PEERING: set[Rule] = _grants("kopf.dev", "clusterkopfpeerings", "get list watch patch")
 NAMESPACED_PEERING: set[Rule] = _grants("kopf.dev", "kopfpeerings", "get list watch patch")
 
@@ -73,18 +82,44 @@ def test_cluster_scope_grants_exactly_the_contract() -> None:
     assert set(bindings) == set(roles)
     for name, binding in bindings.items():
         _assert_bound_to_operator(binding, "ClusterRole", name)
-    assert select(objs, "Role") == [] and select(objs, "RoleBinding") == []
+    _assert_only_the_lease_role(objs)
+
+
+def _assert_only_the_lease_role(objs: list[Obj], namespaced: tuple[str, ...] = ()) -> None:
+    """The leader-election Role is the only Role in the release namespace, bound to the SA."""
+    name = f"{FULLNAME}-leader-election"
+    roles = [r for r in select(objs, "Role") if r["metadata"]["namespace"] not in namespaced]
+    assert [(r["metadata"]["name"], r["metadata"]["namespace"]) for r in roles] == [
+        (name, NAMESPACE)
+    ]
+    assert flatten_rules(roles[0]["rules"]) == LEASE_RULES
+    bindings = [b for b in select(objs, "RoleBinding") if b["metadata"]["name"] == name]
+    assert [b["metadata"]["namespace"] for b in bindings] == [NAMESPACE]
+    _assert_bound_to_operator(bindings[0], "Role", name)
+
+
+def test_lease_is_limited_by_name_and_namespace() -> None:
+    objs = render()
+    (role,) = [r for r in select(objs, "Role") if r["metadata"]["name"].endswith("-election")]
+    for rule in role["rules"]:
+        if rule["resources"] == ["leases"] and rule["verbs"] != ["create"]:
+            assert rule["resourceNames"] == [FULLNAME]
+    # The operator is told the same name.
+    container = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert f"--lease-name={FULLNAME}" in container["args"]
+    assert select(render({"leaderElection": {"enabled": False}, "replicaCount": 1}), "Role") == []
 
 
 def test_namespaced_scope_has_one_role_per_namespace() -> None:
     values = {"rbac": {"scope": "Namespaced"}, "watch": {"namespaces": ["team-a", "team-b"]}}
     objs = render(values)
-    roles = select(objs, "Role")
+    roles = [r for r in select(objs, "Role") if r["metadata"]["name"] == FULLNAME]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert flatten_rules(role["rules"]) == STAGE_RULES
-    bindings = select(objs, "RoleBinding")
+    bindings = [b for b in select(objs, "RoleBinding") if b["metadata"]["name"] == FULLNAME]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    _assert_only_the_lease_role(objs, ("team-a", "team-b"))
     for binding in bindings:
         _assert_bound_to_operator(binding, "Role", FULLNAME)
     # Only kopf's cluster-scoped reads remain cluster-wide.
@@ -94,7 +129,12 @@ def test_namespaced_scope_has_one_role_per_namespace() -> None:
 
 def test_namespaced_scope_defaults_to_the_release_namespace() -> None:
     roles = select(render({"rbac": {"scope": "Namespaced"}}), "Role")
-    assert [r["metadata"]["namespace"] for r in roles] == [NAMESPACE]
+    assert sorted(
+        r["metadata"]["name"] for r in roles if r["metadata"]["namespace"] == NAMESPACE
+    ) == [
+        FULLNAME,
+        f"{FULLNAME}-leader-election",
+    ]
 
 
 def test_peering_adds_only_the_peering_grants() -> None:
@@ -111,7 +151,8 @@ def test_peering_adds_only_the_peering_grants() -> None:
         "watch": {"namespaces": ["team-a"]},
     }
     objs = render(values, api_versions=PEERING_APIS)
-    assert flatten_rules(one(objs, "Role")["rules"]) == STAGE_RULES | NAMESPACED_PEERING
+    (role,) = [r for r in select(objs, "Role") if r["metadata"]["name"] == FULLNAME]
+    assert flatten_rules(role["rules"]) == STAGE_RULES | NAMESPACED_PEERING
     assert flatten_rules(one(objs, "ClusterRole")["rules"]) == FRAMEWORK_RULES
 
 

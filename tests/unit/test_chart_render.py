@@ -48,11 +48,64 @@ def test_chart_metadata() -> None:
     assert chart["appVersion"] == "0.1.0"
 
 
-def test_deployment_is_one_replica_recreated() -> None:
+def test_deployment_is_two_replicas_electing_a_leader() -> None:
     deployment = one(render(), "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    # The old leader steps down on SIGTERM; the new pod stands by before the old one stops.
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    assert deployment["metadata"]["namespace"] == NAMESPACE
+    args = _args([deployment])
+    assert args[-5:] == [
+        "--leader-election",
+        f"--lease-name={FULLNAME}",
+        "--lease-duration=15",
+        "--renew-deadline=10",
+        "--retry-period=2",
+    ]
+    # The Lease lives in the operator's namespace, from the pod's own metadata.
+    env = {e["name"]: e for e in operator_container([deployment])["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+
+def test_replicas_prefer_different_nodes() -> None:
+    affinity = _pod_spec(render())["affinity"]
+    (term,) = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["weight"] == 100
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    labels = one(render(), "Deployment")["spec"]["selector"]["matchLabels"]
+    assert term["podAffinityTerm"]["labelSelector"] == {"matchLabels": labels}
+    own: Obj = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}
+    assert _pod_spec(render({"affinity": own}))["affinity"] == own
+
+
+def test_election_timing_follows_values() -> None:
+    values = {"leaderElection": {"leaseDuration": 30, "renewDeadline": 20, "retryPeriod": 4}}
+    args = _args(render(values))
+    assert {"--lease-duration=30", "--renew-deadline=20", "--retry-period=4"} <= set(args)
+
+
+def test_without_election_one_replica_is_recreated() -> None:
+    objs = render({"leaderElection": {"enabled": False}, "replicaCount": 1})
+    deployment = one(objs, "Deployment")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
-    assert deployment["metadata"]["namespace"] == NAMESPACE
+    args = _args(objs)
+    assert "--no-leader-election" in args
+    assert not any(a.startswith("--lease") for a in args)
+
+
+def test_unsafe_replica_and_election_values_are_refused() -> None:
+    err = render_error({"leaderElection": {"enabled": False}})  # replicaCount 2 by default
+    assert "replicaCount > 1 needs leaderElection.enabled" in err
+    err = render_error({"leaderElection": {"leaseDuration": 10, "renewDeadline": 10}})
+    assert "renewDeadline must be below leaderElection.leaseDuration" in err
+    err = render_error({"leaderElection": {"renewDeadline": 2, "retryPeriod": 2}})
+    assert "retryPeriod must be below leaderElection.renewDeadline" in err
+    assert "replicaCount" in render_error({"replicaCount": 0})
 
 
 def test_pod_and_container_security_context() -> None:
@@ -114,6 +167,11 @@ def test_default_args_follow_the_operator_contract() -> None:
         "--sleep-timeout=60",
         "--wake-timeout=600",
         "--ack-retries=3",
+        "--leader-election",
+        f"--lease-name={FULLNAME}",
+        "--lease-duration=15",
+        "--renew-deadline=10",
+        "--retry-period=2",
     ]
     assert not any(a.startswith("--namespace") for a in args), "default serves every namespace"
     assert not any(a.startswith("--peering") for a in args), "default is standalone"

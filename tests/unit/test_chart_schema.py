@@ -17,7 +17,8 @@ SCHEMA: Obj = json.loads((CHART_DIR / "values.schema.json").read_text())
 @pytest.mark.parametrize(
     ("values", "named"),
     [
-        ({"replicaCount": 2}, "replicaCount"),
+        ({"replicas": 2}, "replicas"),
+        ({"leaderElection": {"leaseName": "x"}}, "leaseName"),
         ({"image": {"registry": "x"}}, "registry"),
         ({"rbac": {"clusterWide": True}}, "clusterWide"),
         ({"networkPolicy": {"ingress": []}}, "ingress"),
@@ -52,6 +53,9 @@ def test_unknown_keys_are_refused(values: Obj, named: str) -> None:
         ),
         ({"tolerations": [{"operator": "Maybe"}]}, "/tolerations/0/operator"),
         ({"operator": {"extraArgs": ["standalone"]}}, "/operator/extraArgs/0"),
+        ({"replicaCount": 0}, "/replicaCount"),
+        ({"leaderElection": {"leaseDuration": 0}}, "/leaderElection/leaseDuration"),
+        ({"leaderElection": {"retryPeriod": "2s"}}, "/leaderElection/retryPeriod"),
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else str(v),
 )

@@ -54,3 +54,52 @@ def test_empty_token_file_is_refused(tmp_path: Path) -> None:
     empty.write_text("\n")
     with pytest.raises(SettingsError, match="empty"):
         parse_settings(["--worker-token-file", str(empty)], {}).worker_token()
+
+
+def test_leader_election_defaults() -> None:
+    s = parse_settings([], {})
+    assert s.leader_election is True
+    assert (s.lease_duration_s, s.renew_deadline_s, s.retry_period_s) == (15.0, 10.0, 2.0)
+    assert s.lease_name == "omnistage-operator" and s.lease_namespace is None
+    assert s.lease_namespace_or("fallback") == "fallback"
+    assert parse_settings(["--namespace", "team-a"], {}).lease_namespace_or("x") == "team-a"
+    # In a pod, the Lease lives in the operator's own namespace.
+    assert (
+        parse_settings([], {"POD_NAMESPACE": "omnistage-system"}).lease_namespace_or("x")
+        == "omnistage-system"
+    )
+
+
+def test_leader_election_flags_and_environment() -> None:
+    env = {
+        "OMNISTAGE_LEADER_ELECTION": "false",
+        "OMNISTAGE_LEASE_NAME": "ops",
+        "OMNISTAGE_LEASE_NAMESPACE": "sys",
+        "POD_NAMESPACE": "ignored",
+        "OMNISTAGE_LEASE_DURATION": "3",
+        "OMNISTAGE_RENEW_DEADLINE": "2",
+        "OMNISTAGE_RETRY_PERIOD": "0.5",
+    }
+    s = parse_settings([], env)
+    assert not s.leader_election and s.lease_name == "ops" and s.lease_namespace == "sys"
+    assert s.election_timing().lease_seconds == 3
+    assert (s.lease_duration_s, s.renew_deadline_s, s.retry_period_s) == (3.0, 2.0, 0.5)
+    assert parse_settings(["--leader-election"], env).leader_election is True
+    assert parse_settings(["--no-leader-election"], {}).leader_election is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "match"),
+    [
+        (["--lease-duration", "10", "--renew-deadline", "10"], {}, "lease duration"),
+        (["--renew-deadline", "2", "--retry-period", "2"], {}, "renew deadline"),
+        (["--retry-period", "-1"], {}, "--retry-period"),
+        ([], {"OMNISTAGE_LEADER_ELECTION": "maybe"}, "OMNISTAGE_LEADER_ELECTION"),
+        (["--lease-name", ""], {}, "--lease-name"),
+    ],
+)
+def test_unsafe_election_settings_are_refused(
+    argv: list[str], env: dict[str, str], match: str
+) -> None:
+    with pytest.raises(SettingsError, match=match):
+        parse_settings(argv, env)

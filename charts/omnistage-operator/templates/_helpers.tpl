@@ -111,4 +111,16 @@ Checks of value combinations the JSON schema cannot express.
 {{- if eq (int .Values.ports.metrics) (int .Values.ports.liveness) }}
 {{- fail "ports.metrics and ports.liveness must differ" }}
 {{- end }}
+{{- $le := .Values.leaderElection }}
+{{- if and (not $le.enabled) (gt (int .Values.replicaCount) 1) }}
+{{- fail "replicaCount > 1 needs leaderElection.enabled: two operators without a leader could both wake stages of one group" }}
+{{- end }}
+{{- if $le.enabled }}
+{{- if not (gt (float64 $le.leaseDuration) (float64 $le.renewDeadline)) }}
+{{- fail "leaderElection.renewDeadline must be below leaderElection.leaseDuration (the leader must stop before a standby may take over)" }}
+{{- end }}
+{{- if not (gt (float64 $le.renewDeadline) (float64 $le.retryPeriod)) }}
+{{- fail "leaderElection.retryPeriod must be below leaderElection.renewDeadline" }}
+{{- end }}
+{{- end }}
 {{- end }}

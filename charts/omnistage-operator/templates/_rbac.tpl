@@ -53,8 +53,9 @@ can do: keep tests/unit/test_chart_rbac.py in step and say why in a comment.
 {{- end }}
 
 {{/*
-Cluster-scoped rules kopf needs whatever the scope: it lists CRDs to learn the resource and
-namespaces to resolve its namespace list; and the cluster-wide peering object.
+Cluster-scoped rules needed whatever the scope: kopf lists CRDs to learn the resource and
+namespaces to resolve its namespace list; the operator lists ResourceSlices (cluster-scoped
+objects) for device identities; and the cluster-wide peering object.
 */}}
 {{- define "omnistage.rbac.frameworkRules" -}}
 # kopf: discover the OmniStage resource definition.
@@ -65,10 +66,36 @@ namespaces to resolve its namespace list; and the cluster-wide peering object.
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+# DRA placement: read the ResourceSlices (cluster-scoped) of the driver that allocated a group's
+# claim, to learn the allocated devices' UUIDs and check the workers report those devices.
+- apiGroups: ["resource.k8s.io"]
+  resources: ["resourceslices"]
+  verbs: ["list"]
 {{- if and .Values.peering.enabled (include "omnistage.watchNamespaces" . | fromJsonArray | empty) }}
 # kopf peering (cluster-wide operator): find and mark live peers.
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
+{{- end }}
+
+{{/*
+Leader election, in the release namespace only: the replicas' Lease (named after the release)
+and the Events on it. "create" cannot be limited by name, so it is granted alone; reading and
+writing (merge patches carrying the resourceVersion) is limited to the one Lease. No list/watch.
+*/}}
+{{- define "omnistage.rbac.leaderElectionRules" -}}
+# Leader election: create the Lease the first time.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+# Leader election: read, renew and take over only this release's Lease.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "omnistage.fullname" . | quote }}]
+  verbs: ["get", "patch"]
+# Leader election: LeaderElected/LeaderLost Events on the Lease.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
 {{- end }}

@@ -15,9 +15,15 @@ Modules (pure logic first):
 - ``port``: ``KubeGroupPort``, the Kubernetes side of a round (observe, start, sleep, wake,
   fence); ``runner``: ``GroupRunner``, the serialized loop per group and what survives rounds;
   ``publisher``: status and Events after a round; ``groups`` re-exports them.
+- ``election``: leader election's decisions on a Lease (may I acquire, am I still leading,
+  which epoch) (pure); ``leader``: the ``Elector`` doing its I/O with kr8s (``leadership``
+  is the contract rounds check: ``leading()`` and the epoch every order carries).
 - ``handlers`` (kopf, thin), ``cli`` (``omnistage-operator``), ``settings``, ``metrics``.
 
 Decisions beyond the design contract:
+
+- Every replica runs kopf; only the Lease holder acts (rounds, pods, status, orders). A
+  standby's handlers write nothing, and its delete handler keeps the finalizer for the leader.
 
 - Among stages of equal priority the most recent ask for Active comes first, so patching a
   stage's ``spec.state`` to Active switches the awake stage; the stage that lost the memory

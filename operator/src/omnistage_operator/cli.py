@@ -1,4 +1,10 @@
-"""``omnistage-operator``: the kopf operator with a liveness endpoint and Prometheus metrics."""
+"""``omnistage-operator``: the kopf operator with a liveness endpoint and Prometheus metrics.
+
+With leader election (the default) the process runs the ``leader.Elector`` beside kopf; every
+replica serves its liveness and metrics endpoints, only the Lease holder acts. On shutdown the
+holder steps down (the Lease's holder is cleared) after kopf stopped, so a standby takes over at
+its next try instead of waiting for the Lease to expire.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,14 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import kopf
 from prometheus_client import start_http_server
 
-from omnistage_operator.settings import SettingsError, parse_settings
+from omnistage_operator.leader import Elector, KrLeaseStore, new_identity
+from omnistage_operator.leadership import Leadership, SoleWriter
+from omnistage_operator.settings import Settings, SettingsError, parse_settings
 
 __all__ = ["main"]
 
@@ -30,23 +39,60 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"omnistage-operator: {exc}", file=sys.stderr)
         return 2
     os.environ["OMNISTAGE_RESYNC_INTERVAL"] = str(settings.resync_interval_s)
-    from omnistage_operator import handlers  # registers the kopf handlers
+    from omnistage_operator import handlers  # noqa: F401  (registers the kopf handlers)
 
-    handlers.configure(settings)
     start_http_server(settings.metrics_port)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz"
-    asyncio.run(
-        kopf.operator(
+    asyncio.run(_run(settings))
+    return 0
+
+
+async def _elector(settings: Settings) -> Elector:
+    import kr8s.asyncio
+
+    from omnistage_operator import handlers
+    from omnistage_operator.kube import Kube
+
+    api = await kr8s.asyncio.api()
+    namespace = settings.lease_namespace_or(str(api.namespace or "default"))
+    kube = Kube(api)
+
+    async def event(lease: Any, reason: str, message: str, warning: bool) -> None:
+        await kube.event(lease, reason=reason, message=message, warning=warning)
+
+    return Elector(
+        KrLeaseStore(api, namespace, settings.lease_name),
+        new_identity(),
+        settings.election_timing(),
+        on_acquired=handlers.on_acquired,
+        event=event,
+    )
+
+
+async def _run(settings: Settings) -> None:
+    from omnistage_operator import handlers
+
+    elector = await _elector(settings) if settings.leader_election else None
+    leadership: Leadership = elector if elector is not None else SoleWriter()
+    handlers.configure(settings, leadership)
+    tasks = []
+    if elector is not None:
+        tasks = [asyncio.create_task(elector.run()), asyncio.create_task(elector.watch_deadline())]
+    try:
+        await kopf.operator(
             clusterwide=not settings.namespaces,
             namespaces=list(settings.namespaces),
             standalone=settings.peering is None,
             peering_name=settings.peering,
-            liveness_endpoint=liveness,
+            liveness_endpoint=f"http://0.0.0.0:{settings.liveness_port}/healthz",
         )
-    )
-    return 0
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if elector is not None:
+            await elector.release()
 
 
 if __name__ == "__main__":

@@ -3,10 +3,22 @@
 The runner is set by ``cli.main`` before kopf starts (``configure``). Every decision is made in
 the round, which first reads every worker's real state (GetStatus), so a resumed operator never
 acts on what it remembered.
+
+Every replica runs kopf, but only the leader (``leadership.leading()``) acts:
+
+- kicks are harmless everywhere: the runner runs no round and sends no order unless leading,
+  but it remembers the group, so a replica that acquires the Lease kicks every group it has
+  seen (``on_acquired``), and the first round reads the workers' real state, as on resume;
+- an ask for Active is recorded in memory by every replica (a standby that takes over knows
+  it), but only the leader persists ``status.requestedActiveAt``; a standby first lets the
+  leader's kopf handle the change (it marks it handled for all replicas);
+- deletion: a standby's delete handler raises ``kopf.TemporaryError`` (it never deletes pods
+  or lets kopf remove the finalizer), so the finalizer stays until the leader's handler ran.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any
@@ -16,6 +28,7 @@ import kopf
 from omnistage_operator.groups import GroupRunner, group_of
 from omnistage_operator.kube import Kube
 from omnistage_operator.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
+from omnistage_operator.leadership import Leadership, SoleWriter
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import GROUP, PLURAL, VERSION
 
@@ -32,11 +45,30 @@ RESYNC_S = float(os.environ.get("OMNISTAGE_RESYNC_INTERVAL", "10") or 10)
 class _State:
     settings: Settings | None = None
     runner: GroupRunner | None = None
+    leadership: Leadership = SoleWriter()
 
 
-def configure(settings: Settings) -> None:
-    """Give the handlers their settings (call before kopf starts)."""
+def configure(settings: Settings, leadership: Leadership | None = None) -> None:
+    """Give the handlers their settings and leadership (call before kopf starts)."""
     _State.settings = settings
+    _State.leadership = leadership or SoleWriter()
+
+
+def on_acquired(epoch: int) -> None:
+    """Leadership acquired: forget what status this replica last wrote (another leader may have
+    written since) and kick every group seen; each round reads the workers' real state first."""
+    runner = _State.runner
+    if runner is None:
+        return  # kopf not started yet: its resume handlers kick every group
+    runner.published.clear()
+    log.info("leading with epoch %d: a round for every group", epoch)
+    runner.kick_all()
+
+
+def _kick(namespace: str | None, group: str | None) -> None:
+    """Kick the group's loop; a standby's loop runs no round but remembers the group."""
+    if group is not None and _State.runner is not None:
+        _State.runner.kick(namespace or "default", group)
 
 
 def _runner() -> GroupRunner:
@@ -65,7 +97,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     else:
         settings.peering.name = ours.peering
         settings.peering.mandatory = True
-    _State.runner = GroupRunner(await Kube.connect(), ours)
+    _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership)
     log.info("omnistage operator started (namespaces: %s)", ",".join(ours.namespaces) or "all")
 
 
@@ -80,9 +112,8 @@ async def cleanup(**_: Any) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 async def stage_created(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
     """A stage appeared (or the operator resumed): run its group's round."""
-    group = group_of(body)
-    if group is not None:
-        _runner().kick(namespace or "default", group)
+    _runner()
+    _kick(namespace, group_of(body))
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -100,9 +131,14 @@ async def stage_updated(
     old_group = group_of({"spec": old or {}})
     new_group = group_of(body)
     for group in {old_group, new_group} - {None}:
-        assert group is not None
-        runner.kick(ns, group)
+        _kick(ns, group)
     if asked:
+        if not _State.leadership.leading():
+            # A standby writes nothing. It lets the leader's kopf handle this change first:
+            # marking it handled here at once could hide it from the leader (kopf batches).
+            await asyncio.sleep(_retry_period())
+            if not _State.leadership.leading():
+                return
         # Persist the ask before kopf marks this change handled: an operator killed now
         # re-runs this handler, one killed later finds the ask in status.
         await runner.persist_ask(ns, name)
@@ -110,20 +146,20 @@ async def stage_updated(
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
-    """Delete the pod (until confirmed gone) and Service, the claim with the last stage."""
+    """Delete the pod (until confirmed gone) and Service, the claim with the last stage.
+
+    Only the leader cleans up; a standby keeps the finalizer (TemporaryError) until then."""
     runner = _runner()
+    if not _State.leadership.leading():
+        raise kopf.TemporaryError("not the leader: the leading replica cleans up", delay=1)
     await runner.cleanup_stage(body)
-    group = group_of(body)
-    if group is not None:
-        runner.kick(namespace or "default", group)
+    _kick(namespace, group_of(body))
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=min(5.0, RESYNC_S))
 async def resync(body: kopf.Body, namespace: str | None, **_: Any) -> None:
     """Re-read worker facts now and then (status stays true without events)."""
-    group = group_of(body)
-    if group is not None and _State.runner is not None:
-        _State.runner.kick(namespace or "default", group)
+    _kick(namespace, group_of(body))
 
 
 @kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER})
@@ -132,5 +168,9 @@ async def worker_pod_event(
 ) -> None:
     """A worker pod changed (started, became ready, failed, went away): re-plan its group."""
     group = (body.get("metadata", {}).get("labels") or {}).get(GROUP_LABEL)
-    if group and _State.runner is not None:
-        _State.runner.kick(namespace or "default", group)
+    if group:
+        _kick(namespace, group)
+
+
+def _retry_period() -> float:
+    return _State.settings.retry_period_s if _State.settings is not None else 2.0

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
     "ACK_SECONDS",
     "BYTES_FREED",
     "FENCES",
     "HANDOVER_SECONDS",
+    "LEADER",
+    "LEADER_EPOCH",
+    "LEADER_TRANSITIONS",
     "ROUNDS",
     "TRANSITIONS",
 ]
@@ -44,4 +47,17 @@ ROUNDS = Counter(
     "omnistage_rounds_total",
     "Arbitration rounds run, by outcome.",
     ["namespace", "group", "outcome"],
+)
+LEADER = Gauge(
+    "omnistage_leader",
+    "1 while this replica holds the leader Lease and renewed it within the renew deadline.",
+)
+LEADER_EPOCH = Gauge(
+    "omnistage_leader_epoch",
+    "The epoch this replica's orders carry (the Lease's transition count when it acquired it).",
+)
+LEADER_TRANSITIONS = Counter(
+    "omnistage_leader_transitions_total",
+    "Changes of this replica's leadership, by direction (acquired, lost).",
+    ["change"],
 )

@@ -7,6 +7,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from omnistage_operator.election import Timing, TimingError
+
 __all__ = ["Settings", "SettingsError", "parse_settings"]
 
 
@@ -34,6 +36,24 @@ class Settings:
     resync_interval_s: float = 10.0
     wake_margin_bytes: int = 64 << 20
     retry_backoff_s: float = 0.25
+    # Leader election (leader.Elector); off: this process is the sole writer (epoch 0).
+    leader_election: bool = True
+    lease_name: str = "omnistage-operator"
+    lease_namespace: str | None = None  # None: $POD_NAMESPACE, else the first --namespace
+    lease_duration_s: float = 15.0
+    renew_deadline_s: float = 10.0
+    retry_period_s: float = 2.0
+
+    def election_timing(self) -> Timing:
+        """The election's timing (validated when the settings were parsed)."""
+        return Timing(self.lease_duration_s, self.renew_deadline_s, self.retry_period_s)
+
+    def lease_namespace_or(self, fallback: str) -> str:
+        """Where the Lease lives: the flag, else the first served namespace, else ``fallback``
+        (the client's default namespace)."""
+        if self.lease_namespace:
+            return self.lease_namespace
+        return self.namespaces[0] if self.namespaces else fallback
 
     def worker_token(self) -> str | None:
         """The bearer token the workers expect (read fresh; never logged)."""
@@ -54,6 +74,15 @@ def _positive(value: str, flag: str, kind: type[float] | type[int]) -> float | i
     if number < 0 or (kind is int and number == 0 and flag != "--wake-margin-bytes"):
         raise SettingsError(f"{flag}: must be positive, got {value!r}")
     return number
+
+
+def _flag(value: str, name: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name}: expected true or false, got {value!r}")
 
 
 def parse_settings(
@@ -83,7 +112,37 @@ def parse_settings(
     p.add_argument(
         "--wake-margin-bytes", default=env.get("OMNISTAGE_WAKE_MARGIN_BYTES", str(64 << 20))
     )
+    election = p.add_argument_group("leader election (one replica orders the workers)")
+    election.add_argument(
+        "--leader-election",
+        action=argparse.BooleanOptionalAction,
+        default=_flag(env.get("OMNISTAGE_LEADER_ELECTION", "true"), "OMNISTAGE_LEADER_ELECTION"),
+        help="hold a coordination.k8s.io Lease before ordering workers (default on); off: this "
+        "process is the only writer and its orders carry epoch 0",
+    )
+    election.add_argument(
+        "--lease-name", default=env.get("OMNISTAGE_LEASE_NAME", "omnistage-operator")
+    )
+    election.add_argument(
+        "--lease-namespace",
+        default=env.get("OMNISTAGE_LEASE_NAMESPACE") or env.get("POD_NAMESPACE") or None,
+        help="default: $POD_NAMESPACE, else the first --namespace, else the kubeconfig's",
+    )
+    election.add_argument("--lease-duration", default=env.get("OMNISTAGE_LEASE_DURATION", "15"))
+    election.add_argument("--renew-deadline", default=env.get("OMNISTAGE_RENEW_DEADLINE", "10"))
+    election.add_argument("--retry-period", default=env.get("OMNISTAGE_RETRY_PERIOD", "2"))
     a = p.parse_args(list(argv) if argv is not None else None)
+    timing = [
+        float(_positive(a.lease_duration, "--lease-duration", float)),
+        float(_positive(a.renew_deadline, "--renew-deadline", float)),
+        float(_positive(a.retry_period, "--retry-period", float)),
+    ]
+    try:
+        Timing(*timing)
+    except TimingError as exc:
+        raise SettingsError(f"--lease-duration/--renew-deadline/--retry-period: {exc}") from None
+    if not a.lease_name:
+        raise SettingsError("--lease-name: must not be empty")
     namespaces = a.namespace or [
         ns.strip() for ns in env.get("OMNISTAGE_NAMESPACES", "").split(",") if ns.strip()
     ]
@@ -108,4 +167,10 @@ def parse_settings(
         fence_timeout_s=float(_positive(a.fence_timeout, "--fence-timeout", float)),
         resync_interval_s=float(_positive(a.resync_interval, "--resync-interval", float)),
         wake_margin_bytes=int(_positive(a.wake_margin_bytes, "--wake-margin-bytes", int)),
+        leader_election=bool(a.leader_election),
+        lease_name=a.lease_name,
+        lease_namespace=a.lease_namespace or None,
+        lease_duration_s=timing[0],
+        renew_deadline_s=timing[1],
+        retry_period_s=timing[2],
     )

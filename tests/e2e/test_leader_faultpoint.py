@@ -1,0 +1,53 @@
+"""The real ``omnistage-operator`` CLI with one test-only fault point (no tests here).
+
+Run as ``python -m tests.e2e.test_leader_faultpoint <operator flags>``. When the file named by
+``OMNISTAGE_E2E_STOP_BEFORE_WAKE`` exists at the moment the operator is about to send a WakeUp
+(after the port's last ``leading()`` check: ``KubeGroupPort.wake`` checks, then calls
+``WorkerClient.wake``), the operator deletes the file and SIGSTOPs itself. A test can thus
+freeze a leader with an order already decided, let another replica take over, and resume it:
+the decided order then reaches the worker late, carrying the old epoch. This imports nothing
+but the operator, so the process starts as fast as the real one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+STOP_BEFORE_WAKE = "OMNISTAGE_E2E_STOP_BEFORE_WAKE"
+
+
+def install() -> None:
+    """Wrap ``WorkerClient.wake`` with the fault point (only when the variable is set)."""
+    marker = os.environ.get(STOP_BEFORE_WAKE)
+    if not marker:
+        return
+    from omnistage_operator import worker_client
+    from omnistage_operator.facts import AckFacts
+
+    original = worker_client.WorkerClient.wake
+
+    async def wake(self: worker_client.WorkerClient, *args: Any, **kwargs: Any) -> AckFacts:
+        try:
+            os.unlink(marker)  # armed once: the test created the file
+        except FileNotFoundError:
+            pass
+        else:
+            epoch = kwargs.get("epoch")
+            print(f"FAULT POINT: stopping before WakeUp to {self.target} (epoch {epoch})")
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+            print("FAULT POINT: resumed; sending the WakeUp decided before the stop")
+            sys.stdout.flush()
+        return await original(self, *args, **kwargs)
+
+    worker_client.WorkerClient.wake = wake  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    install()
+    from omnistage_operator.cli import main
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,256 @@
+"""The elector's loop against an in-memory Lease with the API server's concurrency rules.
+
+``MemoryLeases`` behaves as the API server does for one Lease: every write bumps the
+``resourceVersion``, a patch carrying an older one is refused (409 -> None), a create of an
+existing Lease is refused, and a call can be made to hang (a partition). Time is a fake
+monotonic clock the test advances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from omnistage_operator import metrics
+from omnistage_operator.election import Timing
+from omnistage_operator.leader import Elector
+
+T = Timing(lease_duration_s=3, renew_deadline_s=2, retry_period_s=0.5)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class MemoryLeases:
+    """One Lease, with resourceVersion preconditions; ``cut`` makes every call hang."""
+
+    def __init__(self) -> None:
+        self.obj: dict[str, Any] | None = None
+        self.rv = 0
+        self.cut = False
+        self.restored = asyncio.Event()
+        self.writes: list[tuple[str, str]] = []  # (verb, holder)
+
+    async def _net(self) -> None:
+        if self.cut:
+            await self.restored.wait()  # a blackholed connection: no answer, no error
+
+    def _bump(self, spec: Mapping[str, Any]) -> dict[str, Any]:
+        self.rv += 1
+        meta = {"name": "lease", "namespace": "ns", "resourceVersion": str(self.rv), "uid": "u"}
+        old = (self.obj or {}).get("spec", {})
+        merged = {k: v for k, v in {**old, **spec}.items() if v is not None}
+        self.obj = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta}
+        self.obj["spec"] = merged
+        return dict(self.obj)
+
+    async def get(self) -> dict[str, Any] | None:
+        await self._net()
+        return None if self.obj is None else dict(self.obj)
+
+    async def create(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        await self._net()
+        if self.obj is not None:
+            return None
+        self.writes.append(("create", str(spec.get("holderIdentity"))))
+        return self._bump(spec)
+
+    async def patch(self, resource_version: str, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        await self._net()
+        if self.obj is None or self.obj["metadata"]["resourceVersion"] != resource_version:
+            return None
+        self.writes.append(("patch", str(spec.get("holderIdentity"))))
+        return self._bump(spec)
+
+
+def _elector(store: MemoryLeases, name: str, clock: Clock, **kw: Any) -> Elector:
+    return Elector(store, name, T, clock=clock, **kw)
+
+
+async def test_first_candidate_creates_with_epoch_one_and_renews() -> None:
+    store, clock = MemoryLeases(), Clock()
+    acquired: list[int] = []
+    a = _elector(store, "a", clock, on_acquired=acquired.append)
+    assert not a.leading() and a.epoch == 0
+    await a.step()
+    a._notice()
+    assert a.leading() and a.epoch == 1 and acquired == [1]
+    assert store.obj is not None and store.obj["spec"]["holderIdentity"] == "a"
+    clock.t += 1.5
+    await a.step()
+    assert a.leading() and a.epoch == 1
+    assert store.obj["spec"]["leaseTransitions"] == 1
+    assert [w[0] for w in store.writes] == ["create", "patch"]
+
+
+async def test_standby_waits_a_full_lease_duration_after_the_last_renew() -> None:
+    store, clock = MemoryLeases(), Clock()
+    a, b = _elector(store, "a", clock), _elector(store, "b", clock)
+    await a.step()
+    await b.step()
+    assert not b.leading() and b.holder == "a"
+    # a stops renewing (stopped process). b takes over only once the record was unchanged
+    # for the lease duration by b's clock, and by then a has long stopped leading.
+    clock.t += T.renew_deadline_s
+    assert not a.leading()
+    await b.step()
+    assert not b.leading()
+    clock.t += T.lease_duration_s - T.renew_deadline_s - 0.01
+    await b.step()
+    assert not b.leading()
+    clock.t += 0.01
+    await b.step()
+    assert b.leading() and b.epoch == 2
+    # a comes back: it sees b holding and stays a standby, with its stale epoch.
+    await a.step()
+    assert not a.leading() and a.holder == "b"
+
+
+async def test_a_renewing_holder_is_never_taken_over() -> None:
+    store, clock = MemoryLeases(), Clock()
+    a, b = _elector(store, "a", clock), _elector(store, "b", clock)
+    await a.step()
+    for _ in range(40):
+        clock.t += T.retry_period_s
+        await b.step()
+        await a.step()
+        assert a.leading() and not b.leading()
+    assert {h for _, h in store.writes} == {"a"}
+
+
+async def test_two_candidates_racing_for_a_free_lease_one_wins() -> None:
+    store, clock = MemoryLeases(), Clock()
+    a, b = _elector(store, "a", clock), _elector(store, "b", clock)
+    await a.step()
+    await a.release()
+    assert store.obj is not None and "holderIdentity" not in store.obj["spec"]
+    c = _elector(store, "c", clock)
+    # b and c both read the free Lease, then both write with the same resourceVersion.
+    await asyncio.gather(b.step(), c.step())
+    assert [b.leading(), c.leading()].count(True) == 1
+    winner = b if b.leading() else c
+    assert winner.epoch == 2
+
+
+async def test_conflicting_renew_drops_leadership_at_once() -> None:
+    store, clock = MemoryLeases(), Clock()
+    a = _elector(store, "a", clock)
+    await a.step()
+    assert a.leading()
+    # Another writer changed the Lease between a's read and a's renew.
+    real_get = store.get
+
+    async def get_then_race() -> dict[str, Any] | None:
+        got = await real_get()
+        store._bump({"holderIdentity": "intruder", "leaseTransitions": 2})
+        return got
+
+    store.get = get_then_race  # type: ignore[method-assign]
+    await a.step()
+    assert not a.leading()
+
+
+async def test_leadership_runs_out_while_a_renew_hangs() -> None:
+    store, clock = MemoryLeases(), Clock()
+    lost: list[bool] = []
+    a = _elector(store, "a", clock, on_lost=lambda: lost.append(True))
+    await a.step()
+    a._notice()
+    store.cut = True
+    step = asyncio.create_task(a.step())
+    await asyncio.sleep(0.01)
+    clock.t += T.renew_deadline_s
+    assert not a.leading()  # nothing answered: the deadline alone decides
+    watch = asyncio.create_task(a.watch_deadline())
+    for _ in range(50):
+        if lost:
+            break
+        await asyncio.sleep(0.02)
+    assert lost == [True]
+    for task in (step, watch):
+        task.cancel()
+    await asyncio.gather(step, watch, return_exceptions=True)
+
+
+async def test_holder_that_missed_its_deadline_renews_its_unchanged_record() -> None:
+    store, clock = MemoryLeases(), Clock()
+    a = _elector(store, "a", clock)
+    await a.step()
+    clock.t += T.renew_deadline_s + 0.5
+    assert not a.leading()
+    await a.step()
+    assert a.leading() and a.epoch == 1  # nobody held it in between: same epoch
+
+
+async def test_metrics_follow_leadership() -> None:
+    store, clock = MemoryLeases(), Clock()
+    a = _elector(store, "a", clock)
+    before = metrics.LEADER_TRANSITIONS.labels("acquired")._value.get()
+    await a.step()
+    a._notice()
+    assert _gauge("omnistage_leader") == 1.0
+    assert _gauge("omnistage_leader_epoch") == 1.0
+    assert metrics.LEADER_TRANSITIONS.labels("acquired")._value.get() == before + 1
+    clock.t += T.renew_deadline_s
+    assert _gauge("omnistage_leader") == 0.0
+
+
+def _gauge(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(name)
+    assert value is not None
+    return float(value)
+
+
+async def test_events_name_the_holder() -> None:
+    store, clock = MemoryLeases(), Clock()
+    events: list[tuple[str, str, bool]] = []
+
+    async def sink(lease: Mapping[str, Any], reason: str, message: str, warning: bool) -> None:
+        assert lease["kind"] == "Lease"
+        events.append((reason, message, warning))
+
+    a = _elector(store, "pod-a_1234", clock, event=sink)
+    await a.step()
+    a._notice()
+    clock.t += T.renew_deadline_s
+    a._notice()
+    await asyncio.sleep(0)
+    assert [(r, w) for r, _, w in events] == [("LeaderElected", False), ("LeaderLost", True)]
+    assert "pod-a_1234" in events[0][1] and "epoch 1" in events[0][1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_random_schedules_never_have_two_leaders(seed: int) -> None:
+    """Three candidates stepping in random order with random stalls (a stopped process does
+    not step): at no instant do two of them lead."""
+    import random
+
+    rng = random.Random(seed)
+    store, clock = MemoryLeases(), Clock()
+    electors = [_elector(store, n, clock) for n in "abc"]
+    stalled = {e.identity: 0.0 for e in electors}
+    epochs: list[int] = []
+    for _ in range(600):
+        clock.t += rng.uniform(0.05, 0.4)
+        for e in rng.sample(electors, len(electors)):
+            if stalled[e.identity] > clock.t:
+                continue
+            if rng.random() < 0.03:
+                stalled[e.identity] = clock.t + rng.uniform(0.5, 6)
+                continue
+            await e.step()
+        leaders = [e for e in electors if e.leading()]
+        assert len(leaders) <= 1, [(e.identity, e.epoch) for e in leaders]
+        if leaders and (not epochs or epochs[-1] != leaders[0].epoch):
+            epochs.append(leaders[0].epoch)
+    assert epochs == sorted(epochs) and len(epochs) > 1

@@ -1,0 +1,137 @@
+"""kopf handlers of a replica that does not lead write nothing and keep the finalizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import kopf
+import pytest
+
+from omnistage_operator import handlers
+from omnistage_operator.settings import Settings
+
+
+class Switch:
+    """A leadership the test turns on and off."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.epoch = 3 if on else 0
+
+    def leading(self) -> bool:
+        return self.on
+
+
+class RecordingRunner:
+    """Records what the handlers asked of the runner (the runner itself is tested elsewhere)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.published: dict[Any, Any] = {("ns", "x"): {"state": "Active"}}
+
+    def kick(self, namespace: str, group: str) -> None:
+        self.calls.append(("kick", (namespace, group)))
+
+    def kick_all(self) -> None:
+        self.calls.append(("kick_all", None))
+
+    def record_ask(self, namespace: str, name: str) -> None:
+        self.calls.append(("record_ask", name))
+
+    async def persist_ask(self, namespace: str, name: str) -> None:
+        self.calls.append(("persist_ask", name))
+
+    async def cleanup_stage(self, body: Any) -> None:
+        self.calls.append(("cleanup", body["metadata"]["name"]))
+
+    def ops(self) -> list[str]:
+        return [op for op, _ in self.calls]
+
+
+# The kopf decorators type the handlers as kopf's callback protocols (every kwarg kopf passes);
+# called directly here with the ones they use.
+H: Any = handlers
+BODY: dict[str, Any] = {
+    "metadata": {"name": "x", "namespace": "ns"},
+    "spec": {"state": "Active", "colocation": {"group": "g"}},
+}
+
+
+@pytest.fixture
+def runner() -> Iterator[RecordingRunner]:
+    r = RecordingRunner()
+    handlers._State.runner = r  # type: ignore[assignment]
+    yield r
+    handlers._State.runner = None
+    handlers.configure(Settings())
+
+
+def _configure(leading: bool) -> Switch:
+    switch = Switch(leading)
+    handlers.configure(Settings(retry_period_s=0.01), switch)
+    return switch
+
+
+async def _update() -> None:
+    await H.stage_updated(
+        body=BODY,
+        old={"state": "Asleep", "colocation": {"group": "g"}},
+        new=BODY["spec"],
+        namespace="ns",
+        name="x",
+    )
+
+
+async def test_standby_records_the_ask_but_persists_nothing(runner: RecordingRunner) -> None:
+    _configure(leading=False)
+    await _update()
+    assert runner.ops() == ["record_ask", "kick"]
+
+
+async def test_leader_persists_the_ask(runner: RecordingRunner) -> None:
+    _configure(leading=True)
+    await _update()
+    assert runner.ops() == ["record_ask", "kick", "persist_ask"]
+
+
+async def test_standby_that_becomes_leader_while_waiting_persists(
+    runner: RecordingRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    switch = _configure(leading=False)
+    real_sleep = H.asyncio.sleep
+
+    async def acquire_meanwhile(delay: float) -> None:
+        switch.on = True
+        await real_sleep(0)
+
+    monkeypatch.setattr(H.asyncio, "sleep", acquire_meanwhile)
+    await _update()
+    monkeypatch.undo()
+    assert runner.ops()[-1] == "persist_ask"
+
+
+async def test_standby_keeps_the_finalizer_for_the_leader(runner: RecordingRunner) -> None:
+    _configure(leading=False)
+    with pytest.raises(kopf.TemporaryError, match="not the leader"):
+        await H.stage_deleted(body=BODY, namespace="ns", name="x")
+    assert "cleanup" not in runner.ops()
+    _configure(leading=True)
+    await H.stage_deleted(body=BODY, namespace="ns", name="x")
+    assert runner.ops() == ["cleanup", "kick"]
+
+
+async def test_acquiring_kicks_every_group_and_forgets_what_was_published(
+    runner: RecordingRunner,
+) -> None:
+    _configure(leading=True)
+    handlers.on_acquired(3)
+    assert runner.ops() == ["kick_all"]
+    assert runner.published == {}
+
+
+async def test_kicks_reach_the_runner_whoever_leads(runner: RecordingRunner) -> None:
+    _configure(leading=False)
+    await H.resync(body=BODY, namespace="ns")
+    await H.stage_created(body=BODY, namespace="ns", name="x")
+    assert runner.calls == [("kick", ("ns", "g")), ("kick", ("ns", "g"))]
