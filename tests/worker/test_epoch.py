@@ -58,6 +58,25 @@ async def test_stale_leader_cannot_replay_a_task_id(lm_worker: WorkerHandle) -> 
     assert (await lm_worker.status()).state == ACTIVE
 
 
+async def test_a_reader_epoch_fences_the_leader_it_replaced(lm_worker: WorkerHandle) -> None:
+    """A new leader reads every worker's status before it orders anything: from that read on,
+    the replaced leader's orders are refused even here, where the new one has ordered nothing."""
+    assert (await lm_worker.sleep(1, task_id="old", epoch=2)).ok
+    read = await lm_worker.sleep_stub.GetStatus(sleep_service_pb2.GetStatusRequest(epoch=3))
+    assert read.epoch == 3 and read.state == ASLEEP
+    err = await rpc_error(lm_worker.wake(task_id="stale", epoch=2))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == "order from epoch 2 refused: this worker has obeyed epoch 3"
+    assert (await lm_worker.status()).state == ASLEEP
+    # A read never lowers the epoch and is never refused, whatever epoch it carries.
+    older = await lm_worker.sleep_stub.GetStatus(sleep_service_pb2.GetStatusRequest(epoch=1))
+    assert older.epoch == 3
+    err = await rpc_error(
+        lm_worker.sleep_stub.GetStatus(sleep_service_pb2.GetStatusRequest(epoch=-1))
+    )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_negative_epoch_is_invalid(lm_worker: WorkerHandle) -> None:
     err = await rpc_error(
         lm_worker.sleep_stub.Sleep(

@@ -136,7 +136,9 @@ class KubeGroupPort:
             return None
         key = (self.ns, name)
         try:
-            report = await client.get_status(self.r.settings.status_timeout_s)
+            report = await client.get_status(
+                self.r.settings.status_timeout_s, self.r.leadership.epoch
+            )
         except WorkerUnauthenticated as exc:
             if self.r.auth_errors.get(key) != str(exc):
                 log.warning("%s/%s: %s", self.ns, name, exc)

@@ -355,6 +355,9 @@ class GroupRunner(StatusPublisher):
         self._remember(namespace, outcome)
         if port.held_back:
             self._retry_in[(namespace, group)] = min(port.held_back.values())
+        if not self.leadership.leading():  # lost while the round ran: the new leader writes
+            log.warning("group %s/%s: leadership lost; status not written", namespace, group)
+            return False
         await self.publish(port, outcome)
         facts = port.facts.values()
         return (

@@ -74,11 +74,14 @@ class WorkerClient:
             )
         return WorkerUnavailable(message)
 
-    async def get_status(self, timeout_s: float) -> WorkerReport:
-        """GetStatus with a deadline."""
+    async def get_status(self, timeout_s: float, epoch: int = 0) -> WorkerReport:
+        """GetStatus with a deadline; ``epoch`` (this operator's leadership) is remembered by
+        the worker, which then refuses orders from any older leader."""
         try:
             resp = await self._stub.GetStatus(
-                sleep_service_pb2.GetStatusRequest(), timeout=timeout_s, metadata=self._metadata
+                sleep_service_pb2.GetStatusRequest(epoch=epoch),
+                timeout=timeout_s,
+                metadata=self._metadata,
             )
         except grpc.aio.AioRpcError as exc:
             raise self._error("GetStatus", exc) from exc

@@ -55,7 +55,11 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
     async def GetStatus(
         self, request: sleep_service_pb2.GetStatusRequest, context: Context
     ) -> sleep_service_pb2.GetStatusResponse:
-        return self.worker.status()
+        try:
+            return self.worker.status(request.epoch)
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+        raise AssertionError("unreachable: context.abort raises")
 
 
 async def _ack(order: Callable[[], Awaitable[types_pb2.Ack]], context: Context) -> types_pb2.Ack:

@@ -120,6 +120,10 @@ class SleepWake:
         self._acks.put(task_id, key, task)
         return await asyncio.shield(task)
 
+    def witness(self, epoch: int) -> None:
+        """A reader of this worker's status leads at ``epoch``: remember it like an order's."""
+        self._obey(epoch)
+
     def _obey(self, epoch: int) -> None:
         """Remember ``epoch`` as obeyed (epoch 0, no election, never lowers it)."""
         worker = self.worker

@@ -187,8 +187,16 @@ class Worker:
         """Wake up; the Ack of this task id (replayed when seen before)."""
         return await self._sleep_wake.wake(task_id, epoch)
 
-    def status(self) -> sleep_service_pb2.GetStatusResponse:
-        """Everything GetStatus reports, measured now."""
+    def status(self, epoch: int = 0) -> sleep_service_pb2.GetStatusResponse:
+        """Everything GetStatus reports, measured now.
+
+        ``epoch`` is the reader's leadership epoch: reading never needs a current epoch, but a
+        higher one is remembered as obeyed, so a leader that read this worker's status fences
+        the leader it replaced here before it orders anything.
+        """
+        if epoch < 0:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"epoch: {epoch} is negative")
+        self._sleep_wake.witness(epoch)
         return build_status(self)
 
     # -- inference ------------------------------------------------------------------------

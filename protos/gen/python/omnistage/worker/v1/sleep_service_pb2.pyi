@@ -141,12 +141,21 @@ class GetStatusRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    EPOCH_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """epoch is the caller's leadership epoch (0: none; negative: INVALID_ARGUMENT). A read is
+    never refused for an older epoch; a worker raises the highest epoch it has obeyed to it,
+    so once a new leader has read a worker's status, an order from the leader it replaced is
+    refused there even before the new leader orders anything.
+    """
     def __init__(
         self,
+        *,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
