@@ -11,8 +11,9 @@ device behaves like a real GPU in everything the operator can observe (issue 14)
   memory behind (the worker turns FAILED, never Asleep, and keeps the memory), ACKs that say ok
   while the memory stays (the device's own free figures do not move), refusals (level 2
   unsupported), slow drains, crashes, hangs, container restarts, fences the kubelet never
-  confirms, and operator restarts (everything in memory forgotten; what the kube side persists
-  in status -- pending fences, learned needs -- survives).
+  confirms, and operator restarts between rounds or right after a sleep's ACK (everything in
+  memory forgotten; what the kube side persists in status -- pending fences, learned needs --
+  survives).
 
 The port builds the operator's view with the operator's own code (``WorkerReport.stage_facts``,
 ``memory.group_memory``), and persists what the kube side persists.
@@ -75,8 +76,12 @@ UUID = "GPU-sim-0"
 MARGIN = 0
 SLEEP_OUTCOMES = st.sampled_from(
     ["ok", "ok", "ok", "not_ok", "lost_before", "lost_after", "residual", "lie", "refuse",
-     "slow_drain"]
+     "slow_drain", "residual_die", "lie_die", "ok_die"]
 )  # fmt: skip
+
+
+class OperatorDied(Exception):
+    """The operator process ends right after a sleep's ACK reached it (before any fence)."""
 
 
 @dataclass
@@ -221,6 +226,8 @@ class SimPort:
         else:
             before, free_before = wk.used, self.world.free()
             outcome = self._outcome()
+            dies = outcome.endswith("_die")
+            outcome = outcome.removesuffix("_die")
             if wk.state is WorkerPhase.ASLEEP:
                 outcome = "noop"  # already asleep: nothing moves (faults need memory to move)
             if outcome == "lost_before":
@@ -249,6 +256,8 @@ class SimPort:
                                 freed_bytes=before - wk.used, noop=outcome == "noop")  # fmt: skip
             if outcome == "lost_after":
                 raise WorkerUnavailable("deadline exceeded after the transition")
+            if dies:
+                raise OperatorDied(f"operator gone after {task_id}")
         if ack.ok:
             self.unresolved.discard(stage)
         return ack
@@ -390,7 +399,11 @@ class HandoverMachine(RuleBasedStateMachine):
             ack_retries=2, backoff_s=0.0, margin_bytes=MARGIN, transition_allowance_s=0.0,
             default_drain_timeout_s=0.0,
         )  # fmt: skip
-        self.last = asyncio.run(run_round(port, policy, lambda: f"h{next(self.ids)}"))
+        try:
+            self.last = asyncio.run(run_round(port, policy, lambda: f"h{next(self.ids)}"))
+        except OperatorDied:
+            self.operator_restart()  # nothing of the round's bookkeeping survives
+            return port
         # What the kube side persists in status after a round.
         self.learned.update(self.last.learned_needs)
         for name in self.last.fence_pending:
@@ -446,8 +459,9 @@ class HandoverMachine(RuleBasedStateMachine):
         name = data.draw(st.sampled_from(sorted(self.workers)))
         wk = self.workers[name]
         if wk.pod and not (wk.alive and wk.responsive):
-            # The pod was built with --initial-state asleep: the new process holds its context.
-            wk.alive, wk.responsive, wk.state, wk.used = True, True, WorkerPhase.ASLEEP, 0
+            # The pod was built with --initial-state asleep: the new process holds its context
+            # (the old one's memory is freed when it ends).
+            wk.alive, wk.responsive, wk.state, wk.used = False, True, WorkerPhase.ASLEEP, 0
             wk.alive = self.free() >= CONTEXT
             wk.used = CONTEXT if wk.alive else 0
             wk.lied, wk.inflight, wk.last_ack, wk.acks = False, 0, None, {}
@@ -498,13 +512,17 @@ class HandoverMachine(RuleBasedStateMachine):
         self.transitions_finish()
         for name, wk in self.workers.items():
             if wk.pod and not (wk.alive and wk.responsive):
-                wk.responsive = True
+                wk.responsive, wk.alive, wk.used = True, False, 0  # the old process ends
                 wk.alive = self.free() >= CONTEXT
                 wk.state, wk.used = WorkerPhase.ASLEEP, CONTEXT if wk.alive else 0
                 wk.lied, wk.inflight, wk.last_ack, wk.acks = False, 0, None, {}
                 wk.level = self.intents[name].sleep_level
-        for _ in range(8):
-            self._round([])
+        # Each round may learn a need (a refused wake) that lets the next stage in: converge
+        # until a round moves nothing (bounded).
+        for _ in range(20):
+            port = self._round([])
+            if not [c for c in port.calls if c[0] in ("sleep", "wake", "fence", "start")]:
+                break
         assert self.last is not None and self.last.decision is not None
         decision = self.last.decision
         admitted = set(decision.admitted)
@@ -532,7 +550,7 @@ class HandoverMachine(RuleBasedStateMachine):
 
 HandoverMachine.TestCase.settings = settings(
     max_examples=300,
-    stateful_step_count=30,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
