@@ -92,8 +92,6 @@ GRPC = ("grpcio", "protobuf")
 # pure-Python wheels exist for these; the index's compiled builds are 100x larger
 PURE = ("python-box",)
 PLATFORMS = (
-    "manylinux_2_34_x86_64",
-    "manylinux_2_31_x86_64",
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
     "manylinux_2_17_x86_64",
@@ -393,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    tree = copy_devtree(args.tree, args.devtree) if args.devtree else tree_bytes(args.tree)
+    if args.devtree:  # the copy travels inside the checkout that holds it
+        tree = copy_devtree(args.tree, args.devtree) + tree_bytes(args.devtree.parent)
+    else:
+        tree = tree_bytes(args.tree)
     payload = sum(f.stat().st_size for f in carried) + (out / "manifest.json").stat().st_size
     raw = info["binary_bytes"]
     print(f"binaries (stripped): {sum(raw.values()) / MiB:.1f} MiB  "
