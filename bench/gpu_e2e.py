@@ -302,6 +302,7 @@ def build_sd3(directory: Path, dev: Any, tiny: bool) -> None:
         vae_blocks: tuple[int, ...] = (8, 16)
     else:
         dims = [(768, 12, 12), (1280, 32, 20)]
+        t5 = {"d_model": 4096, "d_ff": 10240, "num_layers": 2, "num_heads": 64, "d_kv": 64}
         mmdit = {
             "num_layers": 30,
             "attention_head_dim": 64,
