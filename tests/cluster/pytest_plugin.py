@@ -12,8 +12,9 @@ Fixtures (tests using any of them are marked ``cluster`` automatically):
     ``gpu-node-0`` with 2 fake GPUs of 80Gi each (DRA driver and DeviceClass
     ``gpu.nvidia.com``). ``local_nodes.pod_log(pod_obj, container)`` reads a container's output.
 ``make_local_nodes`` (function): a factory ``make_local_nodes(nodes=1, gpus=2,
-    gpu_memory=80 * GiB, name_prefix=None, extra_args=()) -> LocalNodes`` for extra nodes
-    (``extra_args``: more ``python -m tests.cluster.localnode`` flags) that exist only for
+    gpu_memory=80 * GiB, name_prefix=None, extra_args=(), **settings) -> LocalNodes`` for
+    extra nodes (``extra_args``: more ``python -m tests.cluster.localnode`` flags; ``settings``:
+    ``LocalNodes`` keywords such as ``gpu_context``, ``gpu_activation``) that exist only for
     the test (names ``<prefix>0``..; the default prefix is unique per call, e.g. ``gpu-x1-``).
     Pin pods to them with a nodeSelector on ``kubernetes.io/hostname``.
 ``namespace`` (function): a fresh namespace (its ``default`` ServiceAccount exists), deleted
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -100,6 +102,7 @@ def make_local_nodes(control_plane: ControlPlane) -> Iterator[Callable[..., Loca
         gpu_memory: int = 80 * GiB,
         name_prefix: str | None = None,
         extra_args: Sequence[str] = (),
+        **settings: Any,
     ) -> LocalNodes:
         ln = LocalNodes(
             control_plane.kubeconfig,
@@ -108,6 +111,7 @@ def make_local_nodes(control_plane: ControlPlane) -> Iterator[Callable[..., Loca
             gpu_memory=gpu_memory,
             name_prefix=name_prefix or f"gpu-x{next(_prefixes)}-",
             extra_args=extra_args,
+            **settings,
         )
         ln.__enter__()
         started.append(ln)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.localnode import LocalNodes
 from tests.cluster.podwait import condition, envdump, get_pod, wait_pod
+from tests.fakegpu.device import FakeGpu
 
 GiB = 1024**3
 
@@ -103,15 +103,21 @@ def test_shared_claim_puts_two_pods_on_one_gpu_and_impossible_claim_stays_pendin
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-    assert [e["NVIDIA_VISIBLE_DEVICES"] for e in envs] == [device, device]
-    assert (
-        envs[0]["OMNISTAGE_MEMORY_CAPACITY"]
-        == envs[1]["OMNISTAGE_MEMORY_CAPACITY"]
-        == str(80 * GiB)
+    # both pods see the device by the UUID the ResourceSlice publishes, and share its simulation
+    slice_ = control_plane.get_json(
+        "resourceslices", "--field-selector", "spec.nodeName=gpu-node-0"
+    )["items"][0]
+    uuid = next(
+        d["attributes"]["uuid"]["string"] for d in slice_["spec"]["devices"] if d["name"] == device
     )
-    ledger = envs[0]["OMNISTAGE_MEMORY_LEDGER"]
-    assert ledger == envs[1]["OMNISTAGE_MEMORY_LEDGER"] and ledger.endswith(f"/gpu-node-0/{device}")
-    assert os.path.isdir(ledger)
+    assert [e["NVIDIA_VISIBLE_DEVICES"] for e in envs] == [uuid, uuid]
+    assert {e["OMNISTAGE_MEMORY_PROBE"] for e in envs} == {"tests.fakegpu.probe:from_env"}
+    gpu_dir = envs[0]["OMNISTAGE_FAKE_GPU"]
+    assert gpu_dir == envs[1]["OMNISTAGE_FAKE_GPU"] and gpu_dir.endswith(f"/gpu-node-0/{device}")
+    assert "OMNISTAGE_MEMORY_CAPACITY" not in envs[0] and "OMNISTAGE_MEMORY_LEDGER" not in envs[0]
+    physics = FakeGpu(gpu_dir).device()
+    assert physics.uuid == uuid and physics.total == 80 * GiB
+    assert 0 < physics.reserve < physics.context < GiB  # realistic defaults: free < total
 
     # a device bigger than any that exists: the real scheduler leaves the pod Pending and says why
     too_big = 'device.capacity["gpu.nvidia.com"].memory.compareTo(quantity("1Ti")) > 0'
@@ -165,4 +171,4 @@ def test_claim_from_a_template_gives_the_pod_its_own_gpu(
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    assert env["NVIDIA_VISIBLE_DEVICES"] == device
+    assert env["NVIDIA_VISIBLE_DEVICES"] == local_nodes.fake_gpu(0, device).device().uuid

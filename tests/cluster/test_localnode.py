@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.cluster.controlplane import ControlPlane
@@ -186,7 +187,8 @@ def test_env_expansion_field_refs_secrets_and_mount_rewriting(
     assert argv[0] == f"{local_creds}/token" and dump["files"][argv[0]] == "s3cret"
     assert argv[1].startswith("--out=") and not argv[1].startswith("--out=/scratch/")
     assert argv[2] == "hello-envpod-$(UNDEFINED)" and argv[3] == "$(POD_NAME)"
-    assert "NVIDIA_VISIBLE_DEVICES" not in env and "OMNISTAGE_MEMORY_LEDGER" not in env
+    assert "NVIDIA_VISIBLE_DEVICES" not in env and "OMNISTAGE_FAKE_GPU" not in env
+    assert "OMNISTAGE_MEMORY_PROBE" not in env and "CUDA_VISIBLE_DEVICES" not in env
 
 
 def test_explicit_device_placement_and_restart_policy(
@@ -204,6 +206,7 @@ def test_explicit_device_placement_and_restart_policy(
                     "image": "ignored",
                     "command": [PY, "-m", "tests.cluster.testpods.envdump", "--exit=3"],
                     "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "gpu-1"}],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
                 }
             ],
         },
@@ -222,10 +225,16 @@ def test_explicit_device_placement_and_restart_policy(
     status = crashed["status"]["containerStatuses"][0]
     assert status["lastState"]["terminated"]["exitCode"] == 3
     assert crashed["status"]["phase"] == "Running"
-    env = envdump(local_nodes.pod_log(crashed, "main"))["env"]
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "gpu-1"
-    assert env["OMNISTAGE_MEMORY_CAPACITY"] == str(80 * GiB)
-    assert env["OMNISTAGE_MEMORY_LEDGER"].endswith("/ledger/gpu-node-0/gpu-1")
+    log = local_nodes.pod_log(crashed, "main")
+    # FallbackToLogsOnError: the failed run's log tail (at most 2048 bytes) as its message
+    message = status["lastState"]["terminated"]["message"]
+    assert message.endswith("}\n") and 0 < len(message.encode()) <= 2048 and message in log
+    env = envdump(log)["env"]
+    gpu = local_nodes.fake_gpu(0, "gpu-1")
+    assert env["NVIDIA_VISIBLE_DEVICES"] == gpu.device().uuid  # the device's UUID, not its name
+    assert env["OMNISTAGE_FAKE_GPU"] == str(gpu.dir)
+    assert env["OMNISTAGE_MEMORY_PROBE"] == "tests.fakegpu.probe:from_env"
+    assert "OMNISTAGE_MEMORY_CAPACITY" not in env and "OMNISTAGE_MEMORY_LEDGER" not in env
 
     never = {**pod, "metadata": {"name": "once"}, "spec": {**pod["spec"], "restartPolicy": "Never"}}
     control_plane.apply(never, namespace=namespace)
@@ -235,6 +244,89 @@ def test_explicit_device_placement_and_restart_policy(
     st = failed["status"]["containerStatuses"][0]
     assert st["restartCount"] == 0 and st["state"]["terminated"]["exitCode"] == 3
     assert st["state"]["terminated"]["reason"] == "Error"
+    assert st["state"]["terminated"]["message"].startswith("ENVDUMP ")  # its one-line log
+
+
+def test_termination_message_file_and_env_a_runtime_gives(
+    control_plane: ControlPlane,
+    make_local_nodes: Any,
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # what localnode's own environment holds on a GPU host: only the runtime's share passes
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/fake-cuda/lib64")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("NVIDIA_DRIVER_CAPABILITIES", "compute,utility")
+    node: LocalNodes = make_local_nodes(nodes=1, gpus=1)
+    script = 'echo "some output"; echo "gave up: $WHY" > "$MSG"; exit 4'
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "quitter"},
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"kubernetes.io/hostname": node.node_names[0]},
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "ignored",
+                    "command": ["sh", "-c", script],
+                    "env": [
+                        {"name": "MSG", "value": "/dev/termination-log"},
+                        {"name": "WHY", "value": "no model"},
+                    ],
+                    "terminationMessagePolicy": "FallbackToLogsOnError",
+                },
+                {
+                    "name": "env",
+                    "image": "ignored",
+                    "command": [PY, "-m", "tests.cluster.testpods.envdump"],
+                    "env": [{"name": "CUDA_MODULE_LOADING", "value": "LAZY"}],
+                },
+            ],
+        },
+    }
+    control_plane.apply(pod, namespace=namespace)
+    done = wait_pod(
+        control_plane,
+        namespace,
+        "quitter",
+        lambda p: p["status"].get("phase") == "Failed",
+        "Failed",
+    )
+    main = next(c for c in done["status"]["containerStatuses"] if c["name"] == "main")
+    # the file the container wrote wins over the log
+    assert main["state"]["terminated"]["message"] == "gave up: no model\n"
+    assert main["state"]["terminated"]["exitCode"] == 4
+    env = envdump(node.pod_log(done, "env"))["env"]
+    assert env["LD_LIBRARY_PATH"] == "/opt/fake-cuda/lib64" and env["CUDA_MODULE_LOADING"] == "LAZY"
+    # no GPU allocated, simulated GPUs: no host GPU settings reach the pod
+    assert "CUDA_VISIBLE_DEVICES" not in env and "NVIDIA_DRIVER_CAPABILITIES" not in env
+
+
+def test_held_deletion_keeps_the_pod_terminating_until_released(
+    control_plane: ControlPlane, local_nodes: LocalNodes, namespace: str
+) -> None:
+    control_plane.apply(health_pod("held", grace=5), namespace=namespace)
+    pod = wait_pod(control_plane, namespace, "held", is_ready, "Ready", timeout=60)
+    pid = _pid(pod)
+    local_nodes.hold_deletions("held", namespace)
+    try:
+        control_plane.kubectl("delete", "pod", "held", "-n", namespace, "--wait=false")
+        watched_until = time.monotonic() + 8  # longer than the grace period
+        while time.monotonic() < watched_until:  # the kubelet never confirms the deletion
+            still = control_plane.get_json("pod", "held", namespace=namespace)
+            assert still["metadata"].get("deletionTimestamp") and _alive(pid)
+            time.sleep(0.5)
+        with grpc.insecure_channel(f"{pod['status']['podIP']}:50051") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # still serving
+    finally:
+        local_nodes.release_deletions("held", namespace)
+    wait_gone(control_plane, namespace, "held", timeout=30)
+    assert not _alive(pid)
 
 
 def test_extra_nodes_from_the_factory(

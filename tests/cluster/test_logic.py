@@ -9,18 +9,20 @@ import pytest
 
 from tests.cluster.gomod import parse_release_gomod, render_wrapper_gomod, staging_tag
 from tests.cluster.kubeconfig import load_kubeconfig, write_token_kubeconfig
-from tests.cluster.localnode.__main__ import build_nodes, parse_bytes
+from tests.cluster.localnode.__main__ import build_nodes, parse_activation, parse_bytes
 from tests.cluster.localnode.devices import (
     NodeSpec,
     claim_devices,
     gpu_env,
+    node_status,
     parse_visible_devices,
     quantity,
     resource_slice,
 )
 from tests.cluster.localnode.expand import expand, rewrite_path
-from tests.cluster.localnode.kubelet import IpPool
-from tests.cluster.localnode.podstatus import ContainerStatus, pod_phase
+from tests.cluster.localnode.kubelet import IpPool, deletion_held
+from tests.cluster.localnode.podstatus import ContainerStatus, pod_phase, termination_message
+from tests.cluster.localnode.runtime import runtime_env
 
 
 @pytest.mark.parametrize(
@@ -77,9 +79,11 @@ def test_devices_slices_and_gpu_env(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="gpu-7"):
         parse_visible_devices("gpu-7", node)
     env = gpu_env(node, ["gpu-1", "gpu-0"], tmp_path)
-    assert env["NVIDIA_VISIBLE_DEVICES"] == "gpu-0,gpu-1"
-    assert env["OMNISTAGE_MEMORY_CAPACITY"] == "2048"
-    assert env["OMNISTAGE_MEMORY_LEDGER"] == str(tmp_path / "ledger" / "n0" / "gpu-0+gpu-1")
+    assert env == {  # several devices: the simulated probe measures the first
+        "NVIDIA_VISIBLE_DEVICES": node.device_uuid("gpu-0"),
+        "OMNISTAGE_MEMORY_PROBE": "tests.fakegpu.probe:from_env",
+        "OMNISTAGE_FAKE_GPU": str(tmp_path / "fakegpu" / "n0" / "gpu-0"),
+    }
     assert gpu_env(node, [], tmp_path) == {}
     assert sl["spec"]["devices"][0]["capacity"]["memory"]["value"] == "1Ki"
     assert [quantity(n) for n in (80 * 1024**3, 3 * 1024**2, 1000, 0)] == [
@@ -157,3 +161,88 @@ def test_parse_bytes_and_node_addresses() -> None:
         parse_bytes("80GB")
     nodes = build_nodes(2, gpus=1, gpu_memory=1, prefix="n-", first=3, octet=42)
     assert [(n.name, n.address) for n in nodes] == [("n-3", "127.42.3.1"), ("n-4", "127.42.4.1")]
+
+
+def test_simulated_device_physics_and_real_gpu_slice(tmp_path: Path) -> None:
+    node = NodeSpec(name="n0", index=0, gpus=1, gpu_memory=80 * 1024**3)
+    dev = node.fake_device("gpu-0")
+    assert (
+        dev.uuid
+        == node.device_uuid("gpu-0")
+        == resource_slice(node, "u")["spec"]["devices"][0]["attributes"]["uuid"]["string"]
+    )
+    assert 600 * 1024**2 < dev.context < 620 * 1024**2  # 612 MiB on an H100, scaled
+    assert dev.reserve == round(80 * 1024**3 * 0.006) and dev.activation == 0.25
+    tuned = NodeSpec(name="n0", index=0, gpu_reserve=0, gpu_context=5, gpu_activation=7)
+    assert (tuned.fake_device("gpu-1").reserve, tuned.fake_device("gpu-1").context) == (0, 5)
+    assert tuned.fake_device("gpu-1").activation_bytes(10**9) == 7
+    assert parse_visible_devices(node.device_uuid("gpu-0"), node) == ["gpu-0"]
+
+    records = [
+        {"index": 1, "uuid": "GPU-bbb", "name": "NVIDIA H100 80GB HBM3", "total": 85520809984},
+        {"index": 0, "uuid": "GPU-aaa", "name": "NVIDIA H100 80GB HBM3", "total": 85520809984},
+    ]
+    (real,) = build_nodes(
+        1, gpus=9, gpu_memory=1, prefix="h-", first=0, octet=42, real_gpus=records
+    )
+    assert real.real and real.device_names() == ["gpu-0", "gpu-1"]
+    sl = resource_slice(real, "uid")
+    first = sl["spec"]["devices"][0]
+    assert first["attributes"]["uuid"]["string"] == "GPU-aaa"
+    assert first["attributes"]["productName"]["string"] == "NVIDIA H100 80GB HBM3"
+    assert first["attributes"]["index"]["int"] == 0
+    assert first["capacity"]["memory"]["value"] == "81559Mi"  # NVML's total, as a quantity
+    assert node_status(real, "now")["capacity"]["nvidia.com/gpu"] == "2"
+    assert gpu_env(real, ["gpu-1", "gpu-0"], tmp_path) == {
+        "NVIDIA_VISIBLE_DEVICES": "GPU-aaa,GPU-bbb",
+        "CUDA_VISIBLE_DEVICES": "GPU-aaa,GPU-bbb",
+    }
+    assert parse_visible_devices("GPU-bbb", real) == ["gpu-1"]
+    with pytest.raises(ValueError, match="one node"):
+        build_nodes(2, gpus=1, gpu_memory=1, prefix="h-", first=0, octet=42, real_gpus=records)
+
+
+def test_runtime_env_and_termination_message() -> None:
+    host = {
+        "HOME": "/h",
+        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "NVIDIA_VISIBLE_DEVICES": "all",
+        "CUDA_MODULE_LOADING": "LAZY",
+        "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+        "NCCL_NVLS_ENABLE": "0",
+        "SECRET_THING": "x",
+    }
+    assert runtime_env(host, real_gpus=False) == {
+        "HOME": "/h",
+        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
+    }
+    assert runtime_env(host, real_gpus=True) == {
+        "HOME": "/h",
+        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
+        "CUDA_MODULE_LOADING": "LAZY",
+        "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+    log = b"".join(f"line {i}\n".encode() for i in range(200))
+    tail = termination_message("FallbackToLogsOnError", 1, "", log)
+    assert tail.splitlines()[0] == "line 120" and len(tail.splitlines()) == 80
+    long = b"x" * 5000 + b"\nend\n"
+    assert (
+        termination_message("FallbackToLogsOnError", 2, "", long)
+        == (b"x" * 2043 + b"\nend\n").decode()
+    )
+    assert termination_message("FallbackToLogsOnError", 0, "", log) == ""  # only on error
+    assert termination_message("File", 1, "", log) == ""
+    assert termination_message("FallbackToLogsOnError", 1, "bye\n", log) == "bye\n"
+    assert len(termination_message("File", 0, "y" * 9000, b"")) == 4096
+
+
+def test_activation_flag_and_held_deletions() -> None:
+    assert parse_activation("25%") == 0.25 and parse_activation("0.5") == 0.5
+    assert parse_activation("512Mi") == 512 * 1024**2
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_activation("lots")
+    faults = {"hold_deletions": ["web", "ns1/api"]}
+    assert deletion_held(faults, "any", "web") and deletion_held(faults, "ns1", "api")
+    assert not deletion_held(faults, "ns2", "api") and not deletion_held({}, "ns", "web")

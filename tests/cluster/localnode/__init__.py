@@ -18,18 +18,32 @@ What a pod gets (see ``runtime``):
   with ``fieldRef: status.podIP``); probes dial the podIP.
 - each container's command+args as a local process with the pod's env (``$(VAR)`` expansion,
   fieldRef/secretKeyRef/configMapKeyRef/resourceFieldRef, envFrom). The executable is looked up
-  on PATH with the venv's bin first; ``image`` is ignored. The process inherits only PATH,
-  HOME, LANG, LC_ALL, TMPDIR, PYTHONPATH, VIRTUAL_ENV and OMNISTAGE_CACHE from localnode.
+  on PATH with the venv's bin first; ``image`` is ignored. From localnode's own environment
+  the process gets only what its image and runtime would give it: PATH, HOME, LANG, LC_ALL,
+  TMPDIR, PYTHONPATH, VIRTUAL_ENV, OMNISTAGE_CACHE, LD_LIBRARY_PATH (and, with real GPUs,
+  the host's CUDA_*/NVIDIA_* driver settings except device visibility).
 - volumes as local dirs: secret/configMap/downwardAPI/projected as files, emptyDir a fresh dir,
   hostPath that path, persistentVolumeClaim ``<state>/pvc/<ns>/<claim>``. Any command, arg,
   env value or workingDir that starts with a volumeMount's mountPath (or whose ``--flag=``
   value does) is rewritten to the local dir, because processes share the host filesystem.
-- fake GPUs: the devices of its allocated ResourceClaims on this node, for containers that list
+- GPUs: the devices of its allocated ResourceClaims on this node, for containers that list
   the claim in ``resources.claims`` (as with a real DRA driver), else the container's own
-  ``NVIDIA_VISIBLE_DEVICES`` (``gpu-0,gpu-1`` or ``0,1``: explicit placement). It then gets
-  ``NVIDIA_VISIBLE_DEVICES`` (device names), ``OMNISTAGE_MEMORY_CAPACITY`` (one device's memory
-  x devices) and ``OMNISTAGE_MEMORY_LEDGER`` (a dir per node and sorted device set, shared by
-  every pod on those devices; workers write their used bytes there). No GPUs: none of these.
+  ``NVIDIA_VISIBLE_DEVICES`` (``gpu-0,gpu-1``, ``0,1`` or UUIDs: explicit placement).
+  Simulated GPUs (the default): each device is a :mod:`tests.fakegpu` directory
+  ``<state>/fakegpu/<node>/<device>`` (``device.json`` written at start: total, driver
+  reserve, context per process, activations per request); a container with a device gets
+  ``NVIDIA_VISIBLE_DEVICES=<its UUID>`` (the ResourceSlice's ``uuid``),
+  ``OMNISTAGE_MEMORY_PROBE=tests.fakegpu.probe:from_env`` and ``OMNISTAGE_FAKE_GPU=<dir>``,
+  so a ``--device cpu`` worker measures the simulated GPU shared with every pod on it (with
+  several devices: the first one). Real GPUs (``real_gpus=True`` / ``--real-gpus``): the
+  ResourceSlice lists NVML's devices (uuid, index, productName, memory) and a container gets
+  ``CUDA_VISIBLE_DEVICES`` and ``NVIDIA_VISIBLE_DEVICES`` = its devices' UUIDs (none:
+  ``CUDA_VISIBLE_DEVICES=""``), plus the host's ``CUDA_*``/``NVIDIA_*`` driver settings and
+  ``NCCL_*``/``NVSHMEM_*``/``TORCH_SYMM_MEM_*`` switches.
+- faults, switched by tests at run time: ``device_faults(node, device, leak_on_sleep=,
+  lie=, slow_serving_s=, pid=)`` (see :mod:`tests.fakegpu`), and the kubelet fault
+  ``hold_deletions(pod)``: a deleted pod keeps running and stays Terminating (the kubelet
+  never confirms) until ``release_deletions(pod)``.
 - API access as its ServiceAccount: when the pod has the usual projected token volume
   (kube-api-access-*), its containers get ``KUBECONFIG`` naming a kubeconfig with that token
   (unless they set KUBECONFIG), since a local process cannot see the token at the in-cluster
@@ -39,8 +53,12 @@ What a pod gets (see ``runtime``):
 - status: podIP(s), hostIP(s), phase, conditions, container states with exit codes and restart
   counts; Ready from the readinessProbe (grpc, tcpSocket, httpGet, exec; periodSeconds,
   thresholds); liveness and startup probes kill and restart; restartPolicy with back-off
-  (1 s doubling to 30 s; the kubelet uses 10 s to 5 min). Output goes to a log file named in
-  the annotation ``localnode.omnistage.io/log-<container>``.
+  (1 s doubling to 30 s; the kubelet uses 10 s to 5 min), ``lastState`` on restart. Output
+  goes to a log file named in the annotation ``localnode.omnistage.io/log-<container>``.
+  ``terminationMessagePath`` (default /dev/termination-log) is a fresh local file per run (the
+  path is rewritten in command/args/env like a mount); its content becomes
+  ``state.terminated.message``, and with ``terminationMessagePolicy: FallbackToLogsOnError``
+  a failed container with an empty file gets its log's tail (80 lines / 2048 bytes).
 - Events like the kubelet's (Started, Killing, Unhealthy, BackOff, Failed, FailedMount), so
   ``kubectl describe pod`` tells what happened.
 - deletion: SIGTERM to the process group, the grace period, SIGKILL, then the pod object is
@@ -50,12 +68,13 @@ What a pod gets (see ``runtime``):
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -63,8 +82,10 @@ from typing import IO, Any
 import httpx
 
 from tests.cluster.kubeconfig import auth_context, load_kubeconfig
-from tests.cluster.localnode.devices import GiB
+from tests.cluster.localnode.devices import GiB, fake_gpu_dir
+from tests.cluster.localnode.kubelet import KUBELET_FAULTS
 from tests.cluster.procs import ManagedProcess, wait_for
+from tests.fakegpu.device import FakeGpu, Snapshot
 
 __all__ = ["LocalNodes"]
 
@@ -106,7 +127,15 @@ class LocalNodes:
         state_dir: Path | None = None,
         ready_timeout: float = 60.0,
         extra_args: Sequence[str] = (),
+        gpu_reserve: int | None = None,
+        gpu_context: int | None = None,
+        gpu_activation: float | int | None = None,
+        real_gpus: bool = False,
     ):
+        """``gpu_reserve``/``gpu_context`` bytes and ``gpu_activation`` (float: fraction of the
+        weights, int: bytes) set the simulated GPUs' physics (None: realistic defaults scaled
+        to ``gpu_memory``); ``real_gpus``: one node with the host's GPUs (NVML), no simulation.
+        """
         self.kubeconfig = kubeconfig
         self._octet_lock: IO[bytes] | None = None
         if ip_octet is None:
@@ -129,6 +158,16 @@ class LocalNodes:
             f"--name-prefix={name_prefix}",
             f"--ip-octet={ip_octet}",
             f"--state-dir={self.state_dir}",
+            *([f"--gpu-reserve={gpu_reserve}"] if gpu_reserve is not None else []),
+            *([f"--gpu-context={gpu_context}"] if gpu_context is not None else []),
+            *(
+                [f"--gpu-activation={gpu_activation * 100!r}%"]
+                if isinstance(gpu_activation, float)
+                else [f"--gpu-activation={gpu_activation}"]
+                if gpu_activation is not None
+                else []
+            ),
+            *(["--real-gpus"] if real_gpus else []),
             *extra_args,
         ]
         self._ready_timeout = ready_timeout
@@ -193,6 +232,76 @@ class LocalNodes:
         if not note:
             raise KeyError(f"pod {pod['metadata']['name']} has no log annotation for {container!r}")
         return Path(note).read_text(errors="replace")
+
+    # ---- simulated devices and faults ----------------------------------------------------------
+
+    def fake_gpu(self, node: str | int = 0, device: str = "gpu-0") -> FakeGpu:
+        """The simulated GPU ``device`` (name like ``gpu-0``, or its UUID) of ``node``."""
+        name = self.node_names[node] if isinstance(node, int) else node
+        root = self.state_dir / "fakegpu" / name
+        if not device.startswith("gpu-"):
+            for candidate in sorted(root.glob("*/device.json")):
+                if json.loads(candidate.read_text()).get("uuid") == device:
+                    return FakeGpu(candidate.parent)
+            raise KeyError(f"node {name} has no simulated GPU with UUID {device!r}")
+        directory = fake_gpu_dir(self.state_dir, name, device)
+        if not (directory / "device.json").is_file():
+            raise KeyError(f"node {name} has no simulated GPU {device!r} (real-GPU mode?)")
+        return FakeGpu(directory)
+
+    def device_faults(
+        self,
+        node: str | int = 0,
+        device: str = "gpu-0",
+        *,
+        pid: int | None = None,
+        leak_on_sleep: int | str | None = None,
+        lie: bool | None = None,
+        slow_serving_s: float | None = None,
+    ) -> None:
+        """Switch faults of a simulated GPU, for process ``pid`` (None: every process).
+
+        ``leak_on_sleep``: bytes a sleep leaves behind (``"all"``: everything it freed);
+        ``lie``: those bytes stay on the device but the process's own figure omits them;
+        ``slow_serving_s``: extra seconds per request. Arguments left None are unchanged;
+        read by the workers on their next probe call.
+        """
+        switches: dict[str, object] = {}
+        if leak_on_sleep is not None:
+            switches["leak_on_sleep"] = leak_on_sleep
+        if lie is not None:
+            switches["lie"] = lie
+        if slow_serving_s is not None:
+            switches["slow_serving_s"] = slow_serving_s
+        self.fake_gpu(node, device).set_faults(pid, **switches)
+
+    def clear_device_faults(self, node: str | int = 0, device: str = "gpu-0") -> None:
+        """Turn every fault of a simulated GPU off (leaks already made stay)."""
+        self.fake_gpu(node, device).clear_faults()
+
+    def device_snapshot(self, node: str | int = 0, device: str = "gpu-0") -> Snapshot:
+        """A simulated GPU seen from outside (as nvidia-smi): free and each process's use."""
+        return self.fake_gpu(node, device).snapshot()
+
+    def hold_deletions(self, pod: str, namespace: str | None = None) -> None:
+        """Kubelet fault: deleting ``pod`` is never confirmed (it runs on, Terminating)."""
+        self._edit_held(lambda held: held | {f"{namespace}/{pod}" if namespace else pod})
+
+    def release_deletions(self, pod: str | None = None, namespace: str | None = None) -> None:
+        """Let held deletions go through (``pod`` None: all of them)."""
+        key = f"{namespace}/{pod}" if namespace else pod
+        self._edit_held(lambda held: set() if key is None else held - {key})
+
+    def _edit_held(self, change: Callable[[set[str]], set[str]]) -> None:
+        path = self.state_dir / KUBELET_FAULTS
+        try:
+            faults = json.loads(path.read_text())
+        except (OSError, ValueError):
+            faults = {}
+        faults["hold_deletions"] = sorted(change(set(faults.get("hold_deletions") or [])))
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(faults))
+        os.replace(tmp, path)
 
     def _nodes_ready(self) -> bool:
         auth = self._auth

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tests.cluster.kubeconfig import load_kubeconfig
 from tests.cluster.localnode.api import Api
-from tests.cluster.localnode.devices import NodeSpec
+from tests.cluster.localnode.devices import NodeSpec, nvml_records, real_gpu_devices
 from tests.cluster.localnode.kubelet import Kubelet
 from tests.cluster.localnode.runtime import Backoff
 
@@ -38,17 +38,51 @@ def parse_bytes(text: str) -> int:
     return int(m.group(1)) * _UNITS[m.group(2) or ""]
 
 
+def parse_activation(text: str) -> float | int:
+    """``25%`` or ``0.25`` (a fraction of a process's weights) or ``512Mi`` (bytes)."""
+    text = text.strip()
+    try:
+        if text.endswith("%"):
+            return float(text[:-1]) / 100
+        if "." in text:
+            return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a fraction: {text!r}") from None
+    return parse_bytes(text)
+
+
 def build_nodes(
-    count: int, *, gpus: int, gpu_memory: int, prefix: str, first: int, octet: int
+    count: int,
+    *,
+    gpus: int,
+    gpu_memory: int,
+    prefix: str,
+    first: int,
+    octet: int,
+    gpu_reserve: int | None = None,
+    gpu_context: int | None = None,
+    gpu_activation: float | int = 0.25,
+    real_gpus: list[dict[str, object]] | None = None,
 ) -> list[NodeSpec]:
-    """NodeSpecs ``<prefix><first>``..; node i's address is ``127.<octet>.<i>.1``."""
+    """NodeSpecs ``<prefix><first>``..; node i's address is ``127.<octet>.<i>.1``.
+
+    ``real_gpus``: NVML records of the host's GPUs (real-GPU mode: one node only, since every
+    node on this host would share them).
+    """
+    if real_gpus is not None and count != 1:
+        raise ValueError("real-GPU mode runs one node: the host's GPUs cannot be shared by two")
+    devices = real_gpu_devices(real_gpus) if real_gpus is not None else None
     return [
         NodeSpec(
             name=f"{prefix}{i}",
             index=i,
-            gpus=gpus,
+            gpus=gpus if devices is None else len(devices),
             gpu_memory=gpu_memory,
             address=f"127.{octet}.{i}.1",
+            gpu_reserve=gpu_reserve,
+            gpu_context=gpu_context,
+            gpu_activation=gpu_activation,
+            real_gpus=devices,
         )
         for i in range(first, first + count)
     ]
@@ -63,6 +97,10 @@ async def _serve(args: argparse.Namespace) -> None:
         prefix=args.name_prefix,
         first=args.first_index,
         octet=args.ip_octet,
+        gpu_reserve=args.gpu_reserve,
+        gpu_context=args.gpu_context,
+        gpu_activation=args.gpu_activation,
+        real_gpus=nvml_records() if args.real_gpus else None,
     )
     kubelet = Kubelet(
         api,
@@ -107,6 +145,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpu-memory", type=parse_bytes, default=parse_bytes("80Gi"), help="bytes per GPU (80Gi)"
     )
+    parser.add_argument(
+        "--gpu-reserve",
+        type=parse_bytes,
+        default=None,
+        help="simulated driver reserve per GPU (default 0.6%% of its memory)",
+    )
+    parser.add_argument(
+        "--gpu-context",
+        type=parse_bytes,
+        default=None,
+        help="simulated CUDA context per process (default 612Mi scaled to the GPU)",
+    )
+    parser.add_argument(
+        "--gpu-activation",
+        type=parse_activation,
+        default=0.25,
+        help="simulated activations per request: a fraction of the weights (25%%) or bytes",
+    )
+    parser.add_argument(
+        "--real-gpus",
+        action="store_true",
+        help="publish the host's GPUs (NVML) and give pods their allocated GPU, no simulation",
+    )
     parser.add_argument("--name-prefix", default="gpu-node-")
     parser.add_argument("--first-index", type=int, default=0)
     parser.add_argument("--ip-octet", type=int, default=10, help="pods get 127.<octet>.<node>.<n>")
@@ -121,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.ip_octet <= 254 or args.first_index + args.nodes > 255:
         parser.error("--ip-octet must be 1..254 and node indexes below 255")
+    if args.real_gpus and args.nodes != 1:
+        parser.error("--real-gpus runs one node (the host's GPUs cannot be shared by two)")
     if args.state_dir is None:
         args.state_dir = Path(tempfile.mkdtemp(prefix="localnode-"))
     args.state_dir.mkdir(parents=True, exist_ok=True)

@@ -1,17 +1,23 @@
-"""Pure logic for fake GPU nodes: Node, ResourceSlice and DeviceClass manifests, device choice.
+"""Pure logic for GPU nodes: Node, ResourceSlice and DeviceClass manifests, device choice.
 
 Names follow the NVIDIA DRA driver: driver and DeviceClass ``gpu.nvidia.com``; each node
 publishes one pool named after the node with devices ``gpu-0``, ``gpu-1``, ... carrying the
 attributes ``type`` ("gpu"), ``uuid``, ``index`` and ``productName`` and the capacity
 ``memory`` (bytes).
+
+A node's devices are simulated GPUs (:mod:`tests.fakegpu`, one directory per device with its
+physics in ``device.json``), or, in real-GPU mode, the host's GPUs as NVML lists them.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.fakegpu.model import ACTIVATION_FRACTION, Device, default_context, default_reserve
 
 DRIVER = "gpu.nvidia.com"
 DEVICE_CLASS = "gpu.nvidia.com"
@@ -21,9 +27,29 @@ K8S_VERSION = "v1.36.3"
 GiB = 1024**3
 
 
+FAKE_GPU_PROBE = "tests.fakegpu.probe:from_env"
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    """One GPU as the node publishes it: ``gpu-<index>``, its UUID, product and memory."""
+
+    name: str
+    index: int
+    uuid: str
+    product: str
+    memory: int
+
+
 @dataclass(frozen=True)
 class NodeSpec:
-    """One fake GPU node."""
+    """One GPU node: simulated GPUs (with their physics), or the host's real ones.
+
+    ``gpu_reserve``/``gpu_context``: bytes, None for the defaults scaled to ``gpu_memory``
+    (0.6% reserve, 612 MiB context on an H100); ``gpu_activation``: a float is a fraction of a
+    process's weights, an int absolute bytes. ``real_gpus``: the host's devices (real-GPU
+    mode; ``gpus`` and ``gpu_memory`` are then ignored).
+    """
 
     name: str
     index: int
@@ -33,14 +59,101 @@ class NodeSpec:
     memory: str = "64Gi"
     pods: int = 110
     address: str = "127.10.0.1"
+    gpu_reserve: int | None = None
+    gpu_context: int | None = None
+    gpu_activation: float | int = ACTIVATION_FRACTION
+    real_gpus: tuple[GpuDevice, ...] | None = None
+
+    @property
+    def real(self) -> bool:
+        """Whether the node's devices are the host's real GPUs."""
+        return self.real_gpus is not None
+
+    def devices(self) -> list[GpuDevice]:
+        """The devices the node publishes, in index order."""
+        if self.real_gpus is not None:
+            return list(self.real_gpus)
+        product = f"Fake GPU {self.gpu_memory // GiB}GiB"
+        return [
+            GpuDevice(f"gpu-{i}", i, self._fake_uuid(f"gpu-{i}"), product, self.gpu_memory)
+            for i in range(self.gpus)
+        ]
 
     def device_names(self) -> list[str]:
         """``gpu-0`` .. ``gpu-(G-1)``."""
-        return [f"gpu-{i}" for i in range(self.gpus)]
+        return [d.name for d in self.devices()]
+
+    def device(self, name: str) -> GpuDevice:
+        """The device called ``name`` (or with that UUID); KeyError when the node lacks it."""
+        for dev in self.devices():
+            if name in (dev.name, dev.uuid):
+                return dev
+        raise KeyError(f"node {self.name} has no device {name!r}")
+
+    def _fake_uuid(self, device: str) -> str:
+        return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{self.name}.{device}.localnode"))
 
     def device_uuid(self, device: str) -> str:
-        """A stable fake UUID for ``device`` on this node."""
-        return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{self.name}.{device}.localnode"))
+        """The UUID of ``device`` on this node (stable for simulated GPUs)."""
+        return self.device(device).uuid
+
+    def fake_device(self, name: str) -> Device:
+        """The physics of simulated device ``name`` (what ``device.json`` holds)."""
+        dev = self.device(name)
+        return Device(
+            uuid=dev.uuid,
+            index=dev.index,
+            name=dev.product,
+            total=dev.memory,
+            reserve=default_reserve(dev.memory) if self.gpu_reserve is None else self.gpu_reserve,
+            context=default_context(dev.memory) if self.gpu_context is None else self.gpu_context,
+            activation=self.gpu_activation,
+        )
+
+
+def fake_gpu_dir(state_dir: Path, node: str, device: str) -> Path:
+    """The directory of simulated device ``device`` of ``node`` under localnode's state dir."""
+    return state_dir / "fakegpu" / node / device
+
+
+def real_gpu_devices(records: Iterable[Mapping[str, Any]]) -> tuple[GpuDevice, ...]:
+    """The node's devices from NVML-like records ``{index, uuid, name, total}``."""
+    out = [
+        GpuDevice(
+            name=f"gpu-{int(r['index'])}",
+            index=int(r["index"]),
+            uuid=str(r["uuid"]),
+            product=str(r["name"]),
+            memory=int(r["total"]),
+        )
+        for r in records
+    ]
+    return tuple(sorted(out, key=lambda d: d.index))
+
+
+def nvml_records() -> list[dict[str, Any]]:
+    """The host's GPUs as NVML lists them (index, UUID, product name, total memory)."""
+    import pynvml
+
+    def text(value: str | bytes) -> str:
+        return value.decode() if isinstance(value, bytes) else value
+
+    pynvml.nvmlInit()
+    try:
+        records = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            records.append(
+                {
+                    "index": i,
+                    "uuid": text(pynvml.nvmlDeviceGetUUID(handle)),
+                    "name": text(pynvml.nvmlDeviceGetName(handle)),
+                    "total": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+                }
+            )
+        return records
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def quantity(n: int) -> str:
@@ -77,7 +190,7 @@ def node_status(node: NodeSpec, now: str) -> dict[str, Any]:
         "memory": node.memory,
         "pods": str(node.pods),
         "ephemeral-storage": "100Gi",
-        GPU_RESOURCE: str(node.gpus),
+        GPU_RESOURCE: str(len(node.devices())),
     }
 
     def cond(type_: str, status: str, reason: str) -> dict[str, str]:
@@ -123,16 +236,16 @@ def resource_slice(node: NodeSpec, node_uid: str, generation: int = 1) -> dict[s
     """The node's ResourceSlice (resource.k8s.io/v1), owned by its Node."""
     devices = [
         {
-            "name": dev,
+            "name": dev.name,
             "attributes": {
                 "type": {"string": "gpu"},
-                "uuid": {"string": node.device_uuid(dev)},
-                "index": {"int": i},
-                "productName": {"string": f"Fake GPU {node.gpu_memory // GiB}GiB"},
+                "uuid": {"string": dev.uuid},
+                "index": {"int": dev.index},
+                "productName": {"string": dev.product},
             },
-            "capacity": {"memory": {"value": quantity(node.gpu_memory)}},
+            "capacity": {"memory": {"value": quantity(dev.memory)}},
         }
-        for i, dev in enumerate(node.device_names())
+        for dev in node.devices()
     ]
     return {
         "apiVersion": "resource.k8s.io/v1",
@@ -187,7 +300,7 @@ def claim_devices(claim: dict[str, Any], node: str, requests: list[str] | None =
 
 
 def parse_visible_devices(value: str, node: NodeSpec) -> list[str]:
-    """Parse an explicit ``NVIDIA_VISIBLE_DEVICES`` (``gpu-0,gpu-1`` or ``0,1``; ``all``).
+    """Parse an explicit ``NVIDIA_VISIBLE_DEVICES`` (``gpu-0,gpu-1``, ``0,1``, UUIDs; ``all``).
 
     Raises ValueError naming a device this node does not have.
     """
@@ -201,13 +314,13 @@ def parse_visible_devices(value: str, node: NodeSpec) -> list[str]:
     for part in (p.strip() for p in value.split(",")):
         if not part:
             continue
-        dev = f"gpu-{part}" if part.isdigit() else part
-        if dev not in names:
+        try:
+            out.append(node.device(f"gpu-{part}" if part.isdigit() else part).name)
+        except KeyError:
             raise ValueError(
                 f"NVIDIA_VISIBLE_DEVICES names {part!r}, which node {node.name} "
                 f"does not have ({', '.join(names)})"
-            )
-        out.append(dev)
+            ) from None
     return out
 
 
@@ -221,17 +334,35 @@ def sort_devices(devices: list[str]) -> list[str]:
     return sorted(set(devices), key=key)
 
 
-def gpu_env(node: NodeSpec, devices: list[str], state_dir: Path) -> dict[str, str]:
-    """The fake GPU environment for a container that got ``devices`` (empty: none).
+# Per-pod GPU variables localnode sets (and removes from pods without a device).
+GPU_ENV_KEYS = (
+    "NVIDIA_VISIBLE_DEVICES",
+    "CUDA_VISIBLE_DEVICES",
+    "OMNISTAGE_MEMORY_PROBE",
+    "OMNISTAGE_FAKE_GPU",
+    "OMNISTAGE_MEMORY_CAPACITY",
+    "OMNISTAGE_MEMORY_LEDGER",
+)
 
-    The ledger directory is named here; the caller creates it.
+
+def gpu_env(node: NodeSpec, devices: list[str], state_dir: Path) -> dict[str, str]:
+    """The GPU environment for a container that got ``devices`` (empty: none).
+
+    Real GPUs: ``CUDA_VISIBLE_DEVICES`` and ``NVIDIA_VISIBLE_DEVICES`` list the devices'
+    UUIDs. Simulated GPUs: ``NVIDIA_VISIBLE_DEVICES`` is the device's UUID (the one in the
+    ResourceSlice) and ``OMNISTAGE_MEMORY_PROBE``/``OMNISTAGE_FAKE_GPU`` plug the worker into
+    the device's directory. A simulated pod with several devices gets the first one only:
+    the simulated probe measures one device (multi-GPU stages are a later issue).
     """
     if not devices:
         return {}
-    devs = sort_devices(devices)
-    ledger = state_dir / "ledger" / node.name / "+".join(devs)
+    devs = [node.device(d) for d in sort_devices(devices)]
+    if node.real:
+        uuids = ",".join(d.uuid for d in devs)
+        return {"NVIDIA_VISIBLE_DEVICES": uuids, "CUDA_VISIBLE_DEVICES": uuids}
+    first = devs[0]
     return {
-        "NVIDIA_VISIBLE_DEVICES": ",".join(devs),
-        "OMNISTAGE_MEMORY_CAPACITY": str(node.gpu_memory * len(devs)),
-        "OMNISTAGE_MEMORY_LEDGER": str(ledger),
+        "NVIDIA_VISIBLE_DEVICES": first.uuid,
+        "OMNISTAGE_MEMORY_PROBE": FAKE_GPU_PROBE,
+        "OMNISTAGE_FAKE_GPU": str(fake_gpu_dir(state_dir, node.name, first.name)),
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -11,17 +12,29 @@ from tests.cluster.localnode.api import Api, ApiError, Obj
 from tests.cluster.localnode.devices import (
     NodeSpec,
     device_class,
+    fake_gpu_dir,
     node_manifest,
     node_status,
     resource_slice,
 )
 from tests.cluster.localnode.podstatus import now_micro, now_rfc3339
 from tests.cluster.localnode.runtime import Backoff, PodRunner
+from tests.fakegpu.device import FakeGpu
 
 log = logging.getLogger("localnode")
 
 HEARTBEAT_SECONDS = 10.0
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
+KUBELET_FAULTS = "kubelet-faults.json"
+
+
+def deletion_held(faults: object, namespace: str, name: str) -> bool:
+    """Whether the kubelet-faults table holds the deletion of pod ``namespace/name``.
+
+    ``{"hold_deletions": ["name", "namespace/name", ...]}``: a bare name matches any namespace.
+    """
+    held = faults.get("hold_deletions") if isinstance(faults, dict) else None
+    return isinstance(held, list) and (name in held or f"{namespace}/{name}" in held)
 
 
 class IpPool:
@@ -76,8 +89,25 @@ class Kubelet:
         self._since: dict[str, str] = {}
         self._stopping = False
 
+    def create_fake_gpus(self) -> None:
+        """Write each simulated device's ``device.json`` (its physics) under the state dir."""
+        for node in self.nodes.values():
+            if node.real:
+                continue
+            for dev in node.device_names():
+                FakeGpu.create(fake_gpu_dir(self.state_dir, node.name, dev), node.fake_device(dev))
+
+    def deletion_held(self, namespace: str, name: str) -> bool:
+        """The kubelet fault ``hold_deletions``, read from the state dir on every check."""
+        try:
+            faults = json.loads((self.state_dir / KUBELET_FAULTS).read_text())
+        except (OSError, ValueError):
+            return False
+        return deletion_held(faults, namespace, name)
+
     async def run(self, ready: asyncio.Event | None = None) -> None:
         """Register the nodes, then heartbeat and run pods until cancelled."""
+        await asyncio.to_thread(self.create_fake_gpus)
         await self._ensure_device_class()
         for node in self.nodes.values():
             await self._register(node)
@@ -98,7 +128,7 @@ class Kubelet:
         runners = list(self.runners.values())
         for r in runners:
             r.pod["metadata"]["deletionGracePeriodSeconds"] = min(r._grace(), 3)
-            r.terminate(delete_object=False)
+            r.terminate(delete_object=False, force=True)
         await asyncio.gather(*(r.wait() for r in runners), return_exceptions=True)
         if self.delete_nodes:
             for name in self.nodes:
@@ -267,6 +297,7 @@ class Kubelet:
             state_dir=self.state_dir,
             backoff=self.backoff,
             on_done=self._done,
+            deletion_held=self.deletion_held,
         )
         self.runners[uid] = runner
         self._ips[uid] = ip

@@ -62,6 +62,31 @@ class ContainerStatus:
         return out
 
 
+MAX_MESSAGE_BYTES = 4096
+LOG_TAIL_LINES = 80
+LOG_TAIL_BYTES = 2048
+
+
+def log_tail(data: bytes, lines: int = LOG_TAIL_LINES, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last ``lines`` lines of a log, at most ``max_bytes`` (the kubelet's fallback)."""
+    kept = data.splitlines(keepends=True)[-lines:] if lines > 0 else []
+    tail = b"".join(kept)[-max_bytes:]
+    return tail.decode(errors="replace")
+
+
+def termination_message(policy: str, exit_code: int, file_text: str, log: bytes) -> str:
+    """``state.terminated.message`` as the kubelet writes it.
+
+    The termination-message file's content (at most 4096 bytes); with
+    ``FallbackToLogsOnError``, a failed container whose file is empty gets its log's tail.
+    """
+    if file_text.strip():
+        return file_text.encode()[:MAX_MESSAGE_BYTES].decode(errors="replace")
+    if policy == "FallbackToLogsOnError" and exit_code != 0:
+        return log_tail(log)
+    return ""
+
+
 def pod_phase(init_done: bool, init_failed: bool, containers: list[ContainerStatus]) -> str:
     """Pending, Running, Succeeded or Failed, following the kubelet's rules."""
     if init_failed:

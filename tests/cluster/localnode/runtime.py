@@ -26,7 +26,13 @@ from typing import Any
 from tests.cluster.kubeconfig import write_token_kubeconfig
 from tests.cluster.localnode import volumes
 from tests.cluster.localnode.api import Api, ApiError, Obj
-from tests.cluster.localnode.devices import NodeSpec, claim_devices, gpu_env, parse_visible_devices
+from tests.cluster.localnode.devices import (
+    GPU_ENV_KEYS,
+    NodeSpec,
+    claim_devices,
+    gpu_env,
+    parse_visible_devices,
+)
 from tests.cluster.localnode.events import pod_event
 from tests.cluster.localnode.expand import expand, rewrite_path
 from tests.cluster.localnode.podstatus import (
@@ -34,6 +40,7 @@ from tests.cluster.localnode.podstatus import (
     now_rfc3339,
     pod_conditions,
     pod_phase,
+    termination_message,
 )
 from tests.cluster.localnode.prober import ProbeHooks, ProbeTarget, probe_container
 from tests.cluster.procs import die_with_parent
@@ -41,8 +48,40 @@ from tests.cluster.procs import die_with_parent
 log = logging.getLogger("localnode.pod")
 
 LOG_ANNOTATION = "localnode.omnistage.io/log-"
-# what a container inherits from localnode's own environment
-INHERITED_ENV = ("HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV", "OMNISTAGE_CACHE")
+# what a container inherits from localnode's own environment (its "image")
+INHERITED_ENV = (
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "TMPDIR",
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "OMNISTAGE_CACHE",
+    "LD_LIBRARY_PATH",
+)
+# per-pod device visibility: never inherited, set from the pod's allocation
+_VISIBILITY = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+_GPU_HOST_PREFIXES = ("CUDA_", "NVIDIA_", "NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_")
+DEFAULT_TERMINATION_PATH = "/dev/termination-log"
+
+
+def runtime_env(host: dict[str, str] | os._Environ[str], real_gpus: bool) -> dict[str, str]:
+    """What a container gets from the host beside its spec's env (a runtime on a GPU host).
+
+    Always the few settings a local process needs (``INHERITED_ENV``, ``LD_LIBRARY_PATH``
+    among them); with real GPUs also the host's ``CUDA_*`` and ``NVIDIA_*`` driver settings
+    and its ``NCCL_*``/``NVSHMEM_*``/``TORCH_SYMM_MEM_*`` safety switches (a GPU host may
+    require NVLink multicast off in every program), except device visibility, which comes
+    from the pod's allocation only.
+    """
+    env = {k: host[k] for k in INHERITED_ENV if k in host}
+    if real_gpus:
+        env.update(
+            (k, v)
+            for k, v in host.items()
+            if k.startswith(_GPU_HOST_PREFIXES) and k not in _VISIBILITY
+        )
+    return env
 
 
 class ConfigError(RuntimeError):
@@ -77,6 +116,7 @@ class PodRunner:
         state_dir: Path,
         backoff: Backoff,
         on_done: Callable[[PodRunner, bool], None],
+        deletion_held: Callable[[str, str], bool] = lambda ns, name: False,
     ):
         self.api = api
         self.pod = pod
@@ -85,6 +125,9 @@ class PodRunner:
         self.state_dir = state_dir
         self.backoff = backoff
         self._on_done = on_done
+        self._deletion_held = deletion_held
+        self._hold: asyncio.Task[None] | None = None
+        self._held_delete_object = True
         meta = pod["metadata"]
         self.uid: str = meta["uid"]
         self.ns: str = meta["namespace"]
@@ -126,9 +169,27 @@ class PodRunner:
         if pod["metadata"].get("deletionTimestamp"):
             self.terminate(delete_object=True)
 
-    def terminate(self, delete_object: bool) -> None:
-        """Begin termination (idempotent); delete the object afterwards if asked."""
+    def terminate(self, delete_object: bool, *, force: bool = False) -> None:
+        """Begin termination (idempotent); delete the object afterwards if asked.
+
+        While the kubelet fault ``hold_deletions`` names this pod (and not ``force``), nothing
+        happens: the process keeps running and the object stays Terminating until released.
+        """
+        if not force and self._deletion_held(self.ns, self.name):
+            self._held_delete_object = self._held_delete_object and delete_object
+            if self._hold is None:
+                log.info("pod %s: deletion held (kubelet fault): it keeps running", self.label)
+                self._hold = asyncio.create_task(self._release_when_unheld())
+            return
         self.delete_object = self.delete_object and delete_object
+        self.terminating.set()
+
+    async def _release_when_unheld(self) -> None:
+        # the switch is a file the test process writes: poll it
+        while self._deletion_held(self.ns, self.name) and not self.terminating.is_set():  # noqa: ASYNC110
+            await asyncio.sleep(0.2)
+        log.info("pod %s: deletion released", self.label)
+        self.delete_object = self.delete_object and self._held_delete_object
         self.terminating.set()
 
     async def wait(self) -> None:
@@ -336,8 +397,16 @@ class PodRunner:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.backoff.maximum)
 
+    def _termination_file(self, spec: Obj) -> Path:
+        return self.dir / f"{spec['name']}.termination-log"
+
     async def _configure(self, spec: Obj) -> tuple[list[str], dict[str, str], Path]:
         mounts = volumes.mount_map(spec, self._volume_dirs)
+        # the termination-message file, as the kubelet mounts it (a fresh empty file per run)
+        msg_path = spec.get("terminationMessagePath") or DEFAULT_TERMINATION_PATH
+        msg_file = self._termination_file(spec)
+        msg_file.write_bytes(b"")
+        mounts.setdefault(msg_path, str(msg_file))
         env = await self._env(spec, mounts)
         command = list(spec.get("command") or [])
         if not command:
@@ -359,7 +428,7 @@ class PodRunner:
         return argv, env, cwd
 
     async def _env(self, spec: Obj, mounts: dict[str, str]) -> dict[str, str]:
-        base = {k: os.environ[k] for k in INHERITED_ENV if k in os.environ}
+        base = runtime_env(os.environ, self.node.real)
         base["PATH"] = search_path()
         base["HOSTNAME"] = self.name
         env: dict[str, str] = {}
@@ -379,15 +448,11 @@ class PodRunner:
         if self._sa_kubeconfig is not None and "KUBECONFIG" not in env:
             full["KUBECONFIG"] = str(self._sa_kubeconfig)
         if devices:
-            genv = gpu_env(self.node, devices, self.state_dir)
-            await asyncio.to_thread(os.makedirs, genv["OMNISTAGE_MEMORY_LEDGER"], exist_ok=True)
-            full.update(genv)
+            full.update(gpu_env(self.node, devices, self.state_dir))
+        elif self.node.real:
+            full["CUDA_VISIBLE_DEVICES"] = ""  # no device allocated: no GPU in this container
         else:
-            for key in (
-                "NVIDIA_VISIBLE_DEVICES",
-                "OMNISTAGE_MEMORY_CAPACITY",
-                "OMNISTAGE_MEMORY_LEDGER",
-            ):
+            for key in GPU_ENV_KEYS:
                 if key not in env:
                     full.pop(key, None)
         return full
@@ -473,6 +538,7 @@ class PodRunner:
                 f"--- localnode: starting {name} (restart {st.restart_count}): {argv}\n".encode()
             )
             fh.flush()
+            log_start = fh.tell()
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *die_with_parent(argv),
@@ -526,17 +592,33 @@ class PodRunner:
         reason = "Completed" if code == 0 else "Error"
         if code < 0:
             code = 128 - code  # killed by signal N: 128+N as the runtime reports it
-        st.state = {
-            "terminated": {
-                "exitCode": code,
-                "reason": reason,
-                "startedAt": started_at,
-                "finishedAt": now_rfc3339(),
-                "containerID": f"localnode://{proc.pid}",
-            }
+        message = await asyncio.to_thread(self._termination_message, spec, code, log_start)
+        terminated: Obj = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": started_at,
+            "finishedAt": now_rfc3339(),
+            "containerID": f"localnode://{proc.pid}",
         }
+        if message:
+            terminated["message"] = message
+        st.state = {"terminated": terminated}
         self._mark()
-        return code, reason, ""
+        return code, reason, message
+
+    def _termination_message(self, spec: Obj, code: int, log_start: int) -> str:
+        """The container's termination message (file, or log tail per its policy)."""
+        try:
+            text = self._termination_file(spec).read_bytes().decode(errors="replace")
+        except OSError:
+            text = ""
+        log_bytes = b""
+        with contextlib.suppress(OSError), self._log_path(spec["name"]).open("rb") as fh:
+            end = fh.seek(0, os.SEEK_END)
+            fh.seek(max(log_start, end - 65536))  # the tail is at most 2048 bytes
+            log_bytes = fh.read()
+        policy = spec.get("terminationMessagePolicy") or "File"
+        return termination_message(policy, code, text, log_bytes)
 
     async def _kill(
         self, proc: asyncio.subprocess.Process, spec: Obj, why: str, grace: float | None = None

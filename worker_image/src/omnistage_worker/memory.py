@@ -4,15 +4,20 @@ A probe's :meth:`MemoryProbe.read` is taken before and after every transition; n
 trusts a return code. On CPU the "device" is a fake one: its capacity comes from
 ``--memory-capacity`` and, with ``--memory-ledger``, every worker on the same fake device
 publishes its own used bytes to ``<ledger>/<pid>`` so free = capacity - sum over live workers.
+
+:func:`build_probe` picks the probe: ``OMNISTAGE_MEMORY_PROBE=module:factory`` (a test seam: the
+test harness's simulated GPU, ``tests.fakegpu.probe:from_env``, is plugged in this way and
+``factory(config)`` builds it), else NVML on CUDA, else CPU accounting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +25,7 @@ from typing import Any, Protocol
 import psutil
 
 from omnistage.worker.v1 import types_pb2
+from omnistage_worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +63,56 @@ class Reading:
 
 
 class MemoryProbe(Protocol):
-    """Something that measures the worker's device memory."""
+    """Something that measures the worker's device memory.
+
+    The worker calls :meth:`touch` once before any weight loads (so the context is measured
+    alone: the residual baseline), brackets every Generate with :meth:`serving`, and calls
+    :meth:`release_cached` right after a sleep, before the measurement that goes into its Ack.
+    """
 
     source: types_pb2.MemorySource.ValueType
+
+    def touch(self) -> None:
+        """Create this process's device context (CUDA: what a first tensor does)."""
+        ...
+
+    def serving(self) -> contextlib.AbstractContextManager[None]:
+        """Bracket one Generate (a real GPU needs nothing; a simulated one charges activations)."""
+        ...
+
+    def release_cached(self) -> None:
+        """Give cached device blocks back to the driver (after a sleep)."""
+        ...
 
     def read(self) -> Reading: ...
 
     def close(self) -> None: ...
+
+
+PROBE_ENV = "OMNISTAGE_MEMORY_PROBE"
+
+
+def build_probe(config: WorkerConfig, env: dict[str, str] | None = None) -> MemoryProbe:
+    """The probe for ``config``: ``$OMNISTAGE_MEMORY_PROBE``'s factory, NVML on CUDA, else CPU.
+
+    ``OMNISTAGE_MEMORY_PROBE=package.module:factory`` imports the module and returns
+    ``factory(config)``: a documented seam for simulated devices in tests (it wins over the
+    device flag, and the factory refuses a configuration it cannot simulate).
+    """
+    environ = os.environ if env is None else env
+    seam = environ.get(PROBE_ENV, "").strip()
+    if seam:
+        module_name, sep, attr = seam.partition(":")
+        if not sep or not module_name or not attr:
+            raise ValueError(f"{PROBE_ENV}={seam!r}: expected 'package.module:factory'")
+        factory = getattr(importlib.import_module(module_name), attr)
+        probe: MemoryProbe = factory(config)
+        log.info("memory probe from %s=%s: %s", PROBE_ENV, seam, type(probe).__name__)
+        return probe
+    if config.device.is_cuda:
+        return NvmlProbe(config.device.index, include_children=config.backend == "vllm")
+    ledger = Ledger(config.memory_ledger) if config.memory_ledger is not None else None
+    return AccountingProbe(lambda: 0, config.memory_capacity, ledger)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +193,17 @@ class AccountingProbe:
     def set_used_fn(self, used_fn: Callable[[], int]) -> None:
         """Point the probe at the accounting of a newly built engine."""
         self._used_fn = used_fn
+
+    def touch(self) -> None:
+        """Host memory needs no context."""
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Tensor accounting counts the weights only."""
+        yield
+
+    def release_cached(self) -> None:
+        """Nothing is cached outside the accounted tensors."""
 
     def read(self) -> Reading:
         used = self._used_fn()
@@ -247,6 +307,23 @@ class NvmlProbe:
                 return handle
         raise ValueError(f"no NVML device has a UUID starting with {ident!r}")
 
+    def touch(self) -> None:
+        """Create the CUDA context, then make sure NVML lists this process under a known pid."""
+        create_cuda_context(self.torch_index)
+        self.resolve_pid(cuda_allocator(self.torch_index))
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """NVML sees what a request takes by itself."""
+        yield
+
+    def release_cached(self) -> None:
+        """Return the caching allocator's free blocks to the driver (NVML then sees them free)."""
+        import torch
+
+        torch.cuda.synchronize(self.torch_index)
+        torch.cuda.empty_cache()
+
     def processes(self) -> dict[int, int]:
         """NVML's compute processes on the device: pid -> used bytes."""
         procs: Iterable[Any] = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
@@ -310,6 +387,37 @@ class NvmlProbe:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._nvml.nvmlShutdown()
+
+
+def cuda_allocator(index: int) -> Callable[[int], Callable[[], None]]:
+    """``allocate(n)``: take n bytes on the device (outside the caching allocator's pool)."""
+    import torch
+
+    def allocate(nbytes: int) -> Callable[[], None]:
+        block = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+        block.fill_(1)
+        torch.cuda.synchronize(index)
+
+        def release() -> None:
+            nonlocal block
+            del block
+            torch.cuda.synchronize(index)
+            torch.cuda.empty_cache()
+
+        return release
+
+    return allocate
+
+
+def create_cuda_context(index: int) -> None:
+    """Create the CUDA context before any weight loads, so NVML can measure it alone."""
+    import torch
+
+    torch.cuda.set_device(index)
+    probe = torch.zeros(1, device=f"cuda:{index}")
+    del probe
+    torch.cuda.synchronize(index)
+    torch.cuda.empty_cache()
 
 
 def _torch_uuid(torch_index: int) -> str | None:

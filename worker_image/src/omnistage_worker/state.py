@@ -12,6 +12,7 @@ Rules carried out here (decisions come from :mod:`omnistage_worker.transitions`)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -26,7 +27,13 @@ from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_
 from omnistage_worker.acks import AckCache, Outcome, TaskIdConflict, build_ack, replayed
 from omnistage_worker.acks import identity_proto as _identity_proto
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.memory import AccountingProbe, Ledger, MemoryProbe, NvmlProbe, Reading
+from omnistage_worker.memory import (
+    AccountingProbe,
+    MemoryProbe,
+    Reading,
+    build_probe,
+    cuda_allocator,
+)
 from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController, Stats
 from omnistage_worker.transitions import (
     Current,
@@ -39,6 +46,7 @@ from omnistage_worker.transitions import (
 )
 
 log = logging.getLogger(__name__)
+_cuda_allocator = cuda_allocator  # moved to memory; tests/worker/gpu_smoke.py imports it here
 
 SLEEP = types_pb2.OPERATION_SLEEP
 WAKE = types_pb2.OPERATION_WAKE_UP
@@ -210,17 +218,10 @@ class Worker:
     def _load_blocking(self) -> None:
         config = self.config
         started = time.monotonic()
-        if config.device.is_cuda:
-            _create_cuda_context(config.device.index)
-            self.probe = NvmlProbe(config.device.index, include_children=config.backend == "vllm")
-            self.baseline = self.probe.read().used
-            log.info(
-                "CUDA context measured by NVML: %d bytes (the residual baseline)", self.baseline
-            )
-        else:
-            ledger = Ledger(config.memory_ledger) if config.memory_ledger is not None else None
-            self.probe = AccountingProbe(lambda: 0, config.memory_capacity, ledger)
-            self.probe.read()
+        self.probe = build_probe(config)
+        self.probe.touch()
+        self.baseline = self.probe.read().used
+        log.info("device context measured: %d bytes (the residual baseline)", self.baseline)
         log.info("loading model from %s", config.model)
         self.runner.load()
         level2_start = config.initial_state == "asleep" and config.sleep_level == 2
@@ -336,6 +337,8 @@ class Worker:
             controller = self._require_controller()
             try:
                 stats: Stats = await self._transition_lane.run(lambda: controller.sleep(level))
+                if self.probe is not None:
+                    await self._transition_lane.run(self.probe.release_cached)
             except Exception as exc:
                 log.exception("sleep failed")
                 await self._fail(f"sleep to level {level} failed: {exc}")
@@ -484,9 +487,16 @@ class Worker:
         self._inflight += 1
         self._idle.clear()
 
+        probe = self.probe
+
+        def serve() -> inference_service_pb2.GenerateResponse:
+            # on the lane's thread: a simulated device charges the request's activations
+            with probe.serving() if probe is not None else contextlib.nullcontext():
+                return self.runner.generate(request)
+
         async def run() -> inference_service_pb2.GenerateResponse:
             try:
-                return await self._generate_lane.run(lambda: self.runner.generate(request))
+                return await self._generate_lane.run(serve)
             finally:
                 self._inflight -= 1
                 if self._inflight == 0:
@@ -548,34 +558,3 @@ class Worker:
             self.probe.close()
         self._transition_lane.close()
         self._generate_lane.close()
-
-
-def _cuda_allocator(index: int) -> Callable[[int], Callable[[], None]]:
-    """``allocate(n)``: take n bytes on the device (outside the caching allocator's pool)."""
-    import torch
-
-    def allocate(nbytes: int) -> Callable[[], None]:
-        block = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{index}")
-        block.fill_(1)
-        torch.cuda.synchronize(index)
-
-        def release() -> None:
-            nonlocal block
-            del block
-            torch.cuda.synchronize(index)
-            torch.cuda.empty_cache()
-
-        return release
-
-    return allocate
-
-
-def _create_cuda_context(index: int) -> None:
-    """Create the CUDA context before any weight loads, so NVML can measure it alone."""
-    import torch
-
-    torch.cuda.set_device(index)
-    probe = torch.zeros(1, device=f"cuda:{index}")
-    del probe
-    torch.cuda.synchronize(index)
-    torch.cuda.empty_cache()

@@ -1,0 +1,126 @@
+"""The worker's view of a simulated GPU: a :class:`MemoryProbe` plugged in through the seam.
+
+``OMNISTAGE_MEMORY_PROBE=tests.fakegpu.probe:from_env`` and ``OMNISTAGE_FAKE_GPU=<device dir>``
+make a ``--device cpu`` worker measure a simulated GPU: its weights are the engine's device
+bytes (tensor accounting, as on CPU), and the device adds what a real GPU adds (driver reserve,
+context, activations while serving, faults). The figures' source stays ``accounting``: they
+are computed, not read from NVML, and the worker refuses a wake that would not fit ahead of
+time (``not enough free device memory``), where a real GPU would raise an OOM during it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+
+from omnistage.worker.v1 import types_pb2
+from omnistage_worker.config import WorkerConfig
+from omnistage_worker.memory import AccountingProbe, DeviceReading, Reading
+from tests.fakegpu import model
+from tests.fakegpu.device import FakeGpu
+
+ENV = "OMNISTAGE_FAKE_GPU"
+
+
+class FakeGpuProbe(AccountingProbe):
+    """This process on a simulated GPU (an AccountingProbe, so the worker feeds it its engine)."""
+
+    source = types_pb2.MEMORY_SOURCE_ACCOUNTING
+
+    def __init__(
+        self, gpu: FakeGpu, used_fn: Callable[[], int] = lambda: 0, pid: int | None = None
+    ) -> None:
+        self.gpu = gpu
+        self.device = gpu.device()
+        super().__init__(used_fn, capacity=self.device.total)
+        self.pid = os.getpid() if pid is None else pid
+        self._me = model.Proc(self.pid, psutil.Process(self.pid).create_time())
+        self._lock = threading.Lock()
+
+    @property
+    def record(self) -> model.Proc:
+        """What the device charges this process now."""
+        return self._me
+
+    def _others(self) -> list[model.Proc]:
+        return [p for pid, p in self.gpu.live().items() if pid != self.pid]
+
+    def _commit(self, me: model.Proc) -> None:
+        if me != self._me:
+            self.gpu.publish(me)
+        self._me = me
+
+    def _sync_weights(self) -> None:
+        """Charge the engine's current device bytes (reading them at this instant)."""
+        weights = self._used_fn()
+        if weights != self._me.weights:
+            self._commit(model.with_weights(self._me, weights))
+
+    def touch(self) -> None:
+        """Create the context: charged at once, visible to every process's ``free``."""
+        with self._lock, self.gpu.locked():
+            me = model.touch(self.device, self._me, self._others())
+            self.gpu.publish(me)
+            self._me = me
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """One request: its activations while it runs, then kept in the pool until a sleep."""
+        faults = self.gpu.faults(self.pid)
+        with self._lock, self.gpu.locked():
+            self._sync_weights()
+            me, taken = model.serve_begin(self.device, self._me, self._others())
+            self._commit(me)
+        try:
+            if faults.slow_serving_s > 0:
+                time.sleep(faults.slow_serving_s)
+            yield
+        finally:
+            with self._lock:
+                self._commit(model.serve_end(self._me, taken))
+
+    def release_cached(self) -> None:
+        """After a sleep: the pool goes back, but a ``leak_on_sleep`` fault keeps its bytes."""
+        faults = self.gpu.faults(self.pid)
+        with self._lock:
+            before = self._me.weights
+            self._sync_weights()
+            freed = before - self._me.weights
+            self._commit(model.release_cached(self._me, faults, freed))
+
+    def read(self) -> Reading:
+        with self._lock:
+            self._sync_weights()
+            me = self._me
+        procs = [me, *self._others()]
+        device = DeviceReading(
+            device=f"cuda:{self.device.index}",
+            index=self.device.index,
+            uuid=self.device.uuid,
+            used=me.used,
+            free=model.free(self.device, procs),
+            total=self.device.total,
+        )
+        return Reading((device,), self.source)
+
+    def close(self) -> None:
+        """The process leaves the device (its exit frees everything, as a driver does)."""
+        self.gpu.withdraw(self.pid)
+
+
+def from_env(config: WorkerConfig) -> FakeGpuProbe:
+    """The seam's factory: the simulated GPU named by ``$OMNISTAGE_FAKE_GPU``."""
+    directory = os.environ.get(ENV, "")
+    if not directory:
+        raise ValueError(f"{ENV} is not set: it names the simulated GPU's directory")
+    if config.device.is_cuda:
+        raise ValueError(f"{ENV}: a simulated GPU is for --device cpu workers")
+    if config.memory_capacity is not None or config.memory_ledger is not None:
+        raise ValueError(f"{ENV}: --memory-capacity/--memory-ledger describe another fake device")
+    return FakeGpuProbe(FakeGpu(Path(directory)))
