@@ -15,12 +15,11 @@ What it does, in one process tree:
 3. measures the copy limits (pinned H2D/D2H, the CUDA context) in a fresh process;
 4. starts an NVML sampler (its own process, ``--period`` seconds, default 5 ms): every process's
    used memory (``nvmlDeviceGetComputeRunningProcesses``) and the device's free memory;
-5. starts the real control plane (``tests/cluster/controlplane.py`` with the unpacked binaries),
-   localnode in real-GPU mode (``--real-gpus`` when localnode has it; else this file's own
-   shim, ``bench/gpu_localnode.py``, which maps localnode's ``gpu-<i>`` to NVML's device i by
-   UUID in ``CUDA_VISIBLE_DEVICES`` and keeps the fake-GPU variables out of the pods), the
-   operator (``python -m omnistage_operator.cli``), and a ballast process that leaves ``room``
-   bytes free: one stage fits, both do not;
+5. starts the real control plane (``tests/cluster/controlplane.py`` with the unpacked binaries;
+   without the controller-manager unless the bundle has it), localnode in real-GPU mode (its
+   ResourceSlice from NVML, each pod given its allocated device by UUID in
+   ``CUDA_VISIBLE_DEVICES``), the operator (``python -m omnistage_operator.cli``), and a
+   ballast process that leaves ``room`` bytes free: one stage fits, both do not;
 6. applies the two stages, NEITHER with ``vram.request`` (``llm`` Active, ``sd`` Asleep), then
    hands the GPU over ``--switches`` times by ``kubectl patch`` of ``sd``'s ``spec.state``
    (Active, then Asleep: ``llm`` still wants Active and gets it back), timing each from just
@@ -34,7 +33,8 @@ What it does, in one process tree:
 
 ``--check-only`` stops after the mechanics (bundle, wheels, imports, NVML, control plane,
 localnode, operator liveness): a call of a minute or two. ``--tiny`` runs the same flow on this
-machine without a GPU (tiny models on CPU, localnode's fake GPU, no sampler), to test the script.
+machine without a GPU (tiny models on CPU, localnode's simulated GPU, no sampler), to test the
+script.
 """
 
 from __future__ import annotations
@@ -428,25 +428,15 @@ def run_child(args: list[str], timeout: float = 900) -> Json:
 # ---- 5. cluster ------------------------------------------------------------------------------
 
 
-def localnode_has_real_gpus() -> bool:
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.cluster.localnode", "--help"],
-        capture_output=True, text=True, check=False, cwd=ROOT,
-    ).stdout  # fmt: skip
-    return "--real-gpus" in out
-
-
 def start_localnode(kubeconfig: Path, gpus: int, gpu_memory: int, real: bool, state: Path) -> Any:
+    """localnode for one node: the host's GPUs from NVML (``--real-gpus``), else simulated."""
     from tests.cluster.localnode import LocalNodes
 
-    extra = ["--real-gpus"] if real and localnode_has_real_gpus() else []
     nodes = LocalNodes(
         kubeconfig, nodes=1, gpus=gpus, gpu_memory=gpu_memory, name_prefix="gpu-host-",
-        state_dir=state, extra_args=extra,
+        state_dir=state, real_gpus=real,
     )  # fmt: skip
-    if real and not extra:
-        nodes._argv[2] = "bench.gpu_localnode"  # the shim: same localnode, real device env
-    nodes.mode = "localnode --real-gpus" if extra else ("bench.gpu_localnode" if real else "fake")
+    nodes.mode = "localnode --real-gpus" if real else "localnode, simulated GPU"
     return nodes
 
 
