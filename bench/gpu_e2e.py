@@ -443,7 +443,9 @@ def start_localnode(kubeconfig: Path, gpus: int, gpu_memory: int, real: bool, st
 class Operator:
     """``python -m omnistage_operator.cli`` with the admin kubeconfig."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, work: Path) -> None:
+    def __init__(
+        self, kubeconfig: Path, namespace: str, work: Path, extra: tuple[str, ...] = ()
+    ) -> None:
         from tests.cluster.procs import free_port
 
         token = work / "token"
@@ -454,7 +456,7 @@ class Operator:
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, "-m", "omnistage_operator.cli", "--namespace", namespace,
                 "--worker-token-file", str(token), "--metrics-port", str(self.metrics),
-                "--liveness-port", str(self.liveness)]  # fmt: skip
+                "--liveness-port", str(self.liveness), *extra]  # fmt: skip
         with self.log.open("ab") as fh:
             self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
@@ -725,7 +727,9 @@ def cluster_run(
             out["localnode_mode"] = nodes.mode
             with nodes:
                 node = nodes.node_names[0]
-                op = Operator(cp.kubeconfig, ns, work)
+                # tiny stages on a device of a few hundred KiB: the e2e tests' 16 KiB margin
+                extra = ("--wake-margin-bytes", "16384") if args.tiny else ()
+                op = Operator(cp.kubeconfig, ns, work, extra)
                 try:
                     op.wait_healthy()
                     if not args.tiny:
