@@ -52,7 +52,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -114,7 +114,7 @@ def has_symbols(path: Path) -> bool:
     data = path.read_bytes()
     if data[:4] != b"\x7fELF" or data[4] != 2:
         return False
-    order = "little" if data[5] == 1 else "big"
+    order: Literal["little", "big"] = "little" if data[5] == 1 else "big"
 
     def num(off: int, size: int) -> int:
         return int.from_bytes(data[off : off + size], order)

@@ -265,7 +265,6 @@ def build_sd3(directory: Path, dev: Any, tiny: bool) -> None:
     """A Stable-Diffusion-3-style pipeline: CLIP-L and CLIP-G-sized text encoders, a two-layer
     T5 encoder of width 4096 with a word-level tokenizer, an MMDiT transformer (30 blocks of
     width 2304, about 10.7 GiB in bf16) and a 16-channel VAE: about 13 GiB in all."""
-    import diffusers
     import torch
     from transformers import (
         CLIPTextConfig,
@@ -276,6 +275,8 @@ def build_sd3(directory: Path, dev: Any, tiny: bool) -> None:
     )
 
     from tests.worker.tiny_models import build_causal_lm, write_clip_tokenizer
+
+    diffusers: Any = importlib.import_module("diffusers")  # untyped upstream
 
     torch.manual_seed(0)
     tok_src = directory.parent / "sd-tokenizer-src"
@@ -288,7 +289,7 @@ def build_sd3(directory: Path, dev: Any, tiny: bool) -> None:
     t5_tokenizer = AutoTokenizer.from_pretrained(str(t5_src))
     if tiny:
         dims = [(16, 2, 2), (24, 2, 2)]  # hidden, layers, heads of each text encoder
-        t5 = {"d_model": 64, "d_ff": 128, "num_layers": 1, "num_heads": 2, "d_kv": 32}
+        t5: Json = {"d_model": 64, "d_ff": 128, "num_layers": 1, "num_heads": 2, "d_kv": 32}
         mmdit: Json = {
             "num_layers": 2,
             "attention_head_dim": 8,
@@ -428,7 +429,9 @@ def run_child(args: list[str], timeout: float = 900) -> Json:
 # ---- 5. cluster ------------------------------------------------------------------------------
 
 
-def start_localnode(kubeconfig: Path, gpus: int, gpu_memory: int, real: bool, state: Path) -> Any:
+def start_localnode(
+    kubeconfig: Path, gpus: int, gpu_memory: int, real: bool, state: Path
+) -> tuple[Any, str]:
     """localnode for one node: the host's GPUs from NVML (``--real-gpus``), else simulated."""
     from tests.cluster.localnode import LocalNodes
 
@@ -436,8 +439,7 @@ def start_localnode(kubeconfig: Path, gpus: int, gpu_memory: int, real: bool, st
         kubeconfig, nodes=1, gpus=gpus, gpu_memory=gpu_memory, name_prefix="gpu-host-",
         state_dir=state, real_gpus=real,
     )  # fmt: skip
-    nodes.mode = "localnode --real-gpus" if real else "localnode, simulated GPU"
-    return nodes
+    return nodes, "localnode --real-gpus" if real else "localnode, simulated GPU"
 
 
 class Operator:
@@ -676,10 +678,10 @@ def check_cluster(binaries: Any, work: Path, devices: list[Json], args: argparse
         cp.kubectl("apply", "--server-side", "-f", str(crd))
         cp.kubectl("wait", "--for=condition=Established", "crd/omnistages.omnistage.io")
         ns = cp.create_namespace("gpu")
-        nodes = start_localnode(cp.kubeconfig, max(1, len(devices)),
+        nodes, mode = start_localnode(cp.kubeconfig, max(1, len(devices)),
                                 devices[0]["total_bytes"] if devices else 80 * GiB,
                                 not args.tiny, work / "localnode")  # fmt: skip
-        out["localnode_mode"] = nodes.mode
+        out["localnode_mode"] = mode
         with nodes:
             out["localnode_start_s"] = round(nodes.timings["start"], 2)
             slices = cp.get_json("resourceslices")
@@ -722,9 +724,9 @@ def cluster_run(
             else:  # the fake device: one tiny stage fits, both do not
                 sizes = sorted((models["llm_weight_bytes"], models["sd_weight_bytes"]))
                 gpu_memory = sizes[1] + sizes[0] // 2
-            nodes = start_localnode(cp.kubeconfig, max(1, len(devices)), gpu_memory,
+            nodes, mode = start_localnode(cp.kubeconfig, max(1, len(devices)), gpu_memory,
                                     not args.tiny, work / "localnode")  # fmt: skip
-            out["localnode_mode"] = nodes.mode
+            out["localnode_mode"] = mode
             with nodes:
                 node = nodes.node_names[0]
                 # tiny stages on a device of a few hundred KiB: the e2e tests' 16 KiB margin
@@ -861,17 +863,19 @@ def summarize(
     stages = {"llm": str(args.work / "models" / "llm"), "sd": str(args.work / "models" / "sd")}
     pids = {s: {pid for pid, cmd in cmdlines.items() if f"{path} " in cmd + " "}
             for s, path in stages.items()}  # fmt: skip
-    periods = sampler_periods(samples)
+    # the hand-overs: from the first patch to the last switch's Active (+1 s)
+    window = (
+        (runs[0]["wall_start"], runs[-1]["wall_start"] + runs[-1]["total_s"] + 1.0)
+        if runs
+        else (0.0, 0.0)
+    )
+    during = [x for x in samples if window[0] <= x.t <= window[1]]
     out["sampler"] = {
         "samples": len(samples),
         "target_period_ms": args.period * 1000,
-        "period_ms": {
-            "p50": round(percentile(periods, 0.5) * 1000, 2),
-            "p99": round(percentile(periods, 0.99) * 1000, 2),
-            "max": round(max(periods) * 1000, 2),
-        }
-        if periods
-        else {},
+        "period_ms": _period_ms(sampler_periods(samples)),
+        "samples_during_handovers": len(during),
+        "period_ms_during_handovers": _period_ms(sampler_periods(during)),
         "pids": {s: sorted(p) for s, p in pids.items()},
     }
     peak = peak_together(samples, [pids["llm"], pids["sd"]])
@@ -889,8 +893,31 @@ def summarize(
     return out
 
 
+def resummarize(report_path: Path, samples: Path, work: Path) -> int:
+    """Recompute a report's summary from its runs and the sampler's file (``resummarize
+    REPORT SAMPLES WORK``, WORK as on the host: the stages' model paths name their pids)."""
+    report = json.loads(report_path.read_text())
+    args = argparse.Namespace(work=work, period=report["sampler"]["target_period_ms"] / 1000)
+    report.update(summarize(report["runs"], samples, report.get("room"), args))
+    report["resummarized"] = datetime.now(UTC).isoformat(timespec="seconds")
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _period_ms(periods: list[float]) -> Json:
+    if not periods:
+        return {}
+    return {
+        "p50": round(percentile(periods, 0.5) * 1000, 2),
+        "p99": round(percentile(periods, 0.99) * 1000, 2),
+        "max": round(max(periods) * 1000, 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "resummarize":
+        return resummarize(Path(argv[1]), Path(argv[2]), Path(argv[3]))
     if argv and argv[0] in ("build-models", "limits", "ballast", "sampler"):
         return child_main(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
