@@ -69,9 +69,17 @@ class ControlPlane:
     """Context manager running a local control plane; see the module docstring."""
 
     def __init__(
-        self, workdir: Path | None = None, binaries: Binaries | None = None, build: bool = False
+        self,
+        workdir: Path | None = None,
+        binaries: Binaries | None = None,
+        build: bool = False,
+        controller_manager: bool = True,
     ):
+        """``controller_manager=False``: no kube-controller-manager (the GPU host's bundle may
+        leave it out); ``create_namespace`` then creates the ``default`` ServiceAccount itself,
+        and nothing garbage-collects, publishes ``kube-root-ca.crt`` or tidies claims."""
         self.binaries = binaries or (ensure_binaries() if build else find_binaries())
+        self.controller_manager = controller_manager
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="omnistage-cp-"))
         self.kubeconfig = self.workdir / "admin.kubeconfig"
@@ -142,21 +150,9 @@ class ControlPlane:
             "kube-scheduler",
             [str(self.binaries.scheduler), *common, f"--secure-port={sched_port}"],
         )
-        kcm = self._spawn(
-            "kube-controller-manager",
-            [
-                str(self.binaries.controller_manager),
-                *common,
-                f"--secure-port={kcm_port}",
-                f"--service-account-private-key-file={pki.sa_key}",
-                f"--root-ca-file={pki.ca_cert}",
-                f"--cluster-signing-cert-file={pki.ca_cert}",
-                f"--cluster-signing-key-file={pki.ca_key}",
-                "--use-service-account-credentials=false",
-                "--controllers=*",
-                "--concurrent-gc-syncs=5",
-            ],
-        )
+        kcm = None
+        if self.controller_manager:
+            kcm = self._spawn_controller_manager(common, kcm_port, pki)
         wait_for(
             "kube-apiserver /readyz",
             lambda: self._api_ok("/readyz"),
@@ -168,6 +164,8 @@ class ControlPlane:
             ("kube-scheduler", sched_port, scheduler),
             ("kube-controller-manager", kcm_port, kcm),
         ):
+            if proc is None:
+                continue
             wait_for(
                 f"{name} /healthz",
                 functools.partial(_http_ok, f"https://127.0.0.1:{port}/healthz", verify=False),
@@ -175,6 +173,23 @@ class ControlPlane:
                 interval=0.2,
                 alive=proc.died,
             )
+
+    def _spawn_controller_manager(self, common: list[str], port: int, pki: Pki) -> ManagedProcess:
+        return self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.binaries.controller_manager),
+                *common,
+                f"--secure-port={port}",
+                f"--service-account-private-key-file={pki.sa_key}",
+                f"--root-ca-file={pki.ca_cert}",
+                f"--cluster-signing-cert-file={pki.ca_cert}",
+                f"--cluster-signing-key-file={pki.ca_key}",
+                "--use-service-account-credentials=false",
+                "--controllers=*",
+                "--concurrent-gc-syncs=5",
+            ],
+        )
 
     def _apiserver_args(self, pki: Pki, etcd_url: str) -> list[str]:
         return [
@@ -293,6 +308,8 @@ class ControlPlane:
         """Create ``<prefix>-<random>`` and wait until its ``default`` ServiceAccount exists."""
         name = f"{prefix}-{secrets.token_hex(3)}"
         self.kubectl("create", "namespace", name)
+        if not self.controller_manager:  # its service-account controller would create it
+            self.kubectl("create", "serviceaccount", "default", "-n", name)
         wait_for(
             f"ServiceAccount default in namespace {name}",
             lambda: (

@@ -166,3 +166,14 @@ def test_helm_install_upgrade_uninstall(
     control_plane.helm("uninstall", "rel", "-n", namespace, "--wait")
     gone = control_plane.kubectl("get", "configmap", "rel-cm", "-n", namespace, check=False)
     assert gone.returncode != 0
+
+
+def test_without_controller_manager_namespaces_still_get_their_service_account() -> None:
+    """The GPU host's bundle leaves the controller-manager out (bench/gpu_bundle.py)."""
+    with ControlPlane(controller_manager=False) as cp:
+        assert not cp.logs("kube-controller-manager").exists()
+        ns = cp.create_namespace("nokcm")
+        cp.kubectl("get", "serviceaccount", "default", "-n", ns)
+        # with no service-account controller, nothing else creates it: the pod is admitted
+        cp.kubectl("run", "p", "-n", ns, "--image=x", "--restart=Never")
+        assert cp.get_json("pod", "p", namespace=ns)["spec"]["serviceAccountName"] == "default"
