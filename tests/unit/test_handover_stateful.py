@@ -23,7 +23,7 @@ Invariants:
   not before the sleep ACKs were published;
 - across rounds: no WakeUp is ever sent while any other stage of the group may still hold memory
   beyond its context (Failed with a residual, a lying ACK, a pending fence, hung, a stage that
-  must sleep) unless it is an honest, reachable co-tenant that wants Active;
+  must sleep) unless it is an honest co-tenant that wants Active (admitted beside it);
 - a wake whose footprint the operator knew is never refused for lack of memory;
 - the device never holds more than its total;
 - after faults stop, no stage outside the admitted set holds memory, admitted stages are Active
@@ -287,12 +287,12 @@ class SimPort:
             assert ("checkpoint", "") in self.calls, "wake before the sleep ACKs were published"
         for name, other in w.workers.items():
             # A co-tenant may hold memory only while it wants Active (it may be admitted beside
-            # this stage), answers, told no lie, is not being fenced and has not failed; one
-            # that must release memory is covered by the round's ACK check above.
+            # this stage: its share is counted, even while it does not answer), told no lie, is
+            # not being fenced and has not failed; one that must release memory is covered by
+            # the round's ACK check above (and a hung one that must, by its fence).
             honest_tenant = (
                 w.intents[name].want_active
                 and other.state is not WorkerPhase.FAILED
-                and other.responsive
                 and not other.lied
                 and not w.fence_pending.get(name, False)
             )
@@ -520,6 +520,11 @@ class HandoverMachine(RuleBasedStateMachine):
         # Each round may learn a need (a refused wake) that lets the next stage in: converge
         # until a round moves nothing (bounded).
         for _ in range(20):
+            for name, wk in self.workers.items():  # a container that died at start is rerun
+                if wk.pod and not wk.alive and self.free() >= CONTEXT:
+                    wk.alive, wk.responsive, wk.used = True, True, CONTEXT
+                    wk.state, wk.level = WorkerPhase.ASLEEP, self.intents[name].sleep_level
+                    wk.lied, wk.inflight, wk.last_ack, wk.acks = False, 0, None, {}
             port = self._round([])
             if not [c for c in port.calls if c[0] in ("sleep", "wake", "fence", "start")]:
                 break
@@ -549,7 +554,7 @@ class HandoverMachine(RuleBasedStateMachine):
 
 
 HandoverMachine.TestCase.settings = settings(
-    max_examples=300,
+    max_examples=500,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
