@@ -106,14 +106,22 @@ def test_stopped_leader_is_replaced_within_lease_duration_plus_2s(
         wait_for("op-a a standby", lambda: a.gauge("omnistage_leader") == 0.0, 10)
         assert _leads(lease, b)
         assert 'omnistage_leader_transitions_total{change="lost"} 1.0' in a.metrics()
-        reasons = {
-            e["reason"]
-            for e in cluster.cp.get_json(
-                "events", "--field-selector", "involvedObject.kind=Lease",
-                namespace=cluster.namespace,
-            )["items"]
-        }  # fmt: skip
-        assert {"LeaderElected", "LeaderLost"} <= reasons
+
+        def lease_event_reasons() -> set[str]:
+            return {
+                e["reason"]
+                for e in cluster.cp.get_json(
+                    "events", "--field-selector", "involvedObject.kind=Lease",
+                    namespace=cluster.namespace,
+                )["items"]
+            }  # fmt: skip
+
+        # The Events are posted in the background after the change: poll for them.
+        wait_for(
+            "LeaderElected and LeaderLost Events on the Lease",
+            lambda: {"LeaderElected", "LeaderLost"} <= lease_event_reasons(),
+            10,
+        )
         # kubectl shows who holds the lease.
         out = cluster.cp.kubectl("get", "lease", "-n", cluster.namespace).stdout
         assert "op-b_" in out and "HOLDER" in out
