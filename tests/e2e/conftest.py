@@ -227,6 +227,18 @@ class Cluster:
         )
         return list(data.get("items", []))
 
+    def reasons_include(
+        self, name: str, wanted: set[str], timeout: float = 15.0
+    ) -> list[dict[str, Any]]:
+        """``name``'s Events once their reasons include ``wanted`` (the operator posts Events
+        in the background, so an Event may land just after the state it reports)."""
+
+        def found() -> list[dict[str, Any]] | None:
+            events = self.events(name)
+            return events if wanted <= {e["reason"] for e in events} else None
+
+        return wait_for(f"Events {sorted(wanted)} on {name}", found, timeout)
+
     def worker_status(self, stage: str) -> WorkerReport | None:
         """The worker's own GetStatus, dialled at its pod IP."""
         pod = self.pod(stage)

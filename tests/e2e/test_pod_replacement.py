@@ -39,5 +39,4 @@ def test_template_change_replaces_the_pod_and_the_stage_wakes_again(
     report = cluster.worker_status("ar")
     assert report is not None and report.last_ack is not None
     assert report.last_ack.op == "wake" and report.last_ack.ok  # woken by the operator's ACK path
-    reasons = [e["reason"] for e in cluster.events("ar")]
-    assert "PodOutdated" in reasons and "PodReplaced" in reasons
+    cluster.reasons_include("ar", {"PodOutdated", "PodReplaced"})

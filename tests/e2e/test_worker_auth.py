@@ -45,7 +45,7 @@ def test_unauthenticated_worker_is_reported_then_replaced(
         assert ready()["status"] == "False"
         assert "UNAUTHENTICATED" in ready()["message"]
         assert ROTATED not in ready()["message"]
-        assert "WorkerUnauthenticated" in [e["reason"] for e in cluster.events("ar")]
+        cluster.reasons_include("ar", {"WorkerUnauthenticated"})
         secret = cluster.cp.get_json(
             "secret", "omnistage-worker-token", namespace=cluster.namespace
         )
