@@ -162,20 +162,6 @@ def zstd_command(bundle: Path, work: Path) -> tuple[str, dict[str, str] | None]:
     return str(tool / "zstd"), env
 
 
-def host_binaries(bindir: Path) -> Any:
-    from tests.cluster.build import Binaries
-
-    return Binaries(
-        apiserver=bindir / "kube-apiserver",
-        scheduler=bindir / "kube-scheduler",
-        controller_manager=bindir / "kube-controller-manager",
-        kubectl=bindir / "kubectl",
-        etcd=bindir / "etcd",
-        helm=bindir / "helm",
-        directory=bindir,
-    )
-
-
 def versions() -> Json:
     import importlib.metadata as md
 
@@ -622,15 +608,15 @@ def run(args: argparse.Namespace) -> Json:
     work.mkdir(parents=True, exist_ok=True)
     commit = ROOT / "COMMIT"
     report["code"] = commit.read_text().strip() if commit.exists() else None
-    if args.tiny:
-        from tests.cluster.build import find_binaries
+    from tests.cluster.build import binaries_in, find_binaries
 
+    if args.tiny:
         binaries = find_binaries()
         report["bundle"] = None
     else:
         log(f"unpacking {args.bundle} into {work}")
         report["bundle"] = unpack_bundle(args.bundle, work)
-        binaries = host_binaries(work / "bin")
+        binaries = binaries_in(work / "bin")
         log(f"bundle: {report['bundle']}")
     # the tiny rehearsal runs without it, as the host does when the bundle leaves it out
     args.controller_manager = (

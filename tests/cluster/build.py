@@ -168,7 +168,8 @@ def bin_dir() -> Path:
     return cache_root() / "cluster-bin" / build_key()
 
 
-def _binaries(directory: Path) -> Binaries:
+def binaries_in(directory: Path) -> Binaries:
+    """The binaries of a build laid out in ``directory`` (the cache, or an unpacked bundle)."""
     return Binaries(
         apiserver=directory / "kube-apiserver",
         scheduler=directory / "kube-scheduler",
@@ -188,7 +189,7 @@ def find_binaries() -> Binaries:
             f"control-plane binaries are not built (looked in {directory}): "
             "run `python -m tests.cluster.build`"
         )
-    return _binaries(directory)
+    return binaries_in(directory)
 
 
 def build_record() -> dict[str, object]:
@@ -233,7 +234,7 @@ def ensure_binaries(quiet: bool = False) -> Binaries:
     directory = bin_dir()
     with _lock(cache_root() / "cluster-bin" / ".lock"):
         if (directory / "build.json").is_file():
-            return _binaries(directory)
+            return binaries_in(directory)
         root = cache_root()
         cold = _go_cache_is_cold(root / "go" / "build")
         go = go_binary()
@@ -277,7 +278,7 @@ def ensure_binaries(quiet: bool = False) -> Binaries:
         staging.rename(directory)
         if not quiet:
             print(f"built in {seconds:.0f}s ({'cold' if cold else 'warm'} Go cache)", flush=True)
-        return _binaries(directory)
+        return binaries_in(directory)
 
 
 def regenerate() -> None:

@@ -26,7 +26,7 @@ from omnistage_worker.memory import MemoryProbe, Reading
 from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController
 from omnistage_worker.sleep_wake import SleepWake
 from omnistage_worker.status import build_status
-from omnistage_worker.transitions import Current, Refused, generate_refusal
+from omnistage_worker.transitions import Current, Refused, generate_refusal, require_epoch
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,7 @@ class Worker:
         higher one is remembered as obeyed, so a leader that read this worker's status fences
         the leader it replaced here before it orders anything.
         """
-        if epoch < 0:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"epoch: {epoch} is negative")
+        require_epoch(epoch)
         self._sleep_wake.witness(epoch)
         return build_status(self)
 

@@ -112,13 +112,18 @@ def residual_error(used_after: int, bound: int) -> str:
     )
 
 
+def require_epoch(epoch: int) -> None:
+    """INVALID_ARGUMENT for a negative epoch (orders and status reads alike)."""
+    if epoch < 0:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"epoch: {epoch} is negative")
+
+
 def check_epoch(order: int, obeyed: int) -> None:
     """Refuse an order from an older leadership epoch than the highest this worker obeyed.
 
     Epoch 0 means no leader election and is always accepted.
     """
-    if order < 0:
-        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"epoch: {order} is negative")
+    require_epoch(order)
     if order and order < obeyed:
         raise Refused(
             grpc.StatusCode.FAILED_PRECONDITION,
