@@ -21,7 +21,7 @@ import psutil
 
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.memory import AccountingProbe, DeviceReading, Reading
+from omnistage_worker.memory import AccountingProbe, DeviceProbes, DeviceReading, Reading
 from tests.fakegpu import model
 from tests.fakegpu.device import FakeGpu
 
@@ -34,10 +34,16 @@ class FakeGpuProbe(AccountingProbe):
     source = types_pb2.MEMORY_SOURCE_ACCOUNTING
 
     def __init__(
-        self, gpu: FakeGpu, used_fn: Callable[[], int] = lambda: 0, pid: int | None = None
+        self,
+        gpu: FakeGpu,
+        used_fn: Callable[[], int] = lambda: 0,
+        pid: int | None = None,
+        ordinal: int | None = None,
     ) -> None:
         self.gpu = gpu
         self.device = gpu.device()
+        # The device as the worker's torch numbers it (cuda:<ordinal>); NVML's index apart.
+        self.ordinal = self.device.index if ordinal is None else ordinal
         super().__init__(used_fn, capacity=self.device.total)
         self.pid = os.getpid() if pid is None else pid
         self._me = model.Proc(self.pid, psutil.Process(self.pid).create_time())
@@ -100,7 +106,7 @@ class FakeGpuProbe(AccountingProbe):
             me = self._me
         procs = [me, *self._others()]
         device = DeviceReading(
-            device=f"cuda:{self.device.index}",
+            device=f"cuda:{self.ordinal}",
             index=self.device.index,
             uuid=self.device.uuid,
             used=me.used,
@@ -114,11 +120,24 @@ class FakeGpuProbe(AccountingProbe):
         self.gpu.withdraw(self.pid)
 
 
-def from_env(config: WorkerConfig) -> FakeGpuProbe:
-    """The seam's factory: the simulated GPU named by ``$OMNISTAGE_FAKE_GPU``."""
-    directory = os.environ.get(ENV, "")
-    if not directory:
+def from_env(config: WorkerConfig) -> FakeGpuProbe | DeviceProbes:
+    """The seam's factory: the simulated GPUs named by ``$OMNISTAGE_FAKE_GPU``.
+
+    It lists one device directory per device the pod sees, comma-separated (as
+    ``CUDA_VISIBLE_DEVICES`` lists devices); the worker uses the first ``--gpus`` of them.
+    """
+    directories = [d for d in os.environ.get(ENV, "").split(",") if d.strip()]
+    if not directories:
         raise ValueError(f"{ENV} is not set: it names the simulated GPU's directory")
     if config.device.is_cuda:
         raise ValueError(f"{ENV}: a simulated GPU is for --device cpu workers")
-    return FakeGpuProbe(FakeGpu(Path(directory)))
+    if len(directories) < config.gpus:
+        raise ValueError(f"{ENV} lists {len(directories)} device(s), --gpus is {config.gpus}")
+    if config.gpus == 1:
+        return FakeGpuProbe(FakeGpu(Path(directories[0].strip())))
+    return DeviceProbes(
+        [
+            FakeGpuProbe(FakeGpu(Path(d.strip())), ordinal=i)
+            for i, d in enumerate(directories[: config.gpus])
+        ]
+    )

@@ -60,6 +60,12 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=int(env.get("OMNISTAGE_GPUS") or 1),
+        help="devices the model spans, from --device on (cuda:N..N+gpus-1; on cpu: simulated)",
+    )
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--initial-state", default="active", choices=("active", "asleep"))
     p.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
@@ -128,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         shutdown_grace_s=args.shutdown_grace,
         drain_timeout_s=args.drain_timeout,
         cpu_threads=args.cpu_threads,
+        gpus=args.gpus,
         termination_log=termination.resolve(args.termination_log),
     )
 

@@ -46,6 +46,10 @@ def parse_byte_flag(text: str, flag: str) -> int:
         raise ConfigError(flag, str(exc)) from exc
 
 
+MAX_GPUS = 8
+"""The most devices one stage spans (the CRD's bound on ``spec.gpus``)."""
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """The device a worker runs on: ``cpu`` or ``cuda`` with a torch index."""
@@ -59,6 +63,13 @@ class DeviceSpec:
 
     def __str__(self) -> str:
         return f"cuda:{self.index}" if self.is_cuda else "cpu"
+
+    def names(self, gpus: int) -> list[str]:
+        """The torch devices of a stage on ``gpus`` devices: ``cuda:i..i+gpus-1``; on a CPU,
+        ``cpu`` once per simulated device."""
+        if self.is_cuda:
+            return [f"cuda:{self.index + i}" for i in range(gpus)]
+        return ["cpu"] * gpus
 
 
 def parse_device(text: str) -> DeviceSpec:
@@ -107,6 +118,8 @@ class WorkerConfig:
     ack_cache_size: int = 1024
     cpu_threads: int | None = None
     termination_log: Path | None = None
+    gpus: int = 1
+    """How many devices the stage's model spans (one process; see engine.placement)."""
 
     def __post_init__(self) -> None:
         validate(self)
@@ -190,6 +203,8 @@ def _check_limits(config: WorkerConfig) -> None:
         raise ConfigError("--cpu-threads", "must be at least 1")
     if config.ack_cache_size < 1:
         raise ConfigError("--ack-cache-size", "must be at least 1")
+    if not 1 <= config.gpus <= MAX_GPUS:
+        raise ConfigError("--gpus", f"{config.gpus} (1 to {MAX_GPUS})")
 
 
 def read_token(path: Path) -> str:

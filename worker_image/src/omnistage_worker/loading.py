@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from omnistage.worker.v1 import types_pb2
-from omnistage_worker.memory import AccountingProbe, build_probe
+from omnistage_worker.memory import build_probe, feed_accounting
 
 if TYPE_CHECKING:
+    from omnistage_worker.runners.base import SleepController
     from omnistage_worker.state import Worker
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,9 @@ def _load_blocking(worker: Worker) -> None:
     started = time.monotonic()
     probe = worker.probe = build_probe(config)
     probe.touch()
-    worker.baseline = probe.read().used
+    baseline = probe.read()
+    worker.baseline = baseline.used
+    worker.baselines = {d.device: d.used for d in baseline.devices}
     log.info("device context measured: %d bytes (the residual baseline)", worker.baseline)
     log.info("loading model from %s", config.model)
     runner = worker.runner
@@ -49,8 +53,7 @@ def _load_blocking(worker: Worker) -> None:
     if level2_start and not runner.supports_level2:
         raise RuntimeError("--sleep-level 2 needs *.safetensors weight files to reload from")
     controller = runner.build_controller()
-    if isinstance(probe, AccountingProbe):
-        probe.set_used_fn(controller.device_bytes)
+    feed_accounting(probe, per_device_bytes(controller))
     if config.initial_state == "active":
         stats = controller.activate()
         verb = "activated"
@@ -66,3 +69,12 @@ def _load_blocking(worker: Worker) -> None:
         stats.seconds,
         time.monotonic() - started,
     )
+
+
+def per_device_bytes(controller: SleepController) -> list[Callable[[], int]]:
+    """How to count the controller's bytes on each of its devices (one: all of them)."""
+    from omnistage_worker.engine.sharded import ShardedEngine
+
+    if isinstance(controller, ShardedEngine):
+        return [shard.device_bytes for shard in controller.shards]
+    return [controller.device_bytes]

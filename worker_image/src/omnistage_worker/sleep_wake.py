@@ -35,6 +35,7 @@ from omnistage_worker.transitions import (
     Plan,
     Refused,
     check_epoch,
+    device_residual_error,
     plan_sleep,
     plan_wake,
     residual_error,
@@ -274,7 +275,11 @@ class SleepWake:
         """ASLEEP at ``level`` when the measured residual is within the bound; otherwise FAILED
         (the memory may still be held, so the worker never reads as asleep). The Ack's error."""
         worker = self.worker
-        error = residual_error(after.used, worker.residual_bound)
+        if len(after.devices) > 1:
+            slack = worker.config.residual_slack
+            error = device_residual_error(after, worker.baselines, slack)
+        else:
+            error = residual_error(after.used, worker.residual_bound)
         if error:
             log.warning("sleep ack not ok: %s", error)
             await worker.fail(error, level=level, residual=True)
@@ -396,6 +401,17 @@ def _capacity_shortfall(before: Reading, controller: SleepController) -> str:
     if before.source != types_pb2.MEMORY_SOURCE_ACCOUNTING:
         return ""
     # What the wake allocates: the engine's flat buffer (weights plus alignment padding).
+    from omnistage_worker.engine.sharded import ShardedEngine
+
+    if isinstance(controller, ShardedEngine) and len(before.devices) == len(controller.shards):
+        short = []
+        for device, shard in zip(before.devices, controller.shards, strict=True):
+            need = shard.flat_bytes - shard.device_bytes()
+            if need > device.free:
+                short.append(f"{device.device} needs {need} bytes, {device.free} free")
+        if not short:
+            return ""
+        return "not enough free device memory to wake: " + "; ".join(short) + " (accounting)"
     need = int(getattr(controller, "flat_bytes", controller.weights_bytes))
     need -= controller.device_bytes()
     if need <= before.free:

@@ -43,6 +43,8 @@ class Worker:
         self.controller: SleepController | None = None
         self.probe: MemoryProbe | None = None
         self.baseline = 0
+        # Per device (by name): the memory measured before any weights loaded.
+        self.baselines: dict[str, int] = {}
         self._state: types_pb2.WorkerState.ValueType = types_pb2.WORKER_STATE_LOADING
         self._level = 0
         self.error = ""
@@ -85,7 +87,8 @@ class Worker:
 
     @property
     def residual_bound(self) -> int:
-        return self.baseline + self.config.residual_slack
+        """The sum of the per-device bounds (each device: its baseline + the slack)."""
+        return self.baseline + self.config.residual_slack * max(1, len(self.baselines))
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener`` after every state change (health follows the state this way)."""

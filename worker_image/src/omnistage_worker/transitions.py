@@ -6,11 +6,13 @@ No I/O here; :mod:`omnistage_worker.sleep_wake` carries the plans out.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 
 from omnistage.worker.v1 import types_pb2
+from omnistage_worker.memory.base import Reading
 
 WS = types_pb2.WorkerState
 
@@ -110,6 +112,19 @@ def residual_error(used_after: int, bound: int) -> str:
         f"device memory still used after sleep: {used_after} bytes measured, "
         f"above the bound of {bound} bytes (baseline + residual slack)"
     )
+
+
+def device_residual_error(after: Reading, baselines: Mapping[str, int], slack: int) -> str:
+    """Per device: the reason a sleep's Ack is not ok ("" when every device is within its
+    bound, its own baseline + ``slack``). One device that keeps memory fails the whole Ack."""
+    if len(after.devices) <= 1:
+        return residual_error(after.used, sum(baselines.values()) + slack)
+    errors = []
+    for device in after.devices:
+        error = residual_error(device.used, baselines.get(device.device, 0) + slack)
+        if error:
+            errors.append(f"{device.device}: {error}")
+    return "; ".join(errors)
 
 
 def require_epoch(epoch: int) -> None:

@@ -39,6 +39,8 @@ class Slot:
     """The Parameter/buffer objects; the engine swaps their ``.data``."""
     entry: TensorEntry | None = None
     """Where a level-2 wake reads the bytes from; None means they are kept on the host."""
+    ordinal: int = 0
+    """Which of the stage's devices holds it (0..gpus-1; see :mod:`.placement`)."""
 
 
 def iter_bindings(

@@ -11,6 +11,9 @@ device buffer (256-byte aligned slots). So:
   not in the files (non-persistent buffers, weights converted at load) are kept on the host; their
   size is reported by ``host_kept_bytes``.
 Parameters keep their identity: only their ``.data`` is swapped, so tied weights stay tied.
+
+One engine serves one device. A stage on several devices runs one engine per device, each over
+the slots placed there (``slots=``), side by side (see :mod:`.sharded`).
 """
 
 from __future__ import annotations
@@ -63,13 +66,20 @@ class WeightEngine:
         *,
         pin_in_background: bool = True,
         reload_threads: int | None = None,
+        slots: Sequence[Slot] | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.modules = dict(modules)
         self._cuda = self.device.type == "cuda"
-        self._slots: list[Slot] = collect_slots(self.modules)
+        self._slots: list[Slot] = collect_slots(self.modules) if slots is None else list(slots)
         if not self._slots:
-            raise EngineError("the model has no parameters or buffers")
+            raise EngineError(f"no parameters or buffers to place on {self.device}")
+        self._by_key = {s.key: s for s in self._slots}
+        # A shard (one device of several) counts only its own tensors: by exact device on
+        # CUDA, by object on a CPU that simulates several devices.
+        self._members: set[int] | None = None
+        if slots is not None:
+            self._members = {id(t) for s in self._slots for t in s.tensors}
         self._files_enabled = files is not None
         if files is not None:
             self._attach_files(files)
@@ -114,7 +124,7 @@ class WeightEngine:
         """Exact bytes of the distinct storages the model's tensors hold on the device now."""
         seen: dict[int, int] = {}
         for _, _, tensor in iter_bindings(self.modules):
-            if tensor.device.type != self.device.type or tensor.numel() == 0:
+            if not self._mine(tensor) or tensor.numel() == 0:
                 continue
             storage = tensor.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
@@ -175,6 +185,14 @@ class WeightEngine:
         return [SlotSpec(s.key, s.nbytes) for s in sorted(self._slots, key=order)]
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _mine(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is on this engine's device (a shard: this shard's device)."""
+        if self._members is None:
+            return tensor.device.type == self.device.type
+        if self._cuda:
+            return tensor.device == self.device
+        return id(tensor) in self._members
 
     def _sync(self) -> None:
         if self._cuda:
@@ -245,7 +263,7 @@ class WeightEngine:
         """Tensors the model created or rebound while awake (not in the flat buffer) go to host."""
         flat_ptrs = {t.data_ptr() for s in self._slots for t in s.tensors}
         for _, _, tensor in iter_bindings(self.modules):
-            on_device = tensor.device.type == self.device.type and tensor.numel() > 0
+            on_device = self._mine(tensor) and tensor.numel() > 0
             if on_device and tensor.data_ptr() not in flat_ptrs:
                 self._loose.append((tensor, tensor.device))
                 tensor.data = tensor.data.to("cpu")
@@ -389,7 +407,7 @@ class WeightEngine:
         else:
             moved = self._loader.load(self._file_runs(), flat)
             for key, kept in self._kept.items():
-                slot = self._slots[key]
+                slot = self._by_key[key]
                 self._view(flat, slot).copy_(kept, non_blocking=False)
                 moved += slot.nbytes
             self._sync()

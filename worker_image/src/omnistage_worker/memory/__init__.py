@@ -2,7 +2,8 @@
 
 A probe's ``read`` is taken before and after every transition; nothing here trusts a return
 code. Modules: :mod:`.base` (readings and the :class:`MemoryProbe` protocol), :mod:`.nvml`
-(CUDA: NVML for this process), :mod:`.accounting` (CPU: exact tensor accounting).
+(CUDA: NVML for this process), :mod:`.accounting` (CPU: exact tensor accounting), :mod:`.devices`
+(a stage on several devices: one probe per device, read together).
 
 :func:`build_probe` picks the probe: ``OMNISTAGE_MEMORY_PROBE=module:factory`` (a test seam: the
 test harness's simulated GPU, ``tests.fakegpu.probe:from_env``, is plugged in this way and
@@ -16,9 +17,12 @@ import logging
 import os
 from collections.abc import Mapping
 
+import psutil
+
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.memory.accounting import AccountingProbe
 from omnistage_worker.memory.base import DeviceReading, MemoryProbe, Reading
+from omnistage_worker.memory.devices import DeviceProbes, feed_accounting
 from omnistage_worker.memory.nvml import (
     PROBE_BYTES,
     NvmlProbe,
@@ -34,6 +38,7 @@ __all__ = [
     "PROBE_BYTES",
     "PROBE_ENV",
     "AccountingProbe",
+    "DeviceProbes",
     "DeviceReading",
     "MemoryProbe",
     "NvmlProbe",
@@ -41,6 +46,7 @@ __all__ = [
     "build_probe",
     "create_cuda_context",
     "cuda_allocator",
+    "feed_accounting",
     "nvml_target",
     "pick_grown_pid",
     "process_tree",
@@ -69,6 +75,15 @@ def build_probe(config: WorkerConfig, env: Mapping[str, str] | None = None) -> M
         probe: MemoryProbe = factory(config)
         log.info("memory probe from %s=%s: %s", PROBE_ENV, seam, type(probe).__name__)
         return probe
+    gpus = config.gpus
     if config.device.is_cuda:
-        return NvmlProbe(config.device.index, include_children=config.backend == "vllm")
-    return AccountingProbe(lambda: 0)
+        children = config.backend == "vllm"
+        nvml = [NvmlProbe(config.device.index + i, include_children=children) for i in range(gpus)]
+        return nvml[0] if gpus == 1 else DeviceProbes(nvml)
+    if gpus == 1:
+        return AccountingProbe(lambda: 0)
+    # Simulated devices on a CPU: each device's share of the host's memory, accounted apart.
+    share = psutil.virtual_memory().total // gpus
+    return DeviceProbes(
+        [AccountingProbe(lambda: 0, share, device=f"cpu:{i}", index=i) for i in range(gpus)]
+    )

@@ -21,9 +21,18 @@ class AccountingProbe:
 
     source = types_pb2.MEMORY_SOURCE_ACCOUNTING
 
-    def __init__(self, used_fn: Callable[[], int], capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        used_fn: Callable[[], int],
+        capacity: int | None = None,
+        *,
+        device: str = "cpu",
+        index: int = 0,
+    ) -> None:
         self._used_fn = used_fn
         self.capacity = capacity if capacity is not None else psutil.virtual_memory().total
+        self.device_name = device
+        self.device_index = index
 
     def set_used_fn(self, used_fn: Callable[[], int]) -> None:
         """Point the probe at the accounting of a newly built engine."""
@@ -42,7 +51,9 @@ class AccountingProbe:
 
     def read(self) -> Reading:
         used = self._used_fn()
-        device = DeviceReading("cpu", 0, "", used, self.capacity - used, self.capacity)
+        device = DeviceReading(
+            self.device_name, self.device_index, "", used, self.capacity - used, self.capacity
+        )
         return Reading((device,), self.source)
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -13,6 +14,10 @@ from omnistage_worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     import torch
+
+    from omnistage_worker.engine.placement import Block
+
+log = logging.getLogger(__name__)
 
 # Upper bounds on request fields, so a typo cannot occupy a stage for hours.
 MAX_NEW_TOKENS = 8192
@@ -165,10 +170,35 @@ class TorchRunner(ModelRunner):
     def supports_level2(self) -> bool:
         return self.weight_files() is not None
 
+    def blocks(self) -> list[Block]:
+        """The blocks a stage on several devices deals out (default: whole components)."""
+        from omnistage_worker.engine.placement import blocks_of
+
+        return blocks_of(self.modules(), whole=True)
+
     def build_controller(self) -> SleepController:
         from omnistage_worker.engine import WeightEngine
 
-        engine: SleepController = WeightEngine(self.modules(), self.device, self.weight_files())
+        if self.config.gpus == 1:
+            engine: SleepController = WeightEngine(self.modules(), self.device, self.weight_files())
+            return engine
+        return self._build_sharded()
+
+    def _build_sharded(self) -> SleepController:
+        """One process over the stage's devices: a device map, one engine per device, hooks."""
+        import torch
+
+        from omnistage_worker.engine import hooks
+        from omnistage_worker.engine.placement import execution_map, plan_device_map
+        from omnistage_worker.engine.sharded import ShardedEngine
+
+        devices = [torch.device(n) for n in self.config.device.names(self.config.gpus)]
+        device_map = plan_device_map(self.blocks(), len(devices))
+        sharded = ShardedEngine(self.modules(), devices, device_map, self.weight_files())
+        hooks.attach(self.modules(), execution_map(sharded.slots, device_map), devices)
+        for ordinal, shard in enumerate(sharded.shards):
+            log.info("device %d (%s): %d weight bytes", ordinal, shard.device, shard.weights_bytes)
+        engine: SleepController = sharded
         return engine
 
 

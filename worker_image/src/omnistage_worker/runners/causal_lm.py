@@ -12,6 +12,7 @@ import torch
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
+from omnistage_worker.engine.placement import Block, blocks_of
 from omnistage_worker.runners.base import TorchRunner, safetensors_in
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class CausalLMRunner(TorchRunner):
 
     def modules(self) -> Mapping[str, torch.nn.Module]:
         return {"model": self.model}
+
+    def blocks(self) -> list[Block]:
+        """Decoder layers (the model's ``_no_split_modules``) and the modules around them."""
+        no_split = getattr(self.model, "_no_split_modules", None) or []
+        return blocks_of(self.modules(), no_split=no_split)
 
     def weight_files(self) -> Mapping[str, Sequence[Path]] | None:
         found = safetensors_in(self.model_dir)
