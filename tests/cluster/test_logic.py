@@ -79,11 +79,15 @@ def test_devices_slices_and_gpu_env(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="gpu-7"):
         parse_visible_devices("gpu-7", node)
     env = gpu_env(node, ["gpu-1", "gpu-0"], tmp_path)
-    assert env == {  # several devices: the simulated probe measures the first
-        "NVIDIA_VISIBLE_DEVICES": node.device_uuid("gpu-0"),
+    uuids = f"{node.device_uuid('gpu-0')},{node.device_uuid('gpu-1')}"
+    assert env == {  # every device, in index order; each has its own simulation directory
+        "NVIDIA_VISIBLE_DEVICES": uuids,
+        "CUDA_VISIBLE_DEVICES": uuids,
         "OMNISTAGE_MEMORY_PROBE": "tests.fakegpu.probe:from_env",
-        "OMNISTAGE_FAKE_GPU": str(tmp_path / "fakegpu" / "n0" / "gpu-0"),
+        "OMNISTAGE_FAKE_GPU": f"{tmp_path / 'fakegpu' / 'n0' / 'gpu-0'},"
+        f"{tmp_path / 'fakegpu' / 'n0' / 'gpu-1'}",
     }
+    assert node.device_uuid("gpu-0") != node.device_uuid("gpu-1")
     assert gpu_env(node, [], tmp_path) == {}
     assert sl["spec"]["devices"][0]["capacity"]["memory"]["value"] == "1Ki"
     assert [quantity(n) for n in (80 * 1024**3, 3 * 1024**2, 1000, 0)] == [

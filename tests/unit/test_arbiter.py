@@ -403,3 +403,72 @@ def test_sleep_order_carries_the_drain_timeout_and_inflight_requests() -> None:
     }
     d = plan(intents, facts, GroupMemory(4 * GI, 3 * GI))
     assert d.sleep == (SleepOrder("a", 1, True, drain_timeout_s=900.0, inflight_requests=2),)
+
+
+def test_each_device_of_a_stage_must_fit_and_only_its_devices_are_charged() -> None:
+    # A 2-GPU claim: two 1-GPU stages on different devices fit side by side; a 2-GPU stage
+    # needs both devices and is charged on both.
+    devs = (DeviceMemory("GPU-0", 10 * GI, 9 * GI), DeviceMemory("GPU-1", 10 * GI, 9 * GI))
+    memory = GroupMemory(10 * GI, 9 * GI, devs, claim_uuids=("GPU-0", "GPU-1"))
+    on0 = StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-0",))
+    on1 = StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-1",))
+    both = StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-0", "GPU-1"))
+    intents = {
+        "a": StageIntent("a", True, priority=2, vram_request=6 * GI, gpus=1),
+        "b": StageIntent("b", True, priority=1, vram_request=6 * GI, gpus=1),
+    }
+    d = plan(intents, {"a": on0, "b": on1}, memory)
+    assert set(d.admitted) == {"a", "b"} and set(d.wake) == {"a", "b"}
+    # on the same device they do not both fit (6 + 6 > 9)
+    d = plan(intents, {"a": on0, "b": on0}, memory)
+    assert d.admitted == ("a",) and d.wake == ("a",)
+    assert "left on GPU-0" in d.waiting["b"][0].message
+    # a 2-GPU stage (12 GiB: 6 per device) beside a 1-GPU stage holding 6 GiB on GPU-1
+    intents = {
+        "big": StageIntent("big", True, priority=1, vram_request=12 * GI, gpus=2),
+        "small": StageIntent("small", True, priority=2, vram_request=6 * GI, gpus=1),
+    }
+    d = plan(intents, {"big": both, "small": on1}, memory)
+    assert d.admitted == ("small",)  # GPU-1 has 3 GiB left: big does not fit there
+    assert "GPU-1" in d.waiting["big"][0].message
+    small_3 = {**intents, "small": StageIntent("small", True, priority=2, vram_request=3 * GI)}
+    d = plan(small_3, {"big": both, "small": on1}, memory)
+    assert set(d.admitted) == {"big", "small"}  # 6 <= 9 on GPU-0, 6 <= 6 on GPU-1
+    # the wake gate charges the wakes on their own devices only
+    assert set(d.wake) == {"big", "small"}
+
+
+def test_the_gate_checks_only_the_stages_devices() -> None:
+    devs = (DeviceMemory("GPU-0", 10 * GI, 9 * GI), DeviceMemory("GPU-1", 10 * GI, GI))
+    memory = GroupMemory(10 * GI, GI, devs, claim_uuids=("GPU-0", "GPU-1"))
+    intents = {"a": StageIntent("a", True, vram_request=6 * GI, gpus=1)}
+    on0 = StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-0",))
+    assert plan(intents, {"a": on0}, memory).wake == ("a",)  # GPU-1's 1 GiB is not its concern
+    on1 = StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-1",))
+    d = plan(intents, {"a": on1}, memory)
+    assert d.wake == () and "GPU-1" in d.waiting["a"][0].message
+    # devices not reported yet: every device of the group is charged (safe)
+    d = plan(intents, {"a": StageFacts(WorkerPhase.ASLEEP, level=1)}, memory)
+    assert d.wake == ()
+
+
+def test_a_stage_needing_more_gpus_than_the_claim_is_refused() -> None:
+    devs = (DeviceMemory("GPU-0", 10 * GI, 9 * GI),)
+    memory = GroupMemory(10 * GI, 9 * GI, devs, claim_uuids=("GPU-0",))
+    intents = {"wide": StageIntent("wide", True, vram_request=GI, gpus=2)}
+    d = plan(intents, {"wide": StageFacts(WorkerPhase.ASLEEP, level=1)}, memory)
+    assert d.admitted == () and d.wake == ()
+    (blocker,) = d.waiting["wide"]
+    assert blocker.reason is BlockReason.CLAIM_TOO_SMALL
+    assert blocker.message.startswith("needs 2 GPUs; the group's claim holds 1")
+
+
+def test_a_stage_on_fewer_gpus_uses_some_of_the_claims_devices() -> None:
+    facts = {
+        "one": StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-0",)),
+        "two": StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-0", "GPU-1")),
+    }
+    assert device_mismatches(("GPU-0", "GPU-1"), facts) == ()
+    assert device_mismatches(None, facts) == ()
+    facts["one"] = StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-7",))
+    assert [b.stage for b in device_mismatches(("GPU-0", "GPU-1"), facts)] == ["one"]

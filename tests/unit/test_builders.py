@@ -121,6 +121,13 @@ def test_drain_timeout_reaches_the_worker_without_a_new_pod() -> None:
     assert pod_spec_hash(stage) == pod_spec_hash(make()[0])
 
 
+def test_a_stage_on_several_gpus_tells_its_worker() -> None:
+    one = worker_args(make()[0], initial_state=DesiredState.ASLEEP)
+    assert "--gpus" not in one
+    args = worker_args(make(gpus=2)[0], initial_state=DesiredState.ASLEEP)
+    assert args[args.index("--gpus") + 1] == "2"
+
+
 def test_diffusion_args() -> None:
     stage, _ = make(runner="Diffusion", backend="Diffusers", sleepLevel=2)
     args = worker_args(stage, initial_state=DesiredState.ACTIVE)

@@ -33,6 +33,13 @@ Rules (the operator's promise rests on them):
   per device plus a margin. Wakes in one decision are charged one after the other.
 - Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
   admitted without charge and neither gate nor are gated by the GPU's memory.
+- Per device: a stage on N GPUs holds ``footprint / N`` on each of ITS devices (the ones its
+  worker reports; unknown: every device of the group, a safe overcharge). Admission and the wake
+  gate check each of those devices and charge only them, so two 1-GPU stages on the two devices
+  of a 2-GPU claim fit side by side, and a 2-GPU stage fits only where both its devices do.
+- A stage that needs more GPUs than the group's claim holds (the claim is sized for the largest
+  stage when the group starts, and is never resized under running pods) is not admitted:
+  ``ClaimTooSmall``.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ __all__ = [
     "footprint",
     "may_hold_memory",
     "plan",
+    "stage_devices",
     "usable_memory",
 ]
 
@@ -177,6 +185,7 @@ class BlockReason(StrEnum):
     WORKER_FAILED = "WorkerFailed"  # a FAILED worker holds memory until fenced
     PODS_STARTING = "PodsStarting"  # pods started in this round: contexts not measured yet
     DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
+    CLAIM_TOO_SMALL = "ClaimTooSmall"  # the stage needs more GPUs than the group's claim has
 
 
 @dataclass(frozen=True)
@@ -310,10 +319,11 @@ def device_mismatches(
     facts: Mapping[str, StageFacts],
     intents: Mapping[str, StageIntent] | None = None,
 ) -> tuple[Blocker, ...]:
-    """A ``DeviceMismatch`` blocker per GPU worker whose devices differ from the claim's.
+    """A ``DeviceMismatch`` blocker per GPU worker using a device outside the claim's.
 
-    Workers that report no GPU (not reached, CPU stages) are not judged; without a claim
-    (explicit placement) the workers must agree with each other.
+    A worker uses the first ``gpus`` devices it sees, so a stage on fewer GPUs than the claim
+    uses some of them. Workers that report no GPU (not reached, CPU stages) are not judged;
+    without a claim (explicit placement) they must be among the widest worker's devices.
     """
     seen = {
         name: f.device_uuids
@@ -323,13 +333,13 @@ def device_mismatches(
     if claim_uuids is None:
         if not seen:
             return ()
-        reference = next(iter(seen.values()))
-        want, source = frozenset(reference), f"{next(iter(seen))}'s devices"
+        widest = max(seen, key=lambda n: len(seen[n]))  # the stage on the most devices
+        want, source = frozenset(seen[widest]), f"{widest}'s devices"
     else:
         want, source = frozenset(claim_uuids), "the group's claim"
     out = []
     for name, uuids in seen.items():
-        if frozenset(uuids) != want:
+        if not frozenset(uuids) <= want:  # a stage on fewer GPUs uses some of the claim's
             out.append(
                 Blocker(
                     BlockReason.DEVICE_MISMATCH,
@@ -356,6 +366,55 @@ def _fmt(n: int | None) -> str:
     return f"{n}B"
 
 
+def stage_devices(fact: StageFacts, memory: GroupMemory) -> tuple[str, ...]:
+    """The devices a stage holds memory on: those its worker reports (of the group's), else
+    every device of the group (a safe overcharge); ``("",)`` for a host-accounting group."""
+    if not memory.devices:
+        return ("",)
+    known = [d.uuid for d in memory.devices]
+    mine = tuple(u for u in known if u in fact.device_uuids)
+    return mine or tuple(known)
+
+
+def _usable_by_device(
+    intents: Mapping[str, StageIntent], facts: Mapping[str, StageFacts], memory: GroupMemory
+) -> dict[str, int] | None:
+    """Per device, :func:`usable_memory`: its free memory plus what the group's reached
+    workers hold on it beyond their contexts (None when it cannot be measured)."""
+    if usable_memory(intents, facts, memory) is None:
+        return None
+    if not memory.devices:
+        assert memory.free is not None
+        usable = {"": memory.free}
+    else:
+        usable = {d.uuid: d.free for d in memory.devices}
+    charge = context_charge(facts, memory.gpu)
+    for name, fact in facts.items():
+        intent = intents.get(name)
+        if intent is not None and memory.gpu and intent.gpus == 0:
+            continue
+        if fact.phase in (WorkerPhase.ABSENT, WorkerPhase.STARTING):
+            continue
+        devices = stage_devices(fact, memory)
+        gpus = max(1, intent.gpus if intent is not None else 1)
+        context = fact.context_bytes or charge
+        for device in devices:
+            usable[device] += max(0, fact.used_bytes - context) // gpus
+    return usable
+
+
+def _claim_too_small(intent: StageIntent, memory: GroupMemory) -> Blocker | None:
+    claim = memory.claim_uuids
+    if claim is None or intent.gpus <= len(claim):
+        return None
+    return Blocker(
+        BlockReason.CLAIM_TOO_SMALL,
+        f"needs {intent.gpus} GPUs; the group's claim holds {len(claim)} (sized for the largest "
+        "stage when the group started, never resized under running pods): delete the group's "
+        "stages and apply them again to size it anew",
+    )
+
+
 def _per_device(fp: int | None, intent: StageIntent) -> int | None:
     """A stage's footprint on each of its devices (its figures are sums over them)."""
     if fp is None:
@@ -375,12 +434,19 @@ def _admit(  # noqa: PLR0917 - private helper of plan
     admitted: list[str] = []
     charged: list[str] = []  # admitted stages that take device memory
     capacity = memory.capacity
-    usable = usable_memory(intents, facts, memory)
-    left = capacity if usable is None or capacity is None else min(capacity, usable)
+    usable = _usable_by_device(intents, facts, memory)
+    left: dict[str, int] | None = None
+    if capacity is not None:
+        caps = {d.uuid: d.total for d in memory.devices} or {"": capacity}
+        left = {k: cap if usable is None else min(cap, usable[k]) for k, cap in caps.items()}
     for name in admission_order(intents):
         fact = facts[name]
         if name in off_device:
             admitted.append(name)  # host RAM only: no charge on the group's GPUs
+            continue
+        too_small = _claim_too_small(intents[name], memory)
+        if too_small is not None:
+            waiting[name].append(too_small)
             continue
         if fact.phase is WorkerPhase.FAILED:
             waiting[name].append(
@@ -422,13 +488,17 @@ def _admit(  # noqa: PLR0917 - private helper of plan
             continue
         # Unknown footprint: the stage needs the whole group (alone, and first). The first
         # stage in order is admitted even when the usable memory does not cover it (it waits on
-        # the measured free memory, and the stages after it sleep).
-        take = left if need is None else need
-        if not charged or (need is not None and take <= left):
+        # the measured free memory, and the stages after it sleep). Each of the stage's devices
+        # must fit; only they are charged.
+        devices = stage_devices(fact, memory)
+        if not charged or (need is not None and all(need <= left[d] for d in devices)):
             admitted.append(name)
             charged.append(name)
-            left = max(0, left - take)
+            for d in devices:
+                left[d] = max(0, left[d] - (left[d] if need is None else need))
             continue
+        tightest = min(devices, key=lambda d: left[d])
+        where = f" on {tightest}" if len(left) > 1 else ""
         for other in charged:
             waiting[name].append(
                 Blocker(
@@ -436,7 +506,7 @@ def _admit(  # noqa: PLR0917 - private helper of plan
                     f"{other} (priority {intents[other].priority}) claims "
                     f"{_fmt(needs[other])}; "
                     + ("footprint unknown (the whole device)" if need is None else _fmt(need))
-                    + f" needed, {_fmt(left)} left",
+                    + f" needed, {_fmt(left[tightest])} left{where}",
                     other,
                 )
             )
@@ -580,7 +650,10 @@ def plan(
         elif not blockers and free_left is not None:
             charge = context * sum(1 for n in starting if n != name)
             capacity = memory.capacity
+            mine = set(stage_devices(fact, memory))
             for uuid, free in sorted(free_left.items()):
+                if uuid not in mine:
+                    continue
                 cap = capacity if capacity is not None else free
                 required = margin_bytes if need is None else min(need + margin_bytes, cap)
                 if free - charge < required or (need is None and free - charge <= 0):
@@ -599,7 +672,7 @@ def plan(
             continue
         wakes.append(name)
         if free_left is not None:
-            for uuid in free_left:
+            for uuid in stage_devices(fact, memory):
                 free_left[uuid] -= need if need is not None else free_left[uuid]
 
     return Decision(

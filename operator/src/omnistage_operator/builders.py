@@ -208,6 +208,8 @@ def worker_args(
         TOKEN_FILE,
     ]
     args += ["--device", worker_device(stage)]
+    if stage.gpus > 1:  # the model spans the stage's devices (the first gpus the pod sees)
+        args += ["--gpus", str(stage.gpus)]
     args += ["--drain-timeout", str(stage.drain_timeout_s)]
     if stage.worker.dtype is not None:
         args += ["--dtype", stage.worker.dtype]

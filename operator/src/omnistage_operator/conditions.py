@@ -17,7 +17,7 @@ Reasons (``Reason`` StrEnum; values are CamelCase, usable anywhere a ``str`` is)
     ``LOWER_PRIORITY``, ``SPEC_INVALID``, ``FAILED``, ``RESUMING``, ``SLEEP_REFUSED``,
     ``WAKE_REFUSED``, ``ACK_CONTRADICTED``, ``WORKER_FAILED``, ``FENCE_PENDING``,
     ``LARGER_THAN_DEVICE``, ``MEMORY_NOT_MEASURED``, ``DEVICE_MISMATCH``, ``DRAINING``,
-    ``PODS_STARTING``.
+    ``PODS_STARTING``, ``CLAIM_TOO_SMALL``.
 Functions:
     ``set_condition(conditions, type, status, reason, message, observed_generation, now)
     -> list[dict]``: a new list with that condition set; ``lastTransitionTime`` is kept when
@@ -108,6 +108,7 @@ class Reason(StrEnum):
     LARGER_THAN_DEVICE = "LargerThanDevice"  # its footprint (or learned need) exceeds a device
     MEMORY_NOT_MEASURED = "MemoryNotMeasured"  # no measured free memory: no wake on a guess
     DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
+    CLAIM_TOO_SMALL = "ClaimTooSmall"  # more GPUs than the group's claim holds
     DRAINING = "Draining"  # the sleep waits for in-flight requests (within the drain timeout)
     PODS_STARTING = "PodsStarting"
 

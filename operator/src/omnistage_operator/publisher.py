@@ -52,6 +52,7 @@ _WARN_REASONS = frozenset(
     {
         cond.Reason.LARGER_THAN_DEVICE,
         cond.Reason.DEVICE_MISMATCH,
+        cond.Reason.CLAIM_TOO_SMALL,
         cond.Reason.ACK_CONTRADICTED,
         cond.Reason.FENCE_PENDING,
         cond.Reason.WORKER_FAILED,

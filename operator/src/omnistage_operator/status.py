@@ -135,6 +135,7 @@ def _ack_status(ack: AckFacts) -> dict[str, Any]:
 
 
 _BLOCK_REASONS = {  # in order of precedence
+    BlockReason.CLAIM_TOO_SMALL: cond.Reason.CLAIM_TOO_SMALL,
     BlockReason.DEVICE_MISMATCH: cond.Reason.DEVICE_MISMATCH,
     BlockReason.TOO_LARGE: cond.Reason.LARGER_THAN_DEVICE,
     BlockReason.ACK_CONTRADICTED: cond.Reason.ACK_CONTRADICTED,

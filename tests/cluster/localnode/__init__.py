@@ -31,12 +31,13 @@ What a pod gets (see ``runtime``):
   ``NVIDIA_VISIBLE_DEVICES`` (``gpu-0,gpu-1``, ``0,1`` or UUIDs: explicit placement).
   Simulated GPUs (the default): each device is a :mod:`tests.fakegpu` directory
   ``<state>/fakegpu/<node>/<device>`` (``device.json`` written at start: total, driver
-  reserve, context per process, activations per request); a container with a device gets
-  ``NVIDIA_VISIBLE_DEVICES=<its UUID>`` (the ResourceSlice's ``uuid``),
-  ``OMNISTAGE_MEMORY_PROBE=tests.fakegpu.probe:from_env`` and ``OMNISTAGE_FAKE_GPU=<dir>``,
-  so a ``--device cpu`` worker measures the simulated GPU shared with every pod on it (with
-  several devices: the first one). Real GPUs (``real_gpus=True`` / ``--real-gpus``): the
-  ResourceSlice lists NVML's devices (uuid, index, productName, memory) and a container gets
+  reserve, context per process, activations per request); a container with devices gets
+  ``NVIDIA_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES=<their UUIDs>`` (the ResourceSlice's),
+  ``OMNISTAGE_MEMORY_PROBE=tests.fakegpu.probe:from_env`` and ``OMNISTAGE_FAKE_GPU=<dirs>``
+  (comma-separated, same order), so a ``--device cpu --gpus N`` worker measures each of its
+  simulated GPUs, shared with every pod on them. Real GPUs (``real_gpus=True`` /
+  ``--real-gpus``): the ResourceSlice lists NVML's devices (uuid, index, productName, memory)
+  and a container gets
   ``CUDA_VISIBLE_DEVICES`` and ``NVIDIA_VISIBLE_DEVICES`` = its devices' UUIDs (none:
   ``CUDA_VISIBLE_DEVICES=""``), plus the host's ``CUDA_*``/``NVIDIA_*`` driver settings and
   ``NCCL_*``/``NVSHMEM_*``/``TORCH_SYMM_MEM_*`` switches.

@@ -349,20 +349,22 @@ def gpu_env(node: NodeSpec, devices: list[str], state_dir: Path) -> dict[str, st
     """The GPU environment for a container that got ``devices`` (empty: none).
 
     Real GPUs: ``CUDA_VISIBLE_DEVICES`` and ``NVIDIA_VISIBLE_DEVICES`` list the devices'
-    UUIDs. Simulated GPUs: ``NVIDIA_VISIBLE_DEVICES`` is the device's UUID (the one in the
-    ResourceSlice) and ``OMNISTAGE_MEMORY_PROBE``/``OMNISTAGE_FAKE_GPU`` plug the worker into
-    the device's directory. A simulated pod with several devices gets the first one only:
-    the simulated probe measures one device (multi-GPU stages are a later issue).
+    UUIDs. Simulated GPUs: the same variables list the devices' UUIDs (the ResourceSlice's), and
+    ``OMNISTAGE_MEMORY_PROBE``/``OMNISTAGE_FAKE_GPU`` plug the worker into the devices'
+    directories, comma-separated in the same order (a ``--gpus N`` worker measures the first N,
+    each apart).
     """
     if not devices:
         return {}
     devs = [node.device(d) for d in sort_devices(devices)]
+    uuids = ",".join(d.uuid for d in devs)
     if node.real:
-        uuids = ",".join(d.uuid for d in devs)
         return {"NVIDIA_VISIBLE_DEVICES": uuids, "CUDA_VISIBLE_DEVICES": uuids}
-    first = devs[0]
     return {
-        "NVIDIA_VISIBLE_DEVICES": first.uuid,
+        "NVIDIA_VISIBLE_DEVICES": uuids,
+        "CUDA_VISIBLE_DEVICES": uuids,
         "OMNISTAGE_MEMORY_PROBE": FAKE_GPU_PROBE,
-        "OMNISTAGE_FAKE_GPU": str(fake_gpu_dir(state_dir, node.name, first.name)),
+        "OMNISTAGE_FAKE_GPU": ",".join(
+            str(fake_gpu_dir(state_dir, node.name, d.name)) for d in devs
+        ),
     }
