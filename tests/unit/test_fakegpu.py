@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.memory import AccountingProbe, build_probe
+from omnistage_worker.memory import AccountingProbe, DeviceProbes, build_probe
 from tests.fakegpu import model
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device, Faults, GiB, MiB, OutOfMemory, Proc
@@ -185,3 +185,29 @@ def test_build_probe_seam(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("OMNISTAGE_FAKE_GPU")
     with pytest.raises(ValueError, match="OMNISTAGE_FAKE_GPU is not set"):
         from_env(config)
+
+
+def test_seam_gives_a_probe_per_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dirs = [tmp_path / f"gpu{i}" for i in range(3)]
+    for i, d in enumerate(dirs):
+        FakeGpu.create(d, Device(uuid=f"GPU-{i}", index=i, total=GiB))
+    monkeypatch.setenv("OMNISTAGE_FAKE_GPU", ",".join(map(str, dirs)))
+    two = WorkerConfig(runner="ar", backend="transformers", model=tmp_path, gpus=2)
+    probe = from_env(two)
+    assert isinstance(probe, DeviceProbes)  # the first --gpus of the devices the pod sees
+    probe.set_used_fns([lambda: 5 * MiB, lambda: 7 * MiB])
+    probe.touch()
+    reading = probe.read()
+    assert [(d.device, d.uuid) for d in reading.devices] == [
+        ("cuda:0", "GPU-0"),
+        ("cuda:1", "GPU-1"),
+    ]
+    context = Device(uuid="x", total=GiB).context
+    assert [d.used for d in reading.devices] == [context + 5 * MiB, context + 7 * MiB]
+    assert reading.used == sum(d.used for d in reading.devices)
+    probe.close()
+    one = WorkerConfig(runner="ar", backend="transformers", model=tmp_path)
+    assert isinstance(from_env(one), FakeGpuProbe)
+    monkeypatch.setenv("OMNISTAGE_FAKE_GPU", str(dirs[0]))
+    with pytest.raises(ValueError, match="lists 1 device"):
+        from_env(two)

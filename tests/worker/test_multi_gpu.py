@@ -84,3 +84,19 @@ async def test_one_device_that_keeps_memory_makes_the_ack_not_ok(
     assert first.freed_bytes > 0 and second.freed_bytes == 0
     assert first.used_after_bytes == charged(gpus[0])
     assert second.used_after_bytes == charged(gpus[1])
+
+
+async def test_a_diffusion_pipeline_split_over_two_devices_gives_the_same_image(
+    start_worker: StartWorker, diffusion_dir: Path, gpus: list[FakeGpu]
+) -> None:
+    worker = await start_worker(diffusion_dir, "diffusion", "diffusers", gpus=2)
+    request = {"prompt": "the cat", "num_inference_steps": 2, "height": 32, "width": 32}
+    reference = (await worker.generate(**request)).image.png
+    held = [charged(g) - g.device().context for g in gpus]
+    assert all(h > 0 for h in held)  # whole components on each device
+    ack = await worker.sleep(1)
+    assert ack.ok, ack.error
+    assert all(d.freed_bytes > 0 for d in ack.devices)
+    woke = await worker.wake()
+    assert woke.ok, woke.error
+    assert (await worker.generate(**request)).image.png == reference
