@@ -76,11 +76,15 @@ def log(msg: str) -> None:
 
 
 def child_limits(gib: float) -> Json:
-    """H2D and D2H GB/s per device, alone and with both devices copying at once."""
+    """H2D and D2H GB/s per device, alone and with both devices copying at once, with the
+    engine's own page-locked host buffers (registered portable, as the engine does)."""
     import torch
 
+    from omnistage_worker.engine.host_memory import HostBuffer
+
     size = int(gib * GiB)
-    hosts = [torch.empty(size, dtype=torch.uint8).pin_memory() for _ in range(DEVICES)]
+    buffers = [HostBuffer(size, pin=True) for _ in range(DEVICES)]
+    hosts = [b.tensor for b in buffers]
     gpus = [torch.empty(size, dtype=torch.uint8, device=f"cuda:{i}") for i in range(DEVICES)]
     for h in hosts:
         h.fill_(7)

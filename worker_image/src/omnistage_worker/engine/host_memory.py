@@ -91,6 +91,11 @@ def _huge_page_mapping(nbytes: int) -> mmap.mmap | None:
     return mapping
 
 
+PORTABLE = 0x01
+"""``cudaHostRegisterPortable`` / ``CU_MEMHOSTREGISTER_PORTABLE``: page-locked for every device's
+context, not only the registering one (a stage on several GPUs copies to each from its own)."""
+
+
 class HostBuffer:
     """A flat uint8 host tensor, page-locked when CUDA is in use."""
 
@@ -113,10 +118,10 @@ class HostBuffer:
         driver = _driver()
         ptr = self.tensor.data_ptr()
         if driver is None:
-            err = int(_cudart().cudaHostRegister(ptr, self.nbytes, 0))
+            err = int(_cudart().cudaHostRegister(ptr, self.nbytes, PORTABLE))
         else:
             driver.set_current(context if context is not None else cuda_context())
-            err = driver.register(ptr, self.nbytes, 0)
+            err = driver.register(ptr, self.nbytes, PORTABLE)
         if err != 0:
             raise RuntimeError(f"page-locking {self.nbytes} host bytes failed: CUDA error {err}")
 
