@@ -152,3 +152,11 @@ def test_round_problems_become_conditions() -> None:
     st = build_status(obs, None, NOW)
     assert _cond(st, "Ready")["reason"] == "WakeRefused"
     assert _cond(st, "Admitted")["reason"] == "MemoryNotMeasured"
+
+
+def test_a_stage_on_more_gpus_than_the_claim_reads_claim_too_small() -> None:
+    blocker = Blocker(BlockReason.CLAIM_TOO_SMALL, "needs 2 GPUs; the group's claim holds 1")
+    obs = StageObservation(1, True, WorkerPhase.ASLEEP, waiting=(blocker,))
+    admitted = _cond(build_status(obs, None, NOW), "Admitted")
+    assert (admitted["status"], admitted["reason"]) == ("False", "ClaimTooSmall")
+    assert "needs 2 GPUs" in admitted["message"]
