@@ -233,11 +233,12 @@ class Nvml:
     def free(self) -> list[int]:
         return [int(self.nvml.nvmlDeviceGetMemoryInfo(h).free) for h in self.handles]
 
-    def used_by(self, pid: int) -> list[int]:
+    def processes(self) -> list[dict[int, int]]:
+        """Per device: pid -> used bytes (host pids: they may differ from ours in a container)."""
         out = []
         for h in self.handles:
             procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
-            out.append(sum(int(p.usedGpuMemory or 0) for p in procs if int(p.pid) == pid))
+            out.append({int(p.pid): int(p.usedGpuMemory or 0) for p in procs})
         return out
 
 
@@ -280,14 +281,22 @@ def transition(worker: Worker, op: str, level: int, nvml: Nvml | None) -> Json:
         "devices": devices_json(ack),
     }
     if nvml is not None:
-        out["nvml_used_after_bytes"] = nvml.used_by(worker.proc.pid)
+        # NVML's per-process figures on each device just after the ACK, from outside; the
+        # worker's own figure must be one of them (its pid may be renumbered in a container)
+        out["nvml_processes_after"] = [sorted(procs.values()) for procs in nvml.processes()]
     return out
 
 
-def per_device_rates(t: Json) -> list[float]:
+def per_device_rates(t: Json, per_device_bytes: list[int]) -> list[float]:
     """GB/s of each device's own bytes over the transition (the devices copy at once)."""
     seconds = t["worker_seconds"]
-    return [abs(d["freed_bytes"]) / seconds / 1e9 if seconds else 0.0 for d in t["devices"]]
+    return [b / seconds / 1e9 if seconds else 0.0 for b in per_device_bytes]
+
+
+def stage_bytes(cycles: list[Json], stage: str) -> list[int]:
+    """Each device's share of a stage: what its wakes took there (the flat buffer)."""
+    wakes = [c[f"{stage}_wake"] for c in cycles]
+    return [max(-w["devices"][i]["freed_bytes"] for w in wakes) for i in range(DEVICES)]
 
 
 def wait_asleep(worker: Worker) -> Json:
@@ -354,7 +363,8 @@ def run(args: argparse.Namespace) -> Json:
         ]
         reference_a = generate(a)
         if nvml is not None:
-            ballast, report["ballast"] = arrange_ballast(nvml, a, args)
+            a_used = [d["used_bytes"] for d in report["a_devices"]]
+            ballast, report["ballast"] = arrange_ballast(nvml, a_used, args)
             report["b_wake_while_a_awake"] = transition(b, "wake", 0, nvml)
             report["b_after_refused_wake"] = wait_asleep(b)
         cycles = []
@@ -387,9 +397,9 @@ def run(args: argparse.Namespace) -> Json:
     return report
 
 
-def arrange_ballast(nvml: Nvml, a: Worker, args: argparse.Namespace) -> tuple[Any, Json]:
-    """A tenant that leaves ``room`` free per device: B fits only once A's share is freed."""
-    a_used = nvml.used_by(a.proc.pid)
+def arrange_ballast(nvml: Nvml, a_used: list[int], args: argparse.Namespace) -> tuple[Any, Json]:
+    """A tenant that leaves ``room`` free per device: B fits only once A's share is freed.
+    ``a_used``: what A's worker measured on each device (NVML, its own process)."""
     b_per_device = [int(args.gib * GiB / DEVICES)] * DEVICES
     # Half of B's share stays free: B cannot wake beside A, and fits once A's share is freed.
     room = [int(args.room_gib * GiB) if args.room_gib else b // 2 for b in b_per_device]
@@ -407,7 +417,7 @@ def arrange_ballast(nvml: Nvml, a: Worker, args: argparse.Namespace) -> tuple[An
     after = nvml.free()
     info = {
         "ballast_bytes": sizes,
-        "ballast_nvml_bytes": nvml.used_by(proc.pid),
+        "nvml_processes_with_ballast": [sorted(p.values()) for p in nvml.processes()],
         "free_before_bytes": free,
         "free_with_ballast_bytes": after,
         "a_used_bytes": a_used,
@@ -438,9 +448,11 @@ def summarize(report: Json) -> Json:
         ),
     }
     steady = cycles[1:] or cycles
+    shares = {stage: stage_bytes(cycles, stage) for stage in ("a", "b")}
+    out["per_device_share_bytes"] = shares
     for key in ("a_sleep", "a_wake", "b_sleep", "b_wake"):
         seconds = sorted(c[key]["worker_seconds"] for c in steady)
-        rates = [per_device_rates(c[key]) for c in steady]
+        rates = [per_device_rates(c[key], shares[key[0]]) for c in steady]
         out[f"{key}_seconds_median"] = seconds[len(seconds) // 2]
         out[f"{key}_per_device_gbps_median"] = [
             sorted(r[i] for r in rates)[len(rates) // 2] for i in range(DEVICES)
@@ -455,10 +467,10 @@ def summarize(report: Json) -> Json:
                 for i, rate in enumerate(out[f"{key}_per_device_gbps_median"])
             ]
         diffs = [
-            abs(d["used_after_bytes"] - n)
+            min(abs(d["used_after_bytes"] - n) for n in procs or [0])
             for t in transitions
-            if "nvml_used_after_bytes" in t
-            for d, n in zip(t["devices"], t["nvml_used_after_bytes"], strict=True)
+            if "nvml_processes_after" in t
+            for d, procs in zip(t["devices"], t["nvml_processes_after"], strict=True)
         ]
         out["ack_vs_outside_nvml_max_diff_mib"] = max(diffs) / MiB if diffs else None
     if "ballast" in report:
