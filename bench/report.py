@@ -151,6 +151,45 @@ def gpu_e2e_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def multi_gpu_section(data: dict[str, Any]) -> list[str]:
+    """Two 2-GPU stages (``bench/multi_gpu.py``); a ``--smoke`` run on CPU is not rendered."""
+    if data.get("smoke"):
+        return []
+    m, lim, s, bal = data["machine"], data["limits"], data["summary"], data["ballast"]
+    gpu = (m.get("gpus") or ["?"])[0]
+
+    def pair(key: str) -> str:
+        rates = ", ".join(f"{r:.1f}" for r in s[f"{key}_per_device_gbps_median"])
+        return f"{s[f'{key}_seconds_median']:.3f} s ({rates} GB/s per device)"
+
+    limit = ", ".join(
+        f"H2D {lim[f'h2d_together_gbps_cuda{i}']:.1f} / D2H {lim[f'd2h_together_gbps_cuda{i}']:.1f}"
+        for i in range(2)
+    )
+    return [
+        "",
+        f"Two stages of `gpus: 2` on 2 x {gpu}, `bench/multi_gpu.py` ({data['date'][:10]}): "
+        f"two {data['stage_gib']:.0f} GiB causal LMs, each split over both GPUs by its worker "
+        "(one flat buffer per device), a ballast tenant leaving "
+        f"{min(bal['free_with_ballast_bytes']) / GiB:.1f} GiB free per device (both fit: "
+        f"{_ok(bal['both_fit'])}; a wake beside the other refused: "
+        f"{_ok(s['b_wake_while_a_awake_refused'])}). Copy limits in the same run, both devices "
+        f"at once (GB/s per device): {limit}.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| hand-overs, every ACK ok, tokens identical after every wake | {s['handovers']}, "
+        f"{_ok(s['all_acks_ok'])}, {_ok(s['all_tokens_identical'])} |",
+        f"| every ACK lists both devices; each device freed on sleep | "
+        f"{_ok(s['every_ack_lists_both_devices'])}; {_ok(s['every_device_freed_on_sleep'])} |",
+        f"| A sleep / wake (level 1) | {pair('a_sleep')} / {pair('a_wake')} |",
+        f"| B sleep / wake (level 1) | {pair('b_sleep')} / {pair('b_wake')} |",
+        f"| A level-2 wake (reload from files) | {s['level2_wake_seconds']:.2f} s |",
+        f"| ACK used-after vs NVML from outside, largest difference | "
+        f"{s['ack_vs_outside_nvml_max_diff_mib']:.0f} MiB |",
+    ]
+
+
 def render() -> str:
     lines = [BEGIN]
     worker = _load("worker_sleep.json")
@@ -165,6 +204,9 @@ def render() -> str:
     gpu_e2e = _load("gpu_e2e.json")
     if gpu_e2e:
         lines += gpu_e2e_section(gpu_e2e)
+    multi_gpu = _load("multi_gpu.json")
+    if multi_gpu:
+        lines += multi_gpu_section(multi_gpu)
     lines.append(END)
     return "\n".join(lines)
 
