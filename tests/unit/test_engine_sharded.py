@@ -149,3 +149,30 @@ def test_a_device_left_empty_is_refused() -> None:
     model = tiny_llama(tied=False)
     with pytest.raises(EngineError, match="leaves device 1"):
         ShardedEngine({"model": model}, CPU2, {"model": {"": 0}})
+
+
+def test_a_device_that_fails_to_wake_fails_the_wake_and_sleep_brings_all_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_llama(tied=False)
+    expected = logits(model)
+    engine = sharded(model)
+    engine.activate()
+    engine.sleep(1)
+    second = engine.shards[1]
+    real_wake = second.wake
+
+    def out_of_memory() -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated on device 1)")
+
+    monkeypatch.setattr(second, "wake", out_of_memory)
+    with pytest.raises(EngineError, match=r"device 1 \(cpu\): CUDA out of memory"):
+        engine.wake()
+    assert [s.level for s in engine.shards] == [0, 1]  # device 0 woke, device 1 did not
+    engine.sleep(1)  # what the worker does after a failed wake: every device asleep again
+    assert [s.level for s in engine.shards] == [1, 1]
+    assert engine.device_bytes() == 0
+    monkeypatch.setattr(second, "wake", real_wake)
+    engine.wake()
+    assert torch.equal(logits(model), expected)
+    engine.close()

@@ -409,3 +409,16 @@ def test_termination_log_path(tmp_path: Path) -> None:
     assert termination.from_argv([], {"OMNISTAGE_TERMINATION_LOG": "/c"}) == "/c"
     assert termination.one_line("a\n  b") == "a b"
     assert len(termination.one_line("x" * 10_000).encode()) <= termination.LIMIT
+
+
+def test_gpus_flag_and_environment(tmp_path: Path) -> None:
+    base = ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
+    config = config_from_args(
+        build_parser({}).parse_args([*base, "--device", "cuda:2", "--gpus", "2"])
+    )
+    assert config.gpus == 2 and config.device.names(config.gpus) == ["cuda:2", "cuda:3"]
+    config = config_from_args(build_parser({"OMNISTAGE_GPUS": "3"}).parse_args(base))
+    assert config.gpus == 3 and config.device.names(3) == ["cpu", "cpu", "cpu"]
+    for bad in ("0", "9"):
+        with pytest.raises(ConfigError, match="--gpus"):
+            config_from_args(build_parser({}).parse_args([*base, "--gpus", bad]))
