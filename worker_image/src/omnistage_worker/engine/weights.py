@@ -41,6 +41,9 @@ WeightFiles = Mapping[str, Sequence[Path]]
 
 SAMPLE_BYTES = 4096
 
+_RELEASE_LOCK = threading.Lock()
+"""cuBLAS workspaces are one process-wide table: engines of several devices clear it in turn."""
+
 
 @dataclass(frozen=True)
 class TransferStats:
@@ -222,8 +225,9 @@ class WeightEngine:
         self._flat = None
         if self._cuda:
             torch.cuda.synchronize(self.device)
-            torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()
+            with _RELEASE_LOCK:  # process-wide state: one device's engine at a time
+                torch._C._cuda_clearCublasWorkspaces()
+                torch.cuda.empty_cache()
 
     def _new_flat(self) -> torch.Tensor:
         return torch.empty(self._layout.total_bytes, dtype=torch.uint8, device=self.device)
