@@ -80,7 +80,10 @@ class DiffusionRunner(TorchRunner):
         self, request: inference_service_pb2.GenerateRequest
     ) -> inference_service_pb2.GenerateResponse:
         started = time.monotonic()
-        generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        # The pipeline draws its noise on its execution device (with components on several
+        # devices: the first hooked component's), so the generator lives there too.
+        device = getattr(self.pipeline, "_execution_device", None) or self.device
+        generator = torch.Generator(device=device).manual_seed(request.seed)
         kwargs: dict[str, Any] = {"generator": generator, "output_type": "pil"}
         optional = {
             "num_inference_steps": request.num_inference_steps,
