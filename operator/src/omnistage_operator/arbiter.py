@@ -35,8 +35,8 @@ Rules (the operator's promise rests on them):
   admitted without charge and neither gate nor are gated by the GPU's memory.
 - Per device: a stage on N GPUs holds ``footprint / N`` on each of ITS devices (the ones its
   worker reports; unknown: every device of the group, a safe overcharge). Admission and the wake
-  gate check each of those devices and charge only them, so two 1-GPU stages on the two devices
-  of a 2-GPU claim fit side by side, and a 2-GPU stage fits only where both its devices do.
+  gate check each of those devices and charge only them: 1-GPU stages on different devices
+  never charge each other, and a 2-GPU stage fits only where both its devices do.
 - A stage that needs more GPUs than the group's claim holds (the claim is sized for the largest
   stage when the group starts, and is never resized under running pods) is not admitted:
   ``ClaimTooSmall``.
