@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 from omnistage_operator.labels import RESERVED_LABELS
 from omnistage_operator.quantities import QuantityError, parse_quantity
+from omnistage_worker.config import DTYPES
 
 __all__ = [
     "API_VERSION",
@@ -138,7 +139,6 @@ RESERVED_ARGS = frozenset(
 # Names the builders use for their own volumes and mount points.
 RESERVED_VOLUMES = frozenset({"omnistage-token", "model"})
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 _E = TypeVar("_E", bound=StrEnum)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
