@@ -14,22 +14,44 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from omnistage_operator import conditions as cond
 from omnistage_operator.arbiter import Blocker, BlockReason, WorkerPhase
 from omnistage_operator.facts import AckFacts, WorkerReport, ack_contradiction
 from omnistage_operator.quantities import format_bytes
-from omnistage_operator.spec import Phase
 
 __all__ = [
+    "MemorySource",
     "PersistedFacts",
+    "Phase",
     "StageObservation",
     "build_status",
     "format_timestamp",
     "parse_timestamp",
     "persisted_facts",
 ]
+
+
+class Phase(StrEnum):
+    """``status.state``: what the operator observed."""
+
+    PENDING = "Pending"
+    LOADING = "Loading"
+    ACTIVE = "Active"
+    SLEEPING = "Sleeping"
+    ASLEEP = "Asleep"
+    WAKING = "Waking"
+    WAITING = "Waiting"
+    FAILED = "Failed"
+
+
+class MemorySource(StrEnum):
+    """``status.memory.source``: how the memory figures were measured."""
+
+    NVML = "nvml"
+    ACCOUNTING = "accounting"
 
 
 def format_timestamp(epoch_s: float) -> str:
