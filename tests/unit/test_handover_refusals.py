@@ -296,3 +296,38 @@ async def test_unconfirmed_fence_stays_pending_and_keeps_the_gate_closed() -> No
     out = await run_round(port, POLICY, lambda: "h3")
     assert _ops(port) == [("fence", "a"), ("wake", "b")]
     assert out.fence_confirmed == {"a"}
+
+
+@dataclass
+class ClaimPort:
+    """A group whose claim holds one GPU: "one" (gpus 1) runs, "wide" (gpus 2) has no pod."""
+
+    started: list[str] = field(default_factory=list)
+
+    async def observe(self) -> GroupObservation:
+        intents = {
+            "one": StageIntent("one", False, vram_request=GI),
+            "wide": StageIntent("wide", True, vram_request=GI, gpus=2),
+        }
+        facts = {
+            "one": StageFacts(WorkerPhase.ASLEEP, level=1, device_uuids=("GPU-0",)),
+            "wide": StageFacts(WorkerPhase.ABSENT),
+        }
+        devs = (DeviceMemory("GPU-0", TOTAL, TOTAL - GI),)
+        mem = GroupMemory(TOTAL, TOTAL - GI, devs, claim_uuids=("GPU-0",))
+        return GroupObservation(intents, facts, mem)
+
+    async def start(self, stage: str) -> None:
+        self.started.append(stage)
+
+    async def probe(self, stage: str) -> StageFacts:
+        return (await self.observe()).facts[stage]
+
+
+async def test_no_pod_for_a_stage_wider_than_the_claim() -> None:
+    port = ClaimPort()
+    out = await run_round(port, POLICY, lambda: "h1")  # type: ignore[arg-type]
+    assert port.started == [] and out.started == []  # its worker could not see its devices
+    assert out.decision is not None
+    (blocker,) = out.decision.waiting["wide"]
+    assert blocker.reason is BlockReason.CLAIM_TOO_SMALL

@@ -64,6 +64,7 @@ __all__ = [
     "StageIntent",
     "WorkerPhase",
     "admission_order",
+    "claim_too_small",
     "context_charge",
     "device_mismatches",
     "footprint",
@@ -400,7 +401,9 @@ def _usable_by_device(
     return usable
 
 
-def _claim_too_small(intent: StageIntent, memory: GroupMemory) -> Blocker | None:
+def claim_too_small(intent: StageIntent, memory: GroupMemory) -> Blocker | None:
+    """A ``ClaimTooSmall`` blocker when the stage needs more GPUs than the group's allocated
+    claim holds (None otherwise, or while the claim's devices are unknown)."""
     claim = memory.claim_uuids
     if claim is None or intent.gpus <= len(claim):
         return None
@@ -441,7 +444,7 @@ def _admit(  # noqa: PLR0917 - private helper of plan
         if name in off_device:
             admitted.append(name)  # host RAM only: no charge on the group's GPUs
             continue
-        too_small = _claim_too_small(intents[name], memory)
+        too_small = claim_too_small(intents[name], memory)
         if too_small is not None:
             waiting[name].append(too_small)
             continue

@@ -48,6 +48,7 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
+    claim_too_small,
     plan,
 )
 from omnistage_operator.facts import AckFacts, ack_contradiction, memory_need
@@ -457,6 +458,8 @@ async def run_round(
 
     for name in sorted(obs.intents):
         if obs.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase is WorkerPhase.ABSENT:
+            if claim_too_small(obs.intents[name], obs.memory) is not None:
+                continue  # no pod on a claim that cannot hold it: its worker could not start
             await port.start(name)
             out.started.append(name)
     started = frozenset(out.started)
