@@ -106,3 +106,27 @@ def test_two_2gpu_stages_hand_over_per_device(
     # the sleep ACK names both devices, and each gave its share back
     freed = {d.uuid: d.used_before - d.used_after for d in worker.last_ack.devices}
     assert set(freed) == set(uuids.values()) and all(v > 0 for v in freed.values())
+
+
+def test_a_stage_wider_than_the_claim_is_refused_and_gets_no_pod(
+    cluster: Cluster,
+    operator: OperatorProcess,
+    tiny_models: dict[str, Path],
+    make_local_nodes: Any,
+) -> None:
+    nodes: LocalNodes = make_local_nodes(nodes=1, gpus=2, gpu_memory=4 * PER_DEVICE)
+    node = nodes.node_names[0]
+    one = stage_manifest("one", "ar", tiny_models, node, worker_args=["--cpu-threads=1"])
+    cluster.apply(one)  # the group's claim is sized for it: one GPU
+    wait_for("one Active", lambda: cluster.state("one") == "Active", 240)
+    cluster.apply(two_gpu_stage("wide", tiny_models, node, "Active"))
+
+    def refused() -> dict[str, Any] | None:
+        conditions = cluster.status("wide").get("conditions") or []
+        admitted = next((c for c in conditions if c["type"] == "Admitted"), None)
+        return admitted if admitted and admitted["reason"] == "ClaimTooSmall" else None
+
+    admitted = wait_for("wide refused with ClaimTooSmall", refused, 60)
+    assert admitted["status"] == "False" and "needs 2 GPUs" in admitted["message"]
+    assert cluster.pod("wide") is None  # no pod on a claim that cannot hold it
+    assert cluster.state("one") == "Active"  # the running stage is left alone

@@ -461,6 +461,10 @@ def test_a_stage_needing_more_gpus_than_the_claim_is_refused() -> None:
     (blocker,) = d.waiting["wide"]
     assert blocker.reason is BlockReason.CLAIM_TOO_SMALL
     assert blocker.message.startswith("needs 2 GPUs; the group's claim holds 1")
+    # a stage not loaded yet (no pod: the operator starts none for it) reads the same
+    idle = {"wide": StageIntent("wide", False, vram_request=GI, gpus=2)}
+    d = plan(idle, {"wide": StageFacts(WorkerPhase.ABSENT)}, memory)
+    assert [b.reason for b in d.waiting["wide"]] == [BlockReason.CLAIM_TOO_SMALL]
 
 
 def test_a_stage_on_fewer_gpus_uses_some_of_the_claims_devices() -> None:

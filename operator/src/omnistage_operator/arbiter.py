@@ -551,6 +551,10 @@ def plan(
     needs = {name: _per_device(fps[name], intents[name]) for name in intents}
     waiting: dict[str, list[Blocker]] = {name: [] for name in intents}
     admitted = _admit(intents, facts, memory, needs, off_device, waiting)
+    for name, intent in intents.items():  # not loaded yet (no pod: none is started) too
+        too_small = claim_too_small(intent, memory)
+        if too_small is not None and too_small not in waiting[name]:
+            waiting[name].append(too_small)
     sleeps, fences = _sleeps_and_fences(intents, facts, frozenset(admitted), off_device)
     common = _common_blockers(
         intents,
