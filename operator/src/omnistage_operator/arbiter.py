@@ -31,6 +31,11 @@ Rules (the operator's promise rests on them):
   every worker sees the claim's devices, the free memory is measured, and on every device the
   free memory, less a context (``context_bytes``) for each starting pod, covers the footprint
   per device plus a margin. Wakes in one decision are charged one after the other.
+- Stages that cannot start asleep (``StageIntent.starts_active``: vLLM takes its memory while
+  its engine starts) get no pod until they are admitted and pass the same gate as a wake (their
+  footprint, or the whole device when it is unknown); then the decision starts them
+  (``Decision.start``) Active. While such a stage is starting or loading, no other stage of the
+  group is woken or started (its memory is not measured yet).
 - Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
   admitted without charge and neither gate nor are gated by the GPU's memory.
 """
@@ -84,6 +89,7 @@ class WorkerPhase(StrEnum):
 
 _IN_PROGRESS = frozenset({WorkerPhase.LOADING, WorkerPhase.WAKING})
 _TRANSITIONS = _IN_PROGRESS | {WorkerPhase.SLEEPING}
+_ENGINE_STARTING = frozenset({WorkerPhase.STARTING, WorkerPhase.LOADING})
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,9 @@ class StageIntent:
     vram_request: int | None = None
     gpus: int = 1  # 0: a CPU stage (host RAM only)
     drain_timeout_s: float | None = None  # spec's drain timeout; None: the worker's own
+    # Its worker cannot start asleep (vLLM: the engine takes its memory while it starts): its
+    # pod is created Active, only once admitted and the gate passes (``Decision.start``).
+    starts_active: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,6 +231,7 @@ class Decision:
     waiting: Mapping[str, tuple[Blocker, ...]] = field(default_factory=dict)
     footprints: Mapping[str, int | None] = field(default_factory=dict)
     fence: tuple[FenceOrder, ...] = ()
+    start: tuple[str, ...] = ()  # absent ``starts_active`` stages whose pods start Active now
 
     @property
     def holder_sleeps(self) -> frozenset[str]:
@@ -527,6 +537,11 @@ def plan(
     for name in sorted(started):
         msg = f"pod of {name} started in this round; its context is not measured yet"
         common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
+    for name in sorted(intents):
+        engine_starting = facts[name].phase in _ENGINE_STARTING and name not in started
+        if intents[name].starts_active and engine_starting:
+            msg = f"{name} is starting its engine Active; its memory is not measured yet"
+            common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
     fence_of = {f.stage: f for f in fences}
     for name in sorted(intents):
         fact = facts[name]
@@ -553,6 +568,7 @@ def plan(
             {d.uuid: d.free for d in memory.devices} if memory.devices else {"": memory.free}
         )
     wakes: list[str] = []
+    starts: list[str] = []
     for name in admitted:
         fact = facts[name]
         if (
@@ -560,7 +576,8 @@ def plan(
             or fact.phase in _IN_PROGRESS
         ):
             continue  # holds its admitted share already (or is on its way to it)
-        if fact.phase is not WorkerPhase.ASLEEP:
+        start = intents[name].starts_active and fact.phase is WorkerPhase.ABSENT
+        if fact.phase is not WorkerPhase.ASLEEP and not start:
             waiting[name].append(
                 Blocker(BlockReason.SELF_BUSY, f"own worker is {fact.phase.value}")
             )
@@ -597,7 +614,7 @@ def plan(
         if blockers:
             waiting[name].extend(blockers)
             continue
-        wakes.append(name)
+        (starts if start else wakes).append(name)
         if free_left is not None:
             for uuid in free_left:
                 free_left[uuid] -= need if need is not None else free_left[uuid]
@@ -609,4 +626,5 @@ def plan(
         waiting={k: tuple(v) for k, v in waiting.items() if v},
         footprints=fps,
         fence=tuple(fences),
+        start=tuple(starts),
     )

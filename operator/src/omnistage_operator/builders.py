@@ -26,9 +26,10 @@ Builders:
     pod". ``state``, ``sleepLevel``, ``priority`` and ``vram`` are left out: they are
     followed over gRPC or by the arbiter without a restart.
     ``build_worker_pod(stage, *, initial_state, owner, claim_name=<pod_claim_name(stage)>,
-    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict`` (``ValueError`` for an
-    asleep start of a stage that cannot start asleep: see ``can_start_asleep(stage)``, false
-    for VLLM, whose worker refuses ``--initial-state asleep``)
+    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict`` (a stage that cannot
+    start asleep, see ``can_start_asleep(stage)``: false for VLLM, whose worker refuses
+    ``--initial-state asleep``, always starts Active: the operator creates its pod only once
+    the stage is admitted and the measured free memory covers it)
     ``build_service(stage, *, owner) -> dict``
     ``build_group_claim(namespace, group, gpus, device_class=DEFAULT_DEVICE_CLASS) -> dict``
     ``build_token_secret(namespace, token, name=TOKEN_SECRET_NAME) -> dict``
@@ -302,11 +303,8 @@ def build_worker_pod(
     ``pod_claim_name(stage)``; pass ``None`` for no DRA claim. ``sleep_level`` overrides the
     spec's level for an asleep start.
     """
-    if not can_start_asleep(stage) and DesiredState(initial_state) is DesiredState.ASLEEP:
-        raise ValueError(
-            f"stage {stage.key}: backend {stage.backend.value} cannot start asleep (vLLM takes "
-            "device memory while it loads); create its pod only once it is admitted"
-        )
+    if not can_start_asleep(stage):
+        initial_state = DesiredState.ACTIVE  # its pod exists only once admitted (arbiter)
     claim = pod_claim_name(stage) if claim_name == _NOT_GIVEN else claim_name
     explicit = stage.placement.mode is PlacementMode.EXPLICIT
     if explicit and claim is not None:

@@ -73,6 +73,10 @@ class StageObservation:
     # ok (``SleepResult.reason``/``message``) and a wake that was refused or failed.
     sleep_problem: tuple[str, str] | None = None
     wake_problem: tuple[str, str] | None = None
+    # An unexpected error of this stage in a round (start, sleep, wake): (reason, message).
+    stage_problem: tuple[str, str] | None = None
+    # Its pod is created only once admitted (vLLM takes its memory while it starts).
+    starts_when_admitted: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ def _state(o: StageObservation) -> Phase:
             return Phase.WAKING
         case WorkerPhase.ASLEEP:
             return Phase.WAITING if o.wants_active and o.waiting else Phase.ASLEEP
+        case WorkerPhase.ABSENT if o.starts_when_admitted and o.wants_active and o.waiting:
+            return Phase.WAITING
         case _:
             return Phase.PENDING  # no pod yet, or its worker has not answered yet
 
@@ -212,8 +218,20 @@ def build_status(
     ready_msg = f"worker is {o.phase.value}" + (f": {r.error}" if r is not None and r.error else "")
     if o.worker_error is not None and r is None:
         ready_reason, ready_msg = cond.Reason.WORKER_UNAUTHENTICATED, o.worker_error
+    elif o.stage_problem is not None and not ready:
+        ready_reason, ready_msg = o.stage_problem
     elif o.wake_problem is not None and not ready:
         ready_reason, ready_msg = o.wake_problem
+    elif o.starts_when_admitted and o.phase is WorkerPhase.ABSENT:
+        ready_reason = cond.Reason.STARTS_WHEN_ADMITTED
+        ready_msg = (
+            "vLLM takes its memory while it starts: its pod is created once the stage is "
+            "admitted and the group's measured free memory covers its footprint"
+        )
+        if not o.wants_active:
+            ready_msg += " (spec.state is Asleep)"
+        elif o.waiting:
+            ready_msg += "; waiting: " + "; ".join(b.message for b in o.waiting)
     cs = cond.set_condition(cs, cond.READY, ready, ready_reason, ready_msg, gen, now)
 
     asleep = o.phase is WorkerPhase.ASLEEP
