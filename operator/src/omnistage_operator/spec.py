@@ -23,11 +23,12 @@ Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``
 Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     ``ModelSpec(path, mount_path, volume)``, ``Colocation(group, priority)``,
     ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype)``,
+    ``VllmSettings(max_model_len, gpu_memory_utilization, enforce_eager)`` (``spec.vllm``),
     ``TemplateOverrides(resources, env, volumes, volume_mounts, node_selector, tolerations,
     annotations, labels, service_account_name, priority_class_name)``,
     ``StageSpec(name, namespace, uid, generation, runner, backend, model, image, state,
     sleep_level, colocation, gpus, vram_request, vram_request_bytes, placement, worker,
-    template, drain_timeout_s)`` with properties ``group``, ``priority``, ``key``
+    template, drain_timeout_s, vllm)`` with properties ``group``, ``priority``, ``key``
     (``"ns/name"``), ``wants_active``.
 Functions:
     ``parse_stage(body: Mapping[str, Any]) -> StageSpec`` (raises ``SpecError``)
@@ -135,6 +136,7 @@ RESERVED_ARGS = frozenset(
         "--drain-timeout",
     }
 )
+RESERVED_ARG_PREFIX = "--vllm-"  # engine flags come from spec.vllm
 # Names the builders use for their own volumes and mount points.
 RESERVED_VOLUMES = frozenset({"omnistage-token", "model"})
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"
@@ -269,6 +271,19 @@ class WorkerSettings:
 
 
 @dataclass(frozen=True)
+class VllmSettings:
+    """``spec.vllm``: engine arguments of a VLLM stage (tensor parallel size is ``gpus``).
+
+    ``gpu_memory_utilization`` None: the worker derives it from ``vram.request`` over the
+    device's total memory (or, without a request, from the free memory at its start).
+    """
+
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
 class TemplateOverrides:
     """``spec.template``: core pod fields merged into the worker pod (copies of the body)."""
 
@@ -308,6 +323,7 @@ class StageSpec:
     # How long a sleep waits for in-flight requests; the worker (--drain-timeout) and every
     # Sleep the operator sends (SleepRequest.drain_timeout, and its deadline) honour this one value.
     drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
+    vllm: VllmSettings = field(default_factory=VllmSettings)
 
     @property
     def group(self) -> str:
@@ -533,7 +549,7 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     args = _strings(worker.get("args"), "spec.worker.args")
     for i, arg in enumerate(args):
         flag = arg.split("=", 1)[0]
-        if flag in RESERVED_ARGS:
+        if flag in RESERVED_ARGS or flag.startswith(RESERVED_ARG_PREFIX):
             raise SpecError(
                 f"spec.worker.args[{i}]",
                 f"{flag} is set by the operator from the spec; use the matching spec field",
@@ -542,6 +558,30 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     if dtype is not None and dtype not in DTYPES:
         raise SpecError("spec.worker.dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
     return WorkerSettings(port=port, device=device, args=args, dtype=dtype)
+
+
+MAX_MODEL_LEN = 1 << 24
+
+
+def _parse_vllm(spec: Mapping[str, Any], backend: Backend) -> VllmSettings:
+    raw = spec.get("vllm")
+    if raw is None:
+        return VllmSettings()
+    if backend is not Backend.VLLM:
+        raise SpecError("spec.vllm", f"is for backend VLLM only, not {backend.value}")
+    vllm = _mapping(raw, "spec.vllm")
+    length = vllm.get("maxModelLen")
+    if length is not None:
+        length = _int(length, "spec.vllm.maxModelLen", 0, 1, MAX_MODEL_LEN)
+    util = vllm.get("gpuMemoryUtilization")
+    if util is not None:
+        if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
+            raise SpecError("spec.vllm.gpuMemoryUtilization", f"must be in (0, 1], got {util!r}")
+        util = float(util)
+    eager = vllm.get("enforceEager", False)
+    if not isinstance(eager, bool):
+        raise SpecError("spec.vllm.enforceEager", f"must be true or false, got {eager!r}")
+    return VllmSettings(max_model_len=length, gpu_memory_utilization=util, enforce_eager=eager)
 
 
 def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
@@ -648,4 +688,5 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
             MIN_DRAIN_TIMEOUT_S,
             MAX_DRAIN_TIMEOUT_S,
         ),
+        vllm=_parse_vllm(spec, backend),
     )
