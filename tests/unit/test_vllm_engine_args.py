@@ -45,9 +45,7 @@ def args_of(manifest: dict[str, Any]) -> list[str]:
 
 
 def test_spec_vllm_becomes_worker_flags_the_worker_accepts(tmp_path: Path) -> None:
-    manifest = body(
-        vllm={"maxModelLen": 4096, "gpuMemoryUtilization": 0.45, "enforceEager": True}
-    )
+    manifest = body(vllm={"maxModelLen": 4096, "gpuMemoryUtilization": 0.45, "enforceEager": True})
     assert parse_stage(manifest).vllm == VllmSettings(4096, 0.45, True)
     args = args_of(manifest)
     tail = args[args.index("--vllm-tensor-parallel-size") :]
@@ -59,7 +57,7 @@ def test_spec_vllm_becomes_worker_flags_the_worker_accepts(tmp_path: Path) -> No
     # The worker's own parser takes them (with the pod's other flags made local).
     local = [a for a in args if not a.startswith("--host=")]
     local[local.index("--model") + 1] = str(tmp_path)
-    local = [a for a in local if a != "--token-file" and a != "/var/run/secrets/omnistage/token"]
+    local = [a for a in local if a not in {"--token-file", "/var/run/secrets/omnistage/token"}]
     config = config_from_args(build_parser({}).parse_args(local))
     assert config.vllm == VllmArgs(4096, 0.45, None, True, 2)
 
@@ -71,7 +69,7 @@ def test_utilization_is_derived_from_the_vram_request() -> None:
     # Per device: 20 GiB over 2 GPUs of 80 GiB each.
     engine = VllmArgs(memory_bytes=20 * GI, tensor_parallel_size=2)
     assert engine.utilization(80 * GI, 70 * GI) == pytest.approx(0.125)
-    with pytest.raises(ConfigError, match="only .* are free now"):
+    with pytest.raises(ConfigError, match=r"only .* are free now"):
         engine.utilization(80 * GI, 5 * GI)
     # Neither given: the free memory at start, less 2%.
     assert VllmArgs().utilization(80 * GI, 40 * GI) == pytest.approx(0.48)
