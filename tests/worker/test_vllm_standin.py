@@ -29,10 +29,10 @@ from omnistage_worker.runners.vllm import VllmController
 from tests.fakegpu import model
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device
+from tests.fakevllm.models import STANDIN_PATH, build_standin_model
 from tests.worker.conftest import StartWorker, rpc_error
 
-ROOT = Path(__file__).resolve().parents[2]
-STANDIN = str(ROOT / "tests" / "fakevllm")
+STANDIN = str(STANDIN_PATH)
 TOTAL = 4_000_000
 CONTEXT = 100_000
 GRAPHS = CONTEXT // 4  # the stand-in's CUDA graphs (enforce_eager=False)
@@ -41,15 +41,7 @@ BUDGET = 1_600_000  # the stage's memory: gpu_memory_utilization 0.4
 
 
 def build_model(directory: Path) -> Path:
-    """A model directory without a tokenizer: config.json and one safetensors file."""
-    import torch
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text('{"vocab_size": 256, "model_type": "llama"}')
-    torch.manual_seed(0)
-    save_file({"w": torch.randn(WEIGHTS // 4)}, str(directory / "model.safetensors"))
-    return directory
+    return build_standin_model(directory, WEIGHTS)
 
 
 @pytest.fixture
