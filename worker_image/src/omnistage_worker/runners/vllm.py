@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +183,9 @@ class VllmRunner(ModelRunner):
         return kwargs
 
     def load(self) -> None:
+        # vLLM forks its engine core by default; this process runs gRPC threads, which must
+        # not be forked: spawn it (the worker's entry points are import-safe).
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 
         probe = self._probe()
