@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,13 @@ def write_llama(directory: Path, cfg: Json, shard_bytes: int = 2 * GiB) -> Json:
 
 
 def child_build(workdir: Path, smoke: bool, torch_layers: int) -> Json:
-    """The vLLM model (no tokenizer) and the torch model (with a local tokenizer)."""
+    """The vLLM model (no tokenizer) and the torch model (with a local tokenizer); models
+    already built there (a warm machine keeps /tmp) are reused."""
+    built = workdir / "built.json"
+    if built.exists():
+        done: Json = json.loads(built.read_text())
+        if done.get("smoke") == smoke and done.get("torch_layers") == torch_layers:
+            return done
     if smoke:
         from tests.fakevllm.models import build_standin_model
 
@@ -156,6 +163,8 @@ def child_build(workdir: Path, smoke: bool, torch_layers: int) -> Json:
         torch_cfg = {**LLM_CONFIG, "num_hidden_layers": torch_layers}
     out["torch"] = write_llama(workdir / "torch_llm", torch_cfg)
     ensure_tokenizer(workdir / "torch_llm")
+    out |= {"smoke": smoke, "torch_layers": torch_layers}
+    built.write_text(json.dumps(out))
     return out
 
 
@@ -378,14 +387,39 @@ def deepen_refused(llm: Worker) -> Json:
     return {"sleep1_ok": first["ok"], "sleep2": second, "wake_ok": woke["ok"]}
 
 
+def machine(smoke: bool) -> Json:
+    """Where it ran (NVML only: this process takes no CUDA context)."""
+    from importlib import metadata
+
+    info: Json = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "cpus": os.cpu_count()}
+    for package in ("torch", "vllm"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info[package] = None
+    if smoke:
+        info["gpu"] = "simulated GPU (tests/fakegpu), stand-in engine (tests/fakevllm)"
+        return info
+    import pynvml
+
+    pynvml.nvmlInit()
+    name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+    info["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+    driver = pynvml.nvmlSystemGetDriverVersion()
+    info["driver"] = driver.decode() if isinstance(driver, bytes) else str(driver)
+    return info
+
+
 def run(a: argparse.Namespace) -> Json:
     work: Path = a.workdir
     work.mkdir(parents=True, exist_ok=True)
-    report: Json = {"command": " ".join(sys.argv), "smoke": a.smoke}
+    report: Json = {"command": " ".join(sys.argv), "smoke": a.smoke, "machine": machine(a.smoke)}
     limit_size = 64 * MiB if a.smoke else 4 * GiB
-    report["limits"] = run_child(["limits", str(limit_size)], 900, REPO / "bench/worker_sleep.py")
     report["build"] = run_child(["build", str(work), "smoke" if a.smoke else "full",
                                  str(a.torch_layers)], 3600)  # fmt: skip
+    if a.build_only:
+        return report
+    report["limits"] = run_child(["limits", str(limit_size)], 900, REPO / "bench/worker_sleep.py")
     fake_dir: Path | None = None
     if a.smoke:
         from tests.fakegpu.device import FakeGpu
@@ -501,6 +535,7 @@ def main() -> None:
     parser.add_argument("--attention-via", choices=("arg", "env", "none"), default="arg",
                         help="how the backend reaches vLLM: engine argument or "
                         "VLLM_ATTENTION_BACKEND")  # fmt: skip
+    parser.add_argument("--build-only", action="store_true", help="limits and models only")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.child:
