@@ -10,6 +10,7 @@ is refused with the need, and a wake that runs out of memory leaves the engine a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
@@ -30,7 +31,7 @@ from tests.fakegpu import model
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device
 from tests.fakevllm.models import STANDIN_PATH, build_standin_model
-from tests.worker.conftest import StartWorker, rpc_error
+from tests.worker.conftest import StartWorker, rpc_error, wait_for
 
 STANDIN = str(STANDIN_PATH)
 TOTAL = 4_000_000
@@ -114,6 +115,25 @@ async def test_standin_stage_sleeps_and_wakes_with_measured_physics(
     err = await rpc_error(w.sleep(2))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "wake it first" in (err.details() or "")
+
+
+async def test_sleep_drains_a_request_in_flight_instead_of_aborting_it(
+    start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
+) -> None:
+    w = await start(start_worker, build_model(tmp_path / "m"))
+    reference = list((await w.generate(prompt="hi", max_new_tokens=4)).text.token_ids)
+    gpu.set_faults(slow_serving_s=1.0)  # every request of the engine takes a second
+    request = asyncio.ensure_future(w.generate(prompt="hi", max_new_tokens=4))
+    await wait_for(lambda: _inflight(w), within=10, what="the request in flight")
+    ack = await w.sleep(1)
+    assert ack.ok, ack.error
+    assert ack.drain_duration.ToTimedelta().total_seconds() > 0.3  # it waited for the request
+    assert list((await request).text.token_ids) == reference  # which finished, not aborted
+    gpu.clear_faults()
+
+
+async def _inflight(w: Any) -> bool:
+    return int((await w.status()).inflight_requests) > 0
 
 
 async def test_wake_that_does_not_fit_is_refused_with_the_need(

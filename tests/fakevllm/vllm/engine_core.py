@@ -14,7 +14,8 @@ Physics, per vLLM's sleep mode (``CuMemAllocator`` tags "weights" and "kv_cache"
 - wake_up(tags): maps the tagged memory again and can run out of memory (the simulated GPU's
   ``OutOfMemory``); weights woken from level 2 are garbage until ``reload_weights`` reads the
   files again (generation with them gives other tokens);
-- generate: greedy token ids from the prompt ids and a digest of the weight files' bytes.
+- generate: greedy token ids from the prompt ids and a digest of the weight files' bytes; the
+  simulated GPU's ``slow_serving_s`` fault makes a request take that long (a drain to wait for).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,9 @@ class EngineCore:
         if not (self.me.weights and self.me.pool):
             raise RuntimeError("the engine is sleeping: wake_up() before generate")
         digest = self.digest if self.valid else 0
+        slow = self.gpu.faults(self.me.pid).slow_serving_s  # the simulated GPU's fault switch
+        if slow > 0:
+            time.sleep(slow)
         return [greedy(digest, p, max_tokens, self.vocab) for p in prompts]
 
     def handle(self, req: dict[str, Any]) -> Any:
