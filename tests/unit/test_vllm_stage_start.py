@@ -137,6 +137,18 @@ def test_absent_vllm_stage_is_started_only_when_admitted_and_free_covers_it() ->
     assert d.start == () and d.admitted == ()
 
 
+def test_a_vllm_stage_alone_starts_without_measured_memory_but_not_beside_others() -> None:
+    """No worker has measured the device yet: alone, the engine's own start check is the gate
+    (else a group of vLLM stages could never start); beside a pod, no start on a guess."""
+    unknown = GroupMemory()
+    absent = StageFacts(WorkerPhase.ABSENT)
+    assert plan({"llm": _vllm()}, {"llm": absent}, unknown).start == ("llm",)
+    intents = {"llm": _vllm(), "dit": _torch(want=False)}
+    d = plan(intents, {"llm": absent, "dit": StageFacts(WorkerPhase.STARTING)}, unknown)
+    assert d.start == ()
+    assert d.waiting["llm"][0].reason is BlockReason.NOT_MEASURED
+
+
 def test_holder_sleeps_before_the_vllm_stage_starts_and_its_start_blocks_other_wakes() -> None:
     mem = GroupMemory(TOTAL, 6 * GI, (DeviceMemory("GPU-0", TOTAL, 6 * GI),))
     intents = {"llm": _vllm(), "dit": _torch()}

@@ -34,8 +34,10 @@ Rules (the operator's promise rests on them):
 - Stages that cannot start asleep (``StageIntent.starts_active``: vLLM takes its memory while
   its engine starts) get no pod until they are admitted and pass the same gate as a wake (their
   footprint, or the whole device when it is unknown); then the decision starts them
-  (``Decision.start``) Active. While such a stage is starting or loading, no other stage of the
-  group is woken or started (its memory is not measured yet).
+  (``Decision.start``) Active. With no other stage of the group on the device (all absent), the
+  free memory need not be measured: the worker refuses to start an engine the device's free
+  memory does not cover (and so does vLLM). While such a stage is starting or loading, no other
+  stage of the group is woken or started (its memory is not measured yet).
 - Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
   admitted without charge and neither gate nor are gated by the GPU's memory.
 """
@@ -587,7 +589,10 @@ def plan(
             continue
         blockers = [b for b in common if b.stage != name]
         need = needs[name]
-        if not blockers and free_left is None:
+        alone = start and all(facts[n].phase is WorkerPhase.ABSENT for n in intents if n != name)
+        if not blockers and free_left is None and alone:
+            pass  # nothing of the group on the device: the engine's own start check is the gate
+        elif not blockers and free_left is None:
             blockers.append(
                 Blocker(
                     BlockReason.NOT_MEASURED,
