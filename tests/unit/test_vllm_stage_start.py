@@ -23,8 +23,7 @@ from omnistage_operator.arbiter import (
 )
 from omnistage_operator.facts import AckFacts
 from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy, run_round
-from omnistage_operator.spec import Phase
-from omnistage_operator.status import StageObservation, build_status
+from omnistage_operator.status import Phase, StageObservation, build_status
 
 GI = 1 << 30
 TOTAL = 16 * GI
