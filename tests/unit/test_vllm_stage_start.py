@@ -148,6 +148,19 @@ def test_a_vllm_stage_alone_starts_without_measured_memory_but_not_beside_others
     assert d.waiting["llm"][0].reason is BlockReason.NOT_MEASURED
 
 
+def test_gpu_memory_utilization_is_a_floor_of_the_footprint() -> None:
+    """Without vram.request, a vLLM stage's engine takes gpuMemoryUtilization of the device:
+    it is not started into less free memory than that (its worker would refuse to start)."""
+    intent = StageIntent("llm", True, starts_active=True, memory_share=0.5)
+    absent = StageFacts(WorkerPhase.ABSENT)
+    low = GroupMemory(TOTAL, 6 * GI, (DeviceMemory("GPU-0", TOTAL, 6 * GI),))
+    d = plan({"llm": intent}, {"llm": absent}, low)
+    assert d.footprints["llm"] == 8 * GI and d.start == ()
+    assert d.waiting["llm"][0].reason is BlockReason.FREE_TOO_LOW
+    enough = GroupMemory(TOTAL, 9 * GI, (DeviceMemory("GPU-0", TOTAL, 9 * GI),))
+    assert plan({"llm": intent}, {"llm": absent}, enough).start == ("llm",)
+
+
 def test_holder_sleeps_before_the_vllm_stage_starts_and_its_start_blocks_other_wakes() -> None:
     mem = GroupMemory(TOTAL, 6 * GI, (DeviceMemory("GPU-0", TOTAL, 6 * GI),))
     intents = {"llm": _vllm(), "dit": _torch()}

@@ -8,7 +8,8 @@ Rules (the operator's promise rests on them):
 
 - Footprint: the largest of ``vram.request``, the peak the worker measured while Active, its
   measured active footprint and the need learned from a wake refused for lack of memory
-  (``footprint``). Unknown (none of them) means "the whole group": such a stage is admitted
+  (``footprint``), and for a vLLM stage with ``gpuMemoryUtilization`` that share of the
+  measured device capacity. Unknown (none of them) means "the whole group": such a stage is admitted
   only first in order and alone, and it is woken only when no other stage of the group may
   hold memory and the free memory is measured; its footprint is learned from that wake.
 - Admission: stages that want Active are ordered by priority (higher first), then by when they
@@ -111,6 +112,9 @@ class StageIntent:
     # Its worker cannot start asleep (vLLM: the engine takes its memory while it starts): its
     # pod is created Active, only once admitted and the gate passes (``Decision.start``).
     starts_active: bool = False
+    # vLLM's gpuMemoryUtilization: the share of each device's total its engine takes (a floor
+    # for its footprint once the capacity is measured).
+    memory_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +369,15 @@ def _fmt(n: int | None) -> str:
     return "unknown" if n is None else format_bytes(n)
 
 
+def _with_share(fp: int | None, intent: StageIntent, memory: GroupMemory) -> int | None:
+    """A footprint at least the engine's share of the measured device capacity (summed over the
+    stage's devices), for a stage that sets one (vLLM's gpuMemoryUtilization)."""
+    if intent.memory_share is None or memory.capacity is None:
+        return fp
+    share = int(intent.memory_share * memory.capacity) * max(1, intent.gpus)
+    return max(fp or 0, share)
+
+
 def _per_device(fp: int | None, intent: StageIntent) -> int | None:
     """A stage's footprint on each of its devices (its figures are sums over them)."""
     if fp is None:
@@ -486,7 +499,8 @@ def plan(
     absent = StageFacts(WorkerPhase.ABSENT)
     facts = {name: facts.get(name, absent) for name in intents}
     off_device = frozenset(n for n in intents if memory.gpu and intents[n].gpus == 0)
-    fps = {name: footprint(intents[name], facts[name]) for name in intents}
+    fps = {name: _with_share(footprint(intents[name], facts[name]), intents[name], memory)
+           for name in intents}  # fmt: skip
     needs = {name: _per_device(fps[name], intents[name]) for name in intents}
     waiting: dict[str, list[Blocker]] = {name: [] for name in intents}
     admitted = _admit(intents, facts, memory, needs, off_device, waiting)

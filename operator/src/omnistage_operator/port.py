@@ -119,6 +119,7 @@ class KubeGroupPort:
             gpus=spec.gpus,
             drain_timeout_s=float(spec.drain_timeout_s),
             starts_active=starts_active,
+            memory_share=spec.vllm.gpu_memory_utilization if starts_active else None,
         )
 
     async def _status_of(self, name: str, pod: Mapping[str, Any]) -> WorkerReport | None:
