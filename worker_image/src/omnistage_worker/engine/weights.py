@@ -63,6 +63,7 @@ class WeightEngine:
         *,
         pin_in_background: bool = True,
         reload_threads: int | None = None,
+        host_copy: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.modules = dict(modules)
@@ -82,7 +83,9 @@ class WeightEngine:
         self._releasing: list[threading.Thread] = []
         self._kept: dict[int, torch.Tensor] = {}
         self._loose: list[tuple[torch.Tensor, torch.device]] = []
-        self._pin_in_background = pin_in_background
+        self._pin_in_background = pin_in_background and host_copy
+        self.host_copy = host_copy
+        """False for level-2 stages: no host copy is page-locked while awake."""
         readers = reload_threads or min(8, os.cpu_count() or 1)
         self._loader = FileLoader(self.device, readers=readers)
         self.level = 0
@@ -299,23 +302,36 @@ class WeightEngine:
         started = time.perf_counter()
         moved = 0
         if level == 1:
-            host = self._take_host().tensor
+            # Filled before page-locking, each loaded tensor freed once copied: host RAM stays
+            # at about the model's size (pinning first would fault in a second full copy).
+            host = HostBuffer(self._layout.total_bytes, pin=False)
             for slot in self._slots:
-                self._view(host, slot).copy_(slot.tensors[0].data)
+                self._view(host.tensor, slot).copy_(slot.tensors[0].data)
+                self._bind(slot, self._placeholder(slot))
                 moved += slot.nbytes
+            if self._cuda:
+                host.pin()
+            self._host = host
             self._host_valid = True
         else:
-            moved = self._keep_unbacked(from_host=False)
+            moved = self._keep_unbacked(from_host=False, release=True)
         for slot in self._slots:
             self._bind(slot, self._placeholder(slot))
         self._placed = True
         self.level = level
         return TransferStats(moved, time.perf_counter() - started)
 
-    def _keep_unbacked(self, from_host: bool) -> int:
-        """Copy tensors without a file entry to pageable host memory (kept for level-2 wakes)."""
+    def _keep_unbacked(self, from_host: bool, release: bool = False) -> int:
+        """Copy tensors without a file entry to pageable host memory (kept for level-2 wakes);
+        ``release``: drop each loaded tensor as soon as it is handled (an asleep start)."""
         moved = 0
         for slot in self._slots:
+            if release:
+                if slot.entry is None and slot.key not in self._kept:
+                    self._kept[slot.key] = slot.tensors[0].data.to("cpu", copy=True)
+                    moved += slot.nbytes
+                self._bind(slot, self._placeholder(slot))
+                continue
             if slot.entry is not None or slot.key in self._kept:
                 continue
             if from_host:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -30,14 +31,17 @@ class DiffusionRunner(TorchRunner):
         self.pipeline: Any = None
         self._modules: dict[str, torch.nn.Module] = {}
         self._call_params: set[str] = set()
+        self._files: dict[str, list[Path]] = {}
 
     def load(self) -> None:
         from diffusers import DiffusionPipeline
 
         started = time.monotonic()
-        kwargs: dict[str, Any] = {"local_files_only": True}
-        if self.dtype is not None:
-            kwargs["torch_dtype"] = self.dtype
+        self._files = self._component_files()
+        self.resolve_dtype([], [p for paths in self._files.values() for p in paths])
+        kwargs: dict[str, Any] = {"local_files_only": True, "torch_dtype": self.dtype}
+        if self.config.variant:
+            kwargs["variant"] = self.config.variant
         pipe = DiffusionPipeline.from_pretrained(str(self.model_dir), **kwargs)  # type: ignore[no-untyped-call]
         pipe.set_progress_bar_config(disable=True)
         self.pipeline = pipe
@@ -57,14 +61,23 @@ class DiffusionRunner(TorchRunner):
     def modules(self) -> Mapping[str, torch.nn.Module]:
         return self._modules
 
+    def _component_files(self) -> dict[str, list[Path]]:
+        """Per component folder of the pipeline, the weight files the loaders read there."""
+        try:
+            index = json.loads((self.model_dir / "model_index.json").read_text())
+        except (OSError, ValueError):
+            index = {}
+        names = [n for n in index if not n.startswith("_")] if isinstance(index, dict) else []
+        files = {n: safetensors_in(self.model_dir / n, self.config.variant) for n in names}
+        return {n: paths for n, paths in files.items() if paths}
+
     def weight_files(self) -> Mapping[str, Sequence[Path]] | None:
-        files: dict[str, Sequence[Path]] = {}
-        for name in self._modules:
-            found = safetensors_in(self.model_dir / name)
-            if not found:
-                return None
-            files[name] = found
-        return files
+        """Files per component that has them (others are kept on the host at level 2)."""
+        files = {n: p for n, p in self._files.items() if n in self._modules}
+        missing = sorted(set(self._modules) - set(files))
+        if missing:
+            log.warning("no safetensors for %s: kept on the host at level 2", ", ".join(missing))
+        return files or None
 
     def _vae_scale(self) -> int:
         return int(getattr(self.pipeline, "vae_scale_factor", 8) or 8)
