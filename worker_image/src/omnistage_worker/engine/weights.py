@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from omnistage_worker.engine.attributes import AttributeTensor, attribute_tensors, unmovable
 from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture, release_in_background
 from omnistage_worker.engine.layout import CopyRun, Layout, SlotSpec, plan_layout
 from omnistage_worker.engine.reload import FileLoader, FileRun
@@ -67,6 +68,9 @@ class WeightEngine:
     ) -> None:
         self.device = torch.device(device)
         self.modules = dict(modules)
+        refused = unmovable(self.modules)
+        if refused:
+            raise EngineError("cannot sleep this model: " + "; ".join(refused))
         self._cuda = self.device.type == "cuda"
         self._slots: list[Slot] = collect_slots(self.modules)
         if not self._slots:
@@ -83,6 +87,8 @@ class WeightEngine:
         self._releasing: list[threading.Thread] = []
         self._kept: dict[int, torch.Tensor] = {}
         self._loose: list[tuple[torch.Tensor, torch.device]] = []
+        self._attributes: list[tuple[AttributeTensor, torch.device]] = []
+        """Plain-attribute device tensors moved to the host by a sleep (and their devices)."""
         self._pin_in_background = pin_in_background and host_copy
         self.host_copy = host_copy
         """False for level-2 stages: no host copy is page-locked while awake."""
@@ -252,11 +258,27 @@ class WeightEngine:
             if on_device and tensor.data_ptr() not in flat_ptrs:
                 self._loose.append((tensor, tensor.device))
                 tensor.data = tensor.data.to("cpu")
+        if not self._cuda:
+            return
+        flat = self._flat.untyped_storage().data_ptr() if self._flat is not None else None
+        for found in attribute_tensors(self.modules, self.device.type):  # plain attributes
+            if isinstance(found.tensor, torch.nn.Parameter) or (
+                found.tensor.untyped_storage().data_ptr() == flat
+            ):
+                continue  # a reference to a weight: the flat buffer moves it
+            device = found.tensor.device
+            found.tensor = found.tensor.to("cpu")
+            found.put(found.tensor)
+            self._attributes.append((found, device))
 
     def _restore_loose(self) -> None:
         for tensor, device in self._loose:
             tensor.data = tensor.data.to(device)
         self._loose = []
+        for found, device in self._attributes:
+            found.tensor = found.tensor.to(device)
+            found.put(found.tensor)
+        self._attributes = []
 
     def _flat_intact(self) -> bool:
         """Every slot's tensors are still the views of the flat buffer (nothing rebound)."""
