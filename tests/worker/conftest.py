@@ -91,11 +91,13 @@ class WorkerHandle:
         task_id: str | None = None,
         epoch: int = 0,
         drain_timeout: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> types_pb2.Ack:
         request = sleep_service_pb2.SleepRequest(
             task_id=task_id or new_task_id(),
             level=level,  # type: ignore[arg-type]
             epoch=epoch,
+            components=components,
         )
         if drain_timeout is not None:
             request.drain_timeout.FromNanoseconds(int(drain_timeout * 1e9))

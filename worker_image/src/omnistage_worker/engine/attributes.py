@@ -8,11 +8,13 @@ refused when the engine is built, with the reason, rather than left behind after
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from omnistage_worker.engine.slots import skipped
 
 UNMOVABLE_CACHES = ("static", "hybrid", "sliding_window", "offloaded_static", "mamba")
 
@@ -41,13 +43,16 @@ class AttributeTensor:
 
 
 def attribute_tensors(
-    modules: Mapping[str, torch.nn.Module], device_type: str
+    modules: Mapping[str, torch.nn.Module],
+    device_type: str,
+    skip: Collection[tuple[str, str]] = (),
 ) -> Iterator[AttributeTensor]:
-    """Tensors on ``device_type`` in the modules' plain attributes (one container level deep)."""
+    """Tensors on ``device_type`` in the modules' plain attributes (one container level deep);
+    ``skip``: (component, submodule prefix) pairs owned by another component."""
     seen: set[int] = set()
-    for module in modules.values():
-        for sub in module.modules():
-            if id(sub) in seen:
+    for component, module in modules.items():
+        for prefix, sub in module.named_modules():
+            if id(sub) in seen or (skip and skipped(component, prefix, skip)):
                 continue
             seen.add(id(sub))
             for attr, value in list(vars(sub).items()):

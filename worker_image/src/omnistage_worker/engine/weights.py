@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +65,7 @@ class WeightEngine:
         pin_in_background: bool = True,
         reload_threads: int | None = None,
         host_copy: bool = True,
+        skip: Collection[tuple[str, str]] = (),
     ) -> None:
         self.device = torch.device(device)
         self.modules = dict(modules)
@@ -72,7 +73,9 @@ class WeightEngine:
         if refused:
             raise EngineError("cannot sleep this model: " + "; ".join(refused))
         self._cuda = self.device.type == "cuda"
-        self._slots: list[Slot] = collect_slots(self.modules)
+        self._skip = tuple(skip)
+        """(component, submodule) pairs another engine owns (a nested component)."""
+        self._slots: list[Slot] = collect_slots(self.modules, self._skip)
         if not self._slots:
             raise EngineError("the model has no parameters or buffers")
         self._files_enabled = files is not None
@@ -122,7 +125,7 @@ class WeightEngine:
     def device_bytes(self) -> int:
         """Exact bytes of the distinct storages the model's tensors hold on the device now."""
         seen: dict[int, int] = {}
-        for _, _, tensor in iter_bindings(self.modules):
+        for _, _, tensor in iter_bindings(self.modules, self._skip):
             if tensor.device.type != self.device.type or tensor.numel() == 0:
                 continue
             storage = tensor.untyped_storage()
@@ -253,7 +256,7 @@ class WeightEngine:
     def _offload_loose(self) -> None:
         """Tensors the model created or rebound while awake (not in the flat buffer) go to host."""
         flat_ptrs = {t.data_ptr() for s in self._slots for t in s.tensors}
-        for _, _, tensor in iter_bindings(self.modules):
+        for _, _, tensor in iter_bindings(self.modules, self._skip):
             on_device = tensor.device.type == self.device.type and tensor.numel() > 0
             if on_device and tensor.data_ptr() not in flat_ptrs:
                 self._loose.append((tensor, tensor.device))
@@ -261,7 +264,9 @@ class WeightEngine:
         if not self._cuda:
             return
         flat = self._flat.untyped_storage().data_ptr() if self._flat is not None else None
-        for found in attribute_tensors(self.modules, self.device.type):  # plain attributes
+        for found in attribute_tensors(
+            self.modules, self.device.type, self._skip
+        ):  # plain attributes
             if isinstance(found.tensor, torch.nn.Parameter) or (
                 found.tensor.untyped_storage().data_ptr() == flat
             ):

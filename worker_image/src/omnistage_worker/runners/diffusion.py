@@ -15,7 +15,13 @@ import torch
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.runners.base import InvalidRequest, TorchRunner, safetensors_in
+from omnistage_worker.runners.base import (
+    InvalidRequest,
+    SleepController,
+    TorchRunner,
+    safetensors_in,
+)
+from omnistage_worker.runners.components import discover
 from omnistage_worker.runners.frames import png, to_pil, video_frames
 from omnistage_worker.runners.pipeline_call import (
     Scalar,
@@ -33,7 +39,8 @@ VIDEO_FPS = {"Wan": 16.0}
 
 
 class DiffusionRunner(TorchRunner):
-    """Every ``nn.Module`` component of the pipeline is handed to the weight engine."""
+    """Every ``nn.Module`` component of the pipeline is handed to the weight engine, each as a
+    component that sleeps separately (declared ones first, see :mod:`.components`)."""
 
     runner_kind = types_pb2.RUNNER_DIFFUSION
     backend_kind = types_pb2.BACKEND_DIFFUSERS
@@ -45,6 +52,7 @@ class DiffusionRunner(TorchRunner):
         self._call_params: set[str] = set()
         self._signature = inspect.Signature()
         self._files: dict[str, list[Path]] = {}
+        self._components: dict[str, torch.nn.Module] = {}
 
     def load(self) -> None:
         from diffusers import DiffusionPipeline
@@ -63,14 +71,28 @@ class DiffusionRunner(TorchRunner):
             for name, comp in pipe.components.items()
             if isinstance(comp, torch.nn.Module)
         }
+        self._components = discover(pipe, self._modules, self.config.components)
         self._signature = inspect.signature(pipe.__call__)
         self._call_params = set(self._signature.parameters)
         log.info(
             "loaded %s with components %s in %.2fs",
             type(pipe).__name__,
-            ", ".join(sorted(self._modules)),
+            ", ".join(self._components),
             time.monotonic() - started,
         )
+
+    def build_controller(self) -> SleepController:
+        """Components sleep separately: each has its own slice of the engine's buffers."""
+        from omnistage_worker.engine.components import ComponentEngine
+
+        engine: SleepController = ComponentEngine(
+            self._components,
+            self.device,
+            self.weight_files(),
+            host_copy=self.config.sleep_level == 1,
+            sequential=self.config.sequential,
+        )
+        return engine
 
     def modules(self) -> Mapping[str, torch.nn.Module]:
         return self._modules
