@@ -127,6 +127,9 @@ def flux_like(size: FluxSize, tokenizer_dir: Path, device: str = "cpu", dtype: A
             )
     finally:
         torch.set_default_dtype(previous)
+    modules: tuple[Any, ...] = (clip, t5, transformer, vae)
+    for module in modules:
+        module.eval()  # as from_pretrained leaves them: no dropout
     pipe = FluxPipeline(  # type: ignore[no-untyped-call]
         scheduler=FlowMatchEulerDiscreteScheduler(),  # type: ignore[no-untyped-call]
         vae=vae,

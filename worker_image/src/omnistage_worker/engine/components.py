@@ -264,6 +264,21 @@ class ComponentEngine:
                 other.sleep(1)
         engine.wake()
 
+    def set_sequential(self, on: bool) -> TransferStats:
+        """Switch sequential mode while awake: on parks all but the largest group on the host,
+        off wakes every group and removes the swap hooks."""
+        started = time.perf_counter()
+        self.sequential = on
+        if on:
+            self._install_hooks()
+            largest = self._largest()
+            stats = [self._sleep_one(e, 1) for n, e in self.engines.items() if n != largest]
+            return _sum([*stats, self.engines[largest].wake()], started)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        return _sum((e.wake() for e in self.engines.values()), started)
+
     def _use_by_name(self, group: str) -> None:
         self.use(group)  # looked up at call time (so a wrapper of ``use`` sees every swap)
 
