@@ -185,3 +185,28 @@ async def test_worker_sequential(start_worker: StartWorker, flux_dir: Path) -> N
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await worker.sleep(1, components=("vae",))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_component_flags(tmp_path: Path) -> None:
+    from omnistage_worker.cli import build_parser, config_from_args
+    from omnistage_worker.config import ConfigError
+
+    base = ["--runner", "diffusion", "--backend", "diffusers", "--model", str(tmp_path)]
+    args = build_parser({}).parse_args(
+        [*base, "--variant", "fp16", "--components", "transformer, text_encoder_2", "--sequential"]
+    )
+    config = config_from_args(args)
+    assert config.variant == "fp16"
+    assert config.components == ("transformer", "text_encoder_2")
+    assert config.sequential
+    for extra, flag in (
+        (["--variant", "fp16.x"], "--variant"),
+        (["--components", "transformer,2bad"], "--components"),
+        (["--components", "vae,vae"], "--components"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            config_from_args(build_parser({}).parse_args([*base, *extra]))
+        assert info.value.flag == flag
+    with pytest.raises(ConfigError) as info:
+        WorkerConfig(runner="ar", backend="transformers", model=tmp_path, sequential=True)
+    assert info.value.flag == "--sequential"
