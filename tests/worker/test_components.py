@@ -210,3 +210,36 @@ def test_component_flags(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         WorkerConfig(runner="ar", backend="transformers", model=tmp_path, sequential=True)
     assert info.value.flag == "--sequential"
+
+
+async def test_arbiter_admits_beside_a_partly_asleep_stage(
+    start_worker: StartWorker, flux_dir: Path
+) -> None:
+    """The operator's arbiter reads the partly asleep worker's GetStatus: its footprint is what
+    stays resident, so a second stage the size of the sleeping encoders fits beside it."""
+    from omnistage_operator.arbiter import GroupMemory, StageIntent, plan
+    from omnistage_operator.facts import WorkerPhase, report_from_proto
+
+    worker = await start_worker(flux_dir, "diffusion", "diffusers")
+    await worker.generate(**REQUEST)  # the peak while serving
+    full = await worker.status()
+    encoders = sum(c.device_bytes for c in full.components if c.name in ENCODERS)
+    capacity = full.peak_active_bytes + encoders // 2  # a second stage of encoders' size: no room
+    intents = {
+        "flux": StageIntent("flux", True, requested_active_at=2),  # the latest ask goes first
+        "other": StageIntent("other", True, requested_active_at=1, vram_request=encoders),
+    }
+    other = report_from_proto(type(full)(state=types_pb2.WORKER_STATE_ASLEEP, level=1))
+
+    def admitted(status: Any) -> set[str]:
+        facts = {"flux": report_from_proto(status).stage_facts(), "other": other.stage_facts()}
+        assert facts["flux"].phase is WorkerPhase.ACTIVE
+        free = capacity - status.used_bytes
+        return set(plan(intents, facts, GroupMemory(capacity, free)).admitted)
+
+    assert admitted(full) == {"flux"}
+    assert (await worker.sleep(1, components=ENCODERS)).ok
+    partly = await worker.status()
+    assert partly.active_footprint_bytes == partly.peak_active_bytes == partly.used_bytes
+    assert partly.used_bytes <= full.used_bytes - encoders
+    assert admitted(partly) == {"flux", "other"}
