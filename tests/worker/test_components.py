@@ -217,8 +217,8 @@ async def test_arbiter_admits_beside_a_partly_asleep_stage(
 ) -> None:
     """The operator's arbiter reads the partly asleep worker's GetStatus: its footprint is what
     stays resident, so a second stage the size of the sleeping encoders fits beside it."""
-    from omnistage_operator.arbiter import GroupMemory, StageIntent, plan
-    from omnistage_operator.facts import WorkerPhase, report_from_proto
+    from omnistage_operator.arbiter import GroupMemory, StageIntent, WorkerPhase, plan
+    from omnistage_operator.facts import report_from_proto
 
     worker = await start_worker(flux_dir, "diffusion", "diffusers")
     await worker.generate(**REQUEST)  # the peak while serving
@@ -229,7 +229,9 @@ async def test_arbiter_admits_beside_a_partly_asleep_stage(
         "flux": StageIntent("flux", True, requested_active_at=2),  # the latest ask goes first
         "other": StageIntent("other", True, requested_active_at=1, vram_request=encoders),
     }
-    other = report_from_proto(type(full)(state=types_pb2.WORKER_STATE_ASLEEP, level=1))
+    other = report_from_proto(
+        type(full)(state=types_pb2.WORKER_STATE_ASLEEP, level=types_pb2.SLEEP_LEVEL_OFFLOAD)
+    )
 
     def admitted(status: Any) -> set[str]:
         facts = {"flux": report_from_proto(status).stage_facts(), "other": other.stage_facts()}
