@@ -128,6 +128,10 @@ def test_level2_engine_keeps_no_host_copy_while_awake() -> None:
     engine.activate()
     assert engine.host_bytes() == 0
     assert engine._host_future is None
+    engine.sleep(1)  # asked for level 1 anyway: a host copy only while asleep
+    assert engine.host_bytes() >= 64 * 64 * 4
+    engine.wake()
+    assert engine.host_bytes() == 0
     engine.close()
 
 

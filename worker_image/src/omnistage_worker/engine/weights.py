@@ -429,6 +429,8 @@ class WeightEngine:
             flat.copy_(host.tensor, non_blocking=True)
             self._sync()
             moved = self._layout.total_bytes
+            if not self.host_copy:
+                self._drop_host()  # a level-2 stage keeps no host copy while awake
         else:
             moved = self._loader.load(self._file_runs(), flat)
             for key, kept in self._kept.items():
