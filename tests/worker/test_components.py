@@ -245,3 +245,19 @@ async def test_arbiter_admits_beside_a_partly_asleep_stage(
     assert partly.active_footprint_bytes == partly.peak_active_bytes == partly.used_bytes
     assert partly.used_bytes <= full.used_bytes - encoders
     assert admitted(partly) == {"flux", "other"}
+
+
+def test_sequential_swaps_reuse_a_valid_host_copy() -> None:
+    from omnistage_worker.engine import WeightEngine
+
+    model = torch.nn.Linear(32, 32)
+    before = model.weight.detach().clone()
+    engine = WeightEngine({"m": model}, torch.device("cpu"), pin_in_background=False)
+    engine.activate()
+    assert engine.sleep(1, reuse_host=True).bytes_moved > 0  # no valid host copy yet: copied
+    engine.wake()
+    assert engine.sleep(1, reuse_host=True).bytes_moved == 0  # the same bytes are on the host
+    engine.wake()
+    assert torch.equal(model.weight, before)
+    assert engine.sleep(1).bytes_moved > 0  # without the promise: copied as always
+    engine.close()

@@ -9,7 +9,8 @@ bytes while the transformer stays bound.
 
 Sequential mode keeps one group resident at a time inside a request: a forward (or a VAE's
 ``encode``/``decode``) of a component that is asleep first puts the resident group to sleep at
-level 1 (its pinned host copy) and wakes this one, so the footprint is the largest group's.
+level 1 (its pinned host copy; requests only read the weights, so a copy still valid is not
+written again) and wakes this one, so the footprint is the largest group's.
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ class ComponentEngine:
             return
         for name, other in self.engines.items():
             if name != group and other.level == 0:
-                other.sleep(1)
+                other.sleep(1, reuse_host=True)  # requests only read the weights
         engine.wake()
 
     def set_sequential(self, on: bool) -> TransferStats:

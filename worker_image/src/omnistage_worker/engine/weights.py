@@ -375,8 +375,12 @@ class WeightEngine:
         if level not in (1, 2):
             raise EngineError(f"sleep level must be 1 or 2, got {level}")
 
-    def sleep(self, level: int) -> TransferStats:
-        """Release device memory at ``level`` (1: keep a host copy, 2: drop the weights)."""
+    def sleep(self, level: int, *, reuse_host: bool = False) -> TransferStats:
+        """Release device memory at ``level`` (1: keep a host copy, 2: drop the weights).
+
+        ``reuse_host``: at level 1, when the host copy is still the one the last wake copied
+        from and the weights are the flat buffer's views, skip the copy back (the caller knows
+        the weights were only read since: the sequential mode's swaps inside requests)."""
         self._check_level(level)
         if not self._placed:
             raise EngineError("the engine has not placed the weights yet")
@@ -394,7 +398,10 @@ class WeightEngine:
             raise EngineError("cannot go from level 2 to level 1 without waking first")
         # awake -> asleep
         moved = 0
-        if level == 1:
+        reused = reuse_host and self._host is not None and self._host_valid
+        if level == 1 and reused and self._flat_intact():
+            pass  # the host copy already holds these bytes
+        elif level == 1:
             host = self._take_host().tensor
             if self._flat_intact():
                 assert self._flat is not None
