@@ -190,6 +190,74 @@ def multi_gpu_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def vllm_section(data: dict[str, Any]) -> list[str]:
+    """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits."""
+    m, s, lim = data["machine"], data["summary"], data["limits"]
+    return [
+        "",
+        f"A vLLM stage, `bench/vllm_stage.py` on {m.get('gpu', '?')} (vLLM {m.get('vllm')}, "
+        f"torch {m.get('torch')}, {m['date'][:10]}): the real worker over gRPC, a "
+        f"{s['weights_gib']:.1f} GiB causal LM (random bf16 weights), figures from its ACKs "
+        f"(NVML over the engine's process tree); copy limits in the same run: H2D "
+        f"{lim['h2d_pinned_gbps']:.1f} GB/s, D2H {lim['d2h_pinned_gbps']:.1f} GB/s.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| cold start (spawn to first token) | {s['cold_start_seconds']:.1f} s |",
+        f"| L1 sleep / wake | {s['l1_sleep_seconds_median']:.2f} s "
+        f"({s['l1_sleep_ratio_to_d2h']:.0%} of D2H) / {s['l1_wake_seconds_median']:.2f} s "
+        f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",
+        f"| L2 sleep / wake (reload from disk) | {s['l2_sleep_seconds_median']:.2f} s / "
+        f"{s['l2_wake_seconds_median']:.2f} s |",
+        f"| residual after sleep (ACK, bound) | {s['l1_max_residual_bytes'] / MiB:.0f} MiB "
+        f"(bound {s['l1_residual_bound_bytes'] / MiB:.0f} MiB), within: "
+        f"{_ok(s['residual_within_bound'])} |",
+        f"| hand-over vLLM -> torch / torch -> vLLM | "
+        f"{s['handover_vllm_to_torch_seconds']:.2f} s / "
+        f"{s['handover_torch_to_vllm_seconds']:.2f} s |",
+        f"| all ACKs ok; token ids identical after every wake; 1 -> 2 refused | "
+        f"{_ok(s['all_acks_ok'])}; {_ok(s['all_tokens_identical'])}; "
+        f"{_ok(s['deepen_refused'])} |",
+    ]
+
+
+def components_section(data: dict[str, Any]) -> list[str]:
+    m, lim, s = data["machine"], data["limits"], data["summary"]
+    r = data["request"]
+    lines = [
+        "",
+        f"Component-level sleep, `bench/diffusion_components.py` on {m.get('gpu', '?')} "
+        f"(torch {m['torch']}, {m['date'][:10]}): a Flux-like pipeline of "
+        f"{data['weights_gib']:.1f} GiB (random bf16 weights), requests of "
+        f"{r['side']}x{r['side']} px, {r['steps']} steps. Limits measured in the same run: "
+        f"pinned host-to-device {lim['h2d_pinned_gbps']:.1f} GB/s, device-to-host "
+        f"{lim['d2h_pinned_gbps']:.1f} GB/s.",
+        "",
+        "| component(s) asleep | size | L1 sleep | L1 wake | resident meanwhile | "
+        "bit-identical after every wake |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in s["per_component"].items():
+        lines.append(
+            f"| {name} | {c['gib']:.2f} GiB "
+            f"| {c['sleep_seconds_median']:.3f} s ({c['sleep_ratio_to_d2h']:.0%} of D2H) "
+            f"| {c['wake_seconds_median']:.3f} s ({c['wake_ratio_to_h2d']:.0%} of H2D) "
+            f"| {c['resident_while_asleep_gib']:.2f} GiB | {_ok(c['bit_identical'])} |"
+        )
+    lines += [
+        "",
+        "| mode | peak device memory | seconds per request | bit-identical |",
+        "|---|---|---|---|",
+        f"| all resident | {s['all_resident_peak_gib']:.2f} GiB "
+        f"| {s['all_resident_seconds_per_request']:.2f} | yes (reference) |",
+        f"| sequential (largest component {s['largest_component_gib']:.2f} GiB) "
+        f"| {s['sequential_peak_gib']:.2f} GiB "
+        f"| {s['sequential_seconds_per_request']:.2f} ({s['sequential_time_ratio']:.1f}x) "
+        f"| {_ok(s['all_bit_identical'])} |",
+    ]
+    return lines
+
+
 def render() -> str:
     lines = [BEGIN]
     worker = _load("worker_sleep.json")
@@ -207,6 +275,12 @@ def render() -> str:
     multi_gpu = _load("multi_gpu.json")
     if multi_gpu:
         lines += multi_gpu_section(multi_gpu)
+    components = _load("diffusion_components.json")
+    if components:
+        lines += components_section(components)
+    vllm = _load("vllm_stage.json")
+    if vllm:
+        lines += vllm_section(vllm)
     lines.append(END)
     return "\n".join(lines)
 

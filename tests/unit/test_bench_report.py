@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from bench.report import BEGIN, END, README, render
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.report import BEGIN, END, README, ROOT, components_section, render
 
 
 def test_readme_benchmark_section_matches_results() -> None:
@@ -41,3 +46,21 @@ def test_multi_gpu_section_renders_a_gpu_run_and_skips_a_smoke_run() -> None:
     text = "\n".join(multi_gpu_section(data))
     assert "2 x NVIDIA H200" in text and "both fit: **no**" in text
     assert "| A sleep / wake (level 1) | 0.200 s (40.0, 41.0 GB/s per device)" in text
+
+
+def test_components_section_renders_a_smoke_run(tmp_path: Path) -> None:
+    """``bench/diffusion_components.py --smoke`` runs on CPU and its JSON renders as tables."""
+    out = tmp_path / "components.json"
+    subprocess.run(
+        [sys.executable, "bench/diffusion_components.py", "--smoke", "--cycles", "1",
+         "--requests", "1", "--steps", "2", "--out", str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["summary"]["all_bit_identical"]
+    assert (
+        data["summary"]["sequential_peak_weights_gib"] == data["summary"]["largest_component_gib"]
+    )
+    lines = components_section(data)
+    assert any(line.startswith("| text_encoder+text_encoder_2 |") for line in lines)
+    assert any(line.startswith("| sequential (largest component") for line in lines)

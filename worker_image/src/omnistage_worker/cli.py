@@ -28,6 +28,7 @@ from omnistage_worker.config import (
     DTYPES,
     ConfigError,
     Identity,
+    VllmArgs,
     WorkerConfig,
     parse_byte_flag,
     parse_device,
@@ -67,6 +68,18 @@ def build_parser(env: Mapping[str, str]) -> Parser:
         help="devices the model spans, from --device on (cuda:N..N+gpus-1; on cpu: simulated)",
     )
     p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--variant", help="weight file variant to load, e.g. fp16 (x.fp16.safetensors)")
+    p.add_argument(
+        "--components",
+        default="",
+        help="comma-separated pipeline components that sleep separately (dotted paths allowed; "
+        "default: discovered from the pipeline)",
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="diffusion: only one component resident at a time inside a request",
+    )
     p.add_argument("--initial-state", default="active", choices=("active", "asleep"))
     p.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
     p.add_argument("--token-file", type=Path, help="bearer token required by SleepService")
@@ -103,7 +116,40 @@ def build_parser(env: Mapping[str, str]) -> Parser:
         "/dev/termination-log when the kubelet provides it; empty: none)",
     )
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
+    _vllm_flags(p)
     return p
+
+
+def _vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM engine arguments (``--backend vllm`` only); see ``config.VllmArgs``."""
+    g = p.add_argument_group("vLLM engine (--backend vllm)")
+    g.add_argument("--vllm-max-model-len", type=int, help="context length (max_model_len)")
+    g.add_argument(
+        "--vllm-gpu-memory-utilization",
+        type=float,
+        help="vLLM's share of each device (default: --vllm-memory-bytes over the device total)",
+    )
+    g.add_argument(
+        "--vllm-memory-bytes",
+        help="the stage's device memory (a quantity, summed over its devices): the default "
+        "gpu_memory_utilization is this over the device's total",
+    )
+    g.add_argument("--vllm-enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--vllm-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--vllm-attention-backend", help="e.g. TRITON_ATTN (vLLM's attention_backend)")
+
+
+def vllm_args(args: argparse.Namespace) -> VllmArgs:
+    """The ``--vllm-*`` flags as :class:`VllmArgs` (validated with the rest of the config)."""
+    memory = args.vllm_memory_bytes
+    return VllmArgs(
+        max_model_len=args.vllm_max_model_len,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        memory_bytes=None if memory is None else parse_byte_flag(memory, "--vllm-memory-bytes"),
+        enforce_eager=args.vllm_enforce_eager,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        attention_backend=args.vllm_attention_backend,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -131,11 +177,15 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             node=args.node,
         ),
         dtype=args.dtype,
+        variant=args.variant or None,
+        components=tuple(c.strip() for c in args.components.split(",") if c.strip()),
+        sequential=args.sequential,
         shutdown_grace_s=args.shutdown_grace,
         drain_timeout_s=args.drain_timeout,
         cpu_threads=args.cpu_threads,
         gpus=args.gpus,
         termination_log=termination.resolve(args.termination_log),
+        vllm=vllm_args(args),
     )
 
 

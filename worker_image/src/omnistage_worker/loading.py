@@ -41,14 +41,20 @@ def _load_blocking(worker: Worker) -> None:
     config = worker.config
     started = time.monotonic()
     probe = worker.probe = build_probe(config)
-    probe.touch()
-    baseline = probe.read()
-    worker.baseline = baseline.used
-    worker.baselines = {d.device: d.used for d in baseline.devices}
-    log.info("device context measured: %d bytes (the residual baseline)", worker.baseline)
-    log.info("loading model from %s", config.model)
     runner = worker.runner
+    runner.probe = probe
+    if runner.owns_device_context:
+        probe.touch()
+        baseline_reading = probe.read()
+        worker.baseline = baseline_reading.used
+        worker.baselines = {d.device: d.used for d in baseline_reading.devices}
+        log.info("device context measured: %d bytes (the residual baseline)", worker.baseline)
+    log.info("loading model from %s", config.model)
     runner.load()
+    baseline = runner.residual_baseline()
+    if baseline is not None:
+        worker.baseline = baseline
+        log.info("held asleep, measured by the runner: %d bytes (the residual baseline)", baseline)
     level2_start = config.initial_state == "asleep" and config.sleep_level == 2
     if level2_start and not runner.supports_level2:
         raise RuntimeError("--sleep-level 2 needs *.safetensors weight files to reload from")

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_pb2
 from omnistage_worker import loading, termination
+from omnistage_worker.component_sleep import asleep_components
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.lane import DaemonLane
 from omnistage_worker.memory import MemoryProbe, Reading
@@ -175,7 +176,12 @@ class Worker:
         await loading.load(self)
 
     async def sleep(
-        self, task_id: str, level: int, epoch: int = 0, drain_timeout: float | None = None
+        self,
+        task_id: str,
+        level: int,
+        epoch: int = 0,
+        drain_timeout: float | None = None,
+        components: Sequence[str] = (),
     ) -> types_pb2.Ack:
         """Sleep at ``level``; the Ack of this task id (replayed when seen before).
 
@@ -184,7 +190,7 @@ class Worker:
         not-ok Ack; like every Ack it is final for its task id (a repeat replays it), so the
         operator retries under a new task id, after a backoff.
         """
-        return await self._sleep_wake.sleep(task_id, level, epoch, drain_timeout)
+        return await self._sleep_wake.sleep(task_id, level, epoch, drain_timeout, components)
 
     async def wake(self, task_id: str, epoch: int = 0) -> types_pb2.Ack:
         """Wake up; the Ack of this task id (replayed when seen before)."""
@@ -210,6 +216,12 @@ class Worker:
         refusal = generate_refusal(self.current)
         if refusal is not None:
             raise refusal
+        asleep = asleep_components(self.controller)
+        if asleep:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"components asleep: {', '.join(asleep)}; wake the worker first",
+            )
         try:
             self.runner.validate(request)
         except InvalidRequest as exc:

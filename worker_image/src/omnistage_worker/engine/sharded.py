@@ -36,6 +36,7 @@ class ShardedEngine:
         pin_in_background: bool = True,
         reload_threads: int | None = None,
         slots: Sequence[Slot] | None = None,
+        host_copy: bool = True,
     ) -> None:
         if not devices:
             raise EngineError("no devices to place the weights on")
@@ -56,6 +57,7 @@ class ShardedEngine:
                     pin_in_background=pin_in_background,
                     reload_threads=readers,
                     slots=mine,
+                    host_copy=host_copy,
                 )
             )
         self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="omnistage-device")

@@ -21,13 +21,14 @@ import psutil
 
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.memory.accounting import AccountingProbe
-from omnistage_worker.memory.base import DeviceReading, MemoryProbe, Reading
+from omnistage_worker.memory.base import DeviceReading, EngineTreeProbe, MemoryProbe, Reading
 from omnistage_worker.memory.devices import DeviceProbes, feed_accounting
 from omnistage_worker.memory.nvml import (
     PROBE_BYTES,
     NvmlProbe,
     create_cuda_context,
     cuda_allocator,
+    new_pids,
     nvml_target,
     pick_grown_pid,
     process_tree,
@@ -40,6 +41,7 @@ __all__ = [
     "AccountingProbe",
     "DeviceProbes",
     "DeviceReading",
+    "EngineTreeProbe",
     "MemoryProbe",
     "NvmlProbe",
     "Reading",
@@ -47,6 +49,7 @@ __all__ = [
     "create_cuda_context",
     "cuda_allocator",
     "feed_accounting",
+    "new_pids",
     "nvml_target",
     "pick_grown_pid",
     "process_tree",
@@ -77,8 +80,11 @@ def build_probe(config: WorkerConfig, env: Mapping[str, str] | None = None) -> M
         return probe
     gpus = config.gpus
     if config.device.is_cuda:
-        children = config.backend == "vllm"
-        nvml = [NvmlProbe(config.device.index + i, include_children=children) for i in range(gpus)]
+        vllm = config.backend == "vllm"
+        nvml = [
+            NvmlProbe(config.device.index + i, include_children=vllm, own_context=not vllm)
+            for i in range(gpus)
+        ]
         return nvml[0] if gpus == 1 else DeviceProbes(nvml)
     if gpus == 1:
         return AccountingProbe(lambda: 0)

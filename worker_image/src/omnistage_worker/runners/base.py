@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from omnistage_worker.engine.placement import Block
+    from omnistage_worker.memory import MemoryProbe
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +113,19 @@ class ModelRunner(ABC):
         self.model_dir = config.model
         # Generate calls run one at a time: pipelines and samplers keep per-call state.
         self._generate_lock = threading.Lock()
+        # The worker's probe, set before :meth:`load` (a runner may measure with it).
+        self.probe: MemoryProbe | None = None
 
     #: Whether a worker asleep at level 1 can drop its host copy (1 -> 2) without waking.
     can_deepen: ClassVar[bool] = True
+    #: Whether the worker process creates its own device context before loading (the torch
+    #: runners: it is the residual baseline). vLLM's engine runs in its own process tree.
+    owns_device_context: ClassVar[bool] = True
+
+    def residual_baseline(self) -> int | None:
+        """After :meth:`load`: what this runner holds on the device asleep, measured by the
+        runner itself (None: the context measured before loading is the baseline)."""
+        return None
 
     @property
     def supports_level2(self) -> bool:
@@ -180,7 +191,12 @@ class TorchRunner(ModelRunner):
         from omnistage_worker.engine import WeightEngine
 
         if self.config.gpus == 1:
-            engine: SleepController = WeightEngine(self.modules(), self.device, self.weight_files())
+            engine: SleepController = WeightEngine(
+                self.modules(),
+                self.device,
+                self.weight_files(),
+                host_copy=self.config.sleep_level == 1,
+            )
             return engine
         return self._build_sharded()
 
@@ -194,14 +210,29 @@ class TorchRunner(ModelRunner):
 
         devices = [torch.device(n) for n in self.config.device.names(self.config.gpus)]
         device_map = plan_device_map(self.blocks(), len(devices))
-        sharded = ShardedEngine(self.modules(), devices, device_map, self.weight_files())
+        sharded = ShardedEngine(
+            self.modules(),
+            devices,
+            device_map,
+            self.weight_files(),
+            host_copy=self.config.sleep_level == 1,
+        )
         hooks.attach(self.modules(), execution_map(sharded.slots, device_map), devices)
         for ordinal, shard in enumerate(sharded.shards):
             log.info("device %d (%s): %d weight bytes", ordinal, shard.device, shard.weights_bytes)
         engine: SleepController = sharded
         return engine
 
+    def resolve_dtype(self, config_dirs: Sequence[Path], files: Sequence[Path]) -> None:
+        """Set :attr:`dtype` for loading: ``auto`` becomes the dtype the weights are saved in."""
+        from omnistage_worker.runners.dtypes import resolve_dtype
 
-def safetensors_in(directory: Path) -> list[Path]:
-    """The ``*.safetensors`` files of a directory, sorted."""
-    return sorted(directory.glob("*.safetensors"))
+        name = resolve_dtype(self.config.dtype, config_dirs, files)
+        self.dtype = torch_dtype(name)
+
+
+def safetensors_in(directory: Path, variant: str | None = None) -> list[Path]:
+    """The safetensors files the loaders read from a directory (index, variant, single file)."""
+    from omnistage_worker.runners.weight_files import weight_files_in
+
+    return weight_files_in(directory, variant)

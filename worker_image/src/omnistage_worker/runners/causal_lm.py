@@ -35,9 +35,10 @@ class CausalLMRunner(TorchRunner):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         started = time.monotonic()
-        kwargs: dict[str, Any] = {"local_files_only": True}
-        if self.dtype is not None:
-            kwargs["dtype"] = self.dtype
+        self.resolve_dtype([self.model_dir], self._files())
+        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": self.dtype}
+        if self.config.variant:
+            kwargs["variant"] = self.config.variant
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), **kwargs)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
@@ -56,8 +57,11 @@ class CausalLMRunner(TorchRunner):
         no_split = getattr(self.model, "_no_split_modules", None) or []
         return blocks_of(self.modules(), no_split=no_split)
 
+    def _files(self) -> list[Path]:
+        return safetensors_in(self.model_dir, self.config.variant)
+
     def weight_files(self) -> Mapping[str, Sequence[Path]] | None:
-        found = safetensors_in(self.model_dir)
+        found = self._files()
         return {"model": found} if found else None
 
     def _generate(
