@@ -235,12 +235,15 @@ class GroupRunner(StatusPublisher):
         if was is not None and body is not None:
             self.emit(body, "FenceConfirmed", f"pod confirmed gone; fence done: {was}")
 
-    def worker_exited(self, body: Mapping[str, Any], uid: str, message: str, now: float) -> None:
-        """Count a worker's exit (once per pod) into its stage's back-off, with an Event."""
+    def worker_exited(
+        self, body: Mapping[str, Any], uid: str, message: str, now: float, spec_hash: str = ""
+    ) -> None:
+        """Count a worker's exit (once per pod) into its stage's back-off, with an Event;
+        ``spec_hash``: the digest of the pod spec it was counted under."""
         meta = body["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
         before = self.backoffs.get(key, CrashBackoff())
-        after = before.exited(uid, message, now)
+        after = before.exited(uid, message, now, spec_hash)
         if after is before:
             return
         self.backoffs[key] = after
