@@ -27,19 +27,19 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from omnistage.worker.v1 import types_pb2 as omnistage_dot_worker_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(omnistage/worker/v1/demand_service.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fomnistage/worker/v1/types.proto\"#\n\x12WatchDemandRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"\xdd\x03\n\x13WatchDemandResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .omnistage.worker.v1.WorkerState\x12\x35\n\x06policy\x18\x03 \x01(\x0e\x32%.omnistage.worker.v1.ActivationPolicy\x12\x15\n\rheld_requests\x18\x04 \x01(\x05\x12\x35\n\x11oldest_hold_start\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x11last_request_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11inflight_requests\x18\x07 \x01(\x05\x12/\n\x0chold_timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08max_held\x18\t \x01(\x05\x12\x12\n\nheld_total\x18\n \x01(\x03\x12\x1f\n\x17served_after_hold_total\x18\x0b \x01(\x03\x12\x1b\n\x13hold_timeouts_total\x18\x0c \x01(\x03\x12\x17\n\x0fhold_full_total\x18\r \x01(\x03*t\n\x10\x41\x63tivationPolicy\x12!\n\x1d\x41\x43TIVATION_POLICY_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41\x43TIVATION_POLICY_MANUAL\x10\x01\x12\x1f\n\x1b\x41\x43TIVATION_POLICY_ON_DEMAND\x10\x02\x32s\n\rDemandService\x12\x62\n\x0bWatchDemand\x12\'.omnistage.worker.v1.WatchDemandRequest\x1a(.omnistage.worker.v1.WatchDemandResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(omnistage/worker/v1/demand_service.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fomnistage/worker/v1/types.proto\"#\n\x12WatchDemandRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"\xf9\x03\n\x13WatchDemandResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12/\n\x05state\x18\x02 \x01(\x0e\x32 .omnistage.worker.v1.WorkerState\x12\x35\n\x06policy\x18\x03 \x01(\x0e\x32%.omnistage.worker.v1.ActivationPolicy\x12\x15\n\rheld_requests\x18\x04 \x01(\x05\x12\x35\n\x11oldest_hold_start\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x11last_request_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11inflight_requests\x18\x07 \x01(\x05\x12/\n\x0chold_timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08max_held\x18\t \x01(\x05\x12\x12\n\nheld_total\x18\n \x01(\x03\x12\x1f\n\x17served_after_hold_total\x18\x0b \x01(\x03\x12\x1b\n\x13hold_timeouts_total\x18\x0c \x01(\x03\x12\x17\n\x0fhold_full_total\x18\r \x01(\x03\x12\x1a\n\x12hold_seconds_total\x18\x0e \x01(\x01*t\n\x10\x41\x63tivationPolicy\x12!\n\x1d\x41\x43TIVATION_POLICY_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x41\x43TIVATION_POLICY_MANUAL\x10\x01\x12\x1f\n\x1b\x41\x43TIVATION_POLICY_ON_DEMAND\x10\x02\x32s\n\rDemandService\x12\x62\n\x0bWatchDemand\x12\'.omnistage.worker.v1.WatchDemandRequest\x1a(.omnistage.worker.v1.WatchDemandResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.worker.v1.demand_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACTIVATIONPOLICY']._serialized_start=680
-  _globals['_ACTIVATIONPOLICY']._serialized_end=796
+  _globals['_ACTIVATIONPOLICY']._serialized_start=708
+  _globals['_ACTIVATIONPOLICY']._serialized_end=824
   _globals['_WATCHDEMANDREQUEST']._serialized_start=163
   _globals['_WATCHDEMANDREQUEST']._serialized_end=198
   _globals['_WATCHDEMANDRESPONSE']._serialized_start=201
-  _globals['_WATCHDEMANDRESPONSE']._serialized_end=678
-  _globals['_DEMANDSERVICE']._serialized_start=798
-  _globals['_DEMANDSERVICE']._serialized_end=913
+  _globals['_WATCHDEMANDRESPONSE']._serialized_end=706
+  _globals['_DEMANDSERVICE']._serialized_start=826
+  _globals['_DEMANDSERVICE']._serialized_end=941
 # @@protoc_insertion_point(module_scope)

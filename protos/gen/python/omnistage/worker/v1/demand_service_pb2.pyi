@@ -87,6 +87,7 @@ class WatchDemandResponse(_message.Message):
     SERVED_AFTER_HOLD_TOTAL_FIELD_NUMBER: _builtins.int
     HOLD_TIMEOUTS_TOTAL_FIELD_NUMBER: _builtins.int
     HOLD_FULL_TOTAL_FIELD_NUMBER: _builtins.int
+    HOLD_SECONDS_TOTAL_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """sequence counts the changes since the worker started (it only grows)."""
     state: _types_pb2.WorkerState.ValueType
@@ -107,6 +108,8 @@ class WatchDemandResponse(_message.Message):
     """hold_timeouts_total counts the held requests answered UNAVAILABLE at their hold timeout."""
     hold_full_total: _builtins.int
     """hold_full_total counts the requests refused because the hold queue was full."""
+    hold_seconds_total: _builtins.float
+    """hold_seconds_total is the time the served held requests waited, summed (seconds)."""
     @_builtins.property
     def oldest_hold_start(self) -> _timestamp_pb2.Timestamp:
         """oldest_hold_start is when the longest-held request arrived (unset when none is held)."""
@@ -135,10 +138,11 @@ class WatchDemandResponse(_message.Message):
         served_after_hold_total: _builtins.int = ...,
         hold_timeouts_total: _builtins.int = ...,
         hold_full_total: _builtins.int = ...,
+        hold_seconds_total: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hold_timeout", b"hold_timeout", "last_request_time", b"last_request_time", "oldest_hold_start", b"oldest_hold_start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["held_requests", b"held_requests", "held_total", b"held_total", "hold_full_total", b"hold_full_total", "hold_timeout", b"hold_timeout", "hold_timeouts_total", b"hold_timeouts_total", "inflight_requests", b"inflight_requests", "last_request_time", b"last_request_time", "max_held", b"max_held", "oldest_hold_start", b"oldest_hold_start", "policy", b"policy", "sequence", b"sequence", "served_after_hold_total", b"served_after_hold_total", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held_requests", b"held_requests", "held_total", b"held_total", "hold_full_total", b"hold_full_total", "hold_seconds_total", b"hold_seconds_total", "hold_timeout", b"hold_timeout", "hold_timeouts_total", b"hold_timeouts_total", "inflight_requests", b"inflight_requests", "last_request_time", b"last_request_time", "max_held", b"max_held", "oldest_hold_start", b"oldest_hold_start", "policy", b"policy", "sequence", b"sequence", "served_after_hold_total", b"served_after_hold_total", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
