@@ -81,6 +81,7 @@ __all__ = [
     "MODEL_VOLUME",
     "POD_CLAIM_REF",
     "POD_SPEC_HASH_ANNOTATION",
+    "HTTP_PORT_NAME",
     "PORT_NAME",
     "READINESS_SERVICE",
     "SLEEP_LEVEL_ANNOTATION",
@@ -114,6 +115,7 @@ MODEL_VOLUME: Final = "model"
 DEFAULT_DEVICE_CLASS: Final = "gpu.nvidia.com"
 CONTAINER_NAME: Final = "worker"
 PORT_NAME: Final = "grpc"
+HTTP_PORT_NAME: Final = "http"
 POD_CLAIM_REF: Final = "gpus"
 READINESS_SERVICE: Final = "omnistage.worker.v1.SleepService"
 LIVENESS_SERVICE: Final = ""
@@ -209,6 +211,10 @@ def worker_args(
     ]
     args += ["--device", worker_device(stage)]
     args += ["--drain-timeout", str(stage.drain_timeout_s)]
+    args += ["--http-port", str(stage.worker.http_port)]
+    if stage.activation.on_demand:
+        args += ["--activation", stage.activation.policy.cli]
+        args += ["--hold-timeout", f"{stage.activation.hold_timeout_s:g}"]
     if stage.worker.dtype is not None:
         args += ["--dtype", stage.worker.dtype]
     args += list(stage.worker.args)
@@ -235,7 +241,9 @@ def pod_spec_hash(stage: StageSpec) -> str:
             None if stage.worker.device is None else stage.worker.device.value,
             stage.worker.args,
             stage.worker.dtype,
+            stage.worker.http_port,
         ],
+        "activation": [stage.activation.policy.value, stage.activation.hold_timeout_s],
         "template": [
             tpl.resources,
             tpl.env,
@@ -343,7 +351,10 @@ def build_worker_pod(
         "command": list(WORKER_COMMAND),
         "args": worker_args(stage, initial_state=initial_state, sleep_level=sleep_level),
         "env": _worker_env(stage),
-        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+            {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
+        ],
         "readinessProbe": _grpc_probe(port, READINESS_SERVICE, period=5, failures=3),
         "livenessProbe": _grpc_probe(port, LIVENESS_SERVICE, period=10, failures=6),
         "volumeMounts": mounts,
@@ -399,7 +410,7 @@ def build_worker_pod(
 
 
 def build_service(stage: StageSpec, *, owner: Mapping[str, Any]) -> dict[str, Any]:
-    """The stage's ClusterIP Service: port ``grpc`` to the worker port of its pod."""
+    """The stage's ClusterIP Service: port ``grpc`` to the worker port, ``http`` to its OpenAI API."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -419,7 +430,14 @@ def build_service(stage: StageSpec, *, owner: Mapping[str, Any]) -> dict[str, An
                     "targetPort": stage.worker.port,
                     "protocol": "TCP",
                     "appProtocol": "grpc",
-                }
+                },
+                {
+                    "name": HTTP_PORT_NAME,
+                    "port": stage.worker.http_port,
+                    "targetPort": stage.worker.http_port,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                },
             ],
         },
     }

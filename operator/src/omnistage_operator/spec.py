@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from omnistage_operator.activation import Activation, ActivationError, parse_activation
 from omnistage_operator.labels import RESERVED_LABELS
 from omnistage_operator.quantities import QuantityError, parse_quantity
 
@@ -101,6 +102,7 @@ DEFAULT_SLEEP_LEVEL = 1
 DEFAULT_PRIORITY = 0
 DEFAULT_GPUS = 1
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_DRAIN_TIMEOUT_S = 600
 MIN_DRAIN_TIMEOUT_S, MAX_DRAIN_TIMEOUT_S = 1, 86400
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
@@ -133,6 +135,9 @@ RESERVED_ARGS = frozenset(
         "--device",
         "--dtype",
         "--drain-timeout",
+        "--activation",
+        "--hold-timeout",
+        "--http-port",
     }
 )
 # Names the builders use for their own volumes and mount points.
@@ -266,6 +271,7 @@ class WorkerSettings:
     device: WorkerDevice | None = None
     args: tuple[str, ...] = ()
     dtype: str | None = None
+    http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP API
 
 
 @dataclass(frozen=True)
@@ -308,6 +314,8 @@ class StageSpec:
     # How long a sleep waits for in-flight requests; the worker (--drain-timeout) and every
     # Sleep the operator sends (SleepRequest.drain_timeout, and its deadline) honour this one value.
     drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
+    # spec.activation: Manual (spec.state only) or OnDemand (requests wake the stage).
+    activation: Activation = field(default_factory=Activation)
 
     @property
     def group(self) -> str:
@@ -541,7 +549,12 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     dtype = _string(worker.get("dtype"), "spec.worker.dtype")
     if dtype is not None and dtype not in DTYPES:
         raise SpecError("spec.worker.dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return WorkerSettings(port=port, device=device, args=args, dtype=dtype)
+    http_port = _int(
+        worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT, MIN_PORT, MAX_PORT
+    )
+    if http_port == port:
+        raise SpecError("spec.worker.httpPort", f"must differ from spec.worker.port ({port})")
+    return WorkerSettings(port=port, device=device, args=args, dtype=dtype, http_port=http_port)
 
 
 def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
@@ -623,6 +636,10 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
     sleep_level = _int(spec.get("sleepLevel"), "spec.sleepLevel", DEFAULT_SLEEP_LEVEL, 1, 2)
     gpus = _int(spec.get("gpus"), "spec.gpus", DEFAULT_GPUS, 0, MAX_GPUS)
     vram_request, vram_request_bytes = _parse_vram(spec)
+    try:
+        activation = parse_activation(spec)
+    except ActivationError as exc:
+        raise SpecError(exc.field, exc.message) from exc
     return StageSpec(
         name=name,
         namespace=namespace,
@@ -648,4 +665,5 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
             MIN_DRAIN_TIMEOUT_S,
             MAX_DRAIN_TIMEOUT_S,
         ),
+        activation=activation,
     )
