@@ -76,12 +76,12 @@ __all__ = [
     "CONTAINER_NAME",
     "DEFAULT_DEVICE_CLASS",
     "GENERATION_ANNOTATION",
+    "HTTP_PORT_NAME",
     "INITIAL_STATE_ANNOTATION",
     "LIVENESS_SERVICE",
     "MODEL_VOLUME",
     "POD_CLAIM_REF",
     "POD_SPEC_HASH_ANNOTATION",
-    "HTTP_PORT_NAME",
     "PORT_NAME",
     "READINESS_SERVICE",
     "SLEEP_LEVEL_ANNOTATION",
@@ -410,7 +410,7 @@ def build_worker_pod(
 
 
 def build_service(stage: StageSpec, *, owner: Mapping[str, Any]) -> dict[str, Any]:
-    """The stage's ClusterIP Service: port ``grpc`` to the worker port, ``http`` to its OpenAI API."""
+    """The stage's ClusterIP Service: ``grpc`` to the worker port, ``http`` to its OpenAI API."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
