@@ -61,6 +61,7 @@ def test_an_idle_stage_asks_for_nothing_and_a_busy_one_is_never_idle() -> None:
     idle = DemandInput(ON, A, Demand(last_request=60.0), awake_since=10.0)
     view = shape_intents(intents, {"a": idle}, now=90.0)
     assert not view.intents["a"].want_active and "a" not in view.reasons
+    assert view.idle == {"a"}
     not_yet = shape_intents(intents, {"a": idle}, now=89.0)
     assert not_yet.intents["a"].want_active and not_yet.recheck_at == 90.0
     busy = DemandInput(ON, A, Demand(last_request=10.0, inflight=1), awake_since=10.0)

@@ -72,6 +72,7 @@ class DemandView:
     reasons: dict[str, AwakeReason]
     demand_asks: frozenset[str]  # stages asking because requests are held
     recheck_at: float | None
+    idle: frozenset[str] = frozenset()  # awake stages past idleAfter (to be put to sleep)
 
 
 def _idle_at(inp: DemandInput) -> float | None:
@@ -92,6 +93,7 @@ def shape_intents(
     reasons: dict[str, AwakeReason] = {}
     asks: set[str] = set()
     recheck: list[float] = []
+    idle: set[str] = set()
     for name, intent in intents.items():
         inp = inputs.get(name)
         if inp is None or not inp.activation.on_demand:
@@ -115,7 +117,8 @@ def shape_intents(
             continue
         idle_at = _idle_at(inp)
         if idle_at is not None and now >= idle_at:
-            continue  # idle: it asks for nothing and is put to sleep at its level
+            idle.add(name)  # it asks for nothing and is put to sleep at its level
+            continue
         if idle_at is not None:
             recheck.append(idle_at)
         since = inp.awake_since if inp.awake_since is not None else now
@@ -130,7 +133,9 @@ def shape_intents(
             shaped[name] = replace(intent, want_active=True, requested_active_at=0.0)
             reasons[name] = AwakeReason.DEMAND
     _mark_priority(shaped, reasons, asks)
-    return DemandView(shaped, reasons, frozenset(asks), min(recheck) if recheck else None)
+    return DemandView(
+        shaped, reasons, frozenset(asks), min(recheck) if recheck else None, frozenset(idle)
+    )
 
 
 def _mark_priority(

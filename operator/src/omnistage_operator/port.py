@@ -53,6 +53,7 @@ from omnistage_operator.labels import (
 )
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.memory import group_memory
+from omnistage_operator.ondemand import DemandView
 from omnistage_operator.pods import (
     RESET_AFTER_S,
     TERMINAL_PHASES,
@@ -100,6 +101,7 @@ class KubeGroupPort:
         self.facts: dict[str, StageFacts] = {}
         self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
         self.held_back: dict[str, float] = {}  # stages in crash back-off: seconds left
+        self.demand = DemandView({}, {}, frozenset(), None)  # shaped by the last observe
         self._listed = False
 
     # -- observing -------------------------------------------------------------------------
@@ -217,8 +219,10 @@ class KubeGroupPort:
         intents = {
             n: self._intent(self.specs[n], self.bodies[n], self.facts[n]) for n in arbitrated
         }
+        # OnDemand stages: their workers' demand is a fact the arbiter sees as intents.
+        self.demand = self.r.demand.shape(self, intents)
         facts = {n: self.facts[n] for n in arbitrated}
-        return GroupObservation(intents, facts, memory)
+        return GroupObservation(self.demand.intents, facts, memory)
 
     async def _adopt_persisted(self, names: list[str]) -> None:
         """Facts a previous operator process persisted in status (a pending fence, a learned
