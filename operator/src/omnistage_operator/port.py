@@ -102,6 +102,9 @@ class KubeGroupPort:
         self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
         self.held_back: dict[str, float] = {}  # stages in crash back-off: seconds left
         self.demand = DemandView({}, {}, frozenset(), None)  # shaped by the last observe
+        # Stages that asked for Active for held requests in this round: (held, oldest hold).
+        self.demand_asked: dict[str, tuple[int, float | None]] = {}
+        self.demand_idle: set[str] = set()  # stages found idle in this round
         self._listed = False
 
     # -- observing -------------------------------------------------------------------------
@@ -221,6 +224,9 @@ class KubeGroupPort:
         }
         # OnDemand stages: their workers' demand is a fact the arbiter sees as intents.
         self.demand = self.r.demand.shape(self, intents)
+        for name in self.demand.demand_asks:  # kept for the round's Events (held until woken)
+            self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
+        self.demand_idle |= self.demand.idle
         facts = {n: self.facts[n] for n in arbitrated}
         return GroupObservation(self.demand.intents, facts, memory)
 

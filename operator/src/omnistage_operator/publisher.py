@@ -133,9 +133,9 @@ class StatusPublisher:
         slept = [s.order.stage for s in outcome.sleeps if s.ok]
         for name, a in outcome.wakes.items():
             body = port.bodies.get(name)
-            if body is None or not a.ok or name not in port.demand.demand_asks:
+            if body is None or not a.ok or name not in port.demand_asked:
                 continue
-            held, since = self.demand.held(port.ns, name)
+            held, since = port.demand_asked[name]
             waited = f", oldest held {time.time() - since:.2f}s" if since is not None else ""
             swapped = f"; slept {', '.join(slept)} for it" if slept else ""
             metrics.DEMAND_WAKES.labels(port.ns, port.group).inc()
@@ -144,7 +144,7 @@ class StatusPublisher:
             self.emit(body, "DemandWake", f"woken for {held} held request(s){waited}{swapped}")
         for name in slept:
             body = port.bodies.get(name)
-            if body is not None and name in port.demand.idle:
+            if body is not None and name in port.demand_idle:
                 metrics.IDLE_SLEEPS.labels(port.ns, port.group).inc()
                 idle_after = port.specs[name].activation.idle_after_s
                 self.emit(body, "IdleSleep", f"no request for {idle_after:g}s: put to sleep")

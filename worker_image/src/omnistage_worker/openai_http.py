@@ -45,6 +45,12 @@ def _refused(exc: Refused) -> JSONResponse:
     return _error(status, body, exc.retry_after)
 
 
+def _failed(request_id: str, exc: Exception) -> JSONResponse:
+    log.exception("request %s failed", request_id)
+    message = f"generation failed: {exc}"
+    return _error(500, openai_api.error_body(message, "server_error", None, "internal_error"))
+
+
 def _bad(exc: BadRequest) -> JSONResponse:
     kind = "invalid_request_error"
     code = "model_not_found" if exc.status == 404 else "invalid_value"
@@ -122,6 +128,8 @@ class OpenAIApp:
             return _bad(exc)
         except Refused as exc:
             return _refused(exc)
+        except Exception as exc:
+            return _failed("image", exc)
         return JSONResponse(openai_api.image_body(response))
 
     async def _text(self, request: Request, parse: Parser, chat: bool) -> Response:
@@ -136,6 +144,8 @@ class OpenAIApp:
             return _bad(exc)
         except Refused as exc:
             return _refused(exc)
+        except Exception as exc:
+            return _failed("completion", exc)
         return JSONResponse(openai_api.completion_body(parsed, response, self.model, chat))
 
     async def _stream(self, parsed: Parsed, chat: bool) -> Response:
