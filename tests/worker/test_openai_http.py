@@ -40,6 +40,7 @@ async def test_models_health_and_a_completion(start_worker: StartWorker, lm_dir:
         )
         assert answer.status_code == 200, answer.text
         body = answer.json()
+        assert float(answer.headers["x-omnistage-held-ms"]) < 1000  # awake: never held
         assert body["object"] == "text_completion"
         assert body["choices"][0]["finish_reason"] == "length"
         grpc_answer = await worker.generate(prompt="the cat", max_new_tokens=3)
@@ -110,6 +111,7 @@ async def test_a_held_request_is_served_after_the_wake(
         assert (await worker.wake()).ok
         response = await streamed
         assert response.status_code == 200
+        assert float(response.headers["x-omnistage-held-ms"]) > 0  # held until the wake
         assert sse_events(response.text)[-1]["choices"][0]["finish_reason"] == "length"
 
 

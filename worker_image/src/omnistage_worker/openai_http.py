@@ -35,6 +35,27 @@ log = logging.getLogger(__name__)
 Parser = Callable[[Any, str], Parsed]
 
 
+# How long the request was held (asleep or waking stage) before it was served, in ms.
+HELD_HEADER = "x-omnistage-held-ms"
+
+
+class _Admission:
+    """When a request arrived and when it was admitted (past holding)."""
+
+    def __init__(self) -> None:
+        self.arrived = time.monotonic()
+        self.event = asyncio.Event()
+        self.at = self.arrived
+
+    def admitted(self) -> None:
+        self.at = time.monotonic()
+        self.event.set()
+
+    @property
+    def header(self) -> dict[str, str]:
+        return {HELD_HEADER: f"{(self.at - self.arrived) * 1000:.1f}"}
+
+
 def _error(status: int, body: dict[str, Any], retry_after: float | None = None) -> JSONResponse:
     headers = {"Retry-After": retry_after_header(retry_after)} if retry_after is not None else None
     return JSONResponse(body, status_code=status, headers=headers)
@@ -121,49 +142,51 @@ class OpenAIApp:
     async def images(self, request: Request) -> Response:
         if self.is_ar:
             return _bad(BadRequest(None, "this stage serves text: use /v1/completions"))
+        admission = _Admission()
         try:
             parsed = openai_api.parse_image(await _json(request), self.model)
-            response = await self.worker.generate(parsed.request)
+            response = await self.worker.generate(parsed.request, on_admitted=admission.admitted)
         except BadRequest as exc:
             return _bad(exc)
         except Refused as exc:
             return _refused(exc)
         except Exception as exc:
             return _failed("image", exc)
-        return JSONResponse(openai_api.image_body(response))
+        return JSONResponse(openai_api.image_body(response), headers=admission.header)
 
     async def _text(self, request: Request, parse: Parser, chat: bool) -> Response:
         if not self.is_ar:
             return _bad(BadRequest(None, "this stage serves images: use /v1/images/generations"))
+        admission = _Admission()
         try:
             parsed = parse(await _json(request), self.model)
             if parsed.stream:
-                return await self._stream(parsed, chat)
-            response = await self.worker.generate(parsed.request)
+                return await self._stream(parsed, chat, admission)
+            response = await self.worker.generate(parsed.request, on_admitted=admission.admitted)
         except BadRequest as exc:
             return _bad(exc)
         except Refused as exc:
             return _refused(exc)
         except Exception as exc:
             return _failed("completion", exc)
-        return JSONResponse(openai_api.completion_body(parsed, response, self.model, chat))
+        body = openai_api.completion_body(parsed, response, self.model, chat)
+        return JSONResponse(body, headers=admission.header)
 
-    async def _stream(self, parsed: Parsed, chat: bool) -> Response:
+    async def _stream(self, parsed: Parsed, chat: bool, admission: _Admission) -> Response:
         """Wait until the request is admitted (held first when asleep), then stream SSE.
 
         A refusal before admission is an ordinary error response (status and Retry-After);
         after the first byte, a failure ends the stream with an error event.
         """
         chunks: asyncio.Queue[tuple[list[int], str]] = asyncio.Queue()
-        admitted = asyncio.Event()
         task = asyncio.ensure_future(
             self.worker.generate(
                 parsed.request,
                 on_chunk=lambda ids, text: chunks.put_nowait((ids, text)),
-                admitted=admitted,
+                on_admitted=admission.admitted,
             )
         )
-        waiter: asyncio.Future[Any] = asyncio.ensure_future(admitted.wait())
+        waiter: asyncio.Future[Any] = asyncio.ensure_future(admission.event.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         failure = task.exception() if task.done() else None
@@ -172,7 +195,7 @@ class OpenAIApp:
         return StreamingResponse(
             self._events(parsed, chat, task, chunks),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
+            headers={"Cache-Control": "no-cache", **admission.header},
         )
 
     async def _events(

@@ -219,13 +219,13 @@ class Worker:
         self,
         request: inference_service_pb2.GenerateRequest,
         on_chunk: ChunkSink | None = None,
-        admitted: asyncio.Event | None = None,
+        on_admitted: Callable[[], None] | None = None,
     ) -> inference_service_pb2.GenerateResponse:
         """Serve one request now, hold it (OnDemand, asleep or in a transition), or refuse it
         with the reason (never dropped silently).
 
         ``on_chunk`` receives the token ids and text of AR output as they are generated (on
-        the event loop); ``admitted`` is set once the request is past holding and validation.
+        the event loop); ``on_admitted`` is called once the request is past holding and validation.
         """
         try:
             self.runner.validate(request)
@@ -240,8 +240,8 @@ class Worker:
         self._inflight += 1
         self.idle.clear()
         self.demand.changed()
-        if admitted is not None:
-            admitted.set()
+        if on_admitted is not None:
+            on_admitted()
 
         probe = self.probe
         sink = _thread_safe(on_chunk) if on_chunk is not None else None
