@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 Parser = Callable[[Any, str], Parsed]
 
 
+KEEP_ALIVE_S = 75
+
 # How long the request was held (asleep or waking stage) before it was served, in ms.
 HELD_HEADER = "x-omnistage-held-ms"
 
@@ -270,6 +272,9 @@ class HttpServer:
             lifespan="off",
             access_log=False,
             timeout_graceful_shutdown=max(1, round(grace)),
+            # Longer than clients' idle keep-alive (httpx: 5 s), so a client never sends on a
+            # connection the server is closing (a request lost to that race is never served).
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
