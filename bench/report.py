@@ -178,6 +178,43 @@ def ondemand_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def components_section(data: dict[str, Any]) -> list[str]:
+    m, lim, s = data["machine"], data["limits"], data["summary"]
+    r = data["request"]
+    lines = [
+        "",
+        f"Component-level sleep, `bench/diffusion_components.py` on {m.get('gpu', '?')} "
+        f"(torch {m['torch']}, {m['date'][:10]}): a Flux-like pipeline of "
+        f"{data['weights_gib']:.1f} GiB (random bf16 weights), requests of "
+        f"{r['side']}x{r['side']} px, {r['steps']} steps. Limits measured in the same run: "
+        f"pinned host-to-device {lim['h2d_pinned_gbps']:.1f} GB/s, device-to-host "
+        f"{lim['d2h_pinned_gbps']:.1f} GB/s.",
+        "",
+        "| component(s) asleep | size | L1 sleep | L1 wake | resident meanwhile | "
+        "bit-identical after every wake |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in s["per_component"].items():
+        lines.append(
+            f"| {name} | {c['gib']:.2f} GiB "
+            f"| {c['sleep_seconds_median']:.3f} s ({c['sleep_ratio_to_d2h']:.0%} of D2H) "
+            f"| {c['wake_seconds_median']:.3f} s ({c['wake_ratio_to_h2d']:.0%} of H2D) "
+            f"| {c['resident_while_asleep_gib']:.2f} GiB | {_ok(c['bit_identical'])} |"
+        )
+    lines += [
+        "",
+        "| mode | peak device memory | seconds per request | bit-identical |",
+        "|---|---|---|---|",
+        f"| all resident | {s['all_resident_peak_gib']:.2f} GiB "
+        f"| {s['all_resident_seconds_per_request']:.2f} | yes (reference) |",
+        f"| sequential (largest component {s['largest_component_gib']:.2f} GiB) "
+        f"| {s['sequential_peak_gib']:.2f} GiB "
+        f"| {s['sequential_seconds_per_request']:.2f} ({s['sequential_time_ratio']:.1f}x) "
+        f"| {_ok(s['all_bit_identical'])} |",
+    ]
+    return lines
+
+
 def render() -> str:
     lines = [BEGIN]
     worker = _load("worker_sleep.json")
@@ -195,6 +232,9 @@ def render() -> str:
     ondemand = _load("ondemand.json")
     if ondemand:
         lines += ondemand_section(ondemand)
+    components = _load("diffusion_components.json")
+    if components:
+        lines += components_section(components)
     lines.append(END)
     return "\n".join(lines)
 

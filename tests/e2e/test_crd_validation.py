@@ -189,6 +189,73 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
         ("metadata.name", "at most 56 characters"),
     ),
     ("bad-dtype", _set("spec.worker.dtype", "int4"), ("spec.worker.dtype", "Unsupported value")),
+    ("missing-runner", _drop("spec.runner"), ("spec.runner", "Required value")),
+    ("missing-model", _drop("spec.model"), ("spec.model", "Required value")),
+    ("missing-group", _set("spec.colocation", {}), ("spec.colocation.group", "Required value")),
+    ("sleep-level-string", _set("spec.sleepLevel", "1"), ("spec.sleepLevel", "integer")),
+    (
+        "placement-mode-enum",
+        _set("spec.placement.mode", "Static"),
+        ("spec.placement.mode", "Unsupported value"),
+    ),
+    (
+        "repeated-device",
+        _set("spec.placement", {"mode": "Explicit", "nodeName": "n", "devices": ["0", "0"]}),
+        ("spec.placement.devices[1]", "Duplicate value"),
+    ),
+    (
+        "worker-device-enum",
+        _set("spec.worker.device", "tpu"),
+        ("spec.worker.device", "Unsupported value"),
+    ),
+    (
+        "reserved-drain-timeout-flag",
+        _set("spec.worker.args", ["--drain-timeout=5"]),
+        ("spec.worker.args", "--drain-timeout: the operator sets them"),
+    ),
+    ("args-not-a-list", _set("spec.worker.args", "--x"), ("spec.worker.args", "array")),
+    (
+        "drain-timeout-0",
+        _set("spec.drainTimeoutSeconds", 0),
+        ("spec.drainTimeoutSeconds", "greater than or equal to 1"),
+    ),
+    (
+        "drain-timeout-over-a-day",
+        _set("spec.drainTimeoutSeconds", 86401),
+        ("spec.drainTimeoutSeconds", "less than or equal to 86400"),
+    ),
+    (
+        "env-without-name",
+        _set("spec.template.env", [{"value": "x"}]),
+        ("spec.template.env[0].name", "Required value"),
+    ),
+    (
+        "reserved-volume-name",
+        _set("spec.template.volumes", [{"name": "model", "emptyDir": {}}]),
+        ("spec.template.volumes[0].name", "the operator's own volumes"),
+    ),
+    (
+        "claims-in-template-resources",
+        _set("spec.template.resources", {"claims": [{"name": "x"}]}),
+        ('unknown field "spec.template.resources.claims"',),
+    ),
+    (
+        "node-selector-not-string",
+        _set("spec.template.nodeSelector", {"a": 1}),
+        ("spec.template.nodeSelector.a", "string"),
+    ),
+    (
+        "model-mount-over-token",
+        _set("spec.model.mountPath", "/var/run/secrets/omnistage"),
+        ("spec.model.mountPath", "must not be under /var/run/secrets/omnistage"),
+    ),
+    (
+        "model-path-in-sibling-of-mount",
+        _set("spec.model", {"path": "/models2/x", "volume": {"emptyDir": {}}}),
+        ("spec.model.path", "must be under spec.model.mountPath"),
+    ),
+    ("name-upper-case", _set("metadata.name", "Has-Upper"), ("metadata.name", "DNS-1035")),
+    ("name-digit-first", _set("metadata.name", "9lives"), ("metadata.name", "DNS-1035")),
     (
         "activation-policy-enum",
         _set("spec.activation", {"policy": "Lazy"}),

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from omnistage_operator import spec as S
+from omnistage_operator import status
 from omnistage_operator.conditions import ConditionStatus
 from omnistage_operator.quantities import QUANTITY_PATTERN
 from omnistage_operator.spec import parse_stage
@@ -90,8 +91,8 @@ def test_printer_columns(version: dict[str, Any]) -> None:
         ("spec.placement.mode", [m.value for m in S.PlacementMode]),
         ("spec.worker.device", [m.value for m in S.WorkerDevice]),
         ("spec.worker.dtype", list(S.DTYPES)),
-        ("status.state", [m.value for m in S.Phase]),
-        ("status.memory.source", [m.value for m in S.MemorySource]),
+        ("status.state", [m.value for m in status.Phase]),
+        ("status.memory.source", [m.value for m in status.MemorySource]),
     ],
 )
 def test_enums_match_python(root: dict[str, Any], dotted: str, values: list[str]) -> None:

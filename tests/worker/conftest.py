@@ -25,7 +25,12 @@ from omnistage.worker.v1 import (
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.runners.base import ModelRunner
 from omnistage_worker.server import WorkerServer
-from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
+from tests.worker.tiny_models import (
+    build_causal_lm,
+    build_diffusion_pipeline,
+    build_flux_pipeline,
+    build_wan_pipeline,
+)
 
 LOAD_TIMEOUT_S = 60.0
 
@@ -37,6 +42,16 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def diffusion_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_diffusion_pipeline(tmp_path_factory.mktemp("models") / "tiny-sd")
+
+
+@pytest.fixture(scope="session")
+def flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_flux_pipeline(tmp_path_factory.mktemp("models") / "tiny-flux")
+
+
+@pytest.fixture(scope="session")
+def wan_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_wan_pipeline(tmp_path_factory.mktemp("models") / "tiny-wan")
 
 
 @pytest.fixture(scope="session")
@@ -76,11 +91,13 @@ class WorkerHandle:
         task_id: str | None = None,
         epoch: int = 0,
         drain_timeout: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> types_pb2.Ack:
         request = sleep_service_pb2.SleepRequest(
             task_id=task_id or new_task_id(),
             level=level,  # type: ignore[arg-type]
             epoch=epoch,
+            components=components,
         )
         if drain_timeout is not None:
             request.drain_timeout.FromNanoseconds(int(drain_timeout * 1e9))

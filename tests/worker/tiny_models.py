@@ -151,3 +151,85 @@ def build_causal_lm(
     model.save_pretrained(str(directory), safe_serialization=True)
     tokenizer.save_pretrained(str(directory))
     return directory
+
+
+def word_level_tokenizer(directory: Path) -> Path:
+    """A fast WordLevel tokenizer over a few sentences, saved where pipelines load it from."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<pad>", "</s>", "<unk>"])
+    raw.train_from_iterator(SENTENCES, trainer)
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=raw, unk_token="<unk>", eos_token="</s>", pad_token="<pad>"
+    )
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+def build_wan_pipeline(directory: Path) -> Path:
+    """A tiny Wan text-to-video pipeline (T5 encoder, 3D transformer, Wan VAE)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    tok_dir = word_level_tokenizer(directory.parent / (directory.name + "-tokenizer-src"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    text_encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+        )
+    )
+    transformer = WanTransformer3DModel(  # type: ignore[no-untyped-call]
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(  # type: ignore[no-untyped-call]
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+    pipe = WanPipeline(  # type: ignore[no-untyped-call]
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),  # type: ignore[no-untyped-call]
+        transformer=transformer,
+    )
+    pipe.save_pretrained(str(directory), safe_serialization=True)  # type: ignore[attr-defined]
+    return directory
+
+
+def build_flux_pipeline(directory: Path) -> Path:
+    """A tiny Flux pipeline (CLIP and T5 encoders, Flux transformer, VAE), saved."""
+    from bench.flux_like import TINY, flux_like
+
+    pipe = flux_like(TINY, directory.parent / (directory.name + "-tokenizers"))
+    pipe.save_pretrained(str(directory), safe_serialization=True)
+    return directory

@@ -41,6 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from omnistage_operator.quantities import format_bytes
+
 __all__ = [
     "DEFAULT_CONTEXT_BYTES",
     "BlockReason",
@@ -348,12 +350,7 @@ def admission_order(intents: Mapping[str, StageIntent]) -> list[str]:
 
 
 def _fmt(n: int | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit, size in (("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n}B"
+    return "unknown" if n is None else format_bytes(n)
 
 
 def _per_device(fp: int | None, intent: StageIntent) -> int | None:
@@ -480,78 +477,22 @@ def plan(
     fps = {name: footprint(intents[name], facts[name]) for name in intents}
     needs = {name: _per_device(fps[name], intents[name]) for name in intents}
     waiting: dict[str, list[Blocker]] = {name: [] for name in intents}
-
     admitted = _admit(intents, facts, memory, needs, off_device, waiting)
-    admitted_set = frozenset(admitted)
-
-    sleeps: list[SleepOrder] = []
-    fences: list[FenceOrder] = []
-    for name in sorted(intents):
-        intent, fact = intents[name], facts[name]
-        fence = _fence_order(name, fact)
-        if fence is not None:
-            fences.append(fence)
-            continue
-        if name in admitted_set:
-            continue
-        if may_hold_memory(fact):
-            if fact.phase not in _TRANSITIONS:  # a transition in progress is awaited, not raced
-                sleeps.append(
-                    SleepOrder(
-                        name,
-                        intent.sleep_level,
-                        releases_memory=name not in off_device,
-                        drain_timeout_s=intent.drain_timeout_s,
-                        inflight_requests=fact.inflight_requests,
-                    )
-                )
-        elif (
-            fact.phase is WorkerPhase.ASLEEP
-            and fact.level is not None
-            and fact.level < intent.sleep_level
-        ):
-            sleeps.append(SleepOrder(name, intent.sleep_level, releases_memory=False))
-
-    # Blockers that hold for every wake in the group.
-    common: list[Blocker] = []
-    if handover is not None:
-        for other in sorted(handover.outstanding):
-            common.append(
-                Blocker(
-                    BlockReason.AWAITING_ACK,
-                    f"no ok sleep ACK or confirmed fence of {other} for hand-over {handover.id}",
-                    other,
-                )
-            )
-    common.extend(device_mismatches(memory.claim_uuids, facts, intents))
-    for name in sorted(started):
-        msg = f"pod of {name} started in this round; its context is not measured yet"
-        common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
-    fence_of = {f.stage: f for f in fences}
-    for name in sorted(intents):
-        fact = facts[name]
-        if name in off_device or not may_hold_memory(fact):
-            continue
-        if name in fence_of:
-            common.append(Blocker(fence_of[name].reason, fence_of[name].message, name))
-        elif name in admitted_set:
-            continue
-        elif fact.phase is WorkerPhase.UNREACHABLE:
-            msg = f"{name} does not answer and may hold memory; it is fenced before any wake"
-            common.append(Blocker(BlockReason.UNREACHABLE, msg, name))
-        else:
-            msg = f"{name} is {fact.phase.value} and must sleep first"
-            common.append(Blocker(BlockReason.MUST_SLEEP, msg, name))
-
-    context = context_charge(facts, memory.gpu)
+    sleeps, fences = _sleeps_and_fences(intents, facts, frozenset(admitted), off_device)
+    common = _common_blockers(
+        intents,
+        facts,
+        memory,
+        handover=handover,
+        started=started,
+        fences=fences,
+        admitted=frozenset(admitted),
+        off_device=off_device,
+    )
     starting = [
         n for n in intents if n not in off_device and facts[n].phase is WorkerPhase.STARTING
     ]
-    free_left: dict[str, int] | None = None
-    if memory.free is not None:
-        free_left = (
-            {d.uuid: d.free for d in memory.devices} if memory.devices else {"": memory.free}
-        )
+    gate = _WakeGate(memory, margin_bytes, context_charge(facts, memory.gpu), starting)
     wakes: list[str] = []
     for name in admitted:
         fact = facts[name]
@@ -568,40 +509,12 @@ def plan(
         if name in off_device:
             wakes.append(name)  # host RAM only: the GPU gate does not apply
             continue
-        blockers = [b for b in common if b.stage != name]
-        need = needs[name]
-        if not blockers and free_left is None:
-            blockers.append(
-                Blocker(
-                    BlockReason.NOT_MEASURED,
-                    "the group's free device memory is not measured; no wake on a guess",
-                )
-            )
-        elif not blockers and free_left is not None:
-            charge = context * sum(1 for n in starting if n != name)
-            capacity = memory.capacity
-            for uuid, free in sorted(free_left.items()):
-                cap = capacity if capacity is not None else free
-                required = margin_bytes if need is None else min(need + margin_bytes, cap)
-                if free - charge < required or (need is None and free - charge <= 0):
-                    where = f" on {uuid}" if uuid else ""
-                    blockers.append(
-                        Blocker(
-                            BlockReason.FREE_TOO_LOW,
-                            f"measured free {_fmt(free)}{where}"
-                            + (f" less {_fmt(charge)} of starting contexts" if charge else "")
-                            + f" < needed {_fmt(required)} (footprint {_fmt(need)} + margin)",
-                        )
-                    )
-                    break
+        blockers = [b for b in common if b.stage != name] or gate.blockers(name, needs[name])
         if blockers:
             waiting[name].extend(blockers)
             continue
         wakes.append(name)
-        if free_left is not None:
-            for uuid in free_left:
-                free_left[uuid] -= need if need is not None else free_left[uuid]
-
+        gate.take(needs[name])
     return Decision(
         admitted=tuple(admitted),
         sleep=tuple(sleeps),
@@ -610,3 +523,123 @@ def plan(
         footprints=fps,
         fence=tuple(fences),
     )
+
+
+def _sleeps_and_fences(
+    intents: Mapping[str, StageIntent],
+    facts: Mapping[str, StageFacts],
+    admitted: frozenset[str],
+    off_device: frozenset[str],
+) -> tuple[list[SleepOrder], list[FenceOrder]]:
+    """Fence what must be fenced; put every stage that may hold memory and is not admitted to
+    sleep (a transition in progress is awaited, not raced); deepen a sleep below its level."""
+    sleeps: list[SleepOrder] = []
+    fences: list[FenceOrder] = []
+    for name in sorted(intents):
+        intent, fact = intents[name], facts[name]
+        fence = _fence_order(name, fact)
+        if fence is not None:
+            fences.append(fence)
+        elif name in admitted:
+            continue
+        elif may_hold_memory(fact):
+            if fact.phase not in _TRANSITIONS:
+                sleeps.append(
+                    SleepOrder(
+                        name,
+                        intent.sleep_level,
+                        releases_memory=name not in off_device,
+                        drain_timeout_s=intent.drain_timeout_s,
+                        inflight_requests=fact.inflight_requests,
+                    )
+                )
+        elif (
+            fact.phase is WorkerPhase.ASLEEP
+            and fact.level is not None
+            and fact.level < intent.sleep_level
+        ):
+            sleeps.append(SleepOrder(name, intent.sleep_level, releases_memory=False))
+    return sleeps, fences
+
+
+def _common_blockers(
+    intents: Mapping[str, StageIntent],
+    facts: Mapping[str, StageFacts],
+    memory: GroupMemory,
+    *,
+    handover: Handover | None,
+    started: frozenset[str],
+    fences: list[FenceOrder],
+    admitted: frozenset[str],
+    off_device: frozenset[str],
+) -> list[Blocker]:
+    """Blockers that hold for every wake in the group: outstanding ACKs, device mismatches,
+    pods started this round, fences, and stages that may hold memory and are not admitted."""
+    common: list[Blocker] = []
+    if handover is not None:
+        for other in sorted(handover.outstanding):
+            msg = f"no ok sleep ACK or confirmed fence of {other} for hand-over {handover.id}"
+            common.append(Blocker(BlockReason.AWAITING_ACK, msg, other))
+    common.extend(device_mismatches(memory.claim_uuids, facts, intents))
+    for name in sorted(started):
+        msg = f"pod of {name} started in this round; its context is not measured yet"
+        common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
+    fence_of = {f.stage: f for f in fences}
+    for name in sorted(intents):
+        fact = facts[name]
+        if name in off_device or not may_hold_memory(fact):
+            continue
+        if name in fence_of:
+            common.append(Blocker(fence_of[name].reason, fence_of[name].message, name))
+        elif name in admitted:
+            continue
+        elif fact.phase is WorkerPhase.UNREACHABLE:
+            msg = f"{name} does not answer and may hold memory; it is fenced before any wake"
+            common.append(Blocker(BlockReason.UNREACHABLE, msg, name))
+        else:
+            msg = f"{name} is {fact.phase.value} and must sleep first"
+            common.append(Blocker(BlockReason.MUST_SLEEP, msg, name))
+    return common
+
+
+class _WakeGate:
+    """The measured free memory per device, less what this round's wakes take: a wake passes
+    only if it covers the stage's footprint plus the margin, less starting pods' contexts."""
+
+    def __init__(
+        self, memory: GroupMemory, margin_bytes: int, context: int, starting: list[str]
+    ) -> None:
+        self.capacity = memory.capacity
+        self.margin = margin_bytes
+        self.context = context
+        self.starting = starting
+        self.free_left: dict[str, int] | None = None
+        if memory.free is not None:
+            self.free_left = (
+                {d.uuid: d.free for d in memory.devices} if memory.devices else {"": memory.free}
+            )
+
+    def blockers(self, name: str, need: int | None) -> list[Blocker]:
+        """Why ``name`` may not wake now for lack of measured free memory (empty: it may)."""
+        if self.free_left is None:
+            msg = "the group's free device memory is not measured; no wake on a guess"
+            return [Blocker(BlockReason.NOT_MEASURED, msg)]
+        charge = self.context * sum(1 for n in self.starting if n != name)
+        for uuid, free in sorted(self.free_left.items()):
+            cap = self.capacity if self.capacity is not None else free
+            required = self.margin if need is None else min(need + self.margin, cap)
+            if free - charge < required or (need is None and free - charge <= 0):
+                where = f" on {uuid}" if uuid else ""
+                msg = (
+                    f"measured free {_fmt(free)}{where}"
+                    + (f" less {_fmt(charge)} of starting contexts" if charge else "")
+                    + f" < needed {_fmt(required)} (footprint {_fmt(need)} + margin)"
+                )
+                return [Blocker(BlockReason.FREE_TOO_LOW, msg)]
+        return []
+
+    def take(self, need: int | None) -> None:
+        """A wake goes out: its footprint (the whole device when unknown) is no longer free."""
+        if self.free_left is not None:
+            for uuid in self.free_left:
+                self.free_left[uuid] -= need if need is not None else self.free_left[uuid]

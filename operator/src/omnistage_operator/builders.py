@@ -316,16 +316,37 @@ def build_worker_pod(
             "device memory while it loads); create its pod only once it is admitted"
         )
     claim = pod_claim_name(stage) if claim_name == _NOT_GIVEN else claim_name
-    explicit = stage.placement.mode is PlacementMode.EXPLICIT
-    if explicit and claim is not None:
+    if stage.placement.mode is PlacementMode.EXPLICIT and claim is not None:
         raise ValueError("a stage with Explicit placement does not use a DRA claim")
-    port = stage.worker.port
+    mounts, volumes = _pod_volumes(stage, token_secret_name)
+    container = _worker_container(stage, initial_state, sleep_level, claim, mounts)
+    level = stage.sleep_level if sleep_level is None else sleep_level
+    annotations = {
+        **stage.template.annotations,
+        INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
+        SLEEP_LEVEL_ANNOTATION: str(level),
+        GENERATION_ANNOTATION: str(stage.generation),
+        POD_SPEC_HASH_ANNOTATION: pod_spec_hash(stage),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(stage.name),
+            "namespace": stage.namespace,
+            "labels": {**stage.template.labels, **stage_labels(stage.name, stage.group)},
+            "annotations": annotations,
+            "ownerReferences": [copy.deepcopy(dict(owner))],
+        },
+        "spec": _pod_spec(stage, container, volumes, claim),
+    }
+
+
+def _pod_volumes(
+    stage: StageSpec, token_secret_name: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The worker's volume mounts and the pod's volumes: the token, the model, the template's."""
     tpl = stage.template
-
-    resources: dict[str, Any] = copy.deepcopy(dict(tpl.resources or {}))
-    if claim is not None:
-        resources["claims"] = [{"name": POD_CLAIM_REF}]
-
     mounts: list[dict[str, Any]] = [
         {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}
     ]
@@ -344,7 +365,18 @@ def build_worker_pod(
         volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(dict(stage.model.volume))})
     mounts += [copy.deepcopy(dict(m)) for m in tpl.volume_mounts]
     volumes += [copy.deepcopy(dict(v)) for v in tpl.volumes]
+    return mounts, volumes
 
+
+def _worker_container(
+    stage: StageSpec,
+    initial_state: DesiredState,
+    sleep_level: int | None,
+    claim: str | None,
+    mounts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The worker container: command, args, env, gRPC probes, mounts and resources."""
+    port = stage.worker.port
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": stage.image,
@@ -362,17 +394,23 @@ def build_worker_pod(
         # termination message; without one, the kubelet keeps its last log lines instead.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    resources: dict[str, Any] = copy.deepcopy(dict(stage.template.resources or {}))
+    if claim is not None:
+        resources["claims"] = [{"name": POD_CLAIM_REF}]
     if resources:
         container["resources"] = resources
+    return container
 
-    level = stage.sleep_level if sleep_level is None else sleep_level
-    annotations = {
-        **tpl.annotations,
-        INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
-        SLEEP_LEVEL_ANNOTATION: str(level),
-        GENERATION_ANNOTATION: str(stage.generation),
-        POD_SPEC_HASH_ANNOTATION: pod_spec_hash(stage),
-    }
+
+def _pod_spec(
+    stage: StageSpec,
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+    claim: str | None,
+) -> dict[str, Any]:
+    """The pod spec: never restarted (the operator decides), the claim or the explicit node,
+    and the template's scheduling fields."""
+    tpl = stage.template
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,
@@ -382,7 +420,7 @@ def build_worker_pod(
     }
     if claim is not None:
         pod_spec["resourceClaims"] = [{"name": POD_CLAIM_REF, "resourceClaimName": claim}]
-    if explicit:
+    if stage.placement.mode is PlacementMode.EXPLICIT:
         pod_spec["nodeName"] = stage.placement.node_name
     if tpl.node_selector:
         pod_spec["nodeSelector"] = dict(tpl.node_selector)
@@ -394,19 +432,7 @@ def build_worker_pod(
         pod_spec["automountServiceAccountToken"] = False
     if tpl.priority_class_name:
         pod_spec["priorityClassName"] = tpl.priority_class_name
-
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": pod_name(stage.name),
-            "namespace": stage.namespace,
-            "labels": {**tpl.labels, **stage_labels(stage.name, stage.group)},
-            "annotations": annotations,
-            "ownerReferences": [copy.deepcopy(dict(owner))],
-        },
-        "spec": pod_spec,
-    }
+    return pod_spec
 
 
 def build_service(stage: StageSpec, *, owner: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,8 @@
-"""Thin kopf handlers: they record asks and kick the group's hand-over loop (groups.GroupRunner).
+"""Thin kopf handlers: they record asks and kick the group's hand-over loop (runner.GroupRunner).
+
+Two kopf indexes (``omnistages_by_group``, ``worker_pods``) keep the groups' stages and worker
+pods as the watches see them; rounds read them through ``views.GroupViews`` instead of listing
+the namespace (kopf fills the indexes before any handler runs).
 
 The runner is set by ``cli.main`` before kopf starts (``configure``). Every decision is made in
 the round, which first reads every worker's real state (GetStatus), so a resumed operator never
@@ -25,12 +29,13 @@ from typing import Any
 
 import kopf
 
-from omnistage_operator.groups import GroupRunner, group_of
 from omnistage_operator.kube import Kube
 from omnistage_operator.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
 from omnistage_operator.leadership import Leadership, SoleWriter
+from omnistage_operator.runner import GroupRunner
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import GROUP, PLURAL, VERSION
+from omnistage_operator.views import GroupViews, group_of, pod_keys, stage_keys
 
 __all__ = ["configure"]
 
@@ -77,8 +82,20 @@ def _runner() -> GroupRunner:
     return _State.runner
 
 
+@kopf.index(GROUP, VERSION, PLURAL)
+def omnistages_by_group(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
+    """OmniStages by group and by name (a round reads its group's from here, not a LIST)."""
+    return stage_keys(body, namespace)
+
+
+@kopf.index("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER})
+def worker_pods(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
+    """Worker pods by stage and by group (a round reads its group's from here, not a LIST)."""
+    return pod_keys(body, namespace)
+
+
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     """kopf settings: our finalizer, progress kept in omnistage.io annotations, API timeouts."""
     ours = _State.settings or Settings()
     settings.persistence.finalizer = FINALIZER
@@ -97,7 +114,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     else:
         settings.peering.name = ours.peering
         settings.peering.mandatory = True
-    _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership)
+    # kopf passes its indexes by name; they are live (kopf keeps them current).
+    views = GroupViews(kwargs["omnistages_by_group"], kwargs["worker_pods"])
+    _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership, views)
     log.info("omnistage operator started (namespaces: %s)", ",".join(ours.namespaces) or "all")
 
 

@@ -7,16 +7,19 @@ the races of a controller explicitly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
 
 import kr8s
 import kr8s.asyncio
 
-__all__ = ["Kube", "KubeError"]
+__all__ = ["Kube", "KubeError", "Tally", "tallied"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,33 @@ def _clip(text: str, limit: int) -> str:
     if len(data) <= limit:
         return text
     return data[: limit - 3].decode(errors="ignore") + "..."
+
+
+@dataclass
+class Tally:
+    """API requests made, and objects they returned (the items of a list, else one)."""
+
+    requests: int = 0
+    objects: int = 0
+
+    def count(self, body: Any) -> None:
+        self.requests += 1
+        items = body.get("items") if isinstance(body, Mapping) else None
+        self.objects += len(items) if isinstance(items, list) else int(body is not None)
+
+
+_TALLY: ContextVar[Tally | None] = ContextVar("omnistage_api_tally", default=None)
+
+
+@contextlib.contextmanager
+def tallied() -> Iterator[Tally]:
+    """Count the API requests of this context (and the tasks it starts) into a ``Tally``."""
+    tally = Tally()
+    token = _TALLY.set(tally)
+    try:
+        yield tally
+    finally:
+        _TALLY.reset(token)
 
 
 class KubeError(Exception):
@@ -67,10 +97,14 @@ class Kube:
             async with self._api.call_api(
                 method, version=version, base=base, namespace=namespace, url=path, **kw
             ) as resp:
-                return resp.status_code, (resp.json() if resp.content else None)
+                code, body = resp.status_code, (resp.json() if resp.content else None)
         except kr8s.ServerError as exc:
             code = exc.response.status_code if exc.response is not None else 0
-            return code, exc.status
+            body = exc.status
+        tally = _TALLY.get()
+        if tally is not None:
+            tally.count(body if code < 300 else None)
+        return code, body
 
     @staticmethod
     def _raise(what: str, code: int, body: Any) -> None:
@@ -186,6 +220,21 @@ class Kube:
                 return False
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 1.0)
+
+    async def delete_confirmed(
+        self,
+        res: Resource,
+        namespace: str,
+        name: str,
+        uid: str,
+        *,
+        timeout_s: float,
+        grace_s: int | None = None,
+    ) -> bool:
+        """Delete the object with ``uid`` and wait until the API confirms it gone (the one
+        delete-and-confirm of fences, replacements and cleanup); False on timeout."""
+        await self.delete(res, namespace, name, uid=uid, grace_s=grace_s)
+        return await self.wait_gone(res, namespace, name, uid, timeout_s)
 
     async def event(
         self,

@@ -21,6 +21,8 @@ __all__ = [
     "LEADER_EPOCH",
     "LEADER_TRANSITIONS",
     "ROUNDS",
+    "ROUND_API_OBJECTS",
+    "ROUND_API_REQUESTS",
     "TRANSITIONS",
 ]
 
@@ -55,6 +57,16 @@ ROUNDS = Counter(
     "omnistage_rounds_total",
     "Arbitration rounds run, by outcome.",
     ["namespace", "group", "outcome"],
+)
+ROUND_API_REQUESTS = Counter(
+    "omnistage_round_api_requests_total",
+    "Kubernetes API requests made by the group's rounds (specs and pods come from the watches).",
+    ["namespace", "group"],
+)
+ROUND_API_OBJECTS = Counter(
+    "omnistage_round_api_objects_total",
+    "Objects the group's rounds read from the Kubernetes API (the items of a list, else one).",
+    ["namespace", "group"],
 )
 LEADER = Gauge(
     "omnistage_leader",

@@ -1,6 +1,7 @@
 """The Kubernetes side of a hand-over round: ``KubeGroupPort`` implements ``handover.GroupPort``.
 
-For one round of one group it lists the group's OmniStages and worker pods, asks every worker for
+For one round of one group it reads the group's OmniStages and worker pods from the watches
+(``views``: no LIST of the namespace), asks every worker for
 its GetStatus, turns both into the arbiter's intents and facts (with what a previous round or
 process persisted: pending fences, learned needs, crash back-offs), creates a stage's children
 (always asleep), and carries out Sleep, WakeUp and fences, checking before each order that this
@@ -38,18 +39,10 @@ from omnistage_operator.handover import (
     WorkerUnauthenticated,
     WorkerUnavailable,
 )
-from omnistage_operator.kube import (
-    CLAIMS,
-    OMNISTAGE,
-    PODS,
-    SERVICES,
-)
+from omnistage_operator.kube import CLAIMS, PODS, SERVICES
 from omnistage_operator.labels import (
     GROUP_LABEL,
-    MANAGED_BY_LABEL,
-    MANAGER,
     STAGE_LABEL,
-    selector_string,
 )
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.memory import group_memory
@@ -65,6 +58,7 @@ from omnistage_operator.status import (
     parse_timestamp,
     persisted_facts,
 )
+from omnistage_operator.views import group_of
 from omnistage_operator.worker_client import WorkerClient
 
 if TYPE_CHECKING:
@@ -77,14 +71,6 @@ log = logging.getLogger(__name__)
 StageKey = tuple[str, str]  # (namespace, stage)
 _TERMINAL = TERMINAL_PHASES
 _NOT_LOADED = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING, WorkerPhase.LOADING})
-
-
-def group_of(body: Mapping[str, Any]) -> str | None:
-    """``spec.colocation.group`` of a raw body, if any."""
-    spec = body.get("spec") or {}
-    coloc = spec.get("colocation") or {}
-    group = coloc.get("group")
-    return group if isinstance(group, str) else None
 
 
 class KubeGroupPort:
@@ -190,7 +176,7 @@ class KubeGroupPort:
     async def observe(self) -> GroupObservation:
         """Read the group's specs, pods and every worker's GetStatus.
 
-        Within one round, specs and pods are listed again only after this port created or
+        Within one round, specs and pods are read again only after this port created or
         deleted a pod; otherwise only the workers are asked again (a spec changed meanwhile
         kicks another round).
         """
@@ -281,14 +267,12 @@ class KubeGroupPort:
                     self.held_back[name] = left
 
     async def _list(self) -> None:
+        """The group's stages and worker pods, from the watches (``views``): no LIST."""
         await self.r.ensure_secret(self.ns)  # also repairs a Secret left from another token
-        stages, pods = await asyncio.gather(
-            self.r.kube.list(OMNISTAGE, self.ns),
-            self.r.kube.list(PODS, self.ns, selector_string({MANAGED_BY_LABEL: MANAGER})),
-        )
-        bodies = [b for b in stages if group_of(b) == self.group]
+        bodies = self.r.views.stages(self.ns, self.group)
         self.specs.clear()
         self.bodies.clear()
+        self.invalid.clear()
         for body in bodies:
             try:
                 spec = parse_stage(body)
@@ -297,6 +281,7 @@ class KubeGroupPort:
                 continue
             self.specs[spec.name] = spec
             self.bodies[spec.name] = body
+        pods = self.r.views.pods(self.ns, self.group, self.specs)
         self.pods = {
             p["metadata"]["labels"][STAGE_LABEL]: p
             for p in pods
@@ -310,7 +295,7 @@ class KubeGroupPort:
             and (p.get("status") or {}).get("phase") not in _TERMINAL
         ]
         for pod in orphans:
-            await self._fence_orphan(pod, {b["metadata"]["name"]: b for b in stages})
+            await self._fence_orphan(pod)
         for name, pod in list(self.pods.items()):
             if _outdated(pod, self.specs[name]):
                 await self._replace_outdated(name, pod)
@@ -331,15 +316,13 @@ class KubeGroupPort:
         await self._delete_confirmed(pod, f"outdated pod {meta['name']} not confirmed gone")
         self.r.emit(body, "PodReplaced", f"outdated pod {meta['name']} deleted and confirmed gone")
 
-    async def _fence_orphan(
-        self, pod: Mapping[str, Any], stages: Mapping[str, Mapping[str, Any]]
-    ) -> None:
+    async def _fence_orphan(self, pod: Mapping[str, Any]) -> None:
         """A pod labelled with this group whose stage is no longer arbitrated here (its spec
         became invalid, or it was re-created in another group) may hold this group's memory:
         delete it and wait until the API server confirms it is gone."""
         meta = pod["metadata"]
         stage = meta.get("labels", {}).get(STAGE_LABEL, "")
-        body = stages.get(stage)
+        body = self.r.views.stage(self.ns, stage)
         reason = f"pod {meta['name']} belongs to group {self.group} but its stage left the group"
         if body is not None:
             self.r.emit(body, "Fencing", reason, warning=True)
@@ -359,11 +342,7 @@ class KubeGroupPort:
         """Delete ``pod`` and wait until the API server confirms it is gone; raise
         ``FenceFailed(failure)`` (counted as a fence timeout) when it is not within the fence
         timeout."""
-        meta = pod["metadata"]
-        await self.r.kube.delete(PODS, self.ns, meta["name"], uid=meta["uid"], grace_s=grace_s)
-        if not await self.r.kube.wait_gone(
-            PODS, self.ns, meta["name"], meta["uid"], self.r.settings.fence_timeout_s
-        ):
+        if not await self.r.delete_pod(self.ns, pod, grace_s=grace_s):
             if count_timeout:
                 metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
             raise FenceFailed(failure)
@@ -392,6 +371,7 @@ class KubeGroupPort:
         created = await self.r.kube.create_returning(PODS, self.ns, pod)
         if created is not None:
             self.r.created.add(created["metadata"]["uid"])
+            self.r.views.created(self.ns, stage, created)
             log.info("%s/%s: created pod %s (asleep)", self.ns, stage, pod["metadata"]["name"])
         await self.r.kube.create(SERVICES, self.ns, build_service(spec, owner=owner))
         self._listed = False
@@ -479,16 +459,11 @@ class KubeGroupPort:
         await self.r.fence_started(self.ns, stage, reason)
         rep = self.reports.get(stage)
         self.r.emit(body, "Fencing", f"deleting the worker pod: {reason}", warning=True)
-        if pod is not None:
-            name, uid = pod["metadata"]["name"], pod["metadata"]["uid"]
-            await self.r.kube.delete(PODS, self.ns, name, uid=uid, grace_s=5)
-            gone = await self.r.kube.wait_gone(
-                PODS, self.ns, name, uid, self.r.settings.fence_timeout_s
-            )
-            if not gone:
-                metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
-                self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
-                raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
+        if pod is not None and not await self.r.delete_pod(self.ns, pod, grace_s=5):
+            metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
+            name = pod["metadata"]["name"]
+            self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
+            raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
         self._listed = False
         await self.r.fence_confirmed(self.ns, stage, body)
         metrics.FENCES.labels(self.ns, self.group, "fenced").inc()

@@ -45,6 +45,7 @@ from omnistage_operator.kube import (
     SERVICES,
     Kube,
     KubeError,
+    tallied,
 )
 from omnistage_operator.leadership import Leadership, LeadershipLost, SoleWriter
 from omnistage_operator.pods import (
@@ -52,13 +53,14 @@ from omnistage_operator.pods import (
     CrashBackoff,
     claim_device_uuids,
 )
-from omnistage_operator.port import KubeGroupPort, group_of
+from omnistage_operator.port import KubeGroupPort
 from omnistage_operator.publisher import StatusPublisher
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import PlacementMode, SpecError, StageSpec, parse_stage
 from omnistage_operator.status import (
     format_timestamp,
 )
+from omnistage_operator.views import GroupViews, group_of
 from omnistage_operator.worker_client import WorkerClient
 
 __all__ = ["GroupRunner"]
@@ -91,11 +93,17 @@ class GroupRunner(StatusPublisher):
     """Serialized hand-over loops per group, plus what must survive between rounds."""
 
     def __init__(
-        self, kube: Kube, settings: Settings, leadership: Leadership | None = None
+        self,
+        kube: Kube,
+        settings: Settings,
+        leadership: Leadership | None = None,
+        views: GroupViews | None = None,
     ) -> None:
         """``leadership``: who may order workers (``SoleWriter`` without election); a round
-        runs only while it leads, and every order carries its epoch."""
+        runs only while it leads, and every order carries its epoch. ``views``: the groups'
+        stages and pods as the watches saw them (kopf's indexes)."""
         self.kube = kube
+        self.views = views if views is not None else GroupViews({}, {})
         self.settings = settings
         self.leadership: Leadership = leadership if leadership is not None else SoleWriter()
         self.policy = RoundPolicy(
@@ -245,6 +253,20 @@ class GroupRunner(StatusPublisher):
             warning=True,
         )
 
+    async def delete_pod(
+        self, namespace: str, pod: Mapping[str, Any], *, grace_s: int | None = None
+    ) -> bool:
+        """Delete a worker pod and wait until the API confirms it gone (False on timeout);
+        a confirmed pod is hidden from the views at once."""
+        meta = pod["metadata"]
+        gone = await self.kube.delete_confirmed(
+            PODS, namespace, meta["name"], meta["uid"],
+            timeout_s=self.settings.fence_timeout_s, grace_s=grace_s,
+        )  # fmt: skip
+        if gone:
+            self.views.gone(meta["uid"])
+        return gone
+
     async def ensure_secret(self, namespace: str) -> None:
         """Copy the worker token into the namespace's Secret (once per process)."""
         if namespace in self._secrets or self._token is None:
@@ -340,6 +362,14 @@ class GroupRunner(StatusPublisher):
         if not self.leadership.leading():
             log.debug("group %s/%s: not leading, no round", namespace, group)
             return False
+        with tallied() as tally:
+            try:
+                return await self._round(namespace, group)
+            finally:
+                metrics.ROUND_API_REQUESTS.labels(namespace, group).inc(tally.requests)
+                metrics.ROUND_API_OBJECTS.labels(namespace, group).inc(tally.objects)
+
+    async def _round(self, namespace: str, group: str) -> bool:
         port = KubeGroupPort(self, namespace, group)
         t0 = time.monotonic()
         try:
@@ -399,22 +429,15 @@ class GroupRunner(StatusPublisher):
             spec = None
         pod_name = f"{name}-worker"
         pod = await self.kube.get(PODS, ns, pod_name)
-        if pod is not None:
-            uid = pod["metadata"]["uid"]
-            await self.kube.delete(PODS, ns, pod_name, uid=uid)
-            if not await self.kube.wait_gone(
-                PODS, ns, pod_name, uid, self.settings.fence_timeout_s
-            ):
-                raise FenceFailed(f"pod {pod_name} not confirmed gone")
+        if pod is not None and not await self.delete_pod(ns, pod):
+            raise FenceFailed(f"pod {pod_name} not confirmed gone")
         await self.kube.delete(SERVICES, ns, f"{name}-worker")
         group = group_of(body)
         if group is not None and (spec is None or self.claim_for(spec) is not None):
             others = [
                 b
-                for b in await self.kube.list(OMNISTAGE, ns)
-                if group_of(b) == group
-                and b["metadata"]["name"] != name
-                and not b["metadata"].get("deletionTimestamp")
+                for b in self.views.stages(ns, group)
+                if b["metadata"]["name"] != name and not b["metadata"].get("deletionTimestamp")
             ]
             if not others:
                 await self.kube.delete(CLAIMS, ns, claim_name(group))

@@ -1,9 +1,13 @@
 """The OmniStage spec as typed, validated Python values (pure logic, no kopf, no network).
 
-The CRD's structural schema (crds/omnistages.omnistage.io.yaml) refuses most bad manifests at
-the API server; ``parse_stage`` re-checks everything (bodies may come from tests or from an
-older CRD) and adds the rules the schema cannot express, raising ``SpecError(field, message)``
-with the offending field as a dotted path (``spec.colocation.group``).
+The CRD (crds/omnistages.omnistage.io.yaml) is the validator: its structural schema and CEL
+rules refuse a bad manifest at the API server with a clear message (enums, bounds, name
+patterns, reserved names, cross-field rules; tests/e2e/test_crd_validation.py asserts each).
+``parse_stage`` only reads a stored body into typed values with the CRD's defaults, raising
+``SpecError(field, message)`` (a dotted path, ``spec.colocation.group``) when the body cannot
+be read at all (a missing required field, a value of the wrong type or outside an enum), and
+keeps the rules the CRD does not state: a model volume carries no name, and no extra mount
+shadows the worker token.
 
 Public API (stable):
 
@@ -11,10 +15,8 @@ Enums (``StrEnum``; values are exactly the CRD's):
     ``Runner`` (``DIFFUSION="Diffusion"``, ``AR="AR"``; ``.cli`` -> ``"diffusion"|"ar"``)
     ``Backend`` (``DIFFUSERS``, ``TRANSFORMERS``, ``VLLM``; ``.cli`` -> lower-case worker flag)
     ``DesiredState`` (``ACTIVE="Active"``, ``ASLEEP="Asleep"``; ``.cli`` -> ``"active"|"asleep"``)
-    ``Phase`` (status.state: ``PENDING LOADING ACTIVE SLEEPING ASLEEP WAKING WAITING FAILED``)
     ``PlacementMode`` (``DRA``, ``EXPLICIT="Explicit"``)
     ``WorkerDevice`` (``AUTO="auto"``, ``CPU="cpu"``, ``CUDA="cuda"``)
-    ``MemorySource`` (``NVML="nvml"``, ``ACCOUNTING="accounting"``)
 Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``KIND="OmniStage"``,
     ``PLURAL="omnistages"``, defaults ``DEFAULT_*``, bounds ``MIN_/MAX_PRIORITY``, ``MAX_GPUS``,
     ``MIN_/MAX_PORT``, ``MIN_/MAX_DRAIN_TIMEOUT_S``, ``MAX_STAGE_NAME_LENGTH``; ``DTYPES``;
@@ -38,15 +40,14 @@ Errors:
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
 from omnistage_operator.activation import Activation, ActivationError, parse_activation
-from omnistage_operator.labels import RESERVED_LABELS
 from omnistage_operator.quantities import QuantityError, parse_quantity
+from omnistage_worker.config import DTYPES
 
 __all__ = [
     "API_VERSION",
@@ -77,9 +78,7 @@ __all__ = [
     "Backend",
     "Colocation",
     "DesiredState",
-    "MemorySource",
     "ModelSpec",
-    "Phase",
     "Placement",
     "PlacementMode",
     "Runner",
@@ -143,11 +142,8 @@ RESERVED_ARGS = frozenset(
 # Names the builders use for their own volumes and mount points.
 RESERVED_VOLUMES = frozenset({"omnistage-token", "model"})
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 _E = TypeVar("_E", bound=StrEnum)
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 class Runner(StrEnum):
@@ -187,19 +183,6 @@ class DesiredState(StrEnum):
         return self.value.lower()
 
 
-class Phase(StrEnum):
-    """``status.state``: what the operator observed."""
-
-    PENDING = "Pending"
-    LOADING = "Loading"
-    ACTIVE = "Active"
-    SLEEPING = "Sleeping"
-    ASLEEP = "Asleep"
-    WAKING = "Waking"
-    WAITING = "Waiting"
-    FAILED = "Failed"
-
-
 class PlacementMode(StrEnum):
     """``spec.placement.mode``: a shared DRA claim per group, or an explicit node and devices."""
 
@@ -213,13 +196,6 @@ class WorkerDevice(StrEnum):
     AUTO = "auto"
     CPU = "cpu"
     CUDA = "cuda"
-
-
-class MemorySource(StrEnum):
-    """``status.memory.source``: how the memory figures were measured."""
-
-    NVML = "nvml"
-    ACCOUNTING = "accounting"
 
 
 BACKENDS_FOR_RUNNER: Mapping[Runner, frozenset[Backend]] = {
@@ -352,25 +328,21 @@ def _mapping(value: Any, path: str, *, required: bool = False) -> Mapping[str, A
     return value
 
 
-def _string(value: Any, path: str, *, required: bool = False, max_length: int = 253) -> str | None:
+def _string(value: Any, path: str, *, required: bool = False) -> str | None:
     if value is None or value == "":
         if required:
             raise SpecError(path, "is required")
         return None
     if not isinstance(value, str):
         raise SpecError(path, f"must be a string, got {type(value).__name__}")
-    if len(value) > max_length:
-        raise SpecError(path, f"must be at most {max_length} characters")
     return value
 
 
-def _int(value: Any, path: str, default: int, low: int, high: int) -> int:
+def _int(value: Any, path: str, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(path, f"must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise SpecError(path, f"must be between {low} and {high}, got {value}")
     return value
 
 
@@ -420,85 +392,41 @@ def _strings(value: Any, path: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _absolute_path(value: Any, path: str, *, required: bool) -> str | None:
-    text = _string(value, path, required=required, max_length=4096)
-    if text is not None and not text.startswith("/"):
-        raise SpecError(path, f"must be an absolute path, got {text!r}")
-    return text
-
-
-# ---------------------------------------------------------------------------------------------
-
-
 def _parse_metadata(body: Mapping[str, Any]) -> tuple[str, str, str, int]:
     meta = _mapping(body.get("metadata"), "metadata", required=True)
     name = _string(meta.get("name"), "metadata.name", required=True)
     assert name is not None
-    if len(name) > MAX_STAGE_NAME_LENGTH or not _DNS_1035.match(name):
-        raise SpecError(
-            "metadata.name",
-            f"must be a DNS-1035 label of at most {MAX_STAGE_NAME_LENGTH} characters "
-            f"(its Service '<name>-worker' must fit 63), got {name!r}",
-        )
     namespace = _string(meta.get("namespace"), "metadata.namespace") or "default"
     uid = _string(meta.get("uid"), "metadata.uid") or ""
-    generation = meta.get("generation", 0)
-    if isinstance(generation, bool) or not isinstance(generation, int):
-        raise SpecError("metadata.generation", "must be an integer")
+    generation = _int(meta.get("generation"), "metadata.generation", 0)
     return name, namespace, uid, generation
 
 
 def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
     model = _mapping(spec.get("model"), "spec.model", required=True)
-    model_path = _absolute_path(model.get("path"), "spec.model.path", required=True)
+    model_path = _string(model.get("path"), "spec.model.path", required=True)
     assert model_path is not None
-    mount_path = (
-        _absolute_path(model.get("mountPath"), "spec.model.mountPath", required=False)
-        or DEFAULT_MOUNT_PATH
-    )
-    if mount_path.rstrip("/") == TOKEN_MOUNT_DIR or mount_path.startswith(TOKEN_MOUNT_DIR + "/"):
-        raise SpecError("spec.model.mountPath", f"must not be under {TOKEN_MOUNT_DIR}")
+    mount_path = _string(model.get("mountPath"), "spec.model.mountPath") or DEFAULT_MOUNT_PATH
     volume_raw = model.get("volume")
     volume = (
         None
         if volume_raw is None
         else copy.deepcopy(dict(_mapping(volume_raw, "spec.model.volume")))
     )
-    if volume is not None:
-        mount = mount_path.rstrip("/") or "/"
-        if model_path != mount and not model_path.startswith(mount.rstrip("/") + "/"):
-            raise SpecError(
-                "spec.model.path",
-                f"must be under spec.model.mountPath ({mount_path}) when spec.model.volume is set, "
-                f"got {model_path!r}",
-            )
-        if "name" in volume:
-            raise SpecError(
-                "spec.model.volume",
-                "is a volume source (hostPath, persistentVolumeClaim, ...) "
-                "without a name; the operator names it",
-            )
-        if not volume:
-            raise SpecError("spec.model.volume", "must name a volume source")
+    if volume is not None and "name" in volume:
+        raise SpecError(
+            "spec.model.volume",
+            "is a volume source (hostPath, persistentVolumeClaim, ...) "
+            "without a name; the operator names it",
+        )
     return ModelSpec(path=model_path, mount_path=mount_path, volume=volume)
 
 
 def _parse_colocation(spec: Mapping[str, Any]) -> Colocation:
     coloc = _mapping(spec.get("colocation"), "spec.colocation", required=True)
-    group = _string(coloc.get("group"), "spec.colocation.group", required=True, max_length=63)
+    group = _string(coloc.get("group"), "spec.colocation.group", required=True)
     assert group is not None
-    if not _DNS_LABEL.match(group):
-        raise SpecError(
-            "spec.colocation.group",
-            f"must be a DNS label (lower-case letters, digits and '-'), got {group!r}",
-        )
-    priority = _int(
-        coloc.get("priority"),
-        "spec.colocation.priority",
-        DEFAULT_PRIORITY,
-        MIN_PRIORITY,
-        MAX_PRIORITY,
-    )
+    priority = _int(coloc.get("priority"), "spec.colocation.priority", DEFAULT_PRIORITY)
     return Colocation(group=group, priority=priority)
 
 
@@ -511,8 +439,6 @@ def _parse_vram(spec: Mapping[str, Any]) -> tuple[str | None, int | None]:
         request_bytes = parse_quantity(raw)
     except QuantityError as exc:
         raise SpecError("spec.vram.request", str(exc)) from None
-    if request_bytes <= 0:
-        raise SpecError("spec.vram.request", f"must be greater than zero, got {raw!r}")
     return str(raw), request_bytes
 
 
@@ -521,92 +447,44 @@ def _parse_placement(spec: Mapping[str, Any]) -> Placement:
     mode = _enum(PlacementMode, placement.get("mode"), "spec.placement.mode", PlacementMode.DRA)
     node_name = _string(placement.get("nodeName"), "spec.placement.nodeName")
     devices = _strings(placement.get("devices"), "spec.placement.devices")
-    if mode is PlacementMode.EXPLICIT:
-        if node_name is None:
-            raise SpecError("spec.placement.nodeName", "is required when mode is Explicit")
-        if not devices:
-            raise SpecError(
-                "spec.placement.devices", "needs at least one device when mode is Explicit"
-            )
-    if len(set(devices)) != len(devices):
-        raise SpecError("spec.placement.devices", "must not repeat a device")
     return Placement(mode=mode, node_name=node_name, devices=devices)
 
 
 def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     worker = _mapping(spec.get("worker"), "spec.worker")
-    port = _int(worker.get("port"), "spec.worker.port", DEFAULT_PORT, MIN_PORT, MAX_PORT)
+    port = _int(worker.get("port"), "spec.worker.port", DEFAULT_PORT)
     device_raw = worker.get("device")
     device = None if device_raw is None else _enum(WorkerDevice, device_raw, "spec.worker.device")
     args = _strings(worker.get("args"), "spec.worker.args")
-    for i, arg in enumerate(args):
-        flag = arg.split("=", 1)[0]
-        if flag in RESERVED_ARGS:
-            raise SpecError(
-                f"spec.worker.args[{i}]",
-                f"{flag} is set by the operator from the spec; use the matching spec field",
-            )
     dtype = _string(worker.get("dtype"), "spec.worker.dtype")
-    if dtype is not None and dtype not in DTYPES:
-        raise SpecError("spec.worker.dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    http_port = _int(
-        worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT, MIN_PORT, MAX_PORT
-    )
-    if http_port == port:
-        raise SpecError("spec.worker.httpPort", f"must differ from spec.worker.port ({port})")
+    http_port = _int(worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT)
     return WorkerSettings(port=port, device=device, args=args, dtype=dtype, http_port=http_port)
 
 
 def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
     tpl = _mapping(spec.get("template"), "spec.template")
     resources_raw = tpl.get("resources")
-    resources = None
-    if resources_raw is not None:
-        resources = copy.deepcopy(dict(_mapping(resources_raw, "spec.template.resources")))
-        if "claims" in resources:
-            raise SpecError(
-                "spec.template.resources.claims", "is managed by the operator (spec.placement)"
-            )
-    env = _list_of_objects(tpl.get("env"), "spec.template.env")
-    for i, var in enumerate(env):
-        name = var.get("name")
-        if not isinstance(name, str) or not name:
-            raise SpecError(f"spec.template.env[{i}].name", "is required")
-        if name in RESERVED_ENV:
-            raise SpecError(f"spec.template.env[{i}].name", f"{name} is set by the operator")
-    volumes = _list_of_objects(tpl.get("volumes"), "spec.template.volumes")
-    seen: set[str] = set()
-    for i, vol in enumerate(volumes):
-        name = vol.get("name")
-        if not isinstance(name, str) or not name:
-            raise SpecError(f"spec.template.volumes[{i}].name", "is required")
-        if name in seen:
-            raise SpecError(f"spec.template.volumes[{i}].name", f"repeats the volume {name!r}")
-        seen.add(name)
-        if name in RESERVED_VOLUMES:
-            raise SpecError(f"spec.template.volumes[{i}].name", f"{name!r} is used by the operator")
+    resources = (
+        None
+        if resources_raw is None
+        else copy.deepcopy(dict(_mapping(resources_raw, "spec.template.resources")))
+    )
     mounts = _list_of_objects(tpl.get("volumeMounts"), "spec.template.volumeMounts")
     for i, mount in enumerate(mounts):
-        if not isinstance(mount.get("name"), str) or not isinstance(mount.get("mountPath"), str):
-            raise SpecError(f"spec.template.volumeMounts[{i}]", "needs name and mountPath")
-        if mount["mountPath"].rstrip("/") == TOKEN_MOUNT_DIR:
+        if str(mount.get("mountPath", "")).rstrip("/") == TOKEN_MOUNT_DIR:
             raise SpecError(
                 f"spec.template.volumeMounts[{i}].mountPath",
                 f"{TOKEN_MOUNT_DIR} is used by the operator",
             )
-    labels = _string_map(tpl.get("labels"), "spec.template.labels")
-    for key in labels:
-        if key in RESERVED_LABELS:
-            raise SpecError(f"spec.template.labels.{key}", "is set by the operator")
     return TemplateOverrides(
         resources=resources,
-        env=env,
-        volumes=volumes,
+        env=_list_of_objects(tpl.get("env"), "spec.template.env"),
+        volumes=_list_of_objects(tpl.get("volumes"), "spec.template.volumes"),
         volume_mounts=mounts,
         node_selector=_string_map(tpl.get("nodeSelector"), "spec.template.nodeSelector"),
         tolerations=_list_of_objects(tpl.get("tolerations"), "spec.template.tolerations"),
         annotations=_string_map(tpl.get("annotations"), "spec.template.annotations"),
-        labels=labels,
+        labels=_string_map(tpl.get("labels"), "spec.template.labels"),
         service_account_name=_string(
             tpl.get("serviceAccountName"), "spec.template.serviceAccountName"
         ),
@@ -620,21 +498,17 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
     """Parse an OmniStage object (``metadata`` + ``spec``) into a ``StageSpec``.
 
     Defaults match the CRD's, so a body that skipped the API server's defaulting parses the
-    same. Raises ``SpecError`` naming the first invalid field.
+    same. Raises ``SpecError`` naming the first field that cannot be read; the CRD's rules
+    (bounds, patterns, reserved names, cross-field) are the API server's to enforce.
     """
     name, namespace, uid, generation = _parse_metadata(body)
     spec = _mapping(body.get("spec"), "spec", required=True)
     runner = _enum(Runner, spec.get("runner"), "spec.runner")
     backend = _enum(Backend, spec.get("backend"), "spec.backend")
-    if backend not in BACKENDS_FOR_RUNNER[runner]:
-        allowed = " or ".join(sorted(b.value for b in BACKENDS_FOR_RUNNER[runner]))
-        raise SpecError(
-            "spec.backend", f"runner {runner.value} needs backend {allowed}, got {backend.value}"
-        )
-    image = _string(spec.get("image"), "spec.image", required=True, max_length=1024)
+    image = _string(spec.get("image"), "spec.image", required=True)
     assert image is not None
-    sleep_level = _int(spec.get("sleepLevel"), "spec.sleepLevel", DEFAULT_SLEEP_LEVEL, 1, 2)
-    gpus = _int(spec.get("gpus"), "spec.gpus", DEFAULT_GPUS, 0, MAX_GPUS)
+    sleep_level = _int(spec.get("sleepLevel"), "spec.sleepLevel", DEFAULT_SLEEP_LEVEL)
+    gpus = _int(spec.get("gpus"), "spec.gpus", DEFAULT_GPUS)
     vram_request, vram_request_bytes = _parse_vram(spec)
     try:
         activation = parse_activation(spec)
@@ -659,11 +533,7 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
         worker=_parse_worker(spec),
         template=_parse_template(spec),
         drain_timeout_s=_int(
-            spec.get("drainTimeoutSeconds"),
-            "spec.drainTimeoutSeconds",
-            DEFAULT_DRAIN_TIMEOUT_S,
-            MIN_DRAIN_TIMEOUT_S,
-            MAX_DRAIN_TIMEOUT_S,
+            spec.get("drainTimeoutSeconds"), "spec.drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_S
         ),
         activation=activation,
     )

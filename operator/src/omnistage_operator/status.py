@@ -14,22 +14,44 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from omnistage_operator import conditions as cond
 from omnistage_operator.arbiter import Blocker, BlockReason, WorkerPhase
 from omnistage_operator.facts import AckFacts, WorkerReport, ack_contradiction
 from omnistage_operator.quantities import format_bytes
-from omnistage_operator.spec import Phase
 
 __all__ = [
+    "MemorySource",
     "PersistedFacts",
+    "Phase",
     "StageObservation",
     "build_status",
     "format_timestamp",
     "parse_timestamp",
     "persisted_facts",
 ]
+
+
+class Phase(StrEnum):
+    """``status.state``: what the operator observed."""
+
+    PENDING = "Pending"
+    LOADING = "Loading"
+    ACTIVE = "Active"
+    SLEEPING = "Sleeping"
+    ASLEEP = "Asleep"
+    WAKING = "Waking"
+    WAITING = "Waiting"
+    FAILED = "Failed"
+
+
+class MemorySource(StrEnum):
+    """``status.memory.source``: how the memory figures were measured."""
+
+    NVML = "nvml"
+    ACCOUNTING = "accounting"
 
 
 def format_timestamp(epoch_s: float) -> str:
@@ -161,12 +183,34 @@ def build_status(
     o: StageObservation, previous: Mapping[str, Any] | None, now: datetime
 ) -> dict[str, Any]:
     """The full ``status`` for a merge patch (keys set to None are removed by the API)."""
-    prev = previous or {}
     state = _state(o)
     gen = o.generation
+    status = _fields(o, state)
+    if o.report is not None:
+        status["memory"] = _memory(o.report, o.last_ack)
+    if o.last_ack is not None:
+        status["lastAck"] = _ack_status(o.last_ack)
+    ready = _ready(o, state)
+    cs: list[dict[str, Any]] | None = list((previous or {}).get("conditions") or [])
+    for kind, (ok, reason, message) in (
+        (cond.READY, ready),
+        (cond.ASLEEP, _asleep(o, ready[1])),
+        (cond.MEMORY_RELEASED, _memory_released(o, ready[1])),
+        (cond.ADMITTED, _admitted(o)),
+    ):
+        cs = cond.set_condition(cs, kind, ok, reason, message, gen, now)
+    status["conditions"] = cs
+    return status
+
+
+_Verdict = tuple[bool, str, str]  # a condition's status, reason and message
+
+
+def _fields(o: StageObservation, state: Phase) -> dict[str, Any]:
+    """The plain fields: state, level, pod, node, who blocks a wake, the persisted facts."""
     r = o.report
-    status: dict[str, Any] = {
-        "observedGeneration": gen,
+    return {
+        "observedGeneration": o.generation,
         "state": state.value,
         "sleepLevel": (r.level if r is not None and r.phase is WorkerPhase.ASLEEP else None),
         "pod": o.pod,
@@ -178,28 +222,32 @@ def build_status(
         "fencePending": o.fence_pending or None,
         "learnedNeedBytes": o.learned_need or None,
     }
-    if r is not None:
-        residual = r.used_bytes if r.phase is WorkerPhase.ASLEEP else 0
-        last_freed = o.last_ack.freed_bytes if o.last_ack and o.last_ack.op == "sleep" else None
-        status["memory"] = {
-            "usedBytes": r.used_bytes,
-            "capacityBytes": r.total_bytes,
-            "freeBytes": r.free_bytes,
-            "lastFreedBytes": last_freed,
-            "residualBytes": residual,
-            "used": format_bytes(r.used_bytes),
-            "capacity": format_bytes(r.total_bytes),
-            "lastFreed": format_bytes(max(last_freed, 0)) if last_freed is not None else None,
-            "source": r.source or None,
-            "peakActiveBytes": r.peak_active_bytes or None,
-            "contextBytes": r.context_bytes or None,
-        }
-    if o.last_ack is not None:
-        status["lastAck"] = _ack_status(o.last_ack)
 
-    cs: list[dict[str, Any]] | None = list(prev.get("conditions") or [])
+
+def _memory(r: WorkerReport, last_ack: AckFacts | None) -> dict[str, Any]:
+    """``status.memory`` from the worker's measurement (and the last sleep's freed bytes)."""
+    residual = r.used_bytes if r.phase is WorkerPhase.ASLEEP else 0
+    last_freed = last_ack.freed_bytes if last_ack and last_ack.op == "sleep" else None
+    return {
+        "usedBytes": r.used_bytes,
+        "capacityBytes": r.total_bytes,
+        "freeBytes": r.free_bytes,
+        "lastFreedBytes": last_freed,
+        "residualBytes": residual,
+        "used": format_bytes(r.used_bytes),
+        "capacity": format_bytes(r.total_bytes),
+        "lastFreed": format_bytes(max(last_freed, 0)) if last_freed is not None else None,
+        "source": r.source or None,
+        "peakActiveBytes": r.peak_active_bytes or None,
+        "contextBytes": r.context_bytes or None,
+    }
+
+
+def _ready(o: StageObservation, state: Phase) -> _Verdict:
+    """Ready: the worker is Active; else why not, in the worker's own words where it gave any."""
+    r = o.report
     ready = state is Phase.ACTIVE
-    ready_reason: str = {
+    reason: str = {
         Phase.ACTIVE: cond.Reason.WORKER_READY,
         Phase.LOADING: cond.Reason.LOADING,
         Phase.WAKING: cond.Reason.WAKING,
@@ -209,77 +257,67 @@ def build_status(
         if o.phase is WorkerPhase.UNREACHABLE
         else cond.Reason.FAILED,
     }.get(state, cond.Reason.WORKER_NOT_READY)
-    ready_msg = f"worker is {o.phase.value}" + (f": {r.error}" if r is not None and r.error else "")
+    message = f"worker is {o.phase.value}" + (f": {r.error}" if r is not None and r.error else "")
     if o.worker_error is not None and r is None:
-        ready_reason, ready_msg = cond.Reason.WORKER_UNAUTHENTICATED, o.worker_error
+        reason, message = cond.Reason.WORKER_UNAUTHENTICATED, o.worker_error
     elif o.wake_problem is not None and not ready:
-        ready_reason, ready_msg = o.wake_problem
-    cs = cond.set_condition(cs, cond.READY, ready, ready_reason, ready_msg, gen, now)
+        reason, message = o.wake_problem
+    return ready, reason, message
 
-    asleep = o.phase is WorkerPhase.ASLEEP
+
+def _asleep(o: StageObservation, ready_reason: str) -> _Verdict:
+    """Asleep: the worker reports asleep (acknowledged when the last sleep ACK was ok)."""
+    if o.phase is not WorkerPhase.ASLEEP:
+        return False, ready_reason, f"worker is {o.phase.value}"
     ack = o.last_ack
     slept_ok = ack is not None and ack.op == "sleep" and ack.ok
-    reason: str
-    if asleep:
-        reason = cond.Reason.SLEEP_ACKNOWLEDGED if slept_ok else cond.Reason.DESIRED_ASLEEP
-        msg = f"worker reports asleep at level {r.level if r else '?'}"
-    else:
-        reason, msg = ready_reason, f"worker is {o.phase.value}"
-    cs = cond.set_condition(cs, cond.ASLEEP, asleep, reason, msg, gen, now)
+    reason = cond.Reason.SLEEP_ACKNOWLEDGED if slept_ok else cond.Reason.DESIRED_ASLEEP
+    return True, reason, f"worker reports asleep at level {o.report.level if o.report else '?'}"
 
+
+def _memory_released(o: StageObservation, ready_reason: str) -> _Verdict:
+    """MemoryReleased: a pending fence, a fence, a contradicted ACK and a failed sleep first;
+    then what the worker measured."""
+    r = o.report
+    if o.fence_pending is not None and o.phase is not WorkerPhase.ABSENT:
+        message = f"fence started, pod not confirmed gone: {o.fence_pending}"
+        return False, cond.Reason.FENCE_PENDING, message
+    if o.fenced_reason is not None:
+        return True, cond.Reason.FENCED, o.fenced_reason
+    asleep = r is not None and r.phase is WorkerPhase.ASLEEP
     contradicted = (
         ack_contradiction(r.last_ack)
-        if r is not None and r.last_ack is not None and r.phase is WorkerPhase.ASLEEP
+        if r is not None and r.last_ack is not None and asleep
         else None
     )
-    if o.fence_pending is not None and o.phase is not WorkerPhase.ABSENT:
-        cs = cond.set_condition(
-            cs, cond.MEMORY_RELEASED, False, cond.Reason.FENCE_PENDING,
-            f"fence started, pod not confirmed gone: {o.fence_pending}", gen, now,
-        )  # fmt: skip
-    elif o.fenced_reason is not None:
-        cs = cond.set_condition(
-            cs, cond.MEMORY_RELEASED, True, cond.Reason.FENCED, o.fenced_reason, gen, now
-        )
-    elif contradicted is not None:
-        cs = cond.set_condition(
-            cs, cond.MEMORY_RELEASED, False, cond.Reason.ACK_CONTRADICTED, contradicted, gen, now
-        )
-    elif o.sleep_problem is not None and o.phase is not WorkerPhase.ABSENT:
-        reason_, message_ = o.sleep_problem
-        cs = cond.set_condition(cs, cond.MEMORY_RELEASED, False, reason_, message_, gen, now)
-    elif asleep and r is not None:
-        if ack is not None and ack.op == "sleep" and not ack.ok:
-            mr, mr_reason = False, cond.Reason.ACK_FAILED
-            mr_msg = f"sleep ACK {ack.task_id} not ok: {ack.error}"
-        else:
-            mr, mr_reason = True, cond.Reason.MEMORY_VERIFIED
-            mr_msg = f"measured {format_bytes(r.used_bytes)} used on the device ({r.source})"
-            if slept_ok and ack is not None:
-                mr_msg += f"; ACK {ack.task_id} freed {format_bytes(max(ack.freed_bytes, 0))}"
-        cs = cond.set_condition(cs, cond.MEMORY_RELEASED, mr, mr_reason, mr_msg, gen, now)
-    elif o.phase is WorkerPhase.ABSENT or o.phase is WorkerPhase.STARTING:
-        cs = cond.set_condition(
-            cs, cond.MEMORY_RELEASED, True, cond.Reason.POD_PENDING, "no worker holds memory", gen,
-            now,
-        )  # fmt: skip
-    else:
-        used = format_bytes(r.used_bytes) if r is not None else "unknown"
-        cs = cond.set_condition(
-            cs, cond.MEMORY_RELEASED, False, ready_reason, f"worker holds {used}", gen, now
-        )
+    if contradicted is not None:
+        return False, cond.Reason.ACK_CONTRADICTED, contradicted
+    if o.sleep_problem is not None and o.phase is not WorkerPhase.ABSENT:
+        return False, o.sleep_problem[0], o.sleep_problem[1]
+    if o.phase is WorkerPhase.ASLEEP and r is not None:
+        return _asleep_memory(r, o.last_ack)
+    if o.phase is WorkerPhase.ABSENT or o.phase is WorkerPhase.STARTING:
+        return True, cond.Reason.POD_PENDING, "no worker holds memory"
+    used = format_bytes(r.used_bytes) if r is not None else "unknown"
+    return False, ready_reason, f"worker holds {used}"
 
+
+def _asleep_memory(r: WorkerReport, ack: AckFacts | None) -> _Verdict:
+    """MemoryReleased of an asleep worker: verified from its measurement, unless its last
+    sleep ACK was not ok."""
+    if ack is not None and ack.op == "sleep" and not ack.ok:
+        return False, cond.Reason.ACK_FAILED, f"sleep ACK {ack.task_id} not ok: {ack.error}"
+    message = f"measured {format_bytes(r.used_bytes)} used on the device ({r.source})"
+    if ack is not None and ack.op == "sleep" and ack.ok:
+        message += f"; ACK {ack.task_id} freed {format_bytes(max(ack.freed_bytes, 0))}"
+    return True, cond.Reason.MEMORY_VERIFIED, message
+
+
+def _admitted(o: StageObservation) -> _Verdict:
+    """Admitted: to the group's memory; else asleep by spec, or what blocks it."""
     if o.admitted:
-        cs = cond.set_condition(
-            cs, cond.ADMITTED, True, cond.Reason.ADMITTED, "admitted to the group's memory", gen,
-            now,
-        )  # fmt: skip
-    elif not o.wants_active:
-        cs = cond.set_condition(
-            cs, cond.ADMITTED, False, cond.Reason.DESIRED_ASLEEP, "spec.state is Asleep", gen, now
-        )
-    else:
-        msg = "; ".join(b.message for b in o.waiting) or "waiting"
-        cs = cond.set_condition(cs, cond.ADMITTED, False, _waiting_reason(o.waiting), msg, gen, now)
-    status["conditions"] = cs
-    return status
+        return True, cond.Reason.ADMITTED, "admitted to the group's memory"
+    if not o.wants_active:
+        return False, cond.Reason.DESIRED_ASLEEP, "spec.state is Asleep"
+    message = "; ".join(b.message for b in o.waiting) or "waiting"
+    return False, _waiting_reason(o.waiting), message

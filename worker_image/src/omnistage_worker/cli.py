@@ -64,6 +64,18 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--variant", help="weight file variant to load, e.g. fp16 (x.fp16.safetensors)")
+    p.add_argument(
+        "--components",
+        default="",
+        help="comma-separated pipeline components that sleep separately (dotted paths allowed; "
+        "default: discovered from the pipeline)",
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="diffusion: only one component resident at a time inside a request",
+    )
     p.add_argument("--initial-state", default="active", choices=("active", "asleep"))
     p.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
     p.add_argument("--token-file", type=Path, help="bearer token required by SleepService")
@@ -148,6 +160,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             node=args.node,
         ),
         dtype=args.dtype,
+        variant=args.variant or None,
+        components=tuple(c.strip() for c in args.components.split(",") if c.strip()),
+        sequential=args.sequential,
         shutdown_grace_s=args.shutdown_grace,
         drain_timeout_s=args.drain_timeout,
         cpu_threads=args.cpu_threads,

@@ -106,6 +106,9 @@ class WorkerConfig:
     residual_slack: int = DEFAULT_RESIDUAL_SLACK
     identity: Identity = field(default_factory=Identity)
     dtype: str = "auto"
+    variant: str | None = None
+    components: tuple[str, ...] = ()
+    sequential: bool = False
     shutdown_grace_s: float = 30.0
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     ack_cache_size: int = 1024
@@ -139,6 +142,7 @@ def validate(config: WorkerConfig) -> None:
         raise ConfigError("--dtype", f"{config.dtype!r} (one of {', '.join(DTYPES)})")
     if config.backend == "vllm":
         _check_vllm(config)
+    _check_components(config)
     _check_limits(config)
 
 
@@ -193,6 +197,23 @@ def _check_vllm(config: WorkerConfig) -> None:
             "asleep is not supported with --backend vllm: vLLM takes device memory "
             "while it loads, so it cannot start without touching the GPU",
         )
+
+
+_VARIANT = re.compile(r"^[A-Za-z0-9_]+$")
+_COMPONENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _check_components(config: WorkerConfig) -> None:
+    """Variant name, declared components and sequential mode."""
+    if config.variant is not None and not _VARIANT.match(config.variant):
+        raise ConfigError("--variant", f"{config.variant!r} is not a variant name (e.g. fp16)")
+    for name in config.components:
+        if not _COMPONENT.match(name):
+            raise ConfigError("--components", f"{name!r} is not an attribute path")
+    if len(set(config.components)) != len(config.components):
+        raise ConfigError("--components", "a component is named twice")
+    if config.sequential and config.runner != "diffusion":
+        raise ConfigError("--sequential", "only diffusion pipelines run sequentially")
 
 
 def _check_limits(config: WorkerConfig) -> None:

@@ -40,7 +40,9 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
                 if request.HasField("drain_timeout")
                 else None
             )
-            return await self.worker.sleep(task_id, level, request.epoch, drain_timeout)
+            return await self.worker.sleep(
+                task_id, level, request.epoch, drain_timeout, list(request.components)
+            )
 
         return sleep_service_pb2.SleepResponse(ack=await _ack(order, context))
 

@@ -19,9 +19,10 @@ Decisions come from :mod:`omnistage_worker.transitions` (pure); this module runs
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ import grpc
 
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker.acks import AckCache, Outcome, TaskIdConflict, build_ack, replayed
+from omnistage_worker.component_sleep import asleep_components, component_memory, groups_to_sleep
 from omnistage_worker.memory import Reading
 from omnistage_worker.runners.base import SleepController, Stats
 from omnistage_worker.transitions import (
@@ -75,9 +77,23 @@ class SleepWake:
         return self._lock.locked()
 
     async def sleep(
-        self, task_id: str, level: int, epoch: int = 0, drain_timeout: float | None = None
+        self,
+        task_id: str,
+        level: int,
+        epoch: int = 0,
+        drain_timeout: float | None = None,
+        components: Sequence[str] = (),
     ) -> types_pb2.Ack:
-        """Sleep at ``level``; the Ack of this task id (replayed when seen before)."""
+        """Sleep at ``level``; the Ack of this task id (replayed when seen before).
+        ``components``: only those (the worker stays Active)."""
+        if components:
+            names = list(components)
+            return await self._once(
+                task_id,
+                f"sleep level {level} components {','.join(names)}",
+                epoch,
+                lambda: self._sleep_components(task_id, level, epoch, drain_timeout, names),
+            )
         return await self._once(
             task_id,
             f"sleep level {level}",
@@ -283,6 +299,71 @@ class SleepWake:
             await worker.set_state(types_pb2.WORKER_STATE_ASLEEP, level)
         return error
 
+    async def _sleep_components(
+        self,
+        task_id: str,
+        level: int,
+        epoch: int,
+        drain_timeout: float | None,
+        names: Sequence[str],
+    ) -> types_pb2.Ack:
+        """Some components to ``level``: drained like a sleep, then Active again; the footprint
+        is what stays resident."""
+        worker = self.worker
+        async with self._lock:
+            check_epoch(epoch, worker.epoch)
+            if worker.state != types_pb2.WORKER_STATE_ACTIVE:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "components: only an Active worker puts components to sleep",
+                )
+            controller = worker.require_controller()
+            groups = groups_to_sleep(controller, names)
+            self._refuse_level(Plan.SLEEP, level)
+            self._obey(epoch)
+            await worker.set_state(types_pb2.WORKER_STATE_SLEEPING, 0)
+            timeout = worker.config.drain_timeout_s if drain_timeout is None else drain_timeout
+            drain: _Start | None = None
+            if worker.inflight:
+                drain = _Start()
+                if not await self._drain(timeout):
+                    previous = (types_pb2.WORKER_STATE_ACTIVE, 0)
+                    return await self._drain_ran_out(
+                        task_id, epoch, previous, drain, within=timeout
+                    )
+            start = _Start()
+            before = worker.measure()
+            worker.note_peak(before)
+            moved: dict[str, Any] = {}
+            error = ""
+            try:
+                sleep = functools.partial(controller.sleep_components, groups, level)  # type: ignore[attr-defined]
+                stats: Stats = await worker.transition_lane.run(sleep)
+                await worker.transition_lane.run(worker.release_cached)
+            except Exception as exc:
+                log.exception("component sleep failed")
+                await worker.fail(f"sleep of {', '.join(groups)} failed: {exc}")
+                error = worker.error
+            else:
+                moved = {"bytes_moved": stats.bytes_moved, "noop": stats.noop}
+            after = worker.measure()
+            if not error:
+                worker.active_footprint = worker.peak_active = after.used
+                await worker.set_state(types_pb2.WORKER_STATE_ACTIVE, 0)
+            return self._finish(
+                self._outcome(
+                    task_id,
+                    SLEEP,
+                    before,
+                    after,
+                    start,
+                    epoch=epoch,
+                    drain=drain,
+                    error=error,
+                    **moved,
+                )
+            )
+
     # -- wake -----------------------------------------------------------------------------
 
     async def _wake(self, task_id: str, epoch: int) -> types_pb2.Ack:
@@ -300,7 +381,7 @@ class SleepWake:
                     task_id, WAKE, before, after, start, epoch=epoch, peak_active=peak, **extra
                 )
 
-            if plan is Plan.NOOP:
+            if plan is Plan.NOOP and not asleep_components(worker.controller):
                 return self._finish(outcome(before, noop=True))
             controller = worker.require_controller()
             shortfall = _capacity_shortfall(before, controller)
@@ -372,6 +453,7 @@ class SleepWake:
     def _finish(self, outcome: Outcome) -> types_pb2.Ack:
         """Write ``outcome`` as the Ack, remember it as the last one, log it."""
         ack = build_ack(outcome, self.worker.identity)
+        ack.components.extend(component_memory(self.worker.controller))
         self.worker.last_ack = ack
         log.info(
             "ack %s task=%s ok=%s level=%d state=%s freed=%d used %d -> %d moved=%d in %.3fs%s%s",

@@ -18,12 +18,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_pb2
 from omnistage_worker import loading, termination
+from omnistage_worker.component_sleep import asleep_components
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand import Demand
 from omnistage_worker.lane import DaemonLane
@@ -187,7 +188,12 @@ class Worker:
         await loading.load(self)
 
     async def sleep(
-        self, task_id: str, level: int, epoch: int = 0, drain_timeout: float | None = None
+        self,
+        task_id: str,
+        level: int,
+        epoch: int = 0,
+        drain_timeout: float | None = None,
+        components: Sequence[str] = (),
     ) -> types_pb2.Ack:
         """Sleep at ``level``; the Ack of this task id (replayed when seen before).
 
@@ -196,7 +202,7 @@ class Worker:
         not-ok Ack; like every Ack it is final for its task id (a repeat replays it), so the
         operator retries under a new task id, after a backoff.
         """
-        return await self._sleep_wake.sleep(task_id, level, epoch, drain_timeout)
+        return await self._sleep_wake.sleep(task_id, level, epoch, drain_timeout, components)
 
     async def wake(self, task_id: str, epoch: int = 0) -> types_pb2.Ack:
         """Wake up; the Ack of this task id (replayed when seen before)."""
@@ -237,6 +243,12 @@ class Worker:
             if not (self.demand.on_demand and holdable(self.current)):
                 raise refusal
             await self.demand.hold(deadline)
+        asleep = asleep_components(self.controller)
+        if asleep:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"components asleep: {', '.join(asleep)}; wake the worker first",
+            )
         self._inflight += 1
         self.idle.clear()
         self.demand.changed()

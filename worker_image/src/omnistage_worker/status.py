@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from omnistage.worker.v1 import sleep_service_pb2
 from omnistage_worker.acks import device_figures, identity_proto, level_proto
+from omnistage_worker.component_sleep import component_memory
 
 if TYPE_CHECKING:
     from omnistage_worker.state import Worker
@@ -40,4 +41,6 @@ def build_status(worker: Worker) -> sleep_service_pb2.GetStatusResponse:
     response.drain_timeout.FromNanoseconds(int(config.drain_timeout_s * 1e9))
     if worker.last_ack is not None:
         response.last_ack.CopyFrom(worker.last_ack)
+    response.components.extend(component_memory(worker.controller))
+    response.sequential = worker.config.sequential
     return response

@@ -109,6 +109,12 @@ class HostBuffer:
         self.setup_seconds = time.perf_counter() - started
         log.debug("host buffer: %d bytes in %.3fs, pinned=%s", nbytes, self.setup_seconds, pin)
 
+    def pin(self) -> None:
+        """Page-lock a buffer made with ``pin=False`` (after filling it: pages are not doubled)."""
+        if not self.pinned and self.nbytes > 0:
+            self._register(None)
+            self.pinned = True
+
     def _register(self, context: ctypes.c_void_p | None) -> None:
         driver = _driver()
         ptr = self.tensor.data_ptr()

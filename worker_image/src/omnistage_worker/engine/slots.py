@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -41,12 +41,21 @@ class Slot:
     """Where a level-2 wake reads the bytes from; None means they are kept on the host."""
 
 
+def skipped(component: str, prefix: str, skip: Collection[tuple[str, str]]) -> bool:
+    """Whether submodule ``prefix`` of ``component`` lies in a skipped (component, prefix)."""
+    return any(c == component and (prefix == p or prefix.startswith(p + ".")) for c, p in skip)
+
+
 def iter_bindings(
     modules: Mapping[str, torch.nn.Module],
+    skip: Collection[tuple[str, str]] = (),
 ) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """Yield (component, qualified name, tensor) for every parameter and buffer, aliases too."""
+    """Yield (component, qualified name, tensor) for every parameter and buffer, aliases too;
+    ``skip``: (component, submodule prefix) pairs owned by another component."""
     for component, module in modules.items():
         for prefix, sub in module.named_modules(remove_duplicate=False):
+            if skip and skipped(component, prefix, skip):
+                continue
             tables: list[Mapping[str, torch.Tensor | None]] = [sub._parameters, sub._buffers]
             for table in tables:
                 for attr, tensor in table.items():
@@ -69,12 +78,14 @@ def _identity(tensor: torch.Tensor) -> tuple[object, ...]:
     )
 
 
-def collect_slots(modules: Mapping[str, torch.nn.Module]) -> list[Slot]:
+def collect_slots(
+    modules: Mapping[str, torch.nn.Module], skip: Collection[tuple[str, str]] = ()
+) -> list[Slot]:
     """Group every binding into distinct slots (tied weights share one slot)."""
     by_identity: dict[tuple[object, ...], Slot] = {}
     by_object: dict[int, Slot] = {}
     slots: list[Slot] = []
-    for component, name, tensor in iter_bindings(modules):
+    for component, name, tensor in iter_bindings(modules, skip):
         slot = by_object.get(id(tensor)) or by_identity.get(_identity(tensor))
         if slot is None:
             slot = Slot(

@@ -19,12 +19,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from omnistage_worker.engine.attributes import AttributeTensor, attribute_tensors, unmovable
 from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture, release_in_background
 from omnistage_worker.engine.layout import CopyRun, Layout, SlotSpec, plan_layout
 from omnistage_worker.engine.reload import FileLoader, FileRun
@@ -63,11 +64,18 @@ class WeightEngine:
         *,
         pin_in_background: bool = True,
         reload_threads: int | None = None,
+        host_copy: bool = True,
+        skip: Collection[tuple[str, str]] = (),
     ) -> None:
         self.device = torch.device(device)
         self.modules = dict(modules)
+        refused = unmovable(self.modules)
+        if refused:
+            raise EngineError("cannot sleep this model: " + "; ".join(refused))
         self._cuda = self.device.type == "cuda"
-        self._slots: list[Slot] = collect_slots(self.modules)
+        self._skip = tuple(skip)
+        """(component, submodule) pairs another engine owns (a nested component)."""
+        self._slots: list[Slot] = collect_slots(self.modules, self._skip)
         if not self._slots:
             raise EngineError("the model has no parameters or buffers")
         self._files_enabled = files is not None
@@ -82,7 +90,11 @@ class WeightEngine:
         self._releasing: list[threading.Thread] = []
         self._kept: dict[int, torch.Tensor] = {}
         self._loose: list[tuple[torch.Tensor, torch.device]] = []
-        self._pin_in_background = pin_in_background
+        self._attributes: list[tuple[AttributeTensor, torch.device]] = []
+        """Plain-attribute device tensors moved to the host by a sleep (and their devices)."""
+        self._pin_in_background = pin_in_background and host_copy
+        self.host_copy = host_copy
+        """False for level-2 stages: no host copy is page-locked while awake."""
         readers = reload_threads or min(8, os.cpu_count() or 1)
         self._loader = FileLoader(self.device, readers=readers)
         self.level = 0
@@ -113,7 +125,7 @@ class WeightEngine:
     def device_bytes(self) -> int:
         """Exact bytes of the distinct storages the model's tensors hold on the device now."""
         seen: dict[int, int] = {}
-        for _, _, tensor in iter_bindings(self.modules):
+        for _, _, tensor in iter_bindings(self.modules, self._skip):
             if tensor.device.type != self.device.type or tensor.numel() == 0:
                 continue
             storage = tensor.untyped_storage()
@@ -244,16 +256,34 @@ class WeightEngine:
     def _offload_loose(self) -> None:
         """Tensors the model created or rebound while awake (not in the flat buffer) go to host."""
         flat_ptrs = {t.data_ptr() for s in self._slots for t in s.tensors}
-        for _, _, tensor in iter_bindings(self.modules):
+        for _, _, tensor in iter_bindings(self.modules, self._skip):
             on_device = tensor.device.type == self.device.type and tensor.numel() > 0
             if on_device and tensor.data_ptr() not in flat_ptrs:
                 self._loose.append((tensor, tensor.device))
                 tensor.data = tensor.data.to("cpu")
+        if not self._cuda:
+            return
+        flat = self._flat.untyped_storage().data_ptr() if self._flat is not None else None
+        for found in attribute_tensors(
+            self.modules, self.device.type, self._skip
+        ):  # plain attributes
+            if isinstance(found.tensor, torch.nn.Parameter) or (
+                found.tensor.untyped_storage().data_ptr() == flat
+            ):
+                continue  # a reference to a weight: the flat buffer moves it
+            device = found.tensor.device
+            found.tensor = found.tensor.to("cpu")
+            found.put(found.tensor)
+            self._attributes.append((found, device))
 
     def _restore_loose(self) -> None:
         for tensor, device in self._loose:
             tensor.data = tensor.data.to(device)
         self._loose = []
+        for found, device in self._attributes:
+            found.tensor = found.tensor.to(device)
+            found.put(found.tensor)
+        self._attributes = []
 
     def _flat_intact(self) -> bool:
         """Every slot's tensors are still the views of the flat buffer (nothing rebound)."""
@@ -299,23 +329,36 @@ class WeightEngine:
         started = time.perf_counter()
         moved = 0
         if level == 1:
-            host = self._take_host().tensor
+            # Filled before page-locking, each loaded tensor freed once copied: host RAM stays
+            # at about the model's size (pinning first would fault in a second full copy).
+            host = HostBuffer(self._layout.total_bytes, pin=False)
             for slot in self._slots:
-                self._view(host, slot).copy_(slot.tensors[0].data)
+                self._view(host.tensor, slot).copy_(slot.tensors[0].data)
+                self._bind(slot, self._placeholder(slot))
                 moved += slot.nbytes
+            if self._cuda:
+                host.pin()
+            self._host = host
             self._host_valid = True
         else:
-            moved = self._keep_unbacked(from_host=False)
+            moved = self._keep_unbacked(from_host=False, release=True)
         for slot in self._slots:
             self._bind(slot, self._placeholder(slot))
         self._placed = True
         self.level = level
         return TransferStats(moved, time.perf_counter() - started)
 
-    def _keep_unbacked(self, from_host: bool) -> int:
-        """Copy tensors without a file entry to pageable host memory (kept for level-2 wakes)."""
+    def _keep_unbacked(self, from_host: bool, release: bool = False) -> int:
+        """Copy tensors without a file entry to pageable host memory (kept for level-2 wakes);
+        ``release``: drop each loaded tensor as soon as it is handled (an asleep start)."""
         moved = 0
         for slot in self._slots:
+            if release:
+                if slot.entry is None and slot.key not in self._kept:
+                    self._kept[slot.key] = slot.tensors[0].data.to("cpu", copy=True)
+                    moved += slot.nbytes
+                self._bind(slot, self._placeholder(slot))
+                continue
             if slot.entry is not None or slot.key in self._kept:
                 continue
             if from_host:
@@ -332,8 +375,12 @@ class WeightEngine:
         if level not in (1, 2):
             raise EngineError(f"sleep level must be 1 or 2, got {level}")
 
-    def sleep(self, level: int) -> TransferStats:
-        """Release device memory at ``level`` (1: keep a host copy, 2: drop the weights)."""
+    def sleep(self, level: int, *, reuse_host: bool = False) -> TransferStats:
+        """Release device memory at ``level`` (1: keep a host copy, 2: drop the weights).
+
+        ``reuse_host``: at level 1, when the host copy is still the one the last wake copied
+        from and the weights are the flat buffer's views, skip the copy back (the caller knows
+        the weights were only read since: the sequential mode's swaps inside requests)."""
         self._check_level(level)
         if not self._placed:
             raise EngineError("the engine has not placed the weights yet")
@@ -351,7 +398,10 @@ class WeightEngine:
             raise EngineError("cannot go from level 2 to level 1 without waking first")
         # awake -> asleep
         moved = 0
-        if level == 1:
+        reused = reuse_host and self._host is not None and self._host_valid
+        if level == 1 and reused and self._flat_intact():
+            pass  # the host copy already holds these bytes
+        elif level == 1:
             host = self._take_host().tensor
             if self._flat_intact():
                 assert self._flat is not None
@@ -386,6 +436,8 @@ class WeightEngine:
             flat.copy_(host.tensor, non_blocking=True)
             self._sync()
             moved = self._layout.total_bytes
+            if not self.host_copy:
+                self._drop_host()  # a level-2 stage keeps no host copy while awake
         else:
             moved = self._loader.load(self._file_runs(), flat)
             for key, kept in self._kept.items():

@@ -178,10 +178,24 @@ class TorchRunner(ModelRunner):
     def build_controller(self) -> SleepController:
         from omnistage_worker.engine import WeightEngine
 
-        engine: SleepController = WeightEngine(self.modules(), self.device, self.weight_files())
+        engine: SleepController = WeightEngine(
+            self.modules(),
+            self.device,
+            self.weight_files(),
+            host_copy=self.config.sleep_level == 1,
+        )
         return engine
 
+    def resolve_dtype(self, config_dirs: Sequence[Path], files: Sequence[Path]) -> None:
+        """Set :attr:`dtype` for loading: ``auto`` becomes the dtype the weights are saved in."""
+        from omnistage_worker.runners.dtypes import resolve_dtype
 
-def safetensors_in(directory: Path) -> list[Path]:
-    """The ``*.safetensors`` files of a directory, sorted."""
-    return sorted(directory.glob("*.safetensors"))
+        name = resolve_dtype(self.config.dtype, config_dirs, files)
+        self.dtype = torch_dtype(name)
+
+
+def safetensors_in(directory: Path, variant: str | None = None) -> list[Path]:
+    """The safetensors files the loaders read from a directory (index, variant, single file)."""
+    from omnistage_worker.runners.weight_files import weight_files_in
+
+    return weight_files_in(directory, variant)

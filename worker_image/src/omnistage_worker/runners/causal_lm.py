@@ -34,9 +34,10 @@ class CausalLMRunner(TorchRunner):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         started = time.monotonic()
-        kwargs: dict[str, Any] = {"local_files_only": True}
-        if self.dtype is not None:
-            kwargs["dtype"] = self.dtype
+        self.resolve_dtype([self.model_dir], self._files())
+        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": self.dtype}
+        if self.config.variant:
+            kwargs["variant"] = self.config.variant
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), **kwargs)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
@@ -50,8 +51,11 @@ class CausalLMRunner(TorchRunner):
     def modules(self) -> Mapping[str, torch.nn.Module]:
         return {"model": self.model}
 
+    def _files(self) -> list[Path]:
+        return safetensors_in(self.model_dir, self.config.variant)
+
     def weight_files(self) -> Mapping[str, Sequence[Path]] | None:
-        found = safetensors_in(self.model_dir)
+        found = self._files()
         return {"model": found} if found else None
 
     def _generate(

@@ -25,6 +25,27 @@ class GenerateRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ParametersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___ParameterValue: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___ParameterValue | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
@@ -34,6 +55,8 @@ class GenerateRequest(_message.Message):
     WIDTH_FIELD_NUMBER: _builtins.int
     GUIDANCE_SCALE_FIELD_NUMBER: _builtins.int
     DO_SAMPLE_FIELD_NUMBER: _builtins.int
+    NUM_FRAMES_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """request_id is echoed in the response."""
     prompt: _builtins.str
@@ -52,6 +75,17 @@ class GenerateRequest(_message.Message):
     """guidance_scale is the classifier-free guidance scale (0: the pipeline's default)."""
     do_sample: _builtins.bool
     """do_sample selects seeded sampling for AR runners; false means greedy."""
+    num_frames: _builtins.int
+    """num_frames is the number of frames for video pipelines (0: the pipeline's default);
+    INVALID_ARGUMENT for image pipelines.
+    """
+    @_builtins.property
+    def parameters(self) -> _containers.MessageMap[_builtins.str, Global___ParameterValue]:
+        """parameters are pipeline-specific call arguments (e.g. negative_prompt, true_cfg_scale),
+        checked against the pipeline's call signature: an unknown or reserved name, or a value of
+        the wrong kind, is INVALID_ARGUMENT naming the parameter.
+        """
+
     def __init__(
         self,
         *,
@@ -64,14 +98,52 @@ class GenerateRequest(_message.Message):
         width: _builtins.int = ...,
         guidance_scale: _builtins.float = ...,
         do_sample: _builtins.bool = ...,
+        num_frames: _builtins.int = ...,
+        parameters: _abc.Mapping[_builtins.str, Global___ParameterValue] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["do_sample", b"do_sample", "guidance_scale", b"guidance_scale", "height", b"height", "max_new_tokens", b"max_new_tokens", "num_inference_steps", b"num_inference_steps", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["do_sample", b"do_sample", "guidance_scale", b"guidance_scale", "height", b"height", "max_new_tokens", b"max_new_tokens", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "parameters", b"parameters", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ParameterValue(_message.Message):
+    """ParameterValue is one scalar pipeline argument."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOOL_VALUE_FIELD_NUMBER: _builtins.int
+    INT_VALUE_FIELD_NUMBER: _builtins.int
+    DOUBLE_VALUE_FIELD_NUMBER: _builtins.int
+    STRING_VALUE_FIELD_NUMBER: _builtins.int
+    bool_value: _builtins.bool
+    """bool_value is a boolean argument."""
+    int_value: _builtins.int
+    """int_value is an integer argument."""
+    double_value: _builtins.float
+    """double_value is a floating-point argument."""
+    string_value: _builtins.str
+    """string_value is a text argument."""
+    def __init__(
+        self,
+        *,
+        bool_value: _builtins.bool = ...,
+        int_value: _builtins.int = ...,
+        double_value: _builtins.float = ...,
+        string_value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bool_value", b"bool_value", "double_value", b"double_value", "int_value", b"int_value", "kind", b"kind", "string_value", b"string_value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bool_value", b"bool_value", "double_value", b"double_value", "int_value", b"int_value", "kind", b"kind", "string_value", b"string_value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["bool_value", "int_value", "double_value", "string_value"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___ParameterValue: _TypeAlias = ParameterValue  # noqa: Y015
 
 @_typing.final
 class ImageOutput(_message.Message):
@@ -102,6 +174,42 @@ class ImageOutput(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ImageOutput: _TypeAlias = ImageOutput  # noqa: Y015
+
+@_typing.final
+class VideoOutput(_message.Message):
+    """VideoOutput is a generated video, one PNG per frame."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAMES_PNG_FIELD_NUMBER: _builtins.int
+    WIDTH_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIELD_NUMBER: _builtins.int
+    FPS_FIELD_NUMBER: _builtins.int
+    width: _builtins.int
+    """width is the frame width in pixels."""
+    height: _builtins.int
+    """height is the frame height in pixels."""
+    fps: _builtins.float
+    """fps is the frame rate the pipeline's model was trained for (0: unknown)."""
+    @_builtins.property
+    def frames_png(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """frames_png holds the frames in order, each PNG-encoded."""
+
+    def __init__(
+        self,
+        *,
+        frames_png: _abc.Iterable[_builtins.bytes] | None = ...,
+        width: _builtins.int = ...,
+        height: _builtins.int = ...,
+        fps: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fps", b"fps", "frames_png", b"frames_png", "height", b"height", "width", b"width"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VideoOutput: _TypeAlias = VideoOutput  # noqa: Y015
 
 @_typing.final
 class TextOutput(_message.Message):
@@ -140,6 +248,7 @@ class GenerateResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    VIDEO_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """request_id echoes the request."""
@@ -152,6 +261,10 @@ class GenerateResponse(_message.Message):
         """text is set by AR runners."""
 
     @_builtins.property
+    def video(self) -> Global___VideoOutput:
+        """video is set by video diffusion runners."""
+
+    @_builtins.property
     def duration(self) -> _duration_pb2.Duration:
         """duration is the time spent generating."""
 
@@ -161,13 +274,14 @@ class GenerateResponse(_message.Message):
         request_id: _builtins.str = ...,
         image: Global___ImageOutput | None = ...,
         text: Global___TextOutput | None = ...,
+        video: Global___VideoOutput | None = ...,
         duration: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "image", b"image", "output", b"output", "text", b"text"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "image", b"image", "output", b"output", "text", b"text", "video", b"video"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "image", b"image", "output", b"output", "request_id", b"request_id", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "image", b"image", "output", b"output", "request_id", b"request_id", "text", b"text", "video", b"video"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_output: _TypeAlias = _typing.Literal["image", "text"]  # noqa: Y015
+    _WhichOneofReturnType_output: _TypeAlias = _typing.Literal["image", "text", "video"]  # noqa: Y015
     _WhichOneofArgType_output: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_output) -> _WhichOneofReturnType_output | None: ...
 

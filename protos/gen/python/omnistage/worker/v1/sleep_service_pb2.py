@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from omnistage.worker.v1 import types_pb2 as omnistage_dot_worker_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'omnistage/worker/v1/sleep_service.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fomnistage/worker/v1/types.proto\"\x90\x01\n\x0cSleepRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12.\n\x05level\x18\x02 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x30\n\rdrain_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"6\n\rSleepResponse\x12%\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\"/\n\rWakeUpRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"7\n\x0eWakeUpResponse\x12%\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\"!\n\x10GetStatusRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"\xb8\x05\n\x11GetStatusResponse\x12/\n\x05state\x18\x01 \x01(\x0e\x32 .omnistage.worker.v1.WorkerState\x12.\n\x05level\x18\x02 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12\r\n\x05model\x18\x03 \x01(\t\x12+\n\x06runner\x18\x04 \x01(\x0e\x32\x1b.omnistage.worker.v1.Runner\x12-\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\x1c.omnistage.worker.v1.Backend\x12\x12\n\nused_bytes\x18\x06 \x01(\x03\x12\x12\n\nfree_bytes\x18\x07 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x03\x12\x32\n\x07\x64\x65vices\x18\t \x03(\x0b\x32!.omnistage.worker.v1.DeviceMemory\x12\x31\n\x06source\x18\n \x01(\x0e\x32!.omnistage.worker.v1.MemorySource\x12\x33\n\x06worker\x18\x0b \x01(\x0b\x32#.omnistage.worker.v1.WorkerIdentity\x12*\n\x08last_ack\x18\x0c \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\x12\x15\n\rweights_bytes\x18\r \x01(\x03\x12\x1e\n\x16\x61\x63tive_footprint_bytes\x18\x0e \x01(\x03\x12\r\n\x05\x65rror\x18\x0f \x01(\t\x12\x19\n\x11inflight_requests\x18\x10 \x01(\x05\x12\x19\n\x11peak_active_bytes\x18\x11 \x01(\x03\x12\x15\n\rcontext_bytes\x18\x12 \x01(\x03\x12\r\n\x05\x65poch\x18\x13 \x01(\x03\x12\x30\n\rdrain_timeout\x18\x14 \x01(\x0b\x32\x19.google.protobuf.Duration2\x8d\x02\n\x0cSleepService\x12N\n\x05Sleep\x12!.omnistage.worker.v1.SleepRequest\x1a\".omnistage.worker.v1.SleepResponse\x12Q\n\x06WakeUp\x12\".omnistage.worker.v1.WakeUpRequest\x1a#.omnistage.worker.v1.WakeUpResponse\x12Z\n\tGetStatus\x12%.omnistage.worker.v1.GetStatusRequest\x1a&.omnistage.worker.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'omnistage/worker/v1/sleep_service.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fomnistage/worker/v1/types.proto\"\xa4\x01\n\x0cSleepRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12.\n\x05level\x18\x02 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x30\n\rdrain_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ncomponents\x18\x1e \x03(\t\"6\n\rSleepResponse\x12%\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\"/\n\rWakeUpRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"7\n\x0eWakeUpResponse\x12%\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\"!\n\x10GetStatusRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"\x86\x06\n\x11GetStatusResponse\x12/\n\x05state\x18\x01 \x01(\x0e\x32 .omnistage.worker.v1.WorkerState\x12.\n\x05level\x18\x02 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12\r\n\x05model\x18\x03 \x01(\t\x12+\n\x06runner\x18\x04 \x01(\x0e\x32\x1b.omnistage.worker.v1.Runner\x12-\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\x1c.omnistage.worker.v1.Backend\x12\x12\n\nused_bytes\x18\x06 \x01(\x03\x12\x12\n\nfree_bytes\x18\x07 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x03\x12\x32\n\x07\x64\x65vices\x18\t \x03(\x0b\x32!.omnistage.worker.v1.DeviceMemory\x12\x31\n\x06source\x18\n \x01(\x0e\x32!.omnistage.worker.v1.MemorySource\x12\x33\n\x06worker\x18\x0b \x01(\x0b\x32#.omnistage.worker.v1.WorkerIdentity\x12*\n\x08last_ack\x18\x0c \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\x12\x15\n\rweights_bytes\x18\r \x01(\x03\x12\x1e\n\x16\x61\x63tive_footprint_bytes\x18\x0e \x01(\x03\x12\r\n\x05\x65rror\x18\x0f \x01(\t\x12\x19\n\x11inflight_requests\x18\x10 \x01(\x05\x12\x19\n\x11peak_active_bytes\x18\x11 \x01(\x03\x12\x15\n\rcontext_bytes\x18\x12 \x01(\x03\x12\r\n\x05\x65poch\x18\x13 \x01(\x03\x12\x30\n\rdrain_timeout\x18\x14 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x38\n\ncomponents\x18\x1e \x03(\x0b\x32$.omnistage.worker.v1.ComponentMemory\x12\x12\n\nsequential\x18\x1f \x01(\x08\x32\x8d\x02\n\x0cSleepService\x12N\n\x05Sleep\x12!.omnistage.worker.v1.SleepRequest\x1a\".omnistage.worker.v1.SleepResponse\x12Q\n\x06WakeUp\x12\".omnistage.worker.v1.WakeUpRequest\x1a#.omnistage.worker.v1.WakeUpResponse\x12Z\n\tGetStatus\x12%.omnistage.worker.v1.GetStatusRequest\x1a&.omnistage.worker.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,17 +34,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.worker.v1.sleep_s
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SLEEPREQUEST']._serialized_start=130
-  _globals['_SLEEPREQUEST']._serialized_end=274
-  _globals['_SLEEPRESPONSE']._serialized_start=276
-  _globals['_SLEEPRESPONSE']._serialized_end=330
-  _globals['_WAKEUPREQUEST']._serialized_start=332
-  _globals['_WAKEUPREQUEST']._serialized_end=379
-  _globals['_WAKEUPRESPONSE']._serialized_start=381
-  _globals['_WAKEUPRESPONSE']._serialized_end=436
-  _globals['_GETSTATUSREQUEST']._serialized_start=438
-  _globals['_GETSTATUSREQUEST']._serialized_end=471
-  _globals['_GETSTATUSRESPONSE']._serialized_start=474
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1170
-  _globals['_SLEEPSERVICE']._serialized_start=1173
-  _globals['_SLEEPSERVICE']._serialized_end=1442
+  _globals['_SLEEPREQUEST']._serialized_end=294
+  _globals['_SLEEPRESPONSE']._serialized_start=296
+  _globals['_SLEEPRESPONSE']._serialized_end=350
+  _globals['_WAKEUPREQUEST']._serialized_start=352
+  _globals['_WAKEUPREQUEST']._serialized_end=399
+  _globals['_WAKEUPRESPONSE']._serialized_start=401
+  _globals['_WAKEUPRESPONSE']._serialized_end=456
+  _globals['_GETSTATUSREQUEST']._serialized_start=458
+  _globals['_GETSTATUSREQUEST']._serialized_end=491
+  _globals['_GETSTATUSRESPONSE']._serialized_start=494
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1268
+  _globals['_SLEEPSERVICE']._serialized_start=1271
+  _globals['_SLEEPSERVICE']._serialized_end=1540
 # @@protoc_insertion_point(module_scope)

@@ -30,6 +30,7 @@ class SleepRequest(_message.Message):
     LEVEL_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     DRAIN_TIMEOUT_FIELD_NUMBER: _builtins.int
+    COMPONENTS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """task_id identifies the transition; repeating it is idempotent. Required."""
     level: _types_pb2.SleepLevel.ValueType
@@ -45,6 +46,12 @@ class SleepRequest(_message.Message):
         refused; unset uses the worker's own --drain-timeout.
         """
 
+    @_builtins.property
+    def components(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """components names the pipeline components to put to sleep (see GetStatusResponse.components);
+        empty sleeps the whole model. The others stay resident and the worker stays Active.
+        """
+
     def __init__(
         self,
         *,
@@ -52,10 +59,11 @@ class SleepRequest(_message.Message):
         level: _types_pb2.SleepLevel.ValueType = ...,
         epoch: _builtins.int = ...,
         drain_timeout: _duration_pb2.Duration | None = ...,
+        components: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["drain_timeout", b"drain_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_timeout", b"drain_timeout", "epoch", b"epoch", "level", b"level", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["components", b"components", "drain_timeout", b"drain_timeout", "epoch", b"epoch", "level", b"level", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -187,6 +195,8 @@ class GetStatusResponse(_message.Message):
     CONTEXT_BYTES_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     DRAIN_TIMEOUT_FIELD_NUMBER: _builtins.int
+    COMPONENTS_FIELD_NUMBER: _builtins.int
+    SEQUENTIAL_FIELD_NUMBER: _builtins.int
     state: _types_pb2.WorkerState.ValueType
     """state is the worker's state."""
     level: _types_pb2.SleepLevel.ValueType
@@ -223,6 +233,8 @@ class GetStatusResponse(_message.Message):
     """
     epoch: _builtins.int
     """epoch is the highest leadership epoch this worker has obeyed (0: none seen)."""
+    sequential: _builtins.bool
+    """sequential is true when a request keeps only one component resident at a time."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.DeviceMemory]:
         """devices holds the figures per device (used_after_bytes is "now")."""
@@ -238,6 +250,10 @@ class GetStatusResponse(_message.Message):
     @_builtins.property
     def drain_timeout(self) -> _duration_pb2.Duration:
         """drain_timeout is the worker's own bound on waiting for in-flight requests at a sleep."""
+
+    @_builtins.property
+    def components(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.ComponentMemory]:
+        """components holds the figures per pipeline component (empty: one undivided model)."""
 
     def __init__(
         self,
@@ -262,10 +278,12 @@ class GetStatusResponse(_message.Message):
         context_bytes: _builtins.int = ...,
         epoch: _builtins.int = ...,
         drain_timeout: _duration_pb2.Duration | None = ...,
+        components: _abc.Iterable[_types_pb2.ComponentMemory] | None = ...,
+        sequential: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["drain_timeout", b"drain_timeout", "last_ack", b"last_ack", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_footprint_bytes", b"active_footprint_bytes", "backend", b"backend", "context_bytes", b"context_bytes", "devices", b"devices", "drain_timeout", b"drain_timeout", "epoch", b"epoch", "error", b"error", "free_bytes", b"free_bytes", "inflight_requests", b"inflight_requests", "last_ack", b"last_ack", "level", b"level", "model", b"model", "peak_active_bytes", b"peak_active_bytes", "runner", b"runner", "source", b"source", "state", b"state", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "weights_bytes", b"weights_bytes", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_footprint_bytes", b"active_footprint_bytes", "backend", b"backend", "components", b"components", "context_bytes", b"context_bytes", "devices", b"devices", "drain_timeout", b"drain_timeout", "epoch", b"epoch", "error", b"error", "free_bytes", b"free_bytes", "inflight_requests", b"inflight_requests", "last_ack", b"last_ack", "level", b"level", "model", b"model", "peak_active_bytes", b"peak_active_bytes", "runner", b"runner", "sequential", b"sequential", "source", b"source", "state", b"state", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "weights_bytes", b"weights_bytes", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

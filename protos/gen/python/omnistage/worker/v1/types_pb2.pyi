@@ -313,6 +313,7 @@ class Ack(_message.Message):
     DRAIN_DURATION_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     PEAK_ACTIVE_BYTES_FIELD_NUMBER: _builtins.int
+    COMPONENTS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """task_id is the caller's id for this transition; a repeated id returns the first Ack."""
     ok: _builtins.bool
@@ -379,6 +380,12 @@ class Ack(_message.Message):
     def drain_duration(self) -> _duration_pb2.Duration:
         """drain_duration is how long that wait took; started_at follows it."""
 
+    @_builtins.property
+    def components(self) -> _containers.RepeatedCompositeFieldContainer[Global___ComponentMemory]:
+        """components holds the figures per pipeline component after the transition (empty: one
+        undivided model).
+        """
+
     def __init__(
         self,
         *,
@@ -406,11 +413,46 @@ class Ack(_message.Message):
         drain_duration: _duration_pb2.Duration | None = ...,
         epoch: _builtins.int = ...,
         peak_active_bytes: _builtins.int = ...,
+        components: _abc.Iterable[Global___ComponentMemory] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["drain_duration", b"drain_duration", "drain_started_at", b"drain_started_at", "duration", b"duration", "finished_at", b"finished_at", "started_at", b"started_at", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "devices", b"devices", "drain_duration", b"drain_duration", "drain_started_at", b"drain_started_at", "duration", b"duration", "epoch", b"epoch", "error", b"error", "finished_at", b"finished_at", "free_after_bytes", b"free_after_bytes", "freed_bytes", b"freed_bytes", "level", b"level", "noop", b"noop", "ok", b"ok", "operation", b"operation", "peak_active_bytes", b"peak_active_bytes", "replayed", b"replayed", "residual_bound_bytes", b"residual_bound_bytes", "source", b"source", "started_at", b"started_at", "state", b"state", "task_id", b"task_id", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "components", b"components", "devices", b"devices", "drain_duration", b"drain_duration", "drain_started_at", b"drain_started_at", "duration", b"duration", "epoch", b"epoch", "error", b"error", "finished_at", b"finished_at", "free_after_bytes", b"free_after_bytes", "freed_bytes", b"freed_bytes", "level", b"level", "noop", b"noop", "ok", b"ok", "operation", b"operation", "peak_active_bytes", b"peak_active_bytes", "replayed", b"replayed", "residual_bound_bytes", b"residual_bound_bytes", "source", b"source", "started_at", b"started_at", "state", b"state", "task_id", b"task_id", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Ack: _TypeAlias = Ack  # noqa: Y015
+
+@_typing.final
+class ComponentMemory(_message.Message):
+    """ComponentMemory is one pipeline component's weights and where they are."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    WEIGHTS_BYTES_FIELD_NUMBER: _builtins.int
+    DEVICE_BYTES_FIELD_NUMBER: _builtins.int
+    LEVEL_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """name is the component's attribute path in the pipeline (e.g. "text_encoder_2")."""
+    weights_bytes: _builtins.int
+    """weights_bytes is the size of the component's weights."""
+    device_bytes: _builtins.int
+    """device_bytes is how much of them is on the device now."""
+    level: Global___SleepLevel.ValueType
+    """level is the component's sleep level (unspecified when resident)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        weights_bytes: _builtins.int = ...,
+        device_bytes: _builtins.int = ...,
+        level: Global___SleepLevel.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_bytes", b"device_bytes", "level", b"level", "name", b"name", "weights_bytes", b"weights_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ComponentMemory: _TypeAlias = ComponentMemory  # noqa: Y015

@@ -1,0 +1,75 @@
+"""views.GroupViews: a group's stages and pods from the watches' indexes, with this process's
+own creations seen at once and confirmed deletions hidden at once."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from omnistage_operator.labels import GROUP_LABEL, STAGE_LABEL
+from omnistage_operator.views import GroupViews, pod_keys, stage_keys
+
+
+def _stage(name: str, group: str | None) -> dict[str, Any]:
+    spec = {"colocation": {"group": group}} if group else {}
+    return {"metadata": {"name": name, "namespace": "ns"}, "spec": spec}
+
+
+def _pod(stage: str, group: str, uid: str) -> dict[str, Any]:
+    labels = {STAGE_LABEL: stage, GROUP_LABEL: group}
+    return {"metadata": {"name": f"{stage}-worker", "uid": uid, "labels": labels}}
+
+
+def _index(
+    bodies: list[dict[str, Any]], keys: Any, namespace: str = "ns"
+) -> dict[Hashable, list[dict[str, Any]]]:
+    """What kopf's index holds for ``bodies`` under ``keys`` (the indexing function)."""
+    out: dict[Hashable, list[dict[str, Any]]] = {}
+    for body in bodies:
+        for key, value in (keys(body, namespace) or {}).items():
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def test_a_group_reads_only_its_own_stages_and_pods() -> None:
+    stages = [_stage("a", "g1"), _stage("b", "g1"), _stage("c", "g2"), _stage("x", None)]
+    pods = [_pod("a", "g1", "ua"), _pod("c", "g2", "uc"), _pod("gone", "g1", "uo")]
+    views = GroupViews(_index(stages, stage_keys), _index(pods, pod_keys))
+    assert sorted(s["metadata"]["name"] for s in views.stages("ns", "g1")) == ["a", "b"]
+    assert views.stages("other-ns", "g1") == []
+    # The group's stages' pods and any pod labelled with the group (an orphan to fence).
+    assert sorted(p["metadata"]["uid"] for p in views.pods("ns", "g1", ["a", "b"])) == ["ua", "uo"]
+    assert views.stage("ns", "c") is not None and views.stage("ns", "zz") is None
+
+
+def test_a_stages_pod_of_another_group_is_read_by_its_stage() -> None:
+    # A stage re-created in another group: its old pod (old group label) is still its pod.
+    pods = [_pod("a", "old", "u1")]
+    views = GroupViews({}, _index(pods, pod_keys))
+    assert [p["metadata"]["uid"] for p in views.pods("ns", "new", ["a"])] == ["u1"]
+
+
+def test_created_pods_are_seen_before_the_watch_and_gone_ones_never_again() -> None:
+    pods_index: dict[Hashable, list[dict[str, Any]]] = {}
+    views = GroupViews({}, pods_index)
+    views.created("ns", "a", _pod("a", "g1", "u1"))
+    assert [p["metadata"]["uid"] for p in views.pods("ns", "g1", ["a"])] == ["u1"]
+    assert views.pods("ns", "g1", ["b"]) == []  # another stage's view is untouched
+    # The watch delivers it: one pod, the watched one.
+    pods_index.update(_index([_pod("a", "g1", "u1")], pod_keys))
+    assert [p["metadata"]["uid"] for p in views.pods("ns", "g1", ["a"])] == ["u1"]
+    # Confirmed gone by the API while the watch still shows it: hidden.
+    views.gone("u1")
+    assert views.pods("ns", "g1", ["a"]) == []
+    # Its replacement, created before the watch saw the old one go, is the stage's pod.
+    views.created("ns", "a", _pod("a", "g1", "u2"))
+    assert [p["metadata"]["uid"] for p in views.pods("ns", "g1", ["a"])] == ["u2"]
+
+
+def test_index_entries_are_plain_copies() -> None:
+    body = _stage("a", "g1")
+    entry = stage_keys(body, "ns")
+    assert entry is not None
+    body["spec"]["colocation"]["group"] = "changed"
+    assert all(v["spec"]["colocation"]["group"] == "g1" for v in entry.values())
+    assert pod_keys({"metadata": {"labels": {}}}, "ns") is None
