@@ -211,7 +211,12 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
     (
         "reserved-drain-timeout-flag",
         _set("spec.worker.args", ["--drain-timeout=5"]),
-        ("spec.worker.args", "--drain-timeout: the operator sets them"),
+        ("spec.worker.args", "--drain-timeout, --activation, --hold-timeout or --http-port"),
+    ),
+    (
+        "reserved-activation-flag",
+        _set("spec.worker.args", ["--activation=ondemand"]),
+        ("spec.worker.args", "--http-port: the operator sets them"),
     ),
     ("args-not-a-list", _set("spec.worker.args", "--x"), ("spec.worker.args", "array")),
     (
