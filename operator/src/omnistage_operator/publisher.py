@@ -22,6 +22,7 @@ from omnistage_operator.arbiter import (
     StageFacts,
     WorkerPhase,
 )
+from omnistage_operator.builders import can_start_asleep
 from omnistage_operator.facts import AckFacts
 from omnistage_operator.handover import (
     RoundOutcome,
@@ -79,6 +80,7 @@ class StatusPublisher:
     backoffs: dict[StageKey, CrashBackoff]
     sleep_problems: dict[StageKey, tuple[str, str]]
     wake_problems: dict[StageKey, tuple[str, str]]
+    stage_problems: dict[StageKey, tuple[str, str]]
     _tasks: set[asyncio.Task[Any]]
     demand: DemandWatcher
 
@@ -126,6 +128,15 @@ class StatusPublisher:
             body = port.bodies.get(name)
             if body is not None:
                 self.emit(body, "PodCreated", "worker pod created asleep")
+        for name in outcome.started_active:
+            body = port.bodies.get(name)
+            if body is not None:
+                msg = "worker pod created Active (admitted; measured free memory covers it)"
+                self.emit(body, "PodCreated", msg)
+        for name, err in outcome.stage_errors.items():
+            body = port.bodies.get(name)
+            if body is not None:
+                self.emit(body, cond.Reason.STAGE_ERROR.value, err, warning=True)
 
     def _demand_events(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
         """Events and metrics of demand-driven wakes (a swap when another stage slept) and of
@@ -165,6 +176,7 @@ class StatusPublisher:
             if fact.phase is WorkerPhase.ACTIVE:
                 self.fenced.pop(key, None)
                 self.wake_problems.pop(key, None)
+                self.stage_problems.pop(key, None)
             pod = port.pods.get(name)
             # An OnDemand stage woken for its requests wants Active as much as a manual ask.
             wanted = spec.wants_active or name in port.demand.reasons
@@ -187,6 +199,8 @@ class StatusPublisher:
                 learned_need=self.learned.get(key) or None,
                 sleep_problem=self.sleep_problems.get(key),
                 wake_problem=self.wake_problems.get(key),
+                stage_problem=self.stage_problems.get(key),
+                starts_when_admitted=not can_start_asleep(spec),
             )
             previous = self.published.get(key) or body.get("status") or {}
             status = build_status(obs, previous, now)

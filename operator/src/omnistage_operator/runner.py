@@ -126,6 +126,7 @@ class GroupRunner(StatusPublisher):
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
+        self.stage_problems: dict[StageKey, tuple[str, str]] = {}  # per-stage round errors
         self._claims: dict[str, tuple[str, tuple[str, ...]]] = {}  # claim key: (uid, uuids)
         self._claim_errors: set[str] = set()
         self._retry_in: dict[GroupKey, float] = {}
@@ -314,6 +315,7 @@ class GroupRunner(StatusPublisher):
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
         self.wake_problems.pop(key, None)
+        self.stage_problems.pop(key, None)
         self.demand.drop(namespace, name)
 
     def kick_all(self) -> None:
@@ -399,6 +401,8 @@ class GroupRunner(StatusPublisher):
             any(f.phase in _BUSY for f in facts)
             or bool(outcome.wake_errors)
             or any(not s.ok and not s.fenced for s in outcome.sleeps)
+            or bool(outcome.stage_errors)
+            or bool(outcome.started_active)
         )
 
     def _remember(self, namespace: str, outcome: RoundOutcome) -> None:
@@ -415,6 +419,10 @@ class GroupRunner(StatusPublisher):
         for name in outcome.wakes:
             if name not in outcome.wake_errors:
                 self.wake_problems.pop((namespace, name), None)
+        for name in outcome.started + outcome.started_active:
+            self.stage_problems.pop((namespace, name), None)
+        for name, err in outcome.stage_errors.items():
+            self.stage_problems[(namespace, name)] = (cond.Reason.STAGE_ERROR.value, err)
         for name, err in outcome.wake_errors.items():
             refused = name in outcome.wake_refusals
             reason = cond.Reason.WAKE_REFUSED if refused else cond.Reason.ACK_FAILED
