@@ -47,6 +47,7 @@ from omnistage_operator.labels import (
 )
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.memory import group_memory
+from omnistage_operator.ondemand import DemandView
 from omnistage_operator.pods import (
     RESET_AFTER_S,
     TERMINAL_PHASES,
@@ -87,6 +88,10 @@ class KubeGroupPort:
         self.facts: dict[str, StageFacts] = {}
         self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
         self.held_back: dict[str, float] = {}  # stages in crash back-off: seconds left
+        self.demand = DemandView({}, {}, frozenset(), None)  # shaped by the last observe
+        # Stages that asked for Active for held requests in this round: (held, oldest hold).
+        self.demand_asked: dict[str, tuple[int, float | None]] = {}
+        self.demand_idle: set[str] = set()  # stages found idle in this round
         self._listed = False
 
     # -- observing -------------------------------------------------------------------------
@@ -209,8 +214,13 @@ class KubeGroupPort:
         intents = {
             n: self._intent(self.specs[n], self.bodies[n], self.facts[n]) for n in arbitrated
         }
+        # OnDemand stages: their workers' demand is a fact the arbiter sees as intents.
+        self.demand = self.r.demand.shape(self, intents)
+        for name in self.demand.demand_asks:  # kept for the round's Events (held until woken)
+            self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
+        self.demand_idle |= self.demand.idle
         facts = {n: self.facts[n] for n in arbitrated}
-        return GroupObservation(intents, facts, memory)
+        return GroupObservation(self.demand.intents, facts, memory)
 
     async def _adopt_persisted(self, names: list[str]) -> None:
         """Facts a previous operator process persisted in status (a pending fence, a learned
