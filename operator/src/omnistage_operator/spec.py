@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from omnistage_operator.activation import Activation, ActivationError, parse_activation
 from omnistage_operator.quantities import QuantityError, parse_quantity
 from omnistage_worker.config import DTYPES
 
@@ -101,6 +102,7 @@ DEFAULT_SLEEP_LEVEL = 1
 DEFAULT_PRIORITY = 0
 DEFAULT_GPUS = 1
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_DRAIN_TIMEOUT_S = 600
 MIN_DRAIN_TIMEOUT_S, MAX_DRAIN_TIMEOUT_S = 1, 86400
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
@@ -133,6 +135,9 @@ RESERVED_ARGS = frozenset(
         "--device",
         "--dtype",
         "--drain-timeout",
+        "--activation",
+        "--hold-timeout",
+        "--http-port",
     }
 )
 # Names the builders use for their own volumes and mount points.
@@ -243,6 +248,7 @@ class WorkerSettings:
     device: WorkerDevice | None = None
     args: tuple[str, ...] = ()
     dtype: str | None = None
+    http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP API
 
 
 @dataclass(frozen=True)
@@ -299,6 +305,8 @@ class StageSpec:
     # Sleep the operator sends (SleepRequest.drain_timeout, and its deadline) honour this one value.
     drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
     vllm: VllmSettings = field(default_factory=VllmSettings)
+    # spec.activation: Manual (spec.state only) or OnDemand (requests wake the stage).
+    activation: Activation = field(default_factory=Activation)
 
     @property
     def group(self) -> str:
@@ -464,7 +472,8 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     device = None if device_raw is None else _enum(WorkerDevice, device_raw, "spec.worker.device")
     args = _strings(worker.get("args"), "spec.worker.args")
     dtype = _string(worker.get("dtype"), "spec.worker.dtype")
-    return WorkerSettings(port=port, device=device, args=args, dtype=dtype)
+    http_port = _int(worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT)
+    return WorkerSettings(port=port, device=device, args=args, dtype=dtype, http_port=http_port)
 
 
 def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
@@ -534,6 +543,10 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
     sleep_level = _int(spec.get("sleepLevel"), "spec.sleepLevel", DEFAULT_SLEEP_LEVEL)
     gpus = _int(spec.get("gpus"), "spec.gpus", DEFAULT_GPUS)
     vram_request, vram_request_bytes = _parse_vram(spec)
+    try:
+        activation = parse_activation(spec)
+    except ActivationError as exc:
+        raise SpecError(exc.field, exc.message) from exc
     return StageSpec(
         name=name,
         namespace=namespace,
@@ -556,4 +569,5 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
             spec.get("drainTimeoutSeconds"), "spec.drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_S
         ),
         vllm=_parse_vllm(spec),
+        activation=activation,
     )
