@@ -31,6 +31,16 @@ Rules (the operator's promise rests on them):
   every worker sees the claim's devices, the free memory is measured, and on every device the
   free memory, less a context (``context_bytes``) for each starting pod, covers the footprint
   per device plus a margin. Wakes in one decision are charged one after the other.
+- Component sleep (a diffusion pipeline's encoders, say): an admitted Active stage whose worker
+  reports components asleep other than ``StageIntent.asleep_components`` gets a sleep order
+  naming the missing ones (``SleepOrder.components``: it releases memory, so every wake in the
+  hand-over waits for its ok ACK; the stage's footprint is what its worker reports, so another
+  stage is admitted only once that ACK has shrunk it), or a wake of its components
+  (``Decision.component_wakes``) when some asleep component is no longer wanted. Such a wake
+  grows the footprint by those components' weights: it must fit the room the admitted stages
+  leave and pass the wake gate, it never sends another stage to sleep, and while it does not
+  fit the stage waits (``Decision.components_waiting``). Names the worker does not report are
+  not ordered (``UnknownComponents``).
 - Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
   admitted without charge and neither gate nor are gated by the GPU's memory.
 """
@@ -47,6 +57,7 @@ __all__ = [
     "DEFAULT_CONTEXT_BYTES",
     "BlockReason",
     "Blocker",
+    "ComponentFacts",
     "Decision",
     "DeviceMemory",
     "FenceOrder",
@@ -100,6 +111,22 @@ class StageIntent:
     vram_request: int | None = None
     gpus: int = 1  # 0: a CPU stage (host RAM only)
     drain_timeout_s: float | None = None  # spec's drain timeout; None: the worker's own
+    asleep_components: frozenset[str] = frozenset()  # kept asleep while Active
+
+
+@dataclass(frozen=True)
+class ComponentFacts:
+    """One pipeline component as its worker reports it (``level`` None: resident)."""
+
+    name: str
+    weights_bytes: int = 0
+    device_bytes: int = 0
+    level: int | None = None
+
+    @property
+    def asleep(self) -> bool:
+        """The component's weights are off the device."""
+        return self.level is not None
 
 
 @dataclass(frozen=True)
@@ -117,6 +144,12 @@ class StageFacts:
     ack_contradicted: str | None = None  # why its last ok sleep ACK is not trusted
     inflight_requests: int = 0
     device_uuids: tuple[str, ...] = ()  # GPU devices the worker sees (empty: none or CPU)
+    components: tuple[ComponentFacts, ...] = ()  # per pipeline component (empty: undivided)
+
+    @property
+    def asleep_components(self) -> frozenset[str]:
+        """The components whose weights are off the device."""
+        return frozenset(c.name for c in self.components if c.asleep)
 
 
 @dataclass(frozen=True)
@@ -179,6 +212,8 @@ class BlockReason(StrEnum):
     WORKER_FAILED = "WorkerFailed"  # a FAILED worker holds memory until fenced
     PODS_STARTING = "PodsStarting"  # pods started in this round: contexts not measured yet
     DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
+    NO_ROOM = "NoRoomForComponents"  # waking its asleep components would not fit the group
+    UNKNOWN_COMPONENTS = "UnknownComponents"  # spec names components its worker does not have
 
 
 @dataclass(frozen=True)
@@ -203,6 +238,7 @@ class SleepOrder:
     releases_memory: bool = True
     drain_timeout_s: float | None = None
     inflight_requests: int = 0
+    components: tuple[str, ...] = ()  # only these (the worker stays Active); empty: the model
 
 
 @dataclass(frozen=True)
@@ -224,6 +260,8 @@ class Decision:
     waiting: Mapping[str, tuple[Blocker, ...]] = field(default_factory=dict)
     footprints: Mapping[str, int | None] = field(default_factory=dict)
     fence: tuple[FenceOrder, ...] = ()
+    component_wakes: tuple[str, ...] = ()  # Active stages whose asleep components wake
+    components_waiting: Mapping[str, tuple[Blocker, ...]] = field(default_factory=dict)
 
     @property
     def holder_sleeps(self) -> frozenset[str]:
@@ -493,6 +531,16 @@ def plan(
         n for n in intents if n not in off_device and facts[n].phase is WorkerPhase.STARTING
     ]
     gate = _WakeGate(memory, margin_bytes, context_charge(facts, memory.gpu), starting)
+    parts = _components(intents, facts, memory, needs, admitted, off_device)
+    sleeps.extend(parts.sleeps)
+    component_wakes: list[str] = []
+    for name, growth in parts.wakes.items():
+        blockers = [b for b in common if b.stage != name] or gate.blockers(name, growth)
+        if blockers:
+            parts.waiting.setdefault(name, []).extend(blockers)
+            continue
+        component_wakes.append(name)
+        gate.take(growth)
     wakes: list[str] = []
     for name in admitted:
         fact = facts[name]
@@ -522,7 +570,99 @@ def plan(
         waiting={k: tuple(v) for k, v in waiting.items() if v},
         footprints=fps,
         fence=tuple(fences),
+        component_wakes=tuple(component_wakes),
+        components_waiting={k: tuple(v) for k, v in parts.waiting.items() if v},
     )
+
+
+@dataclass
+class _Parts:
+    """Component orders of one plan, before the wake gate."""
+
+    sleeps: list[SleepOrder] = field(default_factory=list)
+    wakes: dict[str, int] = field(default_factory=dict)  # stage: bytes its wake adds
+    waiting: dict[str, list[Blocker]] = field(default_factory=dict)
+
+
+def _components(  # noqa: PLR0917 - private helper of plan
+    intents: Mapping[str, StageIntent],
+    facts: Mapping[str, StageFacts],
+    memory: GroupMemory,
+    needs: Mapping[str, int | None],
+    admitted: list[str],
+    off_device: frozenset[str],
+) -> _Parts:
+    """Sleeps and wakes of components of admitted Active stages (see the module docstring)."""
+    parts = _Parts()
+    room = _room(intents, facts, memory, needs, admitted, off_device)
+    for name in admitted:
+        intent, fact = intents[name], facts[name]
+        if fact.phase is not WorkerPhase.ACTIVE or not (
+            intent.asleep_components or fact.asleep_components
+        ):
+            continue
+        known = {c.name for c in fact.components}
+        unknown = sorted(intent.asleep_components - known)
+        if unknown:
+            have = ", ".join(sorted(known)) or "none (one undivided model)"
+            msg = f"spec.asleepComponents names {', '.join(unknown)}; the worker has {have}"
+            parts.waiting[name] = [Blocker(BlockReason.UNKNOWN_COMPONENTS, msg)]
+            continue
+        to_wake = fact.asleep_components - intent.asleep_components
+        to_sleep = intent.asleep_components - fact.asleep_components
+        if to_wake:
+            growth = sum(
+                max(0, c.weights_bytes - c.device_bytes)
+                for c in fact.components
+                if c.name in fact.asleep_components
+            )
+            if name not in off_device and room is not None and growth > room:
+                msg = (
+                    f"waking {', '.join(sorted(fact.asleep_components))} takes {_fmt(growth)}; "
+                    f"the group's admitted stages leave {_fmt(room)}"
+                )
+                parts.waiting[name] = [Blocker(BlockReason.NO_ROOM, msg)]
+                continue
+            parts.wakes[name] = 0 if name in off_device else growth
+            if room is not None and name not in off_device:
+                room -= growth
+        elif to_sleep:
+            parts.sleeps.append(
+                SleepOrder(
+                    name,
+                    intent.sleep_level,
+                    releases_memory=name not in off_device,
+                    drain_timeout_s=intent.drain_timeout_s,
+                    inflight_requests=fact.inflight_requests,
+                    components=tuple(sorted(to_sleep)),
+                )
+            )
+    return parts
+
+
+def _room(  # noqa: PLR0917 - private helper of plan
+    intents: Mapping[str, StageIntent],
+    facts: Mapping[str, StageFacts],
+    memory: GroupMemory,
+    needs: Mapping[str, int | None],
+    admitted: list[str],
+    off_device: frozenset[str],
+) -> int | None:
+    """Per device, what the admitted stages' footprints leave of the group's memory (None:
+    not measured; 0 when a footprint is unknown: such a stage takes the whole group)."""
+    capacity = memory.capacity
+    if capacity is None:
+        return None
+    usable = usable_memory(intents, facts, memory)
+    left = capacity if usable is None else min(capacity, usable)
+    for name in admitted:
+        if name in off_device:
+            continue
+        need = needs[name]
+        if need is None:
+            return 0
+        left -= need
+    return max(0, left)
 
 
 def _sleeps_and_fences(
