@@ -229,17 +229,15 @@ def test_status_figures_and_condition() -> None:
 
 
 def test_spec_reads_asleep_components() -> None:
-    body = {
-        "metadata": {"name": "p", "namespace": "n", "uid": "u", "generation": 1},
-        "spec": {
-            "runner": "Diffusion",
-            "backend": "Diffusers",
-            "model": {"path": "/m"},
-            "image": "i",
-            "colocation": {"group": "g"},
-            "asleepComponents": ["text_encoder_2", "text_encoder"],
-        },
+    spec: dict[str, object] = {
+        "runner": "Diffusion",
+        "backend": "Diffusers",
+        "model": {"path": "/m"},
+        "image": "i",
+        "colocation": {"group": "g"},
+        "asleepComponents": ["text_encoder_2", "text_encoder"],
     }
+    body = {"metadata": {"name": "p", "namespace": "n", "uid": "u", "generation": 1}, "spec": spec}
     assert parse_stage(body).asleep_components == ENCODERS
-    del body["spec"]["asleepComponents"]
+    del spec["asleepComponents"]
     assert parse_stage(body).asleep_components == ()
