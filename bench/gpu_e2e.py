@@ -466,17 +466,14 @@ class Operator:
         raise TimeoutError(f"operator not healthy in {timeout}s:\n{self.tail()}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        from tests.cluster.procs import terminate
+
+        terminate(self.proc)
 
     def tail(self, n: int = 80) -> str:
-        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
-        return "\n".join(lines[-n:])
+        from tests.cluster.procs import tail_log
+
+        return tail_log(self.log, n)
 
 
 def stage_manifest(name: str, model: Path, node: str, state: str, device: str) -> Json:

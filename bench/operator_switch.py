@@ -27,7 +27,6 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,23 +47,15 @@ def _pct(values: list[float], q: float) -> float:
 
 async def _wait_active(kube: Kube, ns: str, name: str, since_rv: str, within_s: float) -> float:
     """Watch the stage until status.state is Active; return the monotonic time it was seen."""
-    api: Any = kube._api
-    params = {"watch": "1", "resourceVersion": since_rv, "fieldSelector": f"metadata.name={name}"}
-    base, version, plural = OMNISTAGE
     async with asyncio.timeout(within_s):
-        async with api.call_api(
-            "GET", version=version, base=base, namespace=ns, url=plural, params=params,
-            stream=True, timeout=None,
-        ) as resp:  # fmt: skip
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                event = json.loads(line)
-                obj = event.get("object") or {}
-                if os.environ.get("BENCH_DEBUG"):
-                    print("watch", event.get("type"), (obj.get("status") or {}).get("state"))
-                if (obj.get("status") or {}).get("state") == "Active":
-                    return time.monotonic()
+        async for kind, obj in kube.api.async_watch(
+            OMNISTAGE, namespace=ns, field_selector=f"metadata.name={name}", since=since_rv
+        ):
+            status = obj.raw.get("status") or {}
+            if os.environ.get("BENCH_DEBUG"):
+                print("watch", kind, status.get("state"))
+            if status.get("state") == "Active":
+                return time.monotonic()
     raise TimeoutError(f"watch of {name} ended before Active")
 
 

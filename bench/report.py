@@ -151,6 +151,37 @@ def gpu_e2e_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def vllm_section(data: dict[str, Any]) -> list[str]:
+    """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits."""
+    m, s, lim = data["machine"], data["summary"], data["limits"]
+    return [
+        "",
+        f"A vLLM stage, `bench/vllm_stage.py` on {m.get('gpu', '?')} (vLLM {m.get('vllm')}, "
+        f"torch {m.get('torch')}, {m['date'][:10]}): the real worker over gRPC, a "
+        f"{s['weights_gib']:.1f} GiB causal LM (random bf16 weights), figures from its ACKs "
+        f"(NVML over the engine's process tree); copy limits in the same run: H2D "
+        f"{lim['h2d_pinned_gbps']:.1f} GB/s, D2H {lim['d2h_pinned_gbps']:.1f} GB/s.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| cold start (spawn to first token) | {s['cold_start_seconds']:.1f} s |",
+        f"| L1 sleep / wake | {s['l1_sleep_seconds_median']:.2f} s "
+        f"({s['l1_sleep_ratio_to_d2h']:.0%} of D2H) / {s['l1_wake_seconds_median']:.2f} s "
+        f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",
+        f"| L2 sleep / wake (reload from disk) | {s['l2_sleep_seconds_median']:.2f} s / "
+        f"{s['l2_wake_seconds_median']:.2f} s |",
+        f"| residual after sleep (ACK, bound) | {s['l1_max_residual_bytes'] / MiB:.0f} MiB "
+        f"(bound {s['l1_residual_bound_bytes'] / MiB:.0f} MiB), within: "
+        f"{_ok(s['residual_within_bound'])} |",
+        f"| hand-over vLLM -> torch / torch -> vLLM | "
+        f"{s['handover_vllm_to_torch_seconds']:.2f} s / "
+        f"{s['handover_torch_to_vllm_seconds']:.2f} s |",
+        f"| all ACKs ok; token ids identical after every wake; 1 -> 2 refused | "
+        f"{_ok(s['all_acks_ok'])}; {_ok(s['all_tokens_identical'])}; "
+        f"{_ok(s['deepen_refused'])} |",
+    ]
+
+
 def components_section(data: dict[str, Any]) -> list[str]:
     m, lim, s = data["machine"], data["limits"], data["summary"]
     r = data["request"]
@@ -205,6 +236,9 @@ def render() -> str:
     components = _load("diffusion_components.json")
     if components:
         lines += components_section(components)
+    vllm = _load("vllm_stage.json")
+    if vllm:
+        lines += vllm_section(vllm)
     lines.append(END)
     return "\n".join(lines)
 

@@ -55,6 +55,25 @@ def wait_for(
         time.sleep(interval)
 
 
+def terminate(proc: subprocess.Popen[bytes], grace: float = 20.0) -> None:
+    """SIGTERM ``proc`` (a single process, e.g. the operator), SIGKILL it after ``grace`` s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def tail_log(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a log file ("" when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 class ManagedProcess:
     """A child in its own process group, output to ``log``; ``stop`` ends the whole group.
 
@@ -87,10 +106,7 @@ class ManagedProcess:
 
     def tail(self, lines: int = 25) -> str:
         """The last lines of the log."""
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return tail_log(self.log, lines)
 
     def signal_group(self, sig: int) -> None:
         """Send ``sig`` to the process group (ignored if it is already gone)."""

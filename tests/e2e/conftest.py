@@ -30,6 +30,7 @@ from omnistage_operator.handover import WorkerUnavailable
 from omnistage_operator.worker_client import WorkerClient
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.localnode import LocalNodes
+from tests.cluster.procs import tail_log, terminate
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,18 +158,11 @@ class OperatorProcess:
             self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            terminate(self.proc)
 
     def tail(self, n: int = 60) -> str:
-        if not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        return tail_log(self.log, n)
 
 
 @pytest.fixture

@@ -105,6 +105,14 @@ def _drop(path: str) -> Mutation:
     return mutate
 
 
+def _vllm(block: dict[str, Any]) -> Mutation:
+    def mutate(m: dict[str, Any]) -> None:
+        m["spec"]["backend"] = "VLLM"
+        m["spec"]["vllm"] = block
+
+    return mutate
+
+
 # (id, mutation, substrings the refusal must contain: the field, then why)
 BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
     ("wrong-runner-enum", _set("spec.runner", "GAN"), ("spec.runner", "Unsupported value")),
@@ -257,6 +265,36 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
     ("name-upper-case", _set("metadata.name", "Has-Upper"), ("metadata.name", "DNS-1035")),
     ("name-digit-first", _set("metadata.name", "9lives"), ("metadata.name", "DNS-1035")),
     (
+        "vllm-block-on-transformers",
+        _set("spec.vllm", {"enforceEager": True}),
+        ("spec.vllm", "is for backend VLLM only"),
+    ),
+    (
+        "vllm-utilization-zero",
+        _vllm({"gpuMemoryUtilization": 0}),
+        ("spec.vllm.gpuMemoryUtilization", "greater than 0"),
+    ),
+    (
+        "vllm-utilization-over-one",
+        _vllm({"gpuMemoryUtilization": 1.5}),
+        ("spec.vllm.gpuMemoryUtilization", "less than or equal to 1"),
+    ),
+    (
+        "vllm-max-model-len-zero",
+        _vllm({"maxModelLen": 0}),
+        ("spec.vllm.maxModelLen", "greater than or equal to 1"),
+    ),
+    (
+        "vllm-unknown-engine-arg",
+        _vllm({"swapSpace": 4}),
+        ('unknown field "spec.vllm.swapSpace"',),
+    ),
+    (
+        "vllm-flag-in-worker-args",
+        _set("spec.worker.args", ["--vllm-max-model-len=9"]),
+        ("spec.worker.args", "--vllm-*"),
+    ),
+    (
         "duplicate-volume",
         _set("spec.template.volumes", [{"name": "a", "emptyDir": {}}, {"name": "a"}]),
         ("spec.template.volumes[1]", "Duplicate value"),
@@ -313,6 +351,23 @@ def test_int_vram_request_is_accepted(cluster: ControlPlane, namespace: str) -> 
     apply(cluster, namespace, manifest)
     stored = get(cluster, namespace, "int-vram")
     assert parse_stage(stored).vram_request_bytes == 16 * 1024**3
+
+
+def test_vllm_engine_args_are_accepted_and_reach_the_worker(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    manifest = good("llm")
+    _vllm({"maxModelLen": 2048, "gpuMemoryUtilization": 0.3})(manifest)
+    manifest["spec"]["gpus"] = 2
+    apply(cluster, namespace, manifest)
+    stored = get(cluster, namespace, "llm")
+    assert stored["spec"]["vllm"]["enforceEager"] is False  # defaulted
+    stage = parse_stage(stored)
+    pod = build_worker_pod(stage, initial_state=DesiredState.ASLEEP, owner=owner_reference(stored))
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--initial-state") + 1] == "active"  # vLLM starts once admitted
+    assert args[args.index("--vllm-tensor-parallel-size") + 1] == "2"
+    assert args[args.index("--vllm-gpu-memory-utilization") + 1] == "0.3"
 
 
 def _example_docs() -> list[dict[str, Any]]:

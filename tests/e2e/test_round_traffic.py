@@ -3,8 +3,10 @@
 A group's round reads its stages and worker pods from the operator's watches (kopf indexes),
 so what it asks the API server (a claim, a status patch when something changed) is the same
 for a group alone in its namespace as for one of 25 groups. Measured by the operator itself
-(``omnistage_round_api_requests_total`` and ``..._objects_total``, counted on every API call
-a round makes), on the real operator and API server. The stages' pods are never scheduled (no
+(``omnistage_round_api_requests_total``: every API call a round makes; ``..._objects_total``:
+the objects its reads returned, GET one, LIST its items), on the real operator and API server.
+Before the indexes, a round of the same group read 5.4 objects alone and 101.8 among 25 groups
+(two LISTs of the namespace). The stages' pods are never scheduled (no
 node matches), so every round is the same steady round of pods that are starting.
 """
 
@@ -23,7 +25,7 @@ pytestmark = [pytest.mark.timeout(600)]
 
 GROUPS = 25
 STAGES_PER_GROUP = 2
-ROUNDS = 5  # rounds of the measured group per measurement
+ROUNDS = 8  # rounds of the measured group per measurement
 
 
 def _counters(op: OperatorProcess, namespace: str, group: str) -> dict[str, float]:
@@ -87,6 +89,11 @@ def test_round_traffic_does_not_grow_with_the_namespace(
     measured = "g0"
     cluster.cp.apply(_manifests(measured, ["s0-0", "s0-1"], tmp_path), namespace=ns)
     wait_for("the measured group's pods", lambda: _pods(cluster) == STAGES_PER_GROUP, 60)
+    wait_for(
+        "the measured group's status",
+        lambda: all(cluster.state(n) == "Pending" for n in ("s0-0", "s0-1")),
+        60,
+    )
     alone = _per_round(operator, ns, measured)
 
     others = [
@@ -103,6 +110,8 @@ def test_round_traffic_does_not_grow_with_the_namespace(
     requests_crowded, objects_crowded = crowded
     # What one round reads is its own group's: the same, whatever else the namespace holds.
     assert objects_crowded <= objects_alone + 0.5, (alone, crowded)
+    # Writes (status, Events) follow what changed, not the namespace: a little slack for a
+    # status rewritten when a loaded machine renews its Lease late.
     assert requests_crowded <= requests_alone + 1.0, (alone, crowded)
     # ... and no list of the namespace: at most a few objects of its own per round.
     assert objects_crowded <= 2 * STAGES_PER_GROUP, crowded

@@ -21,7 +21,7 @@ import psutil
 
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.memory import AccountingProbe, DeviceReading, Reading
+from omnistage_worker.memory import AccountingProbe, DeviceReading, Reading, process_tree
 from tests.fakegpu import model
 from tests.fakegpu.device import FakeGpu
 
@@ -114,11 +114,58 @@ class FakeGpuProbe(AccountingProbe):
         self.gpu.withdraw(self.pid)
 
 
+class EngineTreeGpuProbe(FakeGpuProbe):
+    """A vLLM worker on a simulated GPU: it takes no context of its own and measures its
+    engine's process tree (the stand-in engine core is a child process with its own record),
+    recognising the engine by the pids that appeared when the tree is not listed (as NVML does
+    with host pids)."""
+
+    def __init__(self, gpu: FakeGpu, pid: int | None = None) -> None:
+        super().__init__(gpu, pid=pid)
+        self.engine_pids: set[int] = set()
+
+    def touch(self) -> None:
+        """No context: the engine's process takes its own."""
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """The engine's KV cache and activations are in its own record."""
+        yield
+
+    def release_cached(self) -> None:
+        """The engine's process frees its own memory."""
+
+    def listed_pids(self) -> set[int]:
+        return set(self.gpu.live())
+
+    def adopt_engine(self, before: set[int]) -> None:
+        live = self.gpu.live()
+        if process_tree(self.pid) & live.keys():
+            return
+        self.engine_pids = set(live) - before
+
+    def read(self) -> Reading:
+        procs = self.gpu.live()
+        mine = process_tree(self.pid) | self.engine_pids
+        device = DeviceReading(
+            device=f"cuda:{self.device.index}",
+            index=self.device.index,
+            uuid=self.device.uuid,
+            used=sum(p.used for pid, p in procs.items() if pid in mine),
+            free=model.free(self.device, procs.values()),
+            total=self.device.total,
+        )
+        return Reading((device,), self.source)
+
+
 def from_env(config: WorkerConfig) -> FakeGpuProbe:
-    """The seam's factory: the simulated GPU named by ``$OMNISTAGE_FAKE_GPU``."""
+    """The seam's factory: the simulated GPU named by ``$OMNISTAGE_FAKE_GPU`` (for a vLLM
+    worker, whose engine is the stand-in in ``tests/fakevllm``: its engine's process tree)."""
     directory = os.environ.get(ENV, "")
     if not directory:
         raise ValueError(f"{ENV} is not set: it names the simulated GPU's directory")
+    if config.backend == "vllm":
+        return EngineTreeGpuProbe(FakeGpu(Path(directory)))
     if config.device.is_cuda:
         raise ValueError(f"{ENV}: a simulated GPU is for --device cpu workers")
     return FakeGpuProbe(FakeGpu(Path(directory)))

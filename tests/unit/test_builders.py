@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from omnistage_operator.builders import (
+    INITIAL_STATE_ANNOTATION,
     TOKEN_SHA256_ANNOTATION,
     build_group_claim,
     build_service,
@@ -429,11 +430,13 @@ def test_args_are_accepted_by_the_real_worker_cli(spec: dict[str, Any], tmp_path
     assert config.dtype == (stage.worker.dtype or "auto")
 
 
-def test_vllm_cannot_start_asleep() -> None:
+def test_vllm_pod_always_starts_active() -> None:
+    """No raising builder: a vLLM pod is created only once admitted, so it starts Active."""
     stage, owner = make(backend="VLLM")
     assert not can_start_asleep(stage)
     assert can_start_asleep(make()[0])
-    with pytest.raises(ValueError, match="cannot start asleep"):
-        build_worker_pod(stage, initial_state=DesiredState.ASLEEP, owner=owner)
-    pod = build_worker_pod(stage, initial_state=DesiredState.ACTIVE, owner=owner)
-    assert "--backend" in container(pod)["args"]
+    for state in DesiredState:
+        pod = build_worker_pod(stage, initial_state=state, owner=owner)
+        args = container(pod)["args"]
+        assert args[args.index("--initial-state") + 1] == "active"
+        assert pod["metadata"]["annotations"][INITIAL_STATE_ANNOTATION] == "Active"

@@ -134,7 +134,7 @@ class Group:
         facts = {"a": painter(tuple(sorted(self.a_asleep))), "b": b}
         return GroupObservation(intents(self.want), facts, memory(self.used()))
 
-    async def start(self, stage: str) -> None:
+    async def start(self, stage: str, *, active: bool = False) -> None:
         raise AssertionError("no pod is started")
 
     async def probe(self, stage: str) -> StageFacts:

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 import venv
 import zipfile
 from dataclasses import dataclass, field
@@ -315,3 +316,13 @@ def test_worker_build_stage_makes_a_wheel_with_both_extras(tmp_path: Path) -> No
     assert "omnistage-worker = omnistage_worker.cli:main" in entry_points
     assert any(n.startswith("omnistage_worker/") for n in names)
     assert any(n.startswith("omnistage/worker/v1/") for n in names), "generated stubs missing"
+
+
+def test_vllm_version_is_pinned_in_the_extra_and_the_image() -> None:
+    """The worker is tested with one vLLM (wake_up(tags=...) needs a recent one)."""
+    extra = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["vllm"]
+    assert extra == ["vllm==0.24.0"]
+    text = (REPO_ROOT / "worker_image" / "Dockerfile").read_text()
+    assert "ARG VLLM_VERSION=0.24.0" in text and '"vllm==${VLLM_VERSION}"' in text

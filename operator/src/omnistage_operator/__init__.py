@@ -1,24 +1,36 @@
 """omnistage operator: reconciles OmniStages and arbitrates GPU memory per colocation group.
 
-Modules (pure logic first):
+Where things are (pure modules: no kopf, no network; unit-tested in milliseconds):
 
-- ``arbiter``: who may hold a group's memory, who must sleep first, who waits and why (pure).
-- ``facts``: typed worker facts from GetStatus answers and ACKs, and what their figures prove
-  (an ok sleep ACK the device contradicts, the need a refused wake reports).
-- ``memory``: a group's per-device memory from its workers' reports (GPUs only, never host RAM).
-- ``status``: the status subresource assembled from those facts (pure, uses ``conditions``).
-- ``handover``: one round (observe, sleep, ACK or fence, checkpoint, wake) against a port.
-- ``worker_client``: grpc.aio SleepService client (deadlines, bearer token, optional TLS).
-- ``kube``: a thin async Kubernetes client (404/409 handled explicitly).
-- ``pods``: pods, claims and ResourceSlices read as facts (exit reasons, crash back-off,
-  a claim's device UUIDs) (pure).
-- ``port``: ``KubeGroupPort``, the Kubernetes side of a round (observe, start, sleep, wake,
-  fence); ``runner``: ``GroupRunner``, the serialized loop per group and what survives rounds;
-  ``publisher``: status and Events after a round; ``groups`` re-exports them.
-- ``election``: leader election's decisions on a Lease (may I acquire, am I still leading,
-  which epoch) (pure); ``leader``: the ``Elector`` doing its I/O with kr8s (``leadership``
-  is the contract rounds check: ``leading()`` and the epoch every order carries).
-- ``handlers`` (kopf, thin), ``cli`` (``omnistage-operator``), ``settings``, ``metrics``.
+=================================  ==========================================================
+a concern                          its module
+=================================  ==========================================================
+the OmniStage's types, parsing     ``spec`` (the CRD's schema and CEL refuse bad manifests first)
+quantities, byte formatting        ``quantities`` (re-exports ``omnistage_worker.quantities``)
+who holds memory, who sleeps       ``arbiter`` (pure): admission, sleep and fence orders, the
+  first, who waits and why           wake gate (``plan``)
+what workers report                ``facts`` (pure): GetStatus and ACKs as typed facts
+a group's per-device memory        ``memory`` (pure)
+pods, claims, slices as facts      ``pods`` (pure): exit reasons, crash back-off, claim UUIDs
+status and its conditions          ``status``, ``conditions`` (pure): one function per condition
+the worker pod, Service, claim     ``builders`` (pure): manifests from a ``StageSpec``
+one hand-over round                ``handover``: observe, sleep, ACK or fence, checkpoint, wake
+                                     (against the ``GroupPort`` protocol)
+a round's Kubernetes side          ``port`` (``KubeGroupPort``)
+a group's stages and pods          ``views``: from kopf's indexes (watches), no LIST per round
+the loop per group, what survives  ``runner`` (``GroupRunner``): kicks, asks, fences, learned
+  between rounds                     needs, back-offs, worker channels, the token Secret
+status writes and Events           ``publisher``
+Kubernetes API calls               ``kube``: kr8s objects, one delete-and-confirm-gone, Events,
+                                     per-round request counting
+the worker's gRPC client           ``worker_client``
+leader election                    ``election`` (pure decisions), ``leader`` (the Lease I/O),
+                                     ``leadership`` (what a round checks: leading, epoch)
+kopf wiring                        ``handlers`` (thin: indexes, kicks, asks, cleanup)
+command line, settings, metrics    ``cli``, ``settings``, ``metrics``, ``labels``
+=================================  ==========================================================
+
+``groups`` re-exports ``GroupRunner``, ``KubeGroupPort`` and ``group_of`` for old imports.
 
 Decisions beyond the design contract:
 

@@ -8,7 +8,8 @@ Rules (the operator's promise rests on them):
 
 - Footprint: the largest of ``vram.request``, the peak the worker measured while Active, its
   measured active footprint and the need learned from a wake refused for lack of memory
-  (``footprint``). Unknown (none of them) means "the whole group": such a stage is admitted
+  (``footprint``), and for a vLLM stage with ``gpuMemoryUtilization`` that share of the
+  measured device capacity. Unknown (none of them) means "the whole group": such a stage is admitted
   only first in order and alone, and it is woken only when no other stage of the group may
   hold memory and the free memory is measured; its footprint is learned from that wake.
 - Admission: stages that want Active are ordered by priority (higher first), then by when they
@@ -41,6 +42,13 @@ Rules (the operator's promise rests on them):
   leave and pass the wake gate, it never sends another stage to sleep, and while it does not
   fit the stage waits (``Decision.components_waiting``). Names the worker does not report are
   not ordered (``UnknownComponents``).
+- Stages that cannot start asleep (``StageIntent.starts_active``: vLLM takes its memory while
+  its engine starts) get no pod until they are admitted and pass the same gate as a wake (their
+  footprint, or the whole device when it is unknown); then the decision starts them
+  (``Decision.start``) Active. With no other stage of the group on the device (all absent), the
+  free memory need not be measured: the worker refuses to start an engine the device's free
+  memory does not cover (and so does vLLM). While such a stage is starting or loading, no other
+  stage of the group is woken or started (its memory is not measured yet).
 - Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
   admitted without charge and neither gate nor are gated by the GPU's memory.
 """
@@ -97,6 +105,7 @@ class WorkerPhase(StrEnum):
 
 _IN_PROGRESS = frozenset({WorkerPhase.LOADING, WorkerPhase.WAKING})
 _TRANSITIONS = _IN_PROGRESS | {WorkerPhase.SLEEPING}
+_ENGINE_STARTING = frozenset({WorkerPhase.STARTING, WorkerPhase.LOADING})
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,12 @@ class StageIntent:
     gpus: int = 1  # 0: a CPU stage (host RAM only)
     drain_timeout_s: float | None = None  # spec's drain timeout; None: the worker's own
     asleep_components: frozenset[str] = frozenset()  # kept asleep while Active
+    # Its worker cannot start asleep (vLLM: the engine takes its memory while it starts): its
+    # pod is created Active, only once admitted and the gate passes (``Decision.start``).
+    starts_active: bool = False
+    # vLLM's gpuMemoryUtilization: the share of each device's total its engine takes (a floor
+    # for its footprint once the capacity is measured).
+    memory_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -262,6 +277,7 @@ class Decision:
     fence: tuple[FenceOrder, ...] = ()
     component_wakes: tuple[str, ...] = ()  # Active stages whose asleep components wake
     components_waiting: Mapping[str, tuple[Blocker, ...]] = field(default_factory=dict)
+    start: tuple[str, ...] = ()  # absent ``starts_active`` stages whose pods start Active now
 
     @property
     def holder_sleeps(self) -> frozenset[str]:
@@ -391,6 +407,15 @@ def _fmt(n: int | None) -> str:
     return "unknown" if n is None else format_bytes(n)
 
 
+def _with_share(fp: int | None, intent: StageIntent, memory: GroupMemory) -> int | None:
+    """A footprint at least the engine's share of the measured device capacity (summed over the
+    stage's devices), for a stage that sets one (vLLM's gpuMemoryUtilization)."""
+    if intent.memory_share is None or memory.capacity is None:
+        return fp
+    share = int(intent.memory_share * memory.capacity) * max(1, intent.gpus)
+    return max(fp or 0, share)
+
+
 def _per_device(fp: int | None, intent: StageIntent) -> int | None:
     """A stage's footprint on each of its devices (its figures are sums over them)."""
     if fp is None:
@@ -512,7 +537,8 @@ def plan(
     absent = StageFacts(WorkerPhase.ABSENT)
     facts = {name: facts.get(name, absent) for name in intents}
     off_device = frozenset(n for n in intents if memory.gpu and intents[n].gpus == 0)
-    fps = {name: footprint(intents[name], facts[name]) for name in intents}
+    fps = {name: _with_share(footprint(intents[name], facts[name]), intents[name], memory)
+           for name in intents}  # fmt: skip
     needs = {name: _per_device(fps[name], intents[name]) for name in intents}
     waiting: dict[str, list[Blocker]] = {name: [] for name in intents}
     admitted = _admit(intents, facts, memory, needs, off_device, waiting)
@@ -542,6 +568,7 @@ def plan(
         component_wakes.append(name)
         gate.take(growth)
     wakes: list[str] = []
+    starts: list[str] = []
     for name in admitted:
         fact = facts[name]
         if (
@@ -549,7 +576,8 @@ def plan(
             or fact.phase in _IN_PROGRESS
         ):
             continue  # holds its admitted share already (or is on its way to it)
-        if fact.phase is not WorkerPhase.ASLEEP:
+        start = intents[name].starts_active and fact.phase is WorkerPhase.ABSENT
+        if fact.phase is not WorkerPhase.ASLEEP and not start:
             waiting[name].append(
                 Blocker(BlockReason.SELF_BUSY, f"own worker is {fact.phase.value}")
             )
@@ -557,11 +585,15 @@ def plan(
         if name in off_device:
             wakes.append(name)  # host RAM only: the GPU gate does not apply
             continue
-        blockers = [b for b in common if b.stage != name] or gate.blockers(name, needs[name])
+        blockers = [b for b in common if b.stage != name]
+        alone = start and all(facts[n].phase is WorkerPhase.ABSENT for n in intents if n != name)
+        if not blockers and not (alone and gate.free_left is None):
+            # (alone: nothing of the group on the device; the engine's own start check gates)
+            blockers = gate.blockers(name, needs[name])
         if blockers:
             waiting[name].extend(blockers)
             continue
-        wakes.append(name)
+        (starts if start else wakes).append(name)
         gate.take(needs[name])
     return Decision(
         admitted=tuple(admitted),
@@ -572,6 +604,7 @@ def plan(
         fence=tuple(fences),
         component_wakes=tuple(component_wakes),
         components_waiting={k: tuple(v) for k, v in parts.waiting.items() if v},
+        start=tuple(starts),
     )
 
 
@@ -724,6 +757,11 @@ def _common_blockers(
     for name in sorted(started):
         msg = f"pod of {name} started in this round; its context is not measured yet"
         common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
+    for name in sorted(intents):
+        engine_starting = facts[name].phase in _ENGINE_STARTING and name not in started
+        if intents[name].starts_active and engine_starting:
+            msg = f"{name} is starting its engine Active; its memory is not measured yet"
+            common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
     fence_of = {f.stage: f for f in fences}
     for name in sorted(intents):
         fact = facts[name]

@@ -24,11 +24,14 @@ Builders:
     follow (image, runner, backend, model, gpus, placement, worker, template, group); the pod
     carries it as ``omnistage.io/pod-spec-hash``, so a differing hash means "recreate the
     pod". ``state``, ``sleepLevel``, ``priority`` and ``vram`` are left out: they are
-    followed over gRPC or by the arbiter without a restart.
+    followed over gRPC or by the arbiter without a restart (except for a VLLM stage: its
+    ``vllm_args``, ``vram.request`` included, fix the engine's memory budget at its start).
+    ``vllm_args(stage) -> list[str]``: the ``--vllm-*`` worker flags of a VLLM stage.
     ``build_worker_pod(stage, *, initial_state, owner, claim_name=<pod_claim_name(stage)>,
-    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict`` (``ValueError`` for an
-    asleep start of a stage that cannot start asleep: see ``can_start_asleep(stage)``, false
-    for VLLM, whose worker refuses ``--initial-state asleep``)
+    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict`` (a stage that cannot
+    start asleep, see ``can_start_asleep(stage)``: false for VLLM, whose worker refuses
+    ``--initial-state asleep``, always starts Active: the operator creates its pod only once
+    the stage is admitted and the measured free memory covers it)
     ``build_service(stage, *, owner) -> dict``
     ``build_group_claim(namespace, group, gpus, device_class=DEFAULT_DEVICE_CLASS) -> dict``
     ``build_token_secret(namespace, token, name=TOKEN_SECRET_NAME) -> dict``
@@ -102,6 +105,7 @@ __all__ = [
     "pod_name",
     "pod_spec_hash",
     "service_name",
+    "vllm_args",
     "worker_args",
     "worker_device",
 ]
@@ -211,14 +215,33 @@ def worker_args(
     args += ["--drain-timeout", str(stage.drain_timeout_s)]
     if stage.worker.dtype is not None:
         args += ["--dtype", stage.worker.dtype]
+    if stage.backend is Backend.VLLM:
+        args += vllm_args(stage)
     args += list(stage.worker.args)
+    return args
+
+
+def vllm_args(stage: StageSpec) -> list[str]:
+    """The ``--vllm-*`` flags of a VLLM stage: ``spec.vllm``, tensor parallel size = ``gpus``,
+    and, without ``gpuMemoryUtilization``, ``vram.request`` (the worker divides it by the
+    device's total memory)."""
+    engine = stage.vllm
+    args = ["--vllm-tensor-parallel-size", str(max(1, stage.gpus))]
+    if engine.max_model_len is not None:
+        args += ["--vllm-max-model-len", str(engine.max_model_len)]
+    if engine.gpu_memory_utilization is not None:
+        args += ["--vllm-gpu-memory-utilization", repr(engine.gpu_memory_utilization)]
+    elif stage.vram_request_bytes is not None:
+        args += ["--vllm-memory-bytes", str(stage.vram_request_bytes)]
+    if engine.enforce_eager:
+        args.append("--vllm-enforce-eager")
     return args
 
 
 def pod_spec_hash(stage: StageSpec) -> str:
     """A short digest of the spec fields that need a new pod when they change."""
     tpl = stage.template
-    payload = {
+    payload: dict[str, object] = {
         "image": stage.image,
         "runner": stage.runner.value,
         "backend": stage.backend.value,
@@ -249,6 +272,8 @@ def pod_spec_hash(stage: StageSpec) -> str:
             tpl.priority_class_name,
         ],
     }
+    if stage.backend is Backend.VLLM:  # the engine's memory budget is fixed when it starts
+        payload["vllm"] = vllm_args(stage)
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=_jsonable)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -302,11 +327,8 @@ def build_worker_pod(
     ``pod_claim_name(stage)``; pass ``None`` for no DRA claim. ``sleep_level`` overrides the
     spec's level for an asleep start.
     """
-    if not can_start_asleep(stage) and DesiredState(initial_state) is DesiredState.ASLEEP:
-        raise ValueError(
-            f"stage {stage.key}: backend {stage.backend.value} cannot start asleep (vLLM takes "
-            "device memory while it loads); create its pod only once it is admitted"
-        )
+    if not can_start_asleep(stage):
+        initial_state = DesiredState.ACTIVE  # its pod exists only once admitted (arbiter)
     claim = pod_claim_name(stage) if claim_name == _NOT_GIVEN else claim_name
     if stage.placement.mode is PlacementMode.EXPLICIT and claim is not None:
         raise ValueError("a stage with Explicit placement does not use a DRA claim")

@@ -17,7 +17,7 @@ Reasons (``Reason`` StrEnum; values are CamelCase, usable anywhere a ``str`` is)
     ``LOWER_PRIORITY``, ``SPEC_INVALID``, ``FAILED``, ``RESUMING``, ``SLEEP_REFUSED``,
     ``WAKE_REFUSED``, ``ACK_CONTRADICTED``, ``WORKER_FAILED``, ``FENCE_PENDING``,
     ``LARGER_THAN_DEVICE``, ``MEMORY_NOT_MEASURED``, ``DEVICE_MISMATCH``, ``DRAINING``,
-    ``PODS_STARTING``.
+    ``PODS_STARTING``, ``STAGE_ERROR``, ``STARTS_WHEN_ADMITTED``.
 Functions:
     ``set_condition(conditions, type, status, reason, message, observed_generation, now)
     -> list[dict]``: a new list with that condition set; ``lastTransitionTime`` is kept when
@@ -110,6 +110,8 @@ class Reason(StrEnum):
     DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
     DRAINING = "Draining"  # the sleep waits for in-flight requests (within the drain timeout)
     PODS_STARTING = "PodsStarting"
+    STAGE_ERROR = "StageError"  # an unexpected error of this stage in a round (others go on)
+    STARTS_WHEN_ADMITTED = "StartsWhenAdmitted"  # vLLM: no pod until admitted and it fits
 
 
 def format_time(now: datetime) -> str:

@@ -5,8 +5,10 @@ same code runs against real workers and the Kubernetes API (``groups.KubeGroupPo
 a simulated fleet in the property tests. One round:
 
 1. observe every stage (GetStatus of every reachable worker, pods from the API) and plan;
-2. create the pods of stages that have none (always asleep: a wake goes through the gate; no
-   wake in a round that started pods, their contexts are not measured yet);
+2. create the pods of stages that have none and can start asleep (a wake goes through the gate;
+   no wake in a round that started pods, their contexts are not measured yet); a stage that
+   cannot start asleep (vLLM) is started Active in step 4, once the arbiter admits it and its
+   footprint passes the wake gate (``Decision.start``);
 3. send every sleep order and every fence order concurrently. A sleep's ACK deadline is its
    drain timeout (when requests are in flight) plus the transition allowance; a sleep whose
    worker is still draining (Sleeping with requests in flight) is waited for up to that bound,
@@ -24,6 +26,11 @@ a simulated fleet in the property tests. One round:
    stage's need (``RoundOutcome.learned_needs``, persisted by the kube side and given back as
    ``StageFacts.learned_need``); it is not asked again until the memory is there, and never when
    the need exceeds the device (``LargerThanDevice``).
+
+One stage's error never stops the others: an unexpected exception while starting, sleeping or
+waking one stage is recorded for that stage (``RoundOutcome.stage_errors``, shown on its own
+resource) and the round goes on; a sleep that raised counts as not ACKed, so the wake gate stays
+closed. Only ``LeadershipLost`` ends the round.
 
 Callers serialize rounds per group (``GroupRunner``); nothing here is safe to run twice at once
 for the same group.
@@ -140,8 +147,9 @@ class GroupPort(Protocol):
         """Read specs, pods and every reachable worker's GetStatus."""
         ...
 
-    async def start(self, stage: str) -> None:
-        """Create the stage's children; the worker pod starts asleep."""
+    async def start(self, stage: str, *, active: bool = False) -> None:
+        """Create the stage's children; the worker pod starts asleep, or Active when
+        ``active`` (a stage that cannot start asleep, admitted and let through the gate)."""
         ...
 
     async def probe(self, stage: str) -> StageFacts:
@@ -211,6 +219,7 @@ class SleepResult:
     refusal: Refusal | None = None  # the last deliberate refusal, if any
     contradiction: str = ""  # why an ok ACK was not trusted (the device's figures)
     drained: bool = False  # the round waited for the worker's drain of in-flight requests
+    error: str = ""  # an unexpected exception ended the sleep (not ACKed, not fenced)
 
     @property
     def ok(self) -> bool:
@@ -236,6 +245,8 @@ class SleepResult:
             return cond.Reason.SLEEP_ACKNOWLEDGED
         if self.contradiction:
             return cond.Reason.ACK_CONTRADICTED
+        if self.error:
+            return cond.Reason.STAGE_ERROR
         if self.refusal is not None:
             if self.refusal.worker_failed:
                 return cond.Reason.WORKER_FAILED
@@ -251,6 +262,8 @@ class SleepResult:
             return f"sleep {self.task_id} ACKed ok"
         if self.contradiction:
             why = self.contradiction
+        elif self.error:
+            why = f"sleep failed: {self.error}"
         elif self.refusal is not None:
             why = f"refused ({self.refusal.code}): {self.refusal.message}"
         elif self.ack is not None:
@@ -291,6 +304,8 @@ class RoundOutcome:
     wake_refusals: dict[str, Refusal] = field(default_factory=dict)
     learned_needs: dict[str, int] = field(default_factory=dict)
     component_wakes: set[str] = field(default_factory=set)  # wakes of asleep components
+    started_active: list[str] = field(default_factory=list)  # pods created Active (vLLM)
+    stage_errors: dict[str, str] = field(default_factory=dict)  # unexpected, per stage
     fence_pending: set[str] = field(default_factory=set)
     fence_confirmed: set[str] = field(default_factory=set)
     decision: Decision | None = None
@@ -299,7 +314,10 @@ class RoundOutcome:
     @property
     def changed(self) -> bool:
         """Whether the round acted on anything."""
-        return bool(self.started or self.sleeps or self.fences or self.wakes or self.wake_errors)
+        return bool(
+            self.started or self.sleeps or self.fences or self.wakes or self.wake_errors
+            or self.stage_errors
+        )  # fmt: skip
 
 
 def _refusal_failed(refusal: Refusal | None) -> bool:
@@ -429,6 +447,34 @@ async def _wake(
     return last
 
 
+def _failure(stage: str, what: str, exc: Exception) -> str:
+    """One stage's unexpected error as a message (``LeadershipLost`` is never caught)."""
+    if isinstance(exc, LeadershipLost):
+        raise exc
+    log.exception("%s of %s failed; the group's other stages go on", what, stage)
+    return f"{what} failed: {type(exc).__name__}: {exc}"
+
+
+async def _guarded_sleep(
+    port: GroupPort, order: SleepOrder, base_id: str, policy: RoundPolicy
+) -> SleepResult:
+    try:
+        return await _sleep_or_fence(port, order, base_id, policy)
+    except Exception as exc:  # isolated per stage, reported on its resource
+        return SleepResult(order, base_id, None, 1, error=_failure(order.stage, "sleep", exc))
+
+
+async def _start(port: GroupPort, name: str, out: RoundOutcome, *, active: bool) -> bool:
+    """Create one stage's pod; an error is that stage's (recorded), not the round's."""
+    try:
+        await port.start(name, active=active)
+    except Exception as exc:  # isolated per stage, reported on its resource
+        out.stage_errors[name] = _failure(name, "start", exc)
+        return False
+    (out.started_active if active else out.started).append(name)
+    return True
+
+
 def _remember(obs: GroupObservation, out: RoundOutcome) -> GroupObservation:
     """The observation with what this round learned and the kube side has not persisted yet."""
     facts = dict(obs.facts)
@@ -469,10 +515,10 @@ async def run_round(
     obs = await port.observe()
     decision = _plan(obs, None, policy)
 
-    for name in sorted(obs.intents):
-        if obs.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase is WorkerPhase.ABSENT:
-            await port.start(name)
-            out.started.append(name)
+    for name, intent in sorted(obs.intents.items()):
+        absent = obs.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase is WorkerPhase.ABSENT
+        if absent and not intent.starts_active:
+            await _start(port, name, out, active=False)
     started = frozenset(out.started)
     if started:
         decision = _plan(obs, None, policy, started)
@@ -482,7 +528,7 @@ async def run_round(
         hid = new_id()
         out.handover_id = hid
         sleeps = [
-            _sleep_or_fence(port, order, _sleep_id(hid, order), policy) for order in decision.sleep
+            _guarded_sleep(port, order, _sleep_id(hid, order), policy) for order in decision.sleep
         ]
         fences = [_fence(port, order) for order in decision.fence]
         results = await asyncio.gather(*sleeps, *fences)
@@ -505,13 +551,19 @@ async def run_round(
         out.decision, out.observation = decision, obs
         await port.checkpoint(out)
 
-    if decision.wake or decision.component_wakes:
+    if decision.wake or decision.start or decision.component_wakes:
         hid = out.handover_id or new_id()
         out.handover_id = hid
+        for name in decision.start:
+            await _start(port, name, out, active=True)
         for name in decision.component_wakes + decision.wake:
             parts = name in decision.component_wakes  # an Active stage's footprint grows
             suffix = "-parts" if parts else ""
-            result = await _wake(port, name, f"{hid}-{name}-wake{suffix}", policy)
+            try:
+                result = await _wake(port, name, f"{hid}-{name}-wake{suffix}", policy)
+            except Exception as exc:  # isolated per stage
+                out.stage_errors[name] = _failure(name, "wake", exc)
+                continue
             need: int | None = None
             if isinstance(result, str):
                 out.wake_errors[name] = result

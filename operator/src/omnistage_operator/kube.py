@@ -1,7 +1,11 @@
-"""A thin async Kubernetes client for the operator (kr8s's HTTP session underneath).
+"""The operator's Kubernetes client: kr8s objects (``Pod``, ``Service``, ``Secret``, the
+``OmniStage`` and DRA classes), with the races of a controller made explicit.
 
-JSON in, JSON out; 404 reads as ``None`` and 409 on create as "already there", so callers handle
-the races of a controller explicitly.
+404 reads as ``None`` and 409 on create as "already there"; ``delete_confirmed`` is the one
+delete-and-wait-until-gone (fences, replacements, cleanup). Two things kr8s does not do are kept
+here: a delete with a uid precondition (a fence never deletes a replacement pod), and Events
+posted from outside kopf's handlers (the leader election's, before kopf runs), which kopf's
+``kopf.event`` cannot post. Every call of a round is counted (``tallied``) for its metrics.
 """
 
 from __future__ import annotations
@@ -10,28 +14,45 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import kr8s
 import kr8s.asyncio
+from kr8s.asyncio.objects import APIObject, Event, Pod, Secret, Service, new_class
 
-__all__ = ["Kube", "KubeError", "Tally", "tallied"]
+__all__ = [
+    "CLAIMS",
+    "OMNISTAGE",
+    "PODS",
+    "RESOURCE_SLICES",
+    "SECRETS",
+    "SERVICES",
+    "Kind",
+    "Kube",
+    "KubeError",
+    "OmniStage",
+    "ResourceClaim",
+    "ResourceSlice",
+    "Tally",
+    "tallied",
+]
 
 log = logging.getLogger(__name__)
 
-OMNISTAGE = ("/apis", "omnistage.io/v1alpha1", "omnistages")
-PODS = ("/api", "v1", "pods")
-SERVICES = ("/api", "v1", "services")
-SECRETS = ("/api", "v1", "secrets")
-EVENTS = ("/api", "v1", "events")
-CLAIMS = ("/apis", "resource.k8s.io/v1", "resourceclaims")
-RESOURCE_SLICES = ("/apis", "resource.k8s.io/v1", "resourceslices")  # cluster-scoped
-
-Resource = tuple[str, str, str]
+Kind = type[APIObject]
+OmniStage: Kind = new_class("OmniStage", "omnistage.io/v1alpha1", namespaced=True)
+ResourceClaim: Kind = new_class("ResourceClaim", "resource.k8s.io/v1", namespaced=True)
+ResourceSlice: Kind = new_class("ResourceSlice", "resource.k8s.io/v1", namespaced=False)
+_ABSENT = frozenset({404})  # a read or patch of what is not there: None
+_EXISTS = frozenset({409})  # a create of what is there already: None
+_GONE = frozenset({404, 409})  # a delete of what is gone, or was replaced (uid precondition)
+# The names the callers use.
+OMNISTAGE, PODS, SERVICES, SECRETS = OmniStage, Pod, Service, Secret
+CLAIMS, RESOURCE_SLICES = ResourceClaim, ResourceSlice
 
 
 def _clip(text: str, limit: int) -> str:
@@ -44,15 +65,17 @@ def _clip(text: str, limit: int) -> str:
 
 @dataclass
 class Tally:
-    """API requests made, and objects they returned (the items of a list, else one)."""
+    """API requests made, and the objects the reads among them returned (GET: one, LIST: its
+    items)."""
 
     requests: int = 0
     objects: int = 0
 
-    def count(self, body: Any) -> None:
+    def count(self, body: Any, *, read: bool) -> None:
         self.requests += 1
-        items = body.get("items") if isinstance(body, Mapping) else None
-        self.objects += len(items) if isinstance(items, list) else int(body is not None)
+        if read:
+            items = body.get("items") if isinstance(body, Mapping) else None
+            self.objects += len(items) if isinstance(items, list) else int(body is not None)
 
 
 _TALLY: ContextVar[Tally | None] = ContextVar("omnistage_api_tally", default=None)
@@ -78,113 +101,126 @@ class KubeError(Exception):
 
 
 class Kube:
-    """Namespaced CRUD on the few resources the operator touches."""
+    """Namespaced CRUD, as kr8s objects, on the few kinds the operator touches."""
 
     def __init__(self, api: Any) -> None:
-        self._api = api
+        self.api = api
 
     @classmethod
     async def connect(cls) -> Kube:
         """Connect with the in-cluster service account or $KUBECONFIG."""
         return cls(await kr8s.asyncio.api())
 
-    async def _call(
-        self, method: str, res: Resource, namespace: str | None, url: str = "", **kw: Any
-    ) -> tuple[int, Any]:
-        base, version, plural = res
-        path = plural + (f"/{url}" if url else "")
-        try:
-            async with self._api.call_api(
-                method, version=version, base=base, namespace=namespace, url=path, **kw
-            ) as resp:
-                code, body = resp.status_code, (resp.json() if resp.content else None)
-        except kr8s.ServerError as exc:
-            code = exc.response.status_code if exc.response is not None else 0
-            body = exc.status
-        tally = _TALLY.get()
-        if tally is not None:
-            tally.count(body if code < 300 else None)
-        return code, body
+    def _obj(
+        self,
+        kind: Kind,
+        namespace: str | None,
+        name: str = "",
+        raw: Mapping[str, Any] | None = None,
+    ) -> APIObject:
+        meta: dict[str, Any] = {"name": name}
+        if namespace is not None:
+            meta["namespace"] = namespace
+        return kind(dict(raw) if raw is not None else {"metadata": meta}, api=self.api)
 
     @staticmethod
-    def _raise(what: str, code: int, body: Any) -> None:
-        msg = body.get("message", "") if isinstance(body, Mapping) else str(body)
-        raise KubeError(f"{what}: HTTP {code}: {msg}", code)
+    def _count(body: Any, *, read: bool = False) -> None:
+        tally = _TALLY.get()
+        if tally is not None:
+            tally.count(body, read=read)
 
-    async def get(self, res: Resource, namespace: str, name: str) -> dict[str, Any] | None:
-        """The object, or None when it does not exist."""
-        code, body = await self._call("GET", res, namespace, name)
-        if code == 404:
+    async def _send(
+        self,
+        what: str,
+        obj: APIObject,
+        call: Awaitable[Any],
+        absent: frozenset[int],
+        *,
+        read: bool = False,
+    ) -> dict[str, Any] | None:
+        """Await a kr8s call on ``obj``; the object it left (None on a status in ``absent``)."""
+        message = ""
+        try:
+            await call
+        except kr8s.NotFoundError:
+            code = 404
+        except kr8s.ServerError as exc:
+            code = exc.response.status_code if exc.response is not None else 0
+            status: Mapping[str, Any] = exc.status if isinstance(exc.status, Mapping) else {}
+            message = str(status.get("message", exc))
+        else:
+            self._count(obj.raw, read=read)
+            return dict(obj.raw.to_dict())
+        self._count(None, read=read)
+        if code in absent:
             return None
-        if code >= 300:
-            self._raise(f"get {res[2]}/{name}", code, body)
-        return cast(dict[str, Any], body)
+        raise KubeError(f"{what}: HTTP {code}: {message}", code)
+
+    async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        obj = self._obj(kind, namespace, name)
+        return await self._send(f"get {kind.kind}/{name}", obj, obj.refresh(), _ABSENT, read=True)
 
     async def list_cluster(
-        self, res: Resource, field_selector: str | None = None
+        self, kind: Kind, field_selector: str | None = None
     ) -> list[dict[str, Any]]:
         """Items of a cluster-scoped list (``fieldSelector`` optional)."""
-        params = {"fieldSelector": field_selector} if field_selector else None
-        code, body = await self._call("GET", res, None, params=params)
-        if code >= 300:
-            self._raise(f"list {res[2]}", code, body)
-        return cast(list[dict[str, Any]], body.get("items", []))
+        try:
+            found = self.api.async_get(kind, field_selector=field_selector)
+            items = [o.raw.to_dict() async for o in found]
+        except kr8s.ServerError as exc:
+            self._count(None, read=True)
+            code = exc.response.status_code if exc.response is not None else 0
+            raise KubeError(f"list {kind.kind}: HTTP {code}: {exc}", code) from None
+        self._count({"items": items}, read=True)
+        return items
 
-    async def list(
-        self, res: Resource, namespace: str, label_selector: str | None = None
-    ) -> list[dict[str, Any]]:
-        """Items of a namespaced list."""
-        params = {"labelSelector": label_selector} if label_selector else None
-        code, body = await self._call("GET", res, namespace, params=params)
-        if code >= 300:
-            self._raise(f"list {res[2]}", code, body)
-        return cast(list[dict[str, Any]], body.get("items", []))
-
-    async def create(self, res: Resource, namespace: str, obj: Mapping[str, Any]) -> bool:
+    async def create(self, kind: Kind, namespace: str, obj: Mapping[str, Any]) -> bool:
         """Create; False when it already exists (409)."""
-        code, body = await self._call("POST", res, namespace, json=dict(obj))
-        if code == 409:
-            return False
-        if code >= 300:
-            self._raise(f"create {res[2]}/{obj['metadata'].get('name')}", code, body)
-        return True
+        return await self.create_returning(kind, namespace, obj) is not None
 
     async def create_returning(
-        self, res: Resource, namespace: str, obj: Mapping[str, Any]
+        self, kind: Kind, namespace: str, obj: Mapping[str, Any]
     ) -> dict[str, Any] | None:
         """Create and return the stored object; None when it already exists."""
-        code, body = await self._call("POST", res, namespace, json=dict(obj))
-        if code == 409:
-            return None
-        if code >= 300:
-            self._raise(f"create {res[2]}/{obj['metadata'].get('name')}", code, body)
-        return cast(dict[str, Any], body)
+        raw = {**obj, "metadata": {**obj["metadata"], "namespace": namespace}}
+        new = self._obj(kind, namespace, raw=raw)
+        what = f"create {kind.kind}/{obj['metadata'].get('name')}"
+        return await self._send(what, new, new.create(), _EXISTS)
 
     async def delete(
         self,
-        res: Resource,
+        kind: Kind,
         namespace: str,
         name: str,
         *,
         uid: str | None = None,
         grace_s: int | None = None,
     ) -> bool:
-        """Delete (background propagation); False when already gone (404, or another uid)."""
+        """Delete (background propagation); False when already gone (404, or another uid).
+
+        Sent through the object's endpoint by hand: kr8s's ``delete`` has no uid precondition,
+        and a fence must never delete the pod that replaced the one it fenced."""
         opts: dict[str, Any] = {"propagationPolicy": "Background"}
         if uid:
             opts["preconditions"] = {"uid": uid}
         if grace_s is not None:
             opts["gracePeriodSeconds"] = grace_s
-        code, body = await self._call("DELETE", res, namespace, name, json=opts)
-        if code in (404, 409):
-            return False
-        if code >= 300:
-            self._raise(f"delete {res[2]}/{name}", code, body)
-        return True
+        obj = self._obj(kind, namespace, name)
+
+        async def call() -> None:
+            url = f"{obj.endpoint}/{name}"
+            async with self.api.call_api(
+                "DELETE", version=obj.version, url=url, namespace=namespace, json=opts
+            ) as resp:
+                obj.raw = resp.json() if resp.content else {}
+
+        what = f"delete {kind.kind}/{name}"
+        return await self._send(what, obj, call(), _GONE) is not None
 
     async def merge_patch(
         self,
-        res: Resource,
+        kind: Kind,
         namespace: str,
         name: str,
         patch: Mapping[str, Any],
@@ -192,28 +228,18 @@ class Kube:
         status: bool = False,
     ) -> dict[str, Any] | None:
         """JSON merge patch (of the status subresource when ``status``); None when gone."""
-        code, body = await self._call(
-            "PATCH",
-            res,
-            namespace,
-            f"{name}/status" if status else name,
-            json=dict(patch),
-            headers={"Content-Type": "application/merge-patch+json"},
-        )
-        if code == 404:
-            return None
-        if code >= 300:
-            self._raise(f"patch {res[2]}/{name}", code, body)
-        return cast(dict[str, Any], body)
+        obj = self._obj(kind, namespace, name)
+        call = obj.patch(dict(patch), subresource="status" if status else None, type="merge")
+        return await self._send(f"patch {kind.kind}/{name}", obj, call, _ABSENT)
 
     async def wait_gone(
-        self, res: Resource, namespace: str, name: str, uid: str, timeout_s: float
+        self, kind: Kind, namespace: str, name: str, uid: str, timeout_s: float
     ) -> bool:
         """Poll until the object with ``uid`` is gone (404 or replaced); False on timeout."""
         deadline = time.monotonic() + timeout_s
         delay = 0.05
         while True:
-            obj = await self.get(res, namespace, name)
+            obj = await self.get(kind, namespace, name)
             if obj is None or obj["metadata"].get("uid") != uid:
                 return True
             if time.monotonic() >= deadline:
@@ -223,7 +249,7 @@ class Kube:
 
     async def delete_confirmed(
         self,
-        res: Resource,
+        kind: Kind,
         namespace: str,
         name: str,
         uid: str,
@@ -233,8 +259,8 @@ class Kube:
     ) -> bool:
         """Delete the object with ``uid`` and wait until the API confirms it gone (the one
         delete-and-confirm of fences, replacements and cleanup); False on timeout."""
-        await self.delete(res, namespace, name, uid=uid, grace_s=grace_s)
-        return await self.wait_gone(res, namespace, name, uid, timeout_s)
+        await self.delete(kind, namespace, name, uid=uid, grace_s=grace_s)
+        return await self.wait_gone(kind, namespace, name, uid, timeout_s)
 
     async def event(
         self,
@@ -271,6 +297,6 @@ class Kube:
             "count": 1,
         }
         try:
-            await self.create(EVENTS, meta["namespace"], ev)
+            await self.create(Event, meta["namespace"], ev)
         except KubeError as exc:  # events are best effort
             log.warning("event %s on %s not recorded: %s", reason, meta["name"], exc)

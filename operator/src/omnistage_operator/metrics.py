@@ -57,7 +57,7 @@ ROUND_API_REQUESTS = Counter(
 )
 ROUND_API_OBJECTS = Counter(
     "omnistage_round_api_objects_total",
-    "Objects the group's rounds read from the Kubernetes API (the items of a list, else one).",
+    "Objects the group's rounds read from the Kubernetes API (GET: one; LIST: its items).",
     ["namespace", "group"],
 )
 LEADER = Gauge(

@@ -27,6 +27,7 @@ from omnistage_operator.builders import (
     build_group_claim,
     build_service,
     build_worker_pod,
+    can_start_asleep,
     owner_reference,
     pod_spec_hash,
 )
@@ -97,7 +98,10 @@ class KubeGroupPort:
         stages to sleep. Its ask time is kept, so it takes its turn once loaded."""
         deleting = bool(body["metadata"].get("deletionTimestamp"))
         want = spec.wants_active and not deleting
-        ready = fact.phase not in _NOT_LOADED
+        starts_active = not can_start_asleep(spec)
+        # A stage that starts Active (vLLM) asks while absent (its pod starts once admitted)
+        # and keeps its admission while its engine starts and loads.
+        ready = fact.phase not in _NOT_LOADED or starts_active
         key = (self.ns, spec.name)
         asked = self.r.asks.get(key)
         if want and asked is None:
@@ -115,6 +119,8 @@ class KubeGroupPort:
             gpus=spec.gpus,
             drain_timeout_s=float(spec.drain_timeout_s),
             asleep_components=self._asleep_components(spec, fact),
+            starts_active=starts_active,
+            memory_share=spec.vllm.gpu_memory_utilization if starts_active else None,
         )
 
     def _asleep_components(self, spec: StageSpec, fact: StageFacts) -> frozenset[str]:
@@ -353,8 +359,9 @@ class KubeGroupPort:
 
     # -- acting ----------------------------------------------------------------------------
 
-    async def start(self, stage: str) -> None:
-        """Create the stage's token Secret, group claim, Pod (asleep) and Service."""
+    async def start(self, stage: str, *, active: bool = False) -> None:
+        """Create the stage's token Secret, group claim, Pod (asleep, or Active when ``active``:
+        a stage that cannot start asleep, admitted by the arbiter) and Service."""
         spec, body = self.specs[stage], self.bodies[stage]
         if body["metadata"].get("deletionTimestamp"):
             return
@@ -369,14 +376,15 @@ class KubeGroupPort:
             manifest = build_group_claim(self.ns, self.group, gpus, self.r.settings.device_class)
             await self.r.kube.create(CLAIMS, self.ns, manifest)
         owner = owner_reference(body)
-        pod = build_worker_pod(
-            spec, initial_state=DesiredState.ASLEEP, owner=owner, claim_name=claim
-        )
+        state = DesiredState.ACTIVE if active else DesiredState.ASLEEP
+        pod = build_worker_pod(spec, initial_state=state, owner=owner, claim_name=claim)
         created = await self.r.kube.create_returning(PODS, self.ns, pod)
         if created is not None:
             self.r.created.add(created["metadata"]["uid"])
             self.r.views.created(self.ns, stage, created)
-            log.info("%s/%s: created pod %s (asleep)", self.ns, stage, pod["metadata"]["name"])
+            log.info(
+                "%s/%s: created pod %s (%s)", self.ns, stage, pod["metadata"]["name"], state.value
+            )
         await self.r.kube.create(SERVICES, self.ns, build_service(spec, owner=owner))
         self._listed = False
 

@@ -20,6 +20,7 @@ from omnistage_operator.arbiter import (
     StageFacts,
     WorkerPhase,
 )
+from omnistage_operator.builders import can_start_asleep
 from omnistage_operator.facts import AckFacts
 from omnistage_operator.handover import (
     RoundOutcome,
@@ -77,6 +78,7 @@ class StatusPublisher:
     sleep_problems: dict[StageKey, tuple[str, str]]
     wake_problems: dict[StageKey, tuple[str, str]]
     component_problems: dict[StageKey, tuple[str, str]]
+    stage_problems: dict[StageKey, tuple[str, str]]
     _tasks: set[asyncio.Task[Any]]
 
     def emit(
@@ -131,6 +133,15 @@ class StatusPublisher:
             body = port.bodies.get(name)
             if body is not None:
                 self.emit(body, "PodCreated", "worker pod created asleep")
+        for name in outcome.started_active:
+            body = port.bodies.get(name)
+            if body is not None:
+                msg = "worker pod created Active (admitted; measured free memory covers it)"
+                self.emit(body, "PodCreated", msg)
+        for name, err in outcome.stage_errors.items():
+            body = port.bodies.get(name)
+            if body is not None:
+                self.emit(body, cond.Reason.STAGE_ERROR.value, err, warning=True)
 
     async def publish(
         self, port: KubeGroupPort, outcome: RoundOutcome, *, events: bool = True
@@ -148,6 +159,7 @@ class StatusPublisher:
             if fact.phase is WorkerPhase.ACTIVE:
                 self.fenced.pop(key, None)
                 self.wake_problems.pop(key, None)
+                self.stage_problems.pop(key, None)
             pod = port.pods.get(name)
             obs = StageObservation(
                 generation=spec.generation,
@@ -173,6 +185,8 @@ class StatusPublisher:
                     decision.components_waiting.get(name, ()) if decision is not None else ()
                 ),
                 component_problem=self.component_problems.get(key),
+                stage_problem=self.stage_problems.get(key),
+                starts_when_admitted=not can_start_asleep(spec),
             )
             previous = self.published.get(key) or body.get("status") or {}
             status = build_status(obs, previous, now)

@@ -129,6 +129,7 @@ class GroupRunner(StatusPublisher):
         # asleepComponents a worker refused (not ordered again until the spec changes).
         self.component_problems: dict[StageKey, tuple[str, str]] = {}
         self.component_refused: dict[StageKey, tuple[str, ...]] = {}
+        self.stage_problems: dict[StageKey, tuple[str, str]] = {}  # per-stage round errors
         self._claims: dict[str, tuple[str, tuple[str, ...]]] = {}  # claim key: (uid, uuids)
         self._claim_errors: set[str] = set()
         self._retry_in: dict[GroupKey, float] = {}
@@ -316,6 +317,7 @@ class GroupRunner(StatusPublisher):
         self.wake_problems.pop(key, None)
         self.component_problems.pop(key, None)
         self.component_refused.pop(key, None)
+        self.stage_problems.pop(key, None)
 
     def kick_all(self) -> None:
         """Ask for a round of every group seen so far (e.g. on becoming the leader)."""
@@ -400,6 +402,8 @@ class GroupRunner(StatusPublisher):
             any(f.phase in _BUSY for f in facts)
             or bool(outcome.wake_errors)
             or any(not s.ok and not s.fenced for s in outcome.sleeps)
+            or bool(outcome.stage_errors)
+            or bool(outcome.started_active)
         )
 
     def _remember(self, namespace: str, outcome: RoundOutcome) -> None:
@@ -421,6 +425,10 @@ class GroupRunner(StatusPublisher):
                 self.wake_problems.pop((namespace, name), None)
                 if name in outcome.component_wakes:
                     self.component_problems.pop((namespace, name), None)
+        for name in outcome.started + outcome.started_active:
+            self.stage_problems.pop((namespace, name), None)
+        for name, err in outcome.stage_errors.items():
+            self.stage_problems[(namespace, name)] = (cond.Reason.STAGE_ERROR.value, err)
         for name, err in outcome.wake_errors.items():
             refused = name in outcome.wake_refusals
             reason = cond.Reason.WAKE_REFUSED if refused else cond.Reason.ACK_FAILED

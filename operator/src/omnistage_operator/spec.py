@@ -25,11 +25,13 @@ Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``
 Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     ``ModelSpec(path, mount_path, volume)``, ``Colocation(group, priority)``,
     ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype)``,
+    ``VllmSettings(max_model_len, gpu_memory_utilization, enforce_eager)`` (``spec.vllm``),
     ``TemplateOverrides(resources, env, volumes, volume_mounts, node_selector, tolerations,
     annotations, labels, service_account_name, priority_class_name)``,
     ``StageSpec(name, namespace, uid, generation, runner, backend, model, image, state,
     sleep_level, colocation, gpus, vram_request, vram_request_bytes, placement, worker,
-    template, drain_timeout_s, asleep_components)`` with properties ``group``, ``priority``, ``key``
+    template, drain_timeout_s, vllm, asleep_components)`` with properties ``group``,
+    ``priority``, ``key``
     (``"ns/name"``), ``wants_active``.
 Functions:
     ``parse_stage(body: Mapping[str, Any]) -> StageSpec`` (raises ``SpecError``)
@@ -245,6 +247,19 @@ class WorkerSettings:
 
 
 @dataclass(frozen=True)
+class VllmSettings:
+    """``spec.vllm``: engine arguments of a VLLM stage (tensor parallel size is ``gpus``).
+
+    ``gpu_memory_utilization`` None: the worker derives it from ``vram.request`` over the
+    device's total memory (or, without a request, from the free memory at its start).
+    """
+
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
 class TemplateOverrides:
     """``spec.template``: core pod fields merged into the worker pod (copies of the body)."""
 
@@ -286,6 +301,7 @@ class StageSpec:
     drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
     # Pipeline components kept asleep while Active (a diffusion stage's encoders, say).
     asleep_components: tuple[str, ...] = ()
+    vllm: VllmSettings = field(default_factory=VllmSettings)
 
     @property
     def group(self) -> str:
@@ -454,6 +470,24 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     return WorkerSettings(port=port, device=device, args=args, dtype=dtype)
 
 
+def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
+    """``spec.vllm`` as typed values (its bounds, and "backend VLLM only", are the CRD's rules;
+    the worker validates the flags again)."""
+    vllm = _mapping(spec.get("vllm"), "spec.vllm")
+    length = vllm.get("maxModelLen")
+    util = vllm.get("gpuMemoryUtilization")
+    if util is not None and (isinstance(util, bool) or not isinstance(util, int | float)):
+        raise SpecError("spec.vllm.gpuMemoryUtilization", f"must be a number, got {util!r}")
+    eager = vllm.get("enforceEager", False)
+    if not isinstance(eager, bool):
+        raise SpecError("spec.vllm.enforceEager", f"must be true or false, got {eager!r}")
+    return VllmSettings(
+        max_model_len=None if length is None else _int(length, "spec.vllm.maxModelLen", 0),
+        gpu_memory_utilization=None if util is None else float(util),
+        enforce_eager=eager,
+    )
+
+
 def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
     tpl = _mapping(spec.get("template"), "spec.template")
     resources_raw = tpl.get("resources")
@@ -527,4 +561,5 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
         asleep_components=tuple(
             sorted(set(_strings(spec.get("asleepComponents"), "spec.asleepComponents")))
         ),
+        vllm=_parse_vllm(spec),
     )

@@ -105,6 +105,10 @@ class StageObservation:
     asleep_components: tuple[str, ...] = ()
     components_waiting: tuple[Blocker, ...] = ()
     component_problem: tuple[str, str] | None = None
+    # An unexpected error of this stage in a round (start, sleep, wake): (reason, message).
+    stage_problem: tuple[str, str] | None = None
+    # Its pod is created only once admitted (vLLM takes its memory while it starts).
+    starts_when_admitted: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,8 @@ def _state(o: StageObservation) -> Phase:
             return Phase.WAKING
         case WorkerPhase.ASLEEP:
             return Phase.WAITING if o.wants_active and o.waiting else Phase.ASLEEP
+        case WorkerPhase.ABSENT if o.starts_when_admitted and o.wants_active and o.waiting:
+            return Phase.WAITING
         case _:
             return Phase.PENDING  # no pod yet, or its worker has not answered yet
 
@@ -289,8 +295,20 @@ def _ready(o: StageObservation, state: Phase) -> _Verdict:
     message = f"worker is {o.phase.value}" + (f": {r.error}" if r is not None and r.error else "")
     if o.worker_error is not None and r is None:
         reason, message = cond.Reason.WORKER_UNAUTHENTICATED, o.worker_error
+    elif o.stage_problem is not None and not ready:
+        reason, message = o.stage_problem
     elif o.wake_problem is not None and not ready:
         reason, message = o.wake_problem
+    elif o.starts_when_admitted and o.phase is WorkerPhase.ABSENT:
+        reason = cond.Reason.STARTS_WHEN_ADMITTED
+        message = (
+            "vLLM takes its memory while it starts: its pod is created once the stage is "
+            "admitted and the group's measured free memory covers its footprint"
+        )
+        if not o.wants_active:
+            message += " (spec.state is Asleep)"
+        elif o.waiting:
+            message += "; waiting: " + "; ".join(b.message for b in o.waiting)
     return ready, reason, message
 
 

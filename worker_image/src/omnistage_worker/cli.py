@@ -28,6 +28,7 @@ from omnistage_worker.config import (
     DTYPES,
     ConfigError,
     Identity,
+    VllmArgs,
     WorkerConfig,
     parse_byte_flag,
     parse_device,
@@ -109,7 +110,40 @@ def build_parser(env: Mapping[str, str]) -> Parser:
         "/dev/termination-log when the kubelet provides it; empty: none)",
     )
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
+    _vllm_flags(p)
     return p
+
+
+def _vllm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM engine arguments (``--backend vllm`` only); see ``config.VllmArgs``."""
+    g = p.add_argument_group("vLLM engine (--backend vllm)")
+    g.add_argument("--vllm-max-model-len", type=int, help="context length (max_model_len)")
+    g.add_argument(
+        "--vllm-gpu-memory-utilization",
+        type=float,
+        help="vLLM's share of each device (default: --vllm-memory-bytes over the device total)",
+    )
+    g.add_argument(
+        "--vllm-memory-bytes",
+        help="the stage's device memory (a quantity, summed over its devices): the default "
+        "gpu_memory_utilization is this over the device's total",
+    )
+    g.add_argument("--vllm-enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--vllm-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--vllm-attention-backend", help="e.g. TRITON_ATTN (vLLM's attention_backend)")
+
+
+def vllm_args(args: argparse.Namespace) -> VllmArgs:
+    """The ``--vllm-*`` flags as :class:`VllmArgs` (validated with the rest of the config)."""
+    memory = args.vllm_memory_bytes
+    return VllmArgs(
+        max_model_len=args.vllm_max_model_len,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        memory_bytes=None if memory is None else parse_byte_flag(memory, "--vllm-memory-bytes"),
+        enforce_eager=args.vllm_enforce_eager,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        attention_backend=args.vllm_attention_backend,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -144,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         drain_timeout_s=args.drain_timeout,
         cpu_threads=args.cpu_threads,
         termination_log=termination.resolve(args.termination_log),
+        vllm=vllm_args(args),
     )
 
 

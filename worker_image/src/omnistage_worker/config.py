@@ -85,6 +85,49 @@ class Identity:
 
 
 @dataclass(frozen=True)
+class VllmArgs:
+    """vLLM engine arguments (``--vllm-*`` flags; the operator writes them from ``spec.vllm``).
+
+    ``gpu_memory_utilization``: vLLM's per-instance share of each device's total memory. When
+    not given it is derived at start: ``memory_bytes`` (the stage's ``vram.request``, a sum over
+    its devices) divided by the tensor parallel size and by the device's total memory; without
+    either, the device's measured free memory at start (less 2%) over its total.
+    """
+
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    memory_bytes: int | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    attention_backend: str | None = None
+
+    def utilization(self, total: int, free: int) -> float:
+        """The ``gpu_memory_utilization`` for a device of ``total`` bytes, ``free`` now.
+
+        Raises :class:`ConfigError` when the stage's memory does not fit the device now.
+        """
+        if total <= 0:
+            raise ConfigError("--device", "the device reports no memory")
+        if self.gpu_memory_utilization is not None:
+            share = self.gpu_memory_utilization
+            flag = "--vllm-gpu-memory-utilization"
+        elif self.memory_bytes is not None:
+            share = self.memory_bytes / self.tensor_parallel_size / total
+            flag = "--vllm-memory-bytes"
+        else:
+            return max(0.01, int((free / total - 0.02) * 100) / 100)
+        if share > 1.0:
+            raise ConfigError(flag, f"{share:.3f} of the device's {total} bytes is more than all")
+        if share * total > free:
+            raise ConfigError(
+                flag,
+                f"needs {int(share * total)} bytes per device and only {free} are free now "
+                "(vLLM takes its memory while it starts)",
+            )
+        return share
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """Validated settings of one worker process."""
 
@@ -110,6 +153,7 @@ class WorkerConfig:
     ack_cache_size: int = 1024
     cpu_threads: int | None = None
     termination_log: Path | None = None
+    vllm: VllmArgs = field(default_factory=VllmArgs)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -125,6 +169,10 @@ def validate(config: WorkerConfig) -> None:
         raise ConfigError("--dtype", f"{config.dtype!r} (one of {', '.join(DTYPES)})")
     if config.backend == "vllm":
         _check_vllm(config)
+    elif config.vllm != VllmArgs():
+        raise ConfigError(
+            "--vllm-*", f"vLLM engine flags need --backend vllm, not {config.backend}"
+        )
     _check_components(config)
     _check_limits(config)
 
@@ -179,6 +227,29 @@ def _check_vllm(config: WorkerConfig) -> None:
             "--initial-state",
             "asleep is not supported with --backend vllm: vLLM takes device memory "
             "while it loads, so it cannot start without touching the GPU",
+        )
+    _check_vllm_args(config.vllm)
+
+
+def _check_vllm_args(args: VllmArgs) -> None:
+    """Engine arguments vLLM would refuse only after minutes of loading."""
+    util = args.gpu_memory_utilization
+    if util is not None and not 0.0 < util <= 1.0:  # also refuses NaN
+        raise ConfigError("--vllm-gpu-memory-utilization", f"{util} (in (0, 1])")
+    if util is not None and args.memory_bytes is not None:
+        raise ConfigError(
+            "--vllm-memory-bytes", "give --vllm-gpu-memory-utilization or this, not both"
+        )
+    if args.memory_bytes is not None and args.memory_bytes <= 0:
+        raise ConfigError("--vllm-memory-bytes", "must be greater than zero")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ConfigError("--vllm-max-model-len", f"{args.max_model_len} (at least 1)")
+    if not 1 <= args.tensor_parallel_size <= 8:
+        raise ConfigError("--vllm-tensor-parallel-size", f"{args.tensor_parallel_size} (1 to 8)")
+    backend = args.attention_backend
+    if backend is not None and not re.fullmatch(r"[A-Z][A-Z0-9_]{0,63}", backend):
+        raise ConfigError(
+            "--vllm-attention-backend", f"{backend!r} is not a backend name (e.g. TRITON_ATTN)"
         )
 
 

@@ -39,12 +39,18 @@ def _load_blocking(worker: Worker) -> None:
     config = worker.config
     started = time.monotonic()
     probe = worker.probe = build_probe(config)
-    probe.touch()
-    worker.baseline = probe.read().used
-    log.info("device context measured: %d bytes (the residual baseline)", worker.baseline)
-    log.info("loading model from %s", config.model)
     runner = worker.runner
+    runner.probe = probe
+    if runner.owns_device_context:
+        probe.touch()
+        worker.baseline = probe.read().used
+        log.info("device context measured: %d bytes (the residual baseline)", worker.baseline)
+    log.info("loading model from %s", config.model)
     runner.load()
+    baseline = runner.residual_baseline()
+    if baseline is not None:
+        worker.baseline = baseline
+        log.info("held asleep, measured by the runner: %d bytes (the residual baseline)", baseline)
     level2_start = config.initial_state == "asleep" and config.sleep_level == 2
     if level2_start and not runner.supports_level2:
         raise RuntimeError("--sleep-level 2 needs *.safetensors weight files to reload from")

@@ -18,12 +18,13 @@ from collections.abc import Mapping
 
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.memory.accounting import AccountingProbe
-from omnistage_worker.memory.base import DeviceReading, MemoryProbe, Reading
+from omnistage_worker.memory.base import DeviceReading, EngineTreeProbe, MemoryProbe, Reading
 from omnistage_worker.memory.nvml import (
     PROBE_BYTES,
     NvmlProbe,
     create_cuda_context,
     cuda_allocator,
+    new_pids,
     nvml_target,
     pick_grown_pid,
     process_tree,
@@ -35,12 +36,14 @@ __all__ = [
     "PROBE_ENV",
     "AccountingProbe",
     "DeviceReading",
+    "EngineTreeProbe",
     "MemoryProbe",
     "NvmlProbe",
     "Reading",
     "build_probe",
     "create_cuda_context",
     "cuda_allocator",
+    "new_pids",
     "nvml_target",
     "pick_grown_pid",
     "process_tree",
@@ -70,5 +73,6 @@ def build_probe(config: WorkerConfig, env: Mapping[str, str] | None = None) -> M
         log.info("memory probe from %s=%s: %s", PROBE_ENV, seam, type(probe).__name__)
         return probe
     if config.device.is_cuda:
-        return NvmlProbe(config.device.index, include_children=config.backend == "vllm")
+        vllm = config.backend == "vllm"
+        return NvmlProbe(config.device.index, include_children=vllm, own_context=not vllm)
     return AccountingProbe(lambda: 0)

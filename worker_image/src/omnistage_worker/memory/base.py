@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from omnistage.worker.v1 import types_pb2
 
@@ -66,3 +66,17 @@ class MemoryProbe(Protocol):
     def read(self) -> Reading: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class EngineTreeProbe(Protocol):
+    """A probe that measures an engine's processes (vLLM) and can recognise them by the pids
+    the device lists (where the driver reports host pids)."""
+
+    def listed_pids(self) -> set[int]:
+        """The pids the device lists now."""
+        ...
+
+    def adopt_engine(self, before: set[int]) -> None:
+        """After the engine started: recognise its pids against ``before``."""
+        ...

@@ -64,18 +64,32 @@ def process_tree(pid: int) -> set[int]:
     return pids
 
 
+def new_pids(before: Iterable[int], after: Iterable[int]) -> set[int]:
+    """NVML pids listed ``after`` that were not listed ``before`` (an engine that started)."""
+    return set(after) - set(before)
+
+
 class NvmlProbe:
     """NVML figures for this process on one CUDA device.
 
     ``include_children`` also counts the process's descendants: vLLM runs its engine core in a
     child process, which holds the weights. The torch runners count their own pid only, so a
     process that happens to start another worker never reports that worker's memory.
+
+    ``own_context=False`` (vLLM): this process never creates a CUDA context (no torch CUDA
+    call: ``touch`` and ``release_cached`` do nothing) and measures its engine's process tree.
+    Where the driver reports host pids (a container's own PID namespace), the engine is
+    recognised as the NVML pids that appeared while it started (:meth:`adopt_engine`).
     """
 
     source = types_pb2.MEMORY_SOURCE_NVML
 
     def __init__(
-        self, torch_index: int, pid: int | None = None, include_children: bool = False
+        self,
+        torch_index: int,
+        pid: int | None = None,
+        include_children: bool = False,
+        own_context: bool = True,
     ) -> None:
         import pynvml
 
@@ -84,6 +98,8 @@ class NvmlProbe:
         self.pid = os.getpid() if pid is None else pid
         self.torch_index = torch_index
         self.include_children = include_children
+        self.own_context = own_context
+        self.engine_pids: set[int] = set()  # host pids of the engine, when adopted
         self._handle = self._find_handle(torch_index)
         self.index = int(pynvml.nvmlDeviceGetIndex(self._handle))
         self.uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
@@ -92,7 +108,7 @@ class NvmlProbe:
 
     def _find_handle(self, torch_index: int) -> Any:
         nvml = self._nvml
-        uuid = _torch_uuid(torch_index)
+        uuid = _torch_uuid(torch_index) if self.own_context else None
         if uuid is not None:
             return nvml.nvmlDeviceGetHandleByUUID(uuid)
         how, ident = nvml_target(torch_index, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -106,6 +122,8 @@ class NvmlProbe:
 
     def touch(self) -> None:
         """Create the CUDA context, then make sure NVML lists this process under a known pid."""
+        if not self.own_context:
+            return
         create_cuda_context(self.torch_index)
         self.resolve_pid(cuda_allocator(self.torch_index))
 
@@ -116,6 +134,8 @@ class NvmlProbe:
 
     def release_cached(self) -> None:
         """Return the caching allocator's free blocks to the driver (NVML then sees them free)."""
+        if not self.own_context:
+            return  # the engine's own process frees its memory; no context here
         import torch
 
         torch.cuda.synchronize(self.torch_index)
@@ -161,8 +181,30 @@ class NvmlProbe:
             found,
         )
 
+    def listed_pids(self) -> set[int]:
+        """The pids NVML lists on the device now (take it before the engine starts)."""
+        return set(self.processes())
+
+    def adopt_engine(self, before: set[int]) -> None:
+        """After the engine started: when NVML lists no pid of this process tree (host pids),
+        count the pids that appeared since ``before`` as the engine's."""
+        listed = self.processes()
+        if process_tree(self.pid) & listed.keys():
+            return
+        appeared = new_pids(before, listed)
+        if appeared:
+            log.info(
+                "NVML lists no pid of this process tree (a container PID namespace); the "
+                "engine is the pids that appeared while it started: %s",
+                sorted(appeared),
+            )
+            self.engine_pids = appeared
+        else:
+            log.error("NVML lists no process of the engine: its figures will read 0")
+
     def _process_used(self) -> int:
         pids = process_tree(self.pid) if self.include_children else {self.pid}
+        pids |= self.engine_pids
         listed = self.processes()
         if not pids & listed.keys() and not self._warned:
             self._warned = True

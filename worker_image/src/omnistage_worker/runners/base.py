@@ -14,6 +14,8 @@ from omnistage_worker.config import WorkerConfig
 if TYPE_CHECKING:
     import torch
 
+    from omnistage_worker.memory import MemoryProbe
+
 # Upper bounds on request fields, so a typo cannot occupy a stage for hours.
 MAX_NEW_TOKENS = 8192
 MAX_STEPS = 1000
@@ -107,9 +109,19 @@ class ModelRunner(ABC):
         self.model_dir = config.model
         # Generate calls run one at a time: pipelines and samplers keep per-call state.
         self._generate_lock = threading.Lock()
+        # The worker's probe, set before :meth:`load` (a runner may measure with it).
+        self.probe: MemoryProbe | None = None
 
     #: Whether a worker asleep at level 1 can drop its host copy (1 -> 2) without waking.
     can_deepen: ClassVar[bool] = True
+    #: Whether the worker process creates its own device context before loading (the torch
+    #: runners: it is the residual baseline). vLLM's engine runs in its own process tree.
+    owns_device_context: ClassVar[bool] = True
+
+    def residual_baseline(self) -> int | None:
+        """After :meth:`load`: what this runner holds on the device asleep, measured by the
+        runner itself (None: the context measured before loading is the baseline)."""
+        return None
 
     @property
     def supports_level2(self) -> bool:

@@ -1,0 +1,128 @@
+"""``spec.vllm`` reaches the worker as flags its argparse knows, validated on both sides (issue 9).
+
+Before: ``worker.args`` were the only way, the worker refused unknown flags, and vLLM always ran
+with its default of 90% of the GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnistage_operator.builders import build_worker_pod, owner_reference, pod_spec_hash
+from omnistage_operator.spec import SpecError, VllmSettings, parse_stage
+from omnistage_worker.cli import build_parser, config_from_args
+from omnistage_worker.config import ConfigError, VllmArgs
+
+GI = 1 << 30
+
+
+def body(**spec: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "runner": "AR",
+        "backend": "VLLM",
+        "image": "omnistage/omnistage-worker-vllm:0.1.0",
+        "model": {"path": "/models/llm"},
+        "colocation": {"group": "g1"},
+        "gpus": 2,
+    }
+    base.update(spec)
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniStage",
+        "metadata": {"name": "llm", "namespace": "ns", "uid": "u1", "generation": 1},
+        "spec": base,
+    }
+
+
+def args_of(manifest: dict[str, Any]) -> list[str]:
+    stage = parse_stage(manifest)
+    pod = build_worker_pod(stage, initial_state=stage.state, owner=owner_reference(manifest))
+    args: list[str] = pod["spec"]["containers"][0]["args"]
+    return args
+
+
+def test_spec_vllm_becomes_worker_flags_the_worker_accepts(tmp_path: Path) -> None:
+    manifest = body(vllm={"maxModelLen": 4096, "gpuMemoryUtilization": 0.45, "enforceEager": True})
+    assert parse_stage(manifest).vllm == VllmSettings(4096, 0.45, True)
+    args = args_of(manifest)
+    tail = args[args.index("--vllm-tensor-parallel-size") :]
+    assert tail == [
+        "--vllm-tensor-parallel-size", "2", "--vllm-max-model-len", "4096",
+        "--vllm-gpu-memory-utilization", "0.45", "--vllm-enforce-eager",
+    ]  # fmt: skip
+
+    # The worker's own parser takes them (with the pod's other flags made local).
+    local = [a for a in args if not a.startswith("--host=")]
+    local[local.index("--model") + 1] = str(tmp_path)
+    local = [a for a in local if a not in {"--token-file", "/var/run/secrets/omnistage/token"}]
+    config = config_from_args(build_parser({}).parse_args(local))
+    assert config.vllm == VllmArgs(4096, 0.45, None, True, 2)
+
+
+def test_utilization_is_derived_from_the_vram_request() -> None:
+    args = args_of(body(vram={"request": "20Gi"}))
+    assert args[args.index("--vllm-memory-bytes") + 1] == str(20 * GI)
+    assert "--vllm-gpu-memory-utilization" not in args
+    # Per device: 20 GiB over 2 GPUs of 80 GiB each.
+    engine = VllmArgs(memory_bytes=20 * GI, tensor_parallel_size=2)
+    assert engine.utilization(80 * GI, 70 * GI) == pytest.approx(0.125)
+    with pytest.raises(ConfigError, match=r"only .* are free now"):
+        engine.utilization(80 * GI, 5 * GI)
+    # Neither given: the free memory at start, less 2%.
+    assert VllmArgs().utilization(80 * GI, 40 * GI) == pytest.approx(0.48)
+
+
+def test_engine_args_change_the_pod_hash_only_for_vllm() -> None:
+    a = parse_stage(body(vllm={"maxModelLen": 1024}))
+    b = parse_stage(body(vllm={"maxModelLen": 2048}))
+    assert pod_spec_hash(a) != pod_spec_hash(b)
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"vllm": {"gpuMemoryUtilization": "half"}}, "spec.vllm.gpuMemoryUtilization"),
+        ({"vllm": {"maxModelLen": "long"}}, "spec.vllm.maxModelLen"),
+        ({"vllm": {"enforceEager": "yes"}}, "spec.vllm.enforceEager"),
+        ({"vllm": "eager"}, "spec.vllm"),
+    ],
+)
+def test_unreadable_engine_args_are_refused_naming_the_field(
+    spec: dict[str, Any], field: str
+) -> None:
+    """Bounds and "backend VLLM only" are the CRD's rules (test_crd_validation) and the
+    worker's (below); the parser refuses what it cannot read."""
+    with pytest.raises(SpecError) as info:
+        parse_stage(body(**spec))
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--vllm-gpu-memory-utilization", "1.2"], "--vllm-gpu-memory-utilization"),
+        (["--vllm-gpu-memory-utilization", "nan"], "--vllm-gpu-memory-utilization"),
+        (["--vllm-max-model-len", "0"], "--vllm-max-model-len"),
+        (["--vllm-tensor-parallel-size", "0"], "--vllm-tensor-parallel-size"),
+        (["--vllm-memory-bytes", "-1"], "--vllm-memory-bytes"),
+        (["--vllm-attention-backend", "triton; rm"], "--vllm-attention-backend"),
+        (
+            ["--vllm-memory-bytes", "1Gi", "--vllm-gpu-memory-utilization", "0.5"],
+            "--vllm-memory-bytes",
+        ),
+    ],
+)
+def test_worker_refuses_bad_engine_flags(tmp_path: Path, flags: list[str], flag: str) -> None:
+    base = ["--runner", "ar", "--backend", "vllm", "--model", str(tmp_path), "--device", "cuda"]
+    with pytest.raises(ConfigError) as info:
+        config_from_args(build_parser({}).parse_args([*base, *flags]))
+    assert info.value.flag == flag
+
+
+def test_engine_flags_need_the_vllm_backend(tmp_path: Path) -> None:
+    argv = ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
+    with pytest.raises(ConfigError, match="need --backend vllm"):
+        config_from_args(build_parser({}).parse_args([*argv, "--vllm-enforce-eager"]))
