@@ -5,7 +5,7 @@ the status figures and condition."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -17,6 +17,7 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
+    footprint,
     plan,
 )
 from omnistage_operator.components import component_status, components_verdict
@@ -95,6 +96,19 @@ def test_component_wake_waits_for_room_and_sends_nobody_to_sleep() -> None:
     # Once b sleeps (its spec says Asleep), the encoders wake.
     d = plan(intents((), b_wants=False), {"a": painter(ENCODERS), "b": B_ASLEEP}, memory(6 * GI))
     assert d.component_wakes == ("a",) and d.components_waiting == {}
+
+
+def test_a_full_wake_is_charged_every_component() -> None:
+    # Put to sleep whole after a partial sleep: its measured footprint is the partial one, but
+    # a wake makes every component resident.
+    partial = painter(ENCODERS)
+    asleep = StageFacts(
+        WorkerPhase.ASLEEP, level=1, active_footprint=partial.active_footprint,
+        context_bytes=GI // 2,
+        components=tuple(replace(c, device_bytes=0, level=1) for c in partial.components),
+    )  # fmt: skip
+    assert footprint(intents(ENCODERS)["a"], asleep) == 12 * GI + GI // 2
+    assert footprint(intents(ENCODERS)["a"], partial) == 6 * GI  # Active: what stays resident
 
 
 def test_unknown_component_names_are_not_ordered() -> None:

@@ -309,7 +309,14 @@ def may_hold_memory(facts: StageFacts) -> bool:
 
 def footprint(intent: StageIntent, facts: StageFacts) -> int | None:
     """The largest of ``vram.request``, the measured peak and active footprint and the learned
-    need (a sum over the stage's devices); None when none is known (the stage needs the group)."""
+    need (a sum over the stage's devices); None when none is known (the stage needs the group).
+
+    A stage not Active whose worker was measured Active and reports components also counts all
+    its components' weights plus its context: a wake makes every component resident, while its
+    measured footprint may be that of a partial sleep."""
+    whole = None
+    if facts.phase is not WorkerPhase.ACTIVE and facts.components and facts.active_footprint:
+        whole = sum(c.weights_bytes for c in facts.components) + (facts.context_bytes or 0)
     known = [
         n
         for n in (
@@ -317,6 +324,7 @@ def footprint(intent: StageIntent, facts: StageFacts) -> int | None:
             facts.peak_active,
             facts.active_footprint,
             facts.learned_need,
+            whole,
         )
         if n is not None and n > 0
     ]
