@@ -151,6 +151,33 @@ def gpu_e2e_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def ondemand_section(data: dict[str, Any]) -> list[str]:
+    sw, res, idle = data["swaps"], data["residency"], data["idle"]
+    held, hand = sw["held_added_latency_ms"], sw["handover_ms"]
+    answers = ", ".join(f"{v} {k}" for k, v in sorted(sw["answers"].items()))
+    asleep = idle["asleep_after_s"]
+    lost = sw["lost_or_failed"]
+    return [
+        "",
+        f"Traffic-driven hand-overs, `bench/ondemand.py` on the local control plane "
+        f"({data['machine']['cpus']} shared cores, {data['date'][:10]}): {sw['clients']} clients "
+        f"alternating between two OnDemand stages that cannot both be awake forced "
+        f"{sw['demand_swaps']} demand swaps in {sw['seconds']:.0f} s "
+        f"({sw['swaps_per_second']:.2f}/s); answers: {answers}; requests lost or failed other "
+        f"than by their own hold timeout: {lost} ({_ok(lost == 0)}). "
+        f"Added latency of a held request p50 {held['p50']:.0f} ms, p95 {held['p95']:.0f} ms "
+        f"({held['n']} held) against the operator's hand-over (first sleep order to last wake "
+        f"ACK) p50 {hand['p50']:.0f} ms, p95 {hand['p95']:.0f} ms: held p95 is hand-over p95 "
+        f"{sw['held_p95_minus_handover_p95_ms']:+.0f} ms (goal: at most +100 ms, "
+        f"{_ok(sw['held_p95_minus_handover_p95_ms'] <= 100)}). Under the same alternation with "
+        f"minResidency {res['min_residency_s']:g} s: {res['demand_swaps']} swaps in "
+        f"{res['seconds']:.0f} s (at most {res['allowed_at_most']} allowed, {_ok(res['ok'])}). "
+        f"An idle stage with idleAfter {idle['idle_after_s']:g} s was asleep "
+        + (f"{asleep:.2f} s" if asleep is not None else "never")
+        + f" after its last answer (bound idleAfter + 2 s, {_ok(idle['ok'])}).",
+    ]
+
+
 def vllm_section(data: dict[str, Any]) -> list[str]:
     """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits."""
     m, s, lim = data["machine"], data["summary"], data["limits"]
@@ -233,6 +260,9 @@ def render() -> str:
     gpu_e2e = _load("gpu_e2e.json")
     if gpu_e2e:
         lines += gpu_e2e_section(gpu_e2e)
+    ondemand = _load("ondemand.json")
+    if ondemand:
+        lines += ondemand_section(ondemand)
     components = _load("diffusion_components.json")
     if components:
         lines += components_section(components)

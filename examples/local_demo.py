@@ -11,7 +11,11 @@ shows, with ``kubectl get omnistages``:
    the llama to sleep, and wakes the diffusion stage only after the sleep ACK, whose measured
    figures land in status;
 3. a priority pre-emption: ``tiny-llama`` (priority 10) asks again and takes the GPU back from
-   ``tiny-diffusion`` (priority 5), which waits.
+   ``tiny-diffusion`` (priority 5), which waits;
+4. traffic wakes a stage: ``tiny-llama`` becomes ``activation.policy: OnDemand`` and Asleep, so
+   ``tiny-diffusion`` gets the GPU; an OpenAI ``/v1/completions`` request to the sleeping llama
+   is held by its worker, the operator puts the diffusion stage to sleep, wakes the llama after
+   the ACK, and the held request is answered.
 
 ``--keep`` leaves everything running (prints ``export KUBECONFIG=...``) until Ctrl-C.
 """
@@ -19,12 +23,14 @@ shows, with ``kubectl get omnistages``:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,6 +94,20 @@ class Demo:
         print(f"$ kubectl patch ost {name} --type merge -p '{body}'", flush=True)
         self.kubectl("patch", "omnistage", name, "--type=merge", "-p", body)
 
+    def on_demand_pod(self, name: str) -> str | None:
+        """The IP of the stage's OnDemand worker pod once the stage is Asleep, else None."""
+        if self.state(name) != "Asleep":
+            return None
+        res = self.cp.kubectl(
+            "get", "pod", f"{name}-worker", "-n", NAMESPACE, "-o", "json", check=False
+        )
+        if res.returncode != 0:
+            return None  # replaced: the new pod is not there yet
+        pod = json.loads(res.stdout)
+        args = pod["spec"]["containers"][0].get("args", [])
+        ip = (pod.get("status") or {}).get("podIP")
+        return str(ip) if "--activation" in args and ip else None
+
     def start_operator(self) -> None:
         token = self.workdir / "token"
         token.write_text("demo-worker-token")
@@ -131,6 +151,41 @@ class Demo:
         )
 
 
+def on_demand(demo: Demo) -> None:
+    """Step 4: a request to a sleeping OnDemand stage is held and served after the wake."""
+    say("on demand: tiny-llama becomes OnDemand and Asleep; tiny-diffusion gets the GPU")
+    body = '{"spec":{"state":"Asleep","activation":{"policy":"OnDemand","holdTimeout":"60s"}}}'
+    print(f"$ kubectl patch ost tiny-llama --type merge -p '{body}'", flush=True)
+    demo.kubectl("patch", "omnistage", "tiny-llama", "--type=merge", "-p", body)
+    wait_for("tiny-diffusion Active", lambda: demo.state("tiny-diffusion") == "Active")
+    wait_for("tiny-llama Asleep (new pod)", lambda: demo.on_demand_pod("tiny-llama") is not None)
+    demo.show()
+    url = f"http://{demo.on_demand_pod('tiny-llama')}:8000/v1/completions"
+    request = {"model": "tiny-llama", "prompt": "the cat", "max_tokens": 4}
+    say("a request to the sleeping tiny-llama is held until the operator wakes it")
+    print(f"$ curl {url} -d '{json.dumps(request)}'", flush=True)
+    started = time.monotonic()
+    http = urllib.request.Request(
+        url, data=json.dumps(request).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(http, timeout=120) as resp:
+        answer = json.loads(resp.read())
+        held_ms = float(resp.headers.get("x-omnistage-held-ms", "0"))
+    took = time.monotonic() - started
+    print(json.dumps(answer["choices"][0]), flush=True)
+    print(
+        f"held request served after a wake: held {held_ms:.0f} ms, answered in {took:.2f} s",
+        flush=True,
+    )
+    wait_for("tiny-llama Active", lambda: demo.state("tiny-llama") == "Active")
+    demo.show()
+    status = demo.cp.get_json("omnistage", "tiny-llama", namespace=NAMESPACE)["status"]
+    print(f"tiny-llama: awakeReason={status.get('awakeReason')} demand={status.get('demand')}")
+    print(demo.last_ack("tiny-diffusion"))
+    print(demo.last_ack("tiny-llama"))
+    print(demo.order("tiny-diffusion", "tiny-llama"))
+
+
 def run(keep: bool) -> None:
     build_models()
     workdir = Path(tempfile.mkdtemp(prefix="omnistage-demo-"))
@@ -165,6 +220,7 @@ def run(keep: bool) -> None:
             print(demo.last_ack("tiny-diffusion"))
             print(demo.last_ack("tiny-llama"))
             print(demo.order("tiny-diffusion", "tiny-llama"))
+            on_demand(demo)
             say("kubectl get events --field-selector involvedObject.kind=OmniStage")
             events = demo.kubectl(
                 "get",

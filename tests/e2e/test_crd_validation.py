@@ -219,7 +219,12 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
     (
         "reserved-drain-timeout-flag",
         _set("spec.worker.args", ["--drain-timeout=5"]),
-        ("spec.worker.args", "--drain-timeout: the operator sets them"),
+        ("spec.worker.args", "--drain-timeout, --activation, --hold-timeout or --http-port"),
+    ),
+    (
+        "reserved-activation-flag",
+        _set("spec.worker.args", ["--activation=ondemand"]),
+        ("spec.worker.args", "--http-port: the operator sets them"),
     ),
     ("args-not-a-list", _set("spec.worker.args", "--x"), ("spec.worker.args", "array")),
     (
@@ -264,6 +269,36 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
     ),
     ("name-upper-case", _set("metadata.name", "Has-Upper"), ("metadata.name", "DNS-1035")),
     ("name-digit-first", _set("metadata.name", "9lives"), ("metadata.name", "DNS-1035")),
+    (
+        "activation-policy-enum",
+        _set("spec.activation", {"policy": "Lazy"}),
+        ("spec.activation.policy", "Unsupported value"),
+    ),
+    (
+        "activation-idle-after-on-manual",
+        _set("spec.activation", {"idleAfter": "5m"}),
+        ("spec.activation", "apply only to policy OnDemand"),
+    ),
+    (
+        "activation-duration-format",
+        _set("spec.activation", {"policy": "OnDemand", "holdTimeout": "5 minutes"}),
+        ("spec.activation.holdTimeout", "should match"),
+    ),
+    (
+        "activation-hold-timeout-too-short",
+        _set("spec.activation", {"policy": "OnDemand", "holdTimeout": "10ms"}),
+        ("spec.activation.holdTimeout", "must be between 100ms and 1h"),
+    ),
+    (
+        "activation-idle-after-too-long",
+        _set("spec.activation", {"policy": "OnDemand", "idleAfter": "200h"}),
+        ("spec.activation.idleAfter", "must be between 1s and 168h"),
+    ),
+    (
+        "http-port-equals-grpc-port",
+        _set("spec.worker", {"port": 8000, "httpPort": 8000}),
+        ("spec.worker.httpPort", "must differ from spec.worker.port"),
+    ),
     (
         "vllm-block-on-transformers",
         _set("spec.vllm", {"enforceEager": True}),
@@ -326,7 +361,26 @@ def test_defaults_are_applied(cluster: ControlPlane, namespace: str) -> None:
     assert spec["colocation"] == {"group": "g1", "priority": 0}
     assert spec["model"] == {"path": "/models/tiny-llama", "mountPath": "/models"}
     assert spec["placement"] == {"mode": "DRA"}
-    assert spec["worker"] == {"port": 50051}
+    assert spec["worker"] == {"port": 50051, "httpPort": 8000}
+    assert spec["activation"] == {"policy": "Manual"}
+
+
+def test_an_on_demand_stage_is_accepted_and_parses_back(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    manifest = good("lazy")
+    manifest["spec"]["state"] = "Asleep"
+    manifest["spec"]["activation"] = {
+        "policy": "OnDemand",
+        "idleAfter": "1m30s",
+        "minResidency": "500ms",
+        "holdTimeout": "20s",
+    }
+    apply(cluster, namespace, manifest)
+    stage = parse_stage(get(cluster, namespace, "lazy"))
+    assert stage.activation.on_demand
+    assert (stage.activation.idle_after_s, stage.activation.min_residency_s) == (90.0, 0.5)
+    assert stage.activation.hold_timeout_s == 20.0
 
 
 def test_group_is_immutable_but_state_is_not(cluster: ControlPlane, namespace: str) -> None:

@@ -24,6 +24,8 @@ def test_local_demo_runs_and_every_wake_follows_the_sleep_ack() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     orders = [line for line in out.splitlines() if line.startswith("order: ")]
-    assert len(orders) == 2, out[-4000:]
+    assert len(orders) == 3, out[-4000:]
     assert all(" before " in line and "NOT before" not in line for line in orders), orders
     assert "tiny-diffusion   Waiting" in out  # the pre-emption left the lower priority waiting
+    assert "held request served after a wake" in out  # OnDemand: traffic woke tiny-llama
+    assert "awakeReason=Demand" in out

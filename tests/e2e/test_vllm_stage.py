@@ -10,6 +10,7 @@ ACKed; the two stages' weights are never on the device together.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,53 @@ def test_vllm_and_torch_stages_hand_over_both_ways(
     assert watch.samples > 0 and watch.max_sum <= CAPACITY
     assert watch.max_resident == 1  # the two stages' weights were never on the GPU together
     cluster.reasons_include("llm", {"PodCreated", "Slept", "Woken"})
+
+
+def test_a_vllm_stage_that_cannot_start_backs_off_and_its_group_hands_over(
+    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu: Gpu,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The stand-in engine refuses to start (its budget leaves no room for a KV cache): each
+    failed start counts into the stage's crash back-off (10 s, then 20 s before the next pod),
+    with the engine's reason in status; the torch stage of the group is woken meanwhile."""
+    llm_dir = build_standin_model(tmp_path / "llm", weights=200_000)
+    cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu.node, state="Active"))
+    wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
+    bad = vllm_manifest(llm_dir, gpu.node)
+    bad["spec"]["state"] = "Active"
+    bad["spec"]["vllm"]["gpuMemoryUtilization"] = 0.1  # under its weights: no KV cache
+    cluster.apply(bad)
+
+    starts: dict[str, float] = {}  # pod uid -> when first seen
+
+    def restarts(n: int) -> bool:
+        pod = cluster.pod("llm")
+        if pod is not None:
+            starts.setdefault(pod["metadata"]["uid"], time.monotonic())
+        return int((cluster.status("llm").get("backoff") or {}).get("restarts", 0)) >= n
+
+    wait_for("llm's first failed start counted", lambda: restarts(1), 240)
+    backoff = cluster.status("llm")["backoff"]
+    assert "No available memory for the cache blocks" in backoff["message"]
+    # While it backs off, the torch stage has the GPU again and the failure is on llm alone.
+    wait_for("ar Active again", lambda: cluster.state("ar") == "Active", 60)
+    ready = _condition(cluster, "llm", "Ready")
+    assert ready["reason"] == "WorkerExited" and "cache blocks" in ready["message"]
+    wait_for("llm's second failed start counted", lambda: restarts(2), 120)
+    wait_for("llm's third pod", lambda: restarts(2) and len(starts) >= 3, 120)
+    times = sorted(starts.values())
+    assert times[1] - times[0] >= 9 and times[2] - times[1] >= 19  # 10 s, then 20 s
+    cluster.reasons_include("llm", {"WorkerExited"})
+
+    # The engine argument fixed (a new pod spec): no waiting out the back-off, it starts now.
+    wait_for("llm's third failed start counted", lambda: restarts(3), 120)
+    until = cluster.status("llm")["backoff"]["until"]
+    fixed = time.monotonic()
+    cluster.cp.kubectl(
+        "patch", "omnistage", "llm", "-n", cluster.namespace, "--type=merge",
+        "-p", '{"spec":{"vllm":{"gpuMemoryUtilization":null}}}',
+    )  # fmt: skip
+    wait_for("llm Active", lambda: cluster.state("llm") == "Active", 120)
+    assert time.monotonic() - fixed < 40  # the third back-off alone is 40 s
+    assert cluster.status("llm").get("backoff") is None, until
+    cluster.reasons_include("llm", {"BackoffReset"})

@@ -104,6 +104,7 @@ def test_worker_args_exact() -> None:
         "--token-file", "/var/run/secrets/omnistage/token",
         "--device", "cpu",
         "--drain-timeout", "600",
+        "--http-port", "8000",
         "--dtype", "float32",
         "--steps", "2",
     ]  # fmt: skip
@@ -150,7 +151,10 @@ def test_dra_pod_shape() -> None:
     assert c["name"] == "worker" and c["image"] == "omnistage-worker:dev"
     assert c["command"] == ["omnistage-worker"]
     assert c["resources"] == {"claims": [{"name": "gpus"}]}
-    assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"}]
+    assert c["ports"] == [
+        {"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+    ]
     assert c["readinessProbe"]["grpc"] == {
         "port": 50051,
         "service": "omnistage.worker.v1.SleepService",
@@ -286,7 +290,20 @@ def test_service_shape() -> None:
         "omnistage.io/stage": "llm",
     }
     assert svc["spec"]["ports"] == [
-        {"name": "grpc", "port": 6000, "targetPort": 6000, "protocol": "TCP", "appProtocol": "grpc"}
+        {
+            "name": "grpc",
+            "port": 6000,
+            "targetPort": 6000,
+            "protocol": "TCP",
+            "appProtocol": "grpc",
+        },
+        {
+            "name": "http",
+            "port": 8000,
+            "targetPort": 8000,
+            "protocol": "TCP",
+            "appProtocol": "http",
+        },
     ]
     # The selector picks exactly this stage's pod.
     pod = build_worker_pod(stage, initial_state=DesiredState.ACTIVE, owner=owner)
@@ -440,3 +457,24 @@ def test_vllm_pod_always_starts_active() -> None:
         args = container(pod)["args"]
         assert args[args.index("--initial-state") + 1] == "active"
         assert pod["metadata"]["annotations"][INITIAL_STATE_ANNOTATION] == "Active"
+
+
+def test_on_demand_worker_args_and_http_port() -> None:
+    stage, _ = make(
+        activation={"policy": "OnDemand", "holdTimeout": "1m30s", "idleAfter": "5m"},
+        worker={"httpPort": 9000},
+    )
+    args = worker_args(stage, initial_state=DesiredState.ASLEEP)
+    assert args[args.index("--http-port") + 1] == "9000"
+    assert args[args.index("--activation") + 1] == "ondemand"
+    assert args[args.index("--hold-timeout") + 1] == "90"
+    manual, _ = make()
+    assert "--activation" not in worker_args(manual, initial_state=DesiredState.ASLEEP)
+    # the worker's flags changed: a new pod; idleAfter is the operator's alone: same pod
+    idle_only, _ = make(
+        activation={"policy": "OnDemand", "holdTimeout": "1m30s", "idleAfter": "9m"}
+    )
+    assert pod_spec_hash(manual) != pod_spec_hash(stage)
+    assert pod_spec_hash(idle_only) == pod_spec_hash(
+        make(activation={"policy": "OnDemand", "holdTimeout": "1m30s"}, worker={})[0]
+    )

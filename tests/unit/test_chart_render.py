@@ -435,3 +435,35 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
     assert (settings.sleep_timeout_s, settings.wake_timeout_s) == (7.0, 600.0)
     assert settings.ack_retries == 4
     assert parse_settings(_args(render()), environ={}).peering is None, "standalone by default"
+
+
+def test_router_per_group_routes_by_model() -> None:
+    assert not [o for o in render() if o["metadata"]["name"].endswith("-router-demo")]
+    objs = render(
+        {
+            "router": {
+                "enabled": True,
+                "groups": [{"name": "demo", "stages": ["tiny-llama", "tiny-diffusion"]}],
+            }
+        }
+    )
+    routers = [o for o in objs if "-router-" in o["metadata"]["name"]]
+    assert sorted(o["kind"] for o in routers) == ["Deployment", "Service"]
+    deployment = next(o for o in routers if o["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["omnistage-router"]
+    assert container["args"] == [
+        f"--namespace={NAMESPACE}",
+        "--worker-port=8000",
+        "--port=8080",
+        "--stage=tiny-llama",
+        "--stage=tiny-diffusion",
+    ]
+    service = next(o for o in routers if o["kind"] == "Service")
+    assert service["spec"]["ports"][0]["port"] == 8080
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    refused = render_error(
+        {"router": {"enabled": True, "groups": [{"name": "demo", "stages": []}]}}
+    )
+    assert "stages" in refused

@@ -78,3 +78,14 @@ def test_a_log_tail_is_cut_to_its_last_lines() -> None:
     assert msg == (
         "exit code 2 (Error): Loading 100% | warning: x | ERROR model directory /m does not exist"
     )
+
+
+def test_a_changed_pod_spec_ends_the_back_off_and_starts_the_count_again() -> None:
+    backoff = (
+        CrashBackoff().exited("a", "no KV cache", 0.0, "s1").exited("b", "no KV cache", 1.0, "s1")
+    )
+    assert (backoff.restarts, backoff.waiting(1.0), backoff.spec_hash) == (2, 20.0, "s1")
+    assert backoff.current("s1") and not backoff.current("s2")
+    fixed = backoff.exited("c", "other", 2.0, "s2")  # an exit under the new spec: its first
+    assert (fixed.restarts, fixed.waiting(2.0), fixed.spec_hash) == (1, 10.0, "s2")
+    assert CrashBackoff().current("s2")  # no count yet: nothing to reset

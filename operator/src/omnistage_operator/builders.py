@@ -79,6 +79,7 @@ __all__ = [
     "CONTAINER_NAME",
     "DEFAULT_DEVICE_CLASS",
     "GENERATION_ANNOTATION",
+    "HTTP_PORT_NAME",
     "INITIAL_STATE_ANNOTATION",
     "LIVENESS_SERVICE",
     "MODEL_VOLUME",
@@ -118,6 +119,7 @@ MODEL_VOLUME: Final = "model"
 DEFAULT_DEVICE_CLASS: Final = "gpu.nvidia.com"
 CONTAINER_NAME: Final = "worker"
 PORT_NAME: Final = "grpc"
+HTTP_PORT_NAME: Final = "http"
 POD_CLAIM_REF: Final = "gpus"
 READINESS_SERVICE: Final = "omnistage.worker.v1.SleepService"
 LIVENESS_SERVICE: Final = ""
@@ -213,6 +215,10 @@ def worker_args(
     ]
     args += ["--device", worker_device(stage)]
     args += ["--drain-timeout", str(stage.drain_timeout_s)]
+    args += ["--http-port", str(stage.worker.http_port)]
+    if stage.activation.on_demand:
+        args += ["--activation", stage.activation.policy.cli]
+        args += ["--hold-timeout", f"{stage.activation.hold_timeout_s:g}"]
     if stage.worker.dtype is not None:
         args += ["--dtype", stage.worker.dtype]
     if stage.backend is Backend.VLLM:
@@ -258,7 +264,9 @@ def pod_spec_hash(stage: StageSpec) -> str:
             None if stage.worker.device is None else stage.worker.device.value,
             stage.worker.args,
             stage.worker.dtype,
+            stage.worker.http_port,
         ],
+        "activation": [stage.activation.policy.value, stage.activation.hold_timeout_s],
         "template": [
             tpl.resources,
             tpl.env,
@@ -397,7 +405,10 @@ def _worker_container(
         "command": list(WORKER_COMMAND),
         "args": worker_args(stage, initial_state=initial_state, sleep_level=sleep_level),
         "env": _worker_env(stage),
-        "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+            {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
+        ],
         "readinessProbe": _grpc_probe(port, READINESS_SERVICE, period=5, failures=3),
         "livenessProbe": _grpc_probe(port, LIVENESS_SERVICE, period=10, failures=6),
         "volumeMounts": mounts,
@@ -447,7 +458,7 @@ def _pod_spec(
 
 
 def build_service(stage: StageSpec, *, owner: Mapping[str, Any]) -> dict[str, Any]:
-    """The stage's ClusterIP Service: port ``grpc`` to the worker port of its pod."""
+    """The stage's ClusterIP Service: ``grpc`` to the worker port, ``http`` to its OpenAI API."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -467,7 +478,14 @@ def build_service(stage: StageSpec, *, owner: Mapping[str, Any]) -> dict[str, An
                     "targetPort": stage.worker.port,
                     "protocol": "TCP",
                     "appProtocol": "grpc",
-                }
+                },
+                {
+                    "name": HTTP_PORT_NAME,
+                    "port": stage.worker.http_port,
+                    "targetPort": stage.worker.http_port,
+                    "protocol": "TCP",
+                    "appProtocol": "http",
+                },
             ],
         },
     }

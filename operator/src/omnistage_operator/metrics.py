@@ -7,8 +7,16 @@ from prometheus_client import Counter, Gauge, Histogram
 __all__ = [
     "ACK_SECONDS",
     "BYTES_FREED",
+    "DEMAND_SWAPS",
+    "DEMAND_WAKES",
     "FENCES",
     "HANDOVER_SECONDS",
+    "HELD_REQUESTS",
+    "HELD_SERVED",
+    "HELD_TIMED_OUT",
+    "HOLD_QUEUE_FULL",
+    "HOLD_SECONDS",
+    "IDLE_SLEEPS",
     "LEADER",
     "LEADER_EPOCH",
     "LEADER_TRANSITIONS",
@@ -72,4 +80,46 @@ LEADER_TRANSITIONS = Counter(
     "omnistage_leader_transitions_total",
     "Changes of this replica's leadership, by direction (acquired, lost).",
     ["change"],
+)
+
+HELD_REQUESTS = Gauge(
+    "omnistage_held_requests",
+    "Requests an OnDemand stage's worker holds now, waiting for the stage to wake.",
+    ["namespace", "stage"],
+)
+HOLD_SECONDS = Counter(
+    "omnistage_hold_seconds_total",
+    "Time held requests waited before they were served, summed (divide by "
+    "omnistage_held_requests_served_total for the mean hold time).",
+    ["namespace", "stage"],
+)
+HELD_SERVED = Counter(
+    "omnistage_held_requests_served_total",
+    "Held requests served once their stage was awake.",
+    ["namespace", "stage"],
+)
+HELD_TIMED_OUT = Counter(
+    "omnistage_held_requests_timed_out_total",
+    "Held requests answered UNAVAILABLE / 503 at their hold timeout.",
+    ["namespace", "stage"],
+)
+HOLD_QUEUE_FULL = Counter(
+    "omnistage_hold_queue_full_total",
+    "Requests refused at once because the stage's hold queue was full.",
+    ["namespace", "stage"],
+)
+DEMAND_WAKES = Counter(
+    "omnistage_demand_wakes_total",
+    "Stages woken because requests were held for them.",
+    ["namespace", "group"],
+)
+DEMAND_SWAPS = Counter(
+    "omnistage_demand_swaps_total",
+    "Hand-overs caused by demand: a stage woken for held requests after another one slept.",
+    ["namespace", "group"],
+)
+IDLE_SLEEPS = Counter(
+    "omnistage_idle_sleeps_total",
+    "OnDemand stages put to sleep because they served no request for idleAfter.",
+    ["namespace", "group"],
 )

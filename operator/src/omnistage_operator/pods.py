@@ -10,7 +10,9 @@ UUIDs a group's claim was allocated.
   ``FallbackToLogsOnError``, its last log lines when it wrote none), else the reason and exit
   code; None while it has not ended.
 - ``CrashBackoff``: per-stage exponential back-off of pod re-creation (10 s doubling to 5 min,
-  reset once a pod has run Active for ``RESET_AFTER_S``).
+  reset once a pod has run Active for ``RESET_AFTER_S``, and when the fields a pod is built
+  from change: ``current(spec_hash)`` is False then, and an exit counted under another spec
+  starts the count again).
 - ``claim_device_uuids(claim, slices)``: the ``uuid`` attribute of every device the claim's
   allocation names, from the ResourceSlices that publish them (None until allocated, or when a
   device has no ``uuid``).
@@ -19,7 +21,7 @@ UUIDs a group's claim was allocated.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 __all__ = [
@@ -86,6 +88,7 @@ class CrashBackoff:
     until: float = 0.0
     message: str = ""
     last_uid: str = ""  # the pod whose exit was counted last (one count per pod)
+    spec_hash: str = ""  # the pod spec digest the exits were counted under ("" : unknown)
 
     def delay_s(self) -> float:
         """The back-off after ``restarts`` exits: 10 s, 20 s, 40 s, ... at most 5 min."""
@@ -93,12 +96,19 @@ class CrashBackoff:
             return 0.0
         return float(min(BACKOFF_INITIAL_S * 2 ** (self.restarts - 1), BACKOFF_MAX_S))
 
-    def exited(self, uid: str, message: str, now: float) -> CrashBackoff:
-        """Count the exit of pod ``uid`` (once) and start the next back-off."""
+    def exited(self, uid: str, message: str, now: float, spec_hash: str = "") -> CrashBackoff:
+        """Count the exit of pod ``uid`` (once) and start the next back-off; an exit under
+        another pod spec than the counted ones is the first of its spec."""
         if uid == self.last_uid:
             return self
-        counted = CrashBackoff(self.restarts + 1, 0.0, message, uid)
-        return CrashBackoff(counted.restarts, now + counted.delay_s(), message, uid)
+        restarts = self.restarts + 1 if self.current(spec_hash) else 1
+        counted = CrashBackoff(restarts, 0.0, message, uid, spec_hash)
+        return replace(counted, until=now + counted.delay_s())
+
+    def current(self, spec_hash: str) -> bool:
+        """Whether the exits were counted under the pod spec ``spec_hash`` (a changed spec,
+        e.g. a fixed engine argument, deserves a start at once)."""
+        return not self.spec_hash or not spec_hash or self.spec_hash == spec_hash
 
     def waiting(self, now: float) -> float:
         """Seconds left before a new pod may be created (0: now)."""

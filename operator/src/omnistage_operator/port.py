@@ -47,6 +47,7 @@ from omnistage_operator.labels import (
 )
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.memory import group_memory
+from omnistage_operator.ondemand import DemandView
 from omnistage_operator.pods import (
     RESET_AFTER_S,
     TERMINAL_PHASES,
@@ -87,6 +88,10 @@ class KubeGroupPort:
         self.facts: dict[str, StageFacts] = {}
         self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
         self.held_back: dict[str, float] = {}  # stages in crash back-off: seconds left
+        self.demand = DemandView({}, {}, frozenset(), None)  # shaped by the last observe
+        # Stages that asked for Active for held requests in this round: (held, oldest hold).
+        self.demand_asked: dict[str, tuple[int, float | None]] = {}
+        self.demand_idle: set[str] = set()  # stages found idle in this round
         self._listed = False
 
     # -- observing -------------------------------------------------------------------------
@@ -223,8 +228,13 @@ class KubeGroupPort:
         intents = {
             n: self._intent(self.specs[n], self.bodies[n], self.facts[n]) for n in arbitrated
         }
+        # OnDemand stages: their workers' demand is a fact the arbiter sees as intents.
+        self.demand = self.r.demand.shape(self, intents)
+        for name in self.demand.demand_asks:  # kept for the round's Events (held until woken)
+            self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
+        self.demand_idle |= self.demand.idle
         facts = {n: self.facts[n] for n in arbitrated}
-        return GroupObservation(intents, facts, memory)
+        return GroupObservation(self.demand.intents, facts, memory)
 
     async def _adopt_persisted(self, names: list[str]) -> None:
         """Facts a previous operator process persisted in status (a pending fence, a learned
@@ -246,13 +256,18 @@ class KubeGroupPort:
 
     def _note_exits(self, names: list[str]) -> None:
         """Count exited worker containers into each stage's back-off; reset the back-off of a
-        stage whose pod has run Active long enough."""
+        stage whose pod has run Active long enough, or whose pod spec changed since."""
         now = time.time()
         self.held_back.clear()
         for name in names:
             key = (self.ns, name)
             pod = self.pods.get(name)
             fact = self.facts[name]
+            spec_hash = pod_spec_hash(self.specs[name])
+            counted = self.r.backoffs.get(key)
+            if counted is not None and not counted.current(spec_hash):
+                del self.r.backoffs[key]
+                self.r.emit(self.bodies[name], "BackoffReset", "the pod spec changed: no back-off")
             if pod is not None and fact.phase is WorkerPhase.ACTIVE:
                 uid = pod["metadata"]["uid"]
                 since = self.r.active_since.get(key)
@@ -267,9 +282,12 @@ class KubeGroupPort:
                 and not pod["metadata"].get("deletionTimestamp")  # deleted on purpose: no crash
                 and key not in self.r.fence_pending
                 and (pod["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
+                and _built_from(pod, spec_hash)  # an older spec's exit says nothing of this one
             ):
                 message = exit_message(pod) or "worker container ended"
-                self.r.worker_exited(self.bodies[name], pod["metadata"]["uid"], message, now)
+                self.r.worker_exited(
+                    self.bodies[name], pod["metadata"]["uid"], message, now, spec_hash
+                )
             backoff = self.r.backoffs.get(key)
             if backoff is not None and fact.phase is WorkerPhase.ABSENT:
                 left = backoff.waiting(now)
@@ -486,11 +504,23 @@ class KubeGroupPort:
         self.r.emit(
             body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
         )
-        if pod is not None and rep is not None and rep.phase is WorkerPhase.FAILED:
+        spec_hash = pod_spec_hash(self.specs[stage])
+        if (
+            pod is not None
+            and rep is not None
+            and rep.phase is WorkerPhase.FAILED
+            and _built_from(pod, spec_hash)
+        ):
             # A worker that failed (at load, or a residual it could not release) is a crash:
             # its stage backs off before a new pod, with the worker's own reason in status.
             why = f"worker failed: {rep.error}" if rep.error else "worker failed"
-            self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time())
+            self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time(), spec_hash)
+
+
+def _built_from(pod: Mapping[str, Any], spec_hash: str) -> bool:
+    """The pod was built from the pod spec ``spec_hash`` (or says nothing of its spec)."""
+    built = (pod["metadata"].get("annotations") or {}).get(POD_SPEC_HASH_ANNOTATION)
+    return built is None or built == spec_hash
 
 
 def _outdated(pod: Mapping[str, Any], spec: StageSpec) -> bool:

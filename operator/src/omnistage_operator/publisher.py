@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from omnistage_operator import conditions as cond
+from omnistage_operator import metrics
 from omnistage_operator.arbiter import (
     StageFacts,
     WorkerPhase,
@@ -41,6 +43,7 @@ from omnistage_operator.status import (
 )
 
 if TYPE_CHECKING:
+    from omnistage_operator.demand_watch import DemandWatcher
     from omnistage_operator.port import KubeGroupPort
 
 __all__ = ["StatusPublisher"]
@@ -80,6 +83,7 @@ class StatusPublisher:
     component_problems: dict[StageKey, tuple[str, str]]
     stage_problems: dict[StageKey, tuple[str, str]]
     _tasks: set[asyncio.Task[Any]]
+    demand: DemandWatcher
 
     def emit(
         self, body: Mapping[str, Any], reason: str, message: str, *, warning: bool = False
@@ -124,6 +128,7 @@ class StatusPublisher:
                 msg = f"ACK {a.task_id}: used {used} ({a.source}), {a.duration_s:.3f}s"
                 parts = name in outcome.component_wakes
                 self.emit(body, "ComponentsWoken" if parts else "Woken", msg)
+        self._demand_events(port, outcome)
         for name, err in outcome.wake_errors.items():
             body = port.bodies.get(name)
             if body is not None:
@@ -143,6 +148,28 @@ class StatusPublisher:
             if body is not None:
                 self.emit(body, cond.Reason.STAGE_ERROR.value, err, warning=True)
 
+    def _demand_events(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+        """Events and metrics of demand-driven wakes (a swap when another stage slept) and of
+        idle sleeps."""
+        slept = [s.order.stage for s in outcome.sleeps if s.ok]
+        for name, a in outcome.wakes.items():
+            body = port.bodies.get(name)
+            if body is None or not a.ok or name not in port.demand_asked:
+                continue
+            held, since = port.demand_asked[name]
+            waited = f", oldest held {time.time() - since:.2f}s" if since is not None else ""
+            swapped = f"; slept {', '.join(slept)} for it" if slept else ""
+            metrics.DEMAND_WAKES.labels(port.ns, port.group).inc()
+            if slept:
+                metrics.DEMAND_SWAPS.labels(port.ns, port.group).inc()
+            self.emit(body, "DemandWake", f"woken for {held} held request(s){waited}{swapped}")
+        for name in slept:
+            body = port.bodies.get(name)
+            if body is not None and name in port.demand_idle:
+                metrics.IDLE_SLEEPS.labels(port.ns, port.group).inc()
+                idle_after = port.specs[name].activation.idle_after_s
+                self.emit(body, "IdleSleep", f"no request for {idle_after:g}s: put to sleep")
+
     async def publish(
         self, port: KubeGroupPort, outcome: RoundOutcome, *, events: bool = True
     ) -> None:
@@ -161,9 +188,11 @@ class StatusPublisher:
                 self.wake_problems.pop(key, None)
                 self.stage_problems.pop(key, None)
             pod = port.pods.get(name)
+            # An OnDemand stage woken for its requests wants Active as much as a manual ask.
+            wanted = spec.wants_active or name in port.demand.reasons
             obs = StageObservation(
                 generation=spec.generation,
-                wants_active=spec.wants_active,
+                wants_active=wanted,
                 phase=fact.phase,
                 report=port.reports.get(name),
                 pod=pod["metadata"]["name"] if pod else None,
@@ -172,7 +201,7 @@ class StatusPublisher:
                 admitted=decision is not None and name in decision.admitted,
                 waiting=decision.waiting.get(name, ()) if decision is not None else (),
                 fenced_reason=self.fenced.get(key),
-                requested_active_at=self.asks.get(key) if spec.wants_active else None,
+                requested_active_at=_asked_at(self.asks.get(key), port, name),
                 sleep_level=spec.sleep_level,
                 waking=decision is not None and name in decision.wake,
                 worker_error=self.auth_errors.get(key),
@@ -229,6 +258,8 @@ class StatusPublisher:
             if d.total > 0
         ]
         status["devices"] = devices or None
+        if port.specs[name].activation.on_demand or name in port.demand.reasons:
+            status.update(self.demand.status_fields(port.ns, name, port.demand.reasons.get(name)))
         backoff = self.backoffs.get(key)
         if backoff is None:
             status["backoff"] = None
@@ -276,3 +307,13 @@ class StatusPublisher:
 def _same(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
     """Equal ignoring condition transition times' formatting noise (None-safe)."""
     return a == b
+
+
+def _asked_at(asked: float | None, port: KubeGroupPort, name: str) -> float | None:
+    """``status.requestedActiveAt``: the manual ask, or the held requests' oldest hold."""
+    if port.specs[name].wants_active:
+        return asked
+    if name in port.demand.demand_asks:
+        intent = port.demand.intents.get(name)
+        return intent.requested_active_at if intent is not None else None
+    return None

@@ -28,6 +28,7 @@ from omnistage_operator.builders import (
     pod_claim_name,
     service_name,
 )
+from omnistage_operator.demand_watch import DemandWatcher
 from omnistage_operator.facts import AckFacts
 from omnistage_operator.handover import (
     FenceFailed,
@@ -140,6 +141,8 @@ class GroupRunner(StatusPublisher):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ids = itertools.count(1)
         self._token = settings.worker_token()
+        # OnDemand stages: one demand stream per worker, each change kicks the group.
+        self.demand = DemandWatcher(self.kick, lambda: self.leadership.epoch)
         ca = settings.worker_tls_ca
         self._ca: bytes | None = None
         if ca:
@@ -239,12 +242,15 @@ class GroupRunner(StatusPublisher):
         if was is not None and body is not None:
             self.emit(body, "FenceConfirmed", f"pod confirmed gone; fence done: {was}")
 
-    def worker_exited(self, body: Mapping[str, Any], uid: str, message: str, now: float) -> None:
-        """Count a worker's exit (once per pod) into its stage's back-off, with an Event."""
+    def worker_exited(
+        self, body: Mapping[str, Any], uid: str, message: str, now: float, spec_hash: str = ""
+    ) -> None:
+        """Count a worker's exit (once per pod) into its stage's back-off, with an Event;
+        ``spec_hash``: the digest of the pod spec it was counted under."""
         meta = body["metadata"]
         key = (meta.get("namespace") or "default", meta["name"])
         before = self.backoffs.get(key, CrashBackoff())
-        after = before.exited(uid, message, now)
+        after = before.exited(uid, message, now, spec_hash)
         if after is before:
             return
         self.backoffs[key] = after
@@ -279,10 +285,11 @@ class GroupRunner(StatusPublisher):
         self._secrets.add(namespace)
 
     async def close(self) -> None:
-        """Stop the loops and close the worker channels."""
+        """Stop the loops and demand streams, and close the worker channels."""
         for loop in self._loops.values():
             if loop.task is not None:
                 loop.task.cancel()
+        await self.demand.close()
         for client in self._clients.values():
             await client.close()
 
@@ -318,6 +325,7 @@ class GroupRunner(StatusPublisher):
         self.component_problems.pop(key, None)
         self.component_refused.pop(key, None)
         self.stage_problems.pop(key, None)
+        self.demand.drop(namespace, name)
 
     def kick_all(self) -> None:
         """Ask for a round of every group seen so far (e.g. on becoming the leader)."""

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from omnistage_operator.activation import Activation, ActivationError, parse_activation
 from omnistage_operator.quantities import QuantityError, parse_quantity
 from omnistage_worker.config import DTYPES
 
@@ -102,6 +103,7 @@ DEFAULT_SLEEP_LEVEL = 1
 DEFAULT_PRIORITY = 0
 DEFAULT_GPUS = 1
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_DRAIN_TIMEOUT_S = 600
 MIN_DRAIN_TIMEOUT_S, MAX_DRAIN_TIMEOUT_S = 1, 86400
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
@@ -134,6 +136,9 @@ RESERVED_ARGS = frozenset(
         "--device",
         "--dtype",
         "--drain-timeout",
+        "--activation",
+        "--hold-timeout",
+        "--http-port",
     }
 )
 # Names the builders use for their own volumes and mount points.
@@ -244,6 +249,7 @@ class WorkerSettings:
     device: WorkerDevice | None = None
     args: tuple[str, ...] = ()
     dtype: str | None = None
+    http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP API
 
 
 @dataclass(frozen=True)
@@ -302,6 +308,8 @@ class StageSpec:
     # Pipeline components kept asleep while Active (a diffusion stage's encoders, say).
     asleep_components: tuple[str, ...] = ()
     vllm: VllmSettings = field(default_factory=VllmSettings)
+    # spec.activation: Manual (spec.state only) or OnDemand (requests wake the stage).
+    activation: Activation = field(default_factory=Activation)
 
     @property
     def group(self) -> str:
@@ -467,7 +475,8 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     device = None if device_raw is None else _enum(WorkerDevice, device_raw, "spec.worker.device")
     args = _strings(worker.get("args"), "spec.worker.args")
     dtype = _string(worker.get("dtype"), "spec.worker.dtype")
-    return WorkerSettings(port=port, device=device, args=args, dtype=dtype)
+    http_port = _int(worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT)
+    return WorkerSettings(port=port, device=device, args=args, dtype=dtype, http_port=http_port)
 
 
 def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
@@ -537,6 +546,10 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
     sleep_level = _int(spec.get("sleepLevel"), "spec.sleepLevel", DEFAULT_SLEEP_LEVEL)
     gpus = _int(spec.get("gpus"), "spec.gpus", DEFAULT_GPUS)
     vram_request, vram_request_bytes = _parse_vram(spec)
+    try:
+        activation = parse_activation(spec)
+    except ActivationError as exc:
+        raise SpecError(exc.field, exc.message) from exc
     return StageSpec(
         name=name,
         namespace=namespace,
@@ -562,4 +575,5 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
             sorted(set(_strings(spec.get("asleepComponents"), "spec.asleepComponents")))
         ),
         vllm=_parse_vllm(spec),
+        activation=activation,
     )

@@ -9,10 +9,18 @@ every other code) is ``WorkerUnavailable``.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 from google.protobuf import duration_pb2
 
-from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
+from omnistage.worker.v1 import (
+    demand_service_pb2,
+    demand_service_pb2_grpc,
+    sleep_service_pb2,
+    sleep_service_pb2_grpc,
+    types_pb2,
+)
 from omnistage_operator.facts import AckFacts, WorkerReport, ack_from_proto, report_from_proto
 from omnistage_operator.handover import WorkerRefused, WorkerUnauthenticated, WorkerUnavailable
 
@@ -56,6 +64,7 @@ class WorkerClient:
         else:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = sleep_service_pb2_grpc.SleepServiceStub(self._channel)
+        self._demand = demand_service_pb2_grpc.DemandServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     async def close(self) -> None:
@@ -123,3 +132,19 @@ class WorkerClient:
         except grpc.aio.AioRpcError as exc:
             raise self._error(f"WakeUp {task_id}", exc) from exc
         return ack_from_proto(resp.ack)
+
+    async def watch_demand(
+        self, epoch: int = 0
+    ) -> AsyncIterator[demand_service_pb2.WatchDemandResponse]:
+        """The worker's demand now and at every change, for as long as the caller reads (no
+        deadline: the stream is long-lived; the caller cancels it)."""
+        call = self._demand.WatchDemand(
+            demand_service_pb2.WatchDemandRequest(epoch=epoch), metadata=self._metadata
+        )
+        try:
+            async for message in call:
+                yield message
+        except grpc.aio.AioRpcError as exc:
+            raise self._error("WatchDemand", exc) from exc
+        finally:
+            call.cancel()

@@ -1,4 +1,5 @@
-"""Bearer-token check for SleepService (InferenceService, health and reflection stay open).
+"""Bearer-token check for SleepService and DemandService (InferenceService, health and
+reflection stay open).
 
 Why Generate is open: the token guards what can take a GPU away from another stage (Sleep and
 WakeUp); inference is the stage's product and is exposed through its own Service. A deployment
@@ -8,12 +9,17 @@ that wants Generate closed puts it behind a NetworkPolicy or a proxy.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
-PROTECTED_PREFIXES = ("/omnistage.worker.v1.SleepService/",)
+PROTECTED_PREFIXES = (
+    "/omnistage.worker.v1.SleepService/",
+    "/omnistage.worker.v1.DemandService/",
+)
+# Methods whose answer is a stream: refused with a stream handler of the same shape.
+STREAMING_PREFIXES = ("/omnistage.worker.v1.DemandService/",)
 
 
 def token_matches(header: str | bytes | None, token: str) -> bool:
@@ -27,14 +33,20 @@ def token_matches(header: str | bytes | None, token: str) -> bool:
     return hmac.compare_digest(given.strip().encode(), token.encode())
 
 
+_DENIED = "this method needs 'authorization: Bearer <token>' metadata with the worker's token"
+
+
 async def _deny(request: Any, context: Any) -> None:
-    await context.abort(
-        grpc.StatusCode.UNAUTHENTICATED,
-        "SleepService needs 'authorization: Bearer <token>' metadata with the worker's token",
-    )
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+
+async def _deny_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+    yield None  # pragma: no cover - abort raises
 
 
 _DENY = grpc.unary_unary_rpc_method_handler(_deny)
+_DENY_STREAM = grpc.unary_stream_rpc_method_handler(_deny_stream)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -59,4 +71,4 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         header = next((value for key, value in metadata if key == "authorization"), None)
         if token_matches(header, self._token):
             return await continuation(handler_call_details)
-        return _DENY
+        return _DENY_STREAM if method.startswith(STREAMING_PREFIXES) else _DENY

@@ -21,8 +21,11 @@ from typing import NoReturn
 
 from omnistage_worker import termination
 from omnistage_worker.config import (
+    ACTIVATIONS,
     BACKENDS,
     DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_HOLD_TIMEOUT_S,
+    DEFAULT_MAX_HELD,
     DEFAULT_PORT,
     DEFAULT_RESIDUAL_SLACK,
     DTYPES,
@@ -109,6 +112,26 @@ def build_parser(env: Mapping[str, str]) -> Parser:
         help="file for a one-line reason when the worker gives up (default: "
         "/dev/termination-log when the kubelet provides it; empty: none)",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API on this port (default: off)",
+    )
+    p.add_argument("--served-model-name", default="", help="OpenAI model name (default: stage)")
+    p.add_argument(
+        "--activation",
+        default="manual",
+        choices=ACTIVATIONS,
+        help="ondemand: hold requests while asleep or waking until the operator wakes the stage",
+    )
+    p.add_argument(
+        "--hold-timeout",
+        type=float,
+        default=DEFAULT_HOLD_TIMEOUT_S,
+        help="seconds a held request waits before UNAVAILABLE / 503",
+    )
+    p.add_argument("--max-held", type=int, default=DEFAULT_MAX_HELD, help="bound of the hold queue")
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     _vllm_flags(p)
     return p
@@ -179,6 +202,11 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         cpu_threads=args.cpu_threads,
         termination_log=termination.resolve(args.termination_log),
         vllm=vllm_args(args),
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
+        activation=args.activation,
+        hold_timeout_s=args.hold_timeout,
+        max_held=args.max_held,
     )
 
 

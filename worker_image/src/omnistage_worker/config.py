@@ -18,6 +18,10 @@ MI: Final = 1024 * 1024
 DEFAULT_RESIDUAL_SLACK: Final = 128 * MI
 DEFAULT_PORT: Final = 50051
 DEFAULT_DRAIN_TIMEOUT_S: Final = 600.0
+DEFAULT_HTTP_PORT: Final = 8000
+DEFAULT_HOLD_TIMEOUT_S: Final = 60.0
+DEFAULT_MAX_HELD: Final = 256
+ACTIVATIONS: Final = ("manual", "ondemand")
 
 RUNNER_BACKENDS: Final[dict[str, tuple[str, ...]]] = {
     "diffusion": ("diffusers",),
@@ -154,6 +158,19 @@ class WorkerConfig:
     cpu_threads: int | None = None
     termination_log: Path | None = None
     vllm: VllmArgs = field(default_factory=VllmArgs)
+    # OpenAI-compatible HTTP beside gRPC (None: off; 0: any free port).
+    http_port: int | None = None
+    # The name clients give as the OpenAI "model" ("": the stage name, else the model dir's).
+    served_model_name: str = ""
+    # manual: a request to a sleeping worker is refused; ondemand: held until it is awake.
+    activation: str = "manual"
+    hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S
+    max_held: int = DEFAULT_MAX_HELD
+
+    @property
+    def model_name(self) -> str:
+        """The name this worker serves under (OpenAI ``model``)."""
+        return self.served_model_name or self.identity.stage or self.model.name
 
     def __post_init__(self) -> None:
         validate(self)
@@ -282,6 +299,21 @@ def _check_limits(config: WorkerConfig) -> None:
         raise ConfigError("--cpu-threads", "must be at least 1")
     if config.ack_cache_size < 1:
         raise ConfigError("--ack-cache-size", "must be at least 1")
+    _check_demand(config)
+
+
+def _check_demand(config: WorkerConfig) -> None:
+    """Activation policy, hold bounds and the HTTP port."""
+    if config.activation not in ACTIVATIONS:
+        raise ConfigError("--activation", f"{config.activation!r} (manual or ondemand)")
+    if not config.hold_timeout_s > 0:  # also refuses NaN
+        raise ConfigError("--hold-timeout", "must be more than 0 seconds")
+    if config.max_held < 1:
+        raise ConfigError("--max-held", "must be at least 1")
+    if config.http_port is not None and not 0 <= config.http_port <= 65535:
+        raise ConfigError("--http-port", f"{config.http_port} is not a TCP port (0-65535)")
+    if config.http_port is not None and config.http_port and config.http_port == config.port:
+        raise ConfigError("--http-port", "must differ from --port (gRPC)")
 
 
 def read_token(path: Path) -> str:

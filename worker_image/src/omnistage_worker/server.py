@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from omnistage.worker.v1 import (
+    demand_service_pb2,
+    demand_service_pb2_grpc,
     inference_service_pb2,
     inference_service_pb2_grpc,
     sleep_service_pb2,
@@ -18,6 +21,7 @@ from omnistage.worker.v1 import (
 )
 from omnistage_worker.auth import BearerTokenInterceptor
 from omnistage_worker.config import WorkerConfig
+from omnistage_worker.demand_service import DemandServicer
 from omnistage_worker.health import HealthReporter
 from omnistage_worker.inference_service import InferenceServicer
 from omnistage_worker.runners import create_runner
@@ -25,12 +29,16 @@ from omnistage_worker.runners.base import ModelRunner
 from omnistage_worker.sleep_service import SleepServicer
 from omnistage_worker.state import Worker
 
+if TYPE_CHECKING:
+    from omnistage_worker.openai_http import HttpServer
+
 log = logging.getLogger(__name__)
 
 
 class WorkerServer:
     """One worker: the gRPC server starts at once, the model loads behind it.
 
+    With ``--http-port`` the OpenAI-compatible HTTP API (:mod:`.openai_http`) runs beside it.
     While loading, GetStatus reports LOADING, the inference service is NOT_SERVING and
     Sleep/WakeUp answer UNAVAILABLE.
     """
@@ -48,11 +56,15 @@ class WorkerServer:
         inference_service_pb2_grpc.add_InferenceServiceServicer_to_server(
             InferenceServicer(self.worker), self.server
         )
+        demand_service_pb2_grpc.add_DemandServiceServicer_to_server(
+            DemandServicer(self.worker), self.server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.server)
         reflection.enable_server_reflection(
             (
                 sleep_service_pb2.DESCRIPTOR.services_by_name["SleepService"].full_name,
                 inference_service_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name,
+                demand_service_pb2.DESCRIPTOR.services_by_name["DemandService"].full_name,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -60,6 +72,8 @@ class WorkerServer:
         )
         self._load_task: asyncio.Task[None] | None = None
         self.port = 0
+        self.http: HttpServer | None = None
+        self.http_port = 0
 
     async def start(self) -> int:
         """Bind, start serving, start loading the model; the bound port."""
@@ -76,7 +90,18 @@ class WorkerServer:
         await self.health.update(self.worker.current)
         await self.server.start()
         if config.token:
-            log.info("SleepService requires a bearer token; InferenceService and health are open")
+            log.info(
+                "SleepService and DemandService require a bearer token; "
+                "InferenceService and health are open"
+            )
+        if config.http_port is not None:
+            from omnistage_worker.openai_http import HttpServer
+
+            self.http = HttpServer(
+                self.worker, config.host, config.http_port, config.shutdown_grace_s
+            )
+            self.http_port = await self.http.start()
+            log.info("OpenAI-compatible HTTP on %s:%d", config.host, self.http_port)
         self._load_task = asyncio.ensure_future(self.worker.load())
         return self.port
 
@@ -88,6 +113,8 @@ class WorkerServer:
         """Health NOT_SERVING first, then let in-flight calls finish within ``grace`` seconds."""
         await self.health.shutdown()
         log.info("health NOT_SERVING; waiting up to %.1fs for in-flight calls", grace)
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace)
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()

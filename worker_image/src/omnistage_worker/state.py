@@ -5,6 +5,9 @@ state), :mod:`.sleep_wake` (Sleep and WakeUp carried out, measured and acked; th
 :mod:`.transitions`), :mod:`.status` (the GetStatus answer), :mod:`.lane` (the threads that run
 the engine and the model). Here: the state and its listeners, FAILED, measuring, Generate.
 
+Requests to an OnDemand worker that is asleep or in a transition are held (:mod:`.demand`)
+until it is Active, then served in arrival order.
+
 The peak device memory while Active (since the last wake or load) is measured after each
 Generate and reported in GetStatus and in every Ack.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -22,12 +26,19 @@ from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_
 from omnistage_worker import loading, termination
 from omnistage_worker.component_sleep import asleep_components
 from omnistage_worker.config import WorkerConfig
+from omnistage_worker.demand import Demand
 from omnistage_worker.lane import DaemonLane
 from omnistage_worker.memory import MemoryProbe, Reading
-from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController
+from omnistage_worker.runners.base import ChunkSink, InvalidRequest, ModelRunner, SleepController
 from omnistage_worker.sleep_wake import SleepWake
 from omnistage_worker.status import build_status
-from omnistage_worker.transitions import Current, Refused, generate_refusal, require_epoch
+from omnistage_worker.transitions import (
+    Current,
+    Refused,
+    generate_refusal,
+    holdable,
+    require_epoch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +76,7 @@ class Worker:
         self.transition_lane = DaemonLane("omnistage-transitions")
         self._generate_lane = DaemonLane("omnistage-generate")
         self._sleep_wake = SleepWake(self)
+        self.demand = Demand(config.activation, config.hold_timeout_s, config.max_held)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -101,6 +113,9 @@ class Worker:
                 level,
             )
         self._state, self._level = state, level
+        if state == types_pb2.WORKER_STATE_ACTIVE:
+            self.demand.release()  # before any await: held requests go first, in order
+        self.demand.changed()
         for listener in self._listeners:
             await listener(self.current)
 
@@ -207,31 +222,46 @@ class Worker:
     # -- inference ------------------------------------------------------------------------
 
     async def generate(
-        self, request: inference_service_pb2.GenerateRequest
+        self,
+        request: inference_service_pb2.GenerateRequest,
+        on_chunk: ChunkSink | None = None,
+        on_admitted: Callable[[], None] | None = None,
     ) -> inference_service_pb2.GenerateResponse:
-        """Serve one request now, or refuse it with the reason (never dropped silently)."""
-        refusal = generate_refusal(self.current)
-        if refusal is not None:
-            raise refusal
+        """Serve one request now, hold it (OnDemand, asleep or in a transition), or refuse it
+        with the reason (never dropped silently).
+
+        ``on_chunk`` receives the token ids and text of AR output as they are generated (on
+        the event loop); ``on_admitted`` is called once the request is past holding and validation.
+        """
+        try:
+            self.runner.validate(request)
+        except InvalidRequest as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        self.demand.touch()
+        deadline = time.monotonic() + self.demand.hold_timeout
+        while (refusal := generate_refusal(self.current)) is not None:
+            if not (self.demand.on_demand and holdable(self.current)):
+                raise refusal
+            await self.demand.hold(deadline)
         asleep = asleep_components(self.controller)
         if asleep:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"components asleep: {', '.join(asleep)}; wake the worker first",
             )
-        try:
-            self.runner.validate(request)
-        except InvalidRequest as exc:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         self._inflight += 1
         self.idle.clear()
+        self.demand.changed()
+        if on_admitted is not None:
+            on_admitted()
 
         probe = self.probe
+        sink = _thread_safe(on_chunk) if on_chunk is not None else None
 
         def serve() -> inference_service_pb2.GenerateResponse:
             # on the lane's thread: a simulated device charges the request's activations
             with probe.serving() if probe is not None else contextlib.nullcontext():
-                return self.runner.generate(request)
+                return self.runner.generate(request, sink)
 
         async def run() -> inference_service_pb2.GenerateResponse:
             try:
@@ -242,6 +272,7 @@ class Worker:
                     self.idle.set()
                 # Synchronous, so it runs before a draining sleep moves anything.
                 self._measure_peak()
+                self.demand.touch()
 
         # The model keeps running if the caller goes away; a sleep waits for it either way.
         return await asyncio.shield(asyncio.ensure_future(run()))
@@ -262,3 +293,13 @@ class Worker:
             self.probe.close()
         self.transition_lane.close()
         self._generate_lane.close()
+
+
+def _thread_safe(sink: ChunkSink) -> ChunkSink:
+    """``sink`` called on the current event loop, from whichever thread generates."""
+    loop = asyncio.get_running_loop()
+
+    def forward(token_ids: list[int], text: str) -> None:
+        loop.call_soon_threadsafe(sink, token_ids, text)
+
+    return forward

@@ -28,10 +28,14 @@ class Plan(enum.Enum):
 class Refused(Exception):
     """A request that cannot be served now; ``code`` is the gRPC status to answer."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # Seconds after which a retry may succeed (sent as a "retry-after" trailer / header).
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,20 @@ def generate_refusal(current: Current) -> Refused | None:
     if state == types_pb2.WORKER_STATE_LOADING:
         return Refused(grpc.StatusCode.UNAVAILABLE, "worker is loading the model")
     return Refused(grpc.StatusCode.FAILED_PRECONDITION, f"worker failed: {current.error}")
+
+
+HOLDABLE = frozenset(
+    {
+        types_pb2.WORKER_STATE_ASLEEP,
+        types_pb2.WORKER_STATE_SLEEPING,
+        types_pb2.WORKER_STATE_WAKING,
+    }
+)
+
+
+def holdable(current: Current) -> bool:
+    """Whether an OnDemand worker holds a request now (asleep or in a transition)."""
+    return current.state in HOLDABLE
 
 
 def residual_error(used_after: int, bound: int) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 MAX_NEW_TOKENS = 8192
 MAX_STEPS = 1000
 MAX_SIDE = 8192
+
+#: Receives the token ids and text generated since its previous call (AR runners).
+ChunkSink = Callable[[list[int], str], None]
 
 
 class InvalidRequest(ValueError):
@@ -109,6 +112,8 @@ class ModelRunner(ABC):
         self.model_dir = config.model
         # Generate calls run one at a time: pipelines and samplers keep per-call state.
         self._generate_lock = threading.Lock()
+        # Where the request being generated streams its chunks (None: not streamed).
+        self.chunk_sink: ChunkSink | None = None
         # The worker's probe, set before :meth:`load` (a runner may measure with it).
         self.probe: MemoryProbe | None = None
 
@@ -141,11 +146,16 @@ class ModelRunner(ABC):
         validate_common(request)
 
     def generate(
-        self, request: inference_service_pb2.GenerateRequest
+        self, request: inference_service_pb2.GenerateRequest, sink: ChunkSink | None = None
     ) -> inference_service_pb2.GenerateResponse:
-        """Run one request (blocking; called from a worker thread)."""
+        """Run one request (blocking; called from a worker thread); ``sink`` gets AR output
+        as it is generated (runners that cannot stream only return the response)."""
         with self._generate_lock:
-            return self._generate(request)
+            self.chunk_sink = sink
+            try:
+                return self._generate(request)
+            finally:
+                self.chunk_sink = None
 
     @abstractmethod
     def _generate(

@@ -12,7 +12,7 @@ import torch
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.runners.base import TorchRunner, safetensors_in
+from omnistage_worker.runners.base import ChunkSink, TorchRunner, safetensors_in
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ class CausalLMRunner(TorchRunner):
             if request.do_sample:
                 # transformers samples from the global generator; generate calls are serialized.
                 torch.manual_seed(request.seed)
+            if self.chunk_sink is not None:
+                kwargs["streamer"] = TokenStreamer(tok, self.chunk_sink)
             output = self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, **kwargs
             )
@@ -90,3 +92,37 @@ class CausalLMRunner(TorchRunner):
         )
         response.duration.FromNanoseconds(int((time.monotonic() - started) * 1e9))
         return response
+
+
+class TokenStreamer:
+    """A transformers streamer that hands each new token and its text to a sink.
+
+    ``generate`` first puts the prompt (skipped), then each generated token. Text is decoded
+    over all tokens so far and only the new suffix is sent; a trailing replacement character
+    (a multi-byte character not complete yet) waits for the next token.
+    """
+
+    def __init__(self, tokenizer: Any, sink: ChunkSink) -> None:
+        self._tokenizer = tokenizer
+        self._sink = sink
+        self._prompt_seen = False
+        self._ids: list[int] = []
+        self._sent = ""
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        new = [int(t) for t in value.reshape(-1).tolist()]
+        self._ids.extend(new)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        delta = ""
+        if not text.endswith("\ufffd") and text.startswith(self._sent):
+            delta, self._sent = text[len(self._sent) :], text
+        self._sink(new, delta)
+
+    def end(self) -> None:
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if text.startswith(self._sent) and len(text) > len(self._sent):
+            self._sink([], text[len(self._sent) :])
+            self._sent = text

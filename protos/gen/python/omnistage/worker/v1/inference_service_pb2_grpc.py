@@ -27,7 +27,9 @@ if _version_not_supported:
 
 class InferenceServiceStub:
     """InferenceService serves the stage's model while the worker is awake.
-    While asleep or in a transition it answers FAILED_PRECONDITION.
+    While asleep or in a transition a Manual stage answers FAILED_PRECONDITION; an OnDemand
+    stage holds the request until it is awake (UNAVAILABLE past its hold timeout, with a
+    "retry-after" trailer in seconds; RESOURCE_EXHAUSTED when its hold queue is full).
     """
 
     def __init__(self, channel):
@@ -41,15 +43,31 @@ class InferenceServiceStub:
                 request_serializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.unary_stream(
+                '/omnistage.worker.v1.InferenceService/GenerateStream',
+                request_serializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
     """InferenceService serves the stage's model while the worker is awake.
-    While asleep or in a transition it answers FAILED_PRECONDITION.
+    While asleep or in a transition a Manual stage answers FAILED_PRECONDITION; an OnDemand
+    stage holds the request until it is awake (UNAVAILABLE past its hold timeout, with a
+    "retry-after" trailer in seconds; RESOURCE_EXHAUSTED when its hold queue is full).
     """
 
     def Generate(self, request, context):
         """Generate runs one request: an image for diffusion runners, tokens and text for AR runners.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request, context):
+        """GenerateStream runs one request and streams its output: for AR runners one chunk per
+        generated token as it is produced, then the complete response; for diffusion runners the
+        complete response only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -63,6 +81,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     request_deserializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateRequest.FromString,
                     response_serializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateResponse.SerializeToString,
             ),
+            'GenerateStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'omnistage.worker.v1.InferenceService', rpc_method_handlers)
@@ -73,7 +96,9 @@ def add_InferenceServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class InferenceService:
     """InferenceService serves the stage's model while the worker is awake.
-    While asleep or in a transition it answers FAILED_PRECONDITION.
+    While asleep or in a transition a Manual stage answers FAILED_PRECONDITION; an OnDemand
+    stage holds the request until it is awake (UNAVAILABLE past its hold timeout, with a
+    "retry-after" trailer in seconds; RESOURCE_EXHAUSTED when its hold queue is full).
     """
 
     @staticmethod
@@ -93,6 +118,33 @@ class InferenceService:
             '/omnistage.worker.v1.InferenceService/Generate',
             omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateRequest.SerializeToString,
             omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/omnistage.worker.v1.InferenceService/GenerateStream',
+            omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamRequest.SerializeToString,
+            omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,7 +28,9 @@ GRPC_VERSION: str
 
 class InferenceServiceStub:
     """InferenceService serves the stage's model while the worker is awake.
-    While asleep or in a transition it answers FAILED_PRECONDITION.
+    While asleep or in a transition a Manual stage answers FAILED_PRECONDITION; an OnDemand
+    stage holds the request until it is awake (UNAVAILABLE past its hold timeout, with a
+    "retry-after" trailer in seconds; RESOURCE_EXHAUSTED when its hold queue is full).
     """
 
     @_typing.overload
@@ -37,20 +39,34 @@ class InferenceServiceStub:
     def __new__(cls, channel: _aio.Channel) -> InferenceServiceAsyncStub: ...
     Generate: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.GenerateRequest, _inference_service_pb2.GenerateResponse]
     """Generate runs one request: an image for diffusion runners, tokens and text for AR runners."""
+    GenerateStream: _grpc.UnaryStreamMultiCallable[_inference_service_pb2.GenerateStreamRequest, _inference_service_pb2.GenerateStreamResponse]
+    """GenerateStream runs one request and streams its output: for AR runners one chunk per
+    generated token as it is produced, then the complete response; for diffusion runners the
+    complete response only.
+    """
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
     """InferenceService serves the stage's model while the worker is awake.
-    While asleep or in a transition it answers FAILED_PRECONDITION.
+    While asleep or in a transition a Manual stage answers FAILED_PRECONDITION; an OnDemand
+    stage holds the request until it is awake (UNAVAILABLE past its hold timeout, with a
+    "retry-after" trailer in seconds; RESOURCE_EXHAUSTED when its hold queue is full).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.GenerateRequest, _inference_service_pb2.GenerateResponse]  # type: ignore[assignment]
     """Generate runs one request: an image for diffusion runners, tokens and text for AR runners."""
+    GenerateStream: _aio.UnaryStreamMultiCallable[_inference_service_pb2.GenerateStreamRequest, _inference_service_pb2.GenerateStreamResponse]  # type: ignore[assignment]
+    """GenerateStream runs one request and streams its output: for AR runners one chunk per
+    generated token as it is produced, then the complete response; for diffusion runners the
+    complete response only.
+    """
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """InferenceService serves the stage's model while the worker is awake.
-    While asleep or in a transition it answers FAILED_PRECONDITION.
+    While asleep or in a transition a Manual stage answers FAILED_PRECONDITION; an OnDemand
+    stage holds the request until it is awake (UNAVAILABLE past its hold timeout, with a
+    "retry-after" trailer in seconds; RESOURCE_EXHAUSTED when its hold queue is full).
     """
 
     @_abc_1.abstractmethod
@@ -60,5 +76,16 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_service_pb2.GenerateResponse, _abc.Awaitable[_inference_service_pb2.GenerateResponse]]:
         """Generate runs one request: an image for diffusion runners, tokens and text for AR runners."""
+
+    @_abc_1.abstractmethod
+    def GenerateStream(
+        self,
+        request: _inference_service_pb2.GenerateStreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_inference_service_pb2.GenerateStreamResponse], _abc.AsyncIterator[_inference_service_pb2.GenerateStreamResponse]]:
+        """GenerateStream runs one request and streams its output: for AR runners one chunk per
+        generated token as it is produced, then the complete response; for diffusion runners the
+        complete response only.
+        """
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

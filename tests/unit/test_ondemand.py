@@ -1,0 +1,106 @@
+"""Demand shaped into the arbiter's intents: held asks, idle sleep, residency, priority."""
+
+from __future__ import annotations
+
+from omnistage_operator.activation import Activation, ActivationPolicy
+from omnistage_operator.arbiter import StageIntent, WorkerPhase, admission_order
+from omnistage_operator.ondemand import AwakeReason, Demand, DemandInput, shape_intents
+
+ON = Activation(ActivationPolicy.ON_DEMAND, idle_after_s=30.0, min_residency_s=10.0)
+A, S = WorkerPhase.ACTIVE, WorkerPhase.ASLEEP
+
+
+def intent(name: str, want: bool = False, priority: int = 0, at: float = 0.0) -> StageIntent:
+    return StageIntent(name, want_active=want, priority=priority, requested_active_at=at)
+
+
+def test_held_requests_ask_for_active_from_the_oldest_hold() -> None:
+    view = shape_intents(
+        {"a": intent("a"), "b": intent("b")},
+        {
+            "a": DemandInput(ON, A, Demand(last_request=95.0), awake_since=50.0),
+            "b": DemandInput(ON, S, Demand(held=2, oldest_hold_start=99.0)),
+        },
+        now=100.0,
+    )
+    assert view.intents["b"].want_active and view.intents["b"].requested_active_at == 99.0
+    assert view.demand_asks == {"b"}
+    assert view.reasons == {"a": AwakeReason.DEMAND, "b": AwakeReason.DEMAND}
+    # a is past its residency: b's held ask goes first (a swap)
+    assert admission_order(view.intents)[0] == "b"
+
+
+def test_within_min_residency_an_equal_priority_demand_waits() -> None:
+    view = shape_intents(
+        {"a": intent("a"), "b": intent("b")},
+        {
+            "a": DemandInput(ON, A, Demand(last_request=95.0), awake_since=95.0),
+            "b": DemandInput(ON, S, Demand(held=1, oldest_hold_start=99.0)),
+        },
+        now=100.0,
+    )
+    assert admission_order(view.intents)[0] == "a"
+    assert view.reasons["a"] is AwakeReason.RESIDENCY
+    assert view.recheck_at == 105.0  # the residency ends: look again
+
+
+def test_a_higher_priority_demand_displaces_a_resident_stage() -> None:
+    view = shape_intents(
+        {"a": intent("a"), "b": intent("b", priority=5)},
+        {
+            "a": DemandInput(ON, A, Demand(last_request=99.0), awake_since=99.0),
+            "b": DemandInput(ON, S, Demand(held=1, oldest_hold_start=99.5)),
+        },
+        now=100.0,
+    )
+    assert admission_order(view.intents)[0] == "b"
+
+
+def test_an_idle_stage_asks_for_nothing_and_a_busy_one_is_never_idle() -> None:
+    intents = {"a": intent("a")}
+    idle = DemandInput(ON, A, Demand(last_request=60.0), awake_since=10.0)
+    view = shape_intents(intents, {"a": idle}, now=90.0)
+    assert not view.intents["a"].want_active and "a" not in view.reasons
+    assert view.idle == {"a"}
+    not_yet = shape_intents(intents, {"a": idle}, now=89.0)
+    assert not_yet.intents["a"].want_active and not_yet.recheck_at == 90.0
+    busy = DemandInput(ON, A, Demand(last_request=10.0, inflight=1), awake_since=10.0)
+    assert shape_intents(intents, {"a": busy}, now=1000.0).intents["a"].want_active
+
+
+def test_without_idle_after_an_awake_stage_stays_until_displaced() -> None:
+    forever = Activation(ActivationPolicy.ON_DEMAND)
+    view = shape_intents(
+        {"a": intent("a")}, {"a": DemandInput(forever, A, None, awake_since=0.0)}, now=1e6
+    )
+    assert view.intents["a"].want_active and view.recheck_at is None
+
+
+def test_manual_asks_and_manual_stages_are_unchanged() -> None:
+    pinned = intent("p", want=True, at=5.0)
+    manual = intent("m", want=True, at=7.0)
+    view = shape_intents(
+        {"p": pinned, "m": manual, "q": intent("q")},
+        {
+            "p": DemandInput(ON, A, Demand(last_request=0.0), awake_since=0.0),
+            "m": DemandInput(Activation(), S, Demand(held=3, oldest_hold_start=1.0)),
+            "q": DemandInput(ON, WorkerPhase.LOADING, Demand(held=1, oldest_hold_start=1.0)),
+        },
+        now=1000.0,
+    )
+    assert view.intents["p"] == pinned and view.intents["m"] == manual
+    assert view.reasons == {"p": AwakeReason.MANUAL, "m": AwakeReason.MANUAL}
+    assert not view.intents["q"].want_active  # not loaded: it cannot be woken yet
+
+
+def test_kept_over_a_lower_priority_demand_is_priority() -> None:
+    view = shape_intents(
+        {"a": intent("a", priority=3), "b": intent("b")},
+        {
+            "a": DemandInput(ON, A, Demand(last_request=99.0), awake_since=1.0),
+            "b": DemandInput(ON, S, Demand(held=1, oldest_hold_start=99.0)),
+        },
+        now=100.0,
+    )
+    assert view.reasons["a"] is AwakeReason.PRIORITY
+    assert admission_order(view.intents)[0] == "a"
