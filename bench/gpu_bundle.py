@@ -86,6 +86,8 @@ MISSING_ON_HOST = (
     "importlib_metadata",
     "grpcio-health-checking",
     "grpcio-reflection",
+    "starlette",  # the worker's OpenAI-compatible HTTP API (every pod gets --http-port)
+    "uvicorn",
 )
 # the generated stubs need grpcio >= 1.85.1 and protobuf >= 7.35.1 at run time
 GRPC = ("grpcio", "protobuf")

@@ -92,6 +92,7 @@ class ScriptedPort:
         *,
         drain_timeout_s: float | None = None,
         timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> AckFacts:
         self.calls.append(("sleep", stage, task_id))
         self.timeouts.append(timeout_s)

@@ -47,6 +47,7 @@ class StartingWorkerPort:
         *,
         drain_timeout_s: float | None = None,
         timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> AckFacts:
         self.task_ids.append(task_id)
         if time.monotonic() - self.began < self.refuse_s:

@@ -213,6 +213,7 @@ class SimPort:
         *,
         drain_timeout_s: float | None = None,
         timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> AckFacts:
         self.calls.append(("sleep", stage))
         self.unresolved.add(stage)

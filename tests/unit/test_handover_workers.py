@@ -161,6 +161,7 @@ class ProcessPort:
         *,
         drain_timeout_s: float | None = None,
         timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> AckFacts:
         if stage not in self.clients:
             raise WorkerUnavailable("no process")

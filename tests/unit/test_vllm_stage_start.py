@@ -88,6 +88,7 @@ class GroupSim:
         *,
         drain_timeout_s: float | None = None,
         timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> AckFacts:
         self.calls.append(("sleep", stage))
         self.stages[stage].phase = WorkerPhase.ASLEEP

@@ -42,8 +42,10 @@ def write_clip_tokenizer(directory: Path) -> None:
     tokenizer.save_pretrained(str(directory))
 
 
-def build_diffusion_pipeline(directory: Path) -> Path:
-    """A tiny Stable-Diffusion-style pipeline (UNet, VAE, CLIP text encoder, DDIM scheduler)."""
+def build_diffusion_pipeline(directory: Path, *, text_intermediate_size: int = 32) -> Path:
+    """A tiny Stable-Diffusion-style pipeline (UNet, VAE, CLIP text encoder, DDIM scheduler);
+    ``text_intermediate_size`` sets the text encoder's MLP width (a large one makes the encoder
+    the pipeline's largest component)."""
     from diffusers import (
         AutoencoderKL,
         DDIMScheduler,
@@ -60,7 +62,7 @@ def build_diffusion_pipeline(directory: Path) -> Path:
         CLIPTextConfig(
             vocab_size=len(tokenizer),
             hidden_size=16,
-            intermediate_size=32,
+            intermediate_size=text_intermediate_size,
             num_hidden_layers=2,
             num_attention_heads=2,
             max_position_embeddings=16,

@@ -32,6 +32,16 @@ Rules (the operator's promise rests on them):
   every worker sees the claim's devices, the free memory is measured, and on every device the
   free memory, less a context (``context_bytes``) for each starting pod, covers the footprint
   per device plus a margin. Wakes in one decision are charged one after the other.
+- Component sleep (a diffusion pipeline's encoders, say): an admitted Active stage whose worker
+  reports components asleep other than ``StageIntent.asleep_components`` gets a sleep order
+  naming the missing ones (``SleepOrder.components``: it releases memory, so every wake in the
+  hand-over waits for its ok ACK; the stage's footprint is what its worker reports, so another
+  stage is admitted only once that ACK has shrunk it), or a wake of its components
+  (``Decision.component_wakes``) when some asleep component is no longer wanted. Such a wake
+  grows the footprint by those components' weights: it must fit the room the admitted stages
+  leave and pass the wake gate, it never sends another stage to sleep, and while it does not
+  fit the stage waits (``Decision.components_waiting``). Names the worker does not report are
+  not ordered (``UnknownComponents``).
 - Stages that cannot start asleep (``StageIntent.starts_active``: vLLM takes its memory while
   its engine starts) get no pod until they are admitted and pass the same gate as a wake (their
   footprint, or the whole device when it is unknown); then the decision starts them
@@ -62,6 +72,7 @@ __all__ = [
     "DEFAULT_CONTEXT_BYTES",
     "BlockReason",
     "Blocker",
+    "ComponentFacts",
     "Decision",
     "DeviceMemory",
     "FenceOrder",
@@ -118,12 +129,28 @@ class StageIntent:
     vram_request: int | None = None
     gpus: int = 1  # 0: a CPU stage (host RAM only)
     drain_timeout_s: float | None = None  # spec's drain timeout; None: the worker's own
+    asleep_components: frozenset[str] = frozenset()  # kept asleep while Active
     # Its worker cannot start asleep (vLLM: the engine takes its memory while it starts): its
     # pod is created Active, only once admitted and the gate passes (``Decision.start``).
     starts_active: bool = False
     # vLLM's gpuMemoryUtilization: the share of each device's total its engine takes (a floor
     # for its footprint once the capacity is measured).
     memory_share: float | None = None
+
+
+@dataclass(frozen=True)
+class ComponentFacts:
+    """One pipeline component as its worker reports it (``level`` None: resident)."""
+
+    name: str
+    weights_bytes: int = 0
+    device_bytes: int = 0
+    level: int | None = None
+
+    @property
+    def asleep(self) -> bool:
+        """The component's weights are off the device."""
+        return self.level is not None
 
 
 @dataclass(frozen=True)
@@ -141,6 +168,12 @@ class StageFacts:
     ack_contradicted: str | None = None  # why its last ok sleep ACK is not trusted
     inflight_requests: int = 0
     device_uuids: tuple[str, ...] = ()  # GPU devices the worker sees (empty: none or CPU)
+    components: tuple[ComponentFacts, ...] = ()  # per pipeline component (empty: undivided)
+
+    @property
+    def asleep_components(self) -> frozenset[str]:
+        """The components whose weights are off the device."""
+        return frozenset(c.name for c in self.components if c.asleep)
 
 
 @dataclass(frozen=True)
@@ -204,6 +237,8 @@ class BlockReason(StrEnum):
     PODS_STARTING = "PodsStarting"  # pods started in this round: contexts not measured yet
     DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
     CLAIM_TOO_SMALL = "ClaimTooSmall"  # the stage needs more GPUs than the group's claim has
+    NO_ROOM = "NoRoomForComponents"  # waking its asleep components would not fit the group
+    UNKNOWN_COMPONENTS = "UnknownComponents"  # spec names components its worker does not have
 
 
 @dataclass(frozen=True)
@@ -228,6 +263,7 @@ class SleepOrder:
     releases_memory: bool = True
     drain_timeout_s: float | None = None
     inflight_requests: int = 0
+    components: tuple[str, ...] = ()  # only these (the worker stays Active); empty: the model
 
 
 @dataclass(frozen=True)
@@ -249,6 +285,8 @@ class Decision:
     waiting: Mapping[str, tuple[Blocker, ...]] = field(default_factory=dict)
     footprints: Mapping[str, int | None] = field(default_factory=dict)
     fence: tuple[FenceOrder, ...] = ()
+    component_wakes: tuple[str, ...] = ()  # Active stages whose asleep components wake
+    components_waiting: Mapping[str, tuple[Blocker, ...]] = field(default_factory=dict)
     start: tuple[str, ...] = ()  # absent ``starts_active`` stages whose pods start Active now
 
     @property
@@ -281,7 +319,14 @@ def may_hold_memory(facts: StageFacts) -> bool:
 
 def footprint(intent: StageIntent, facts: StageFacts) -> int | None:
     """The largest of ``vram.request``, the measured peak and active footprint and the learned
-    need (a sum over the stage's devices); None when none is known (the stage needs the group)."""
+    need (a sum over the stage's devices); None when none is known (the stage needs the group).
+
+    A stage not Active whose worker was measured Active and reports components also counts all
+    its components' weights plus its context: a wake makes every component resident, while its
+    measured footprint may be that of a partial sleep."""
+    whole = None
+    if facts.phase is not WorkerPhase.ACTIVE and facts.components and facts.active_footprint:
+        whole = sum(c.weights_bytes for c in facts.components) + (facts.context_bytes or 0)
     known = [
         n
         for n in (
@@ -289,6 +334,7 @@ def footprint(intent: StageIntent, facts: StageFacts) -> int | None:
             facts.peak_active,
             facts.active_footprint,
             facts.learned_need,
+            whole,
         )
         if n is not None and n > 0
     ]
@@ -596,6 +642,17 @@ def plan(
         n for n in intents if n not in off_device and facts[n].phase is WorkerPhase.STARTING
     ]
     gate = _WakeGate(memory, margin_bytes, context_charge(facts, memory.gpu), starting)
+    parts = _components(intents, facts, memory, needs, admitted, off_device)
+    sleeps.extend(parts.sleeps)
+    component_wakes: list[str] = []
+    for name, growth in parts.wakes.items():
+        on = stage_devices(facts[name], memory)
+        blockers = [b for b in common if b.stage != name] or gate.blockers(name, growth, on)
+        if blockers:
+            parts.waiting.setdefault(name, []).extend(blockers)
+            continue
+        component_wakes.append(name)
+        gate.take(growth, on)
     wakes: list[str] = []
     starts: list[str] = []
     for name in admitted:
@@ -632,8 +689,100 @@ def plan(
         waiting={k: tuple(v) for k, v in waiting.items() if v},
         footprints=fps,
         fence=tuple(fences),
+        component_wakes=tuple(component_wakes),
+        components_waiting={k: tuple(v) for k, v in parts.waiting.items() if v},
         start=tuple(starts),
     )
+
+
+@dataclass
+class _Parts:
+    """Component orders of one plan, before the wake gate."""
+
+    sleeps: list[SleepOrder] = field(default_factory=list)
+    wakes: dict[str, int] = field(default_factory=dict)  # stage: bytes its wake adds
+    waiting: dict[str, list[Blocker]] = field(default_factory=dict)
+
+
+def _components(  # noqa: PLR0917 - private helper of plan
+    intents: Mapping[str, StageIntent],
+    facts: Mapping[str, StageFacts],
+    memory: GroupMemory,
+    needs: Mapping[str, int | None],
+    admitted: list[str],
+    off_device: frozenset[str],
+) -> _Parts:
+    """Sleeps and wakes of components of admitted Active stages (see the module docstring)."""
+    parts = _Parts()
+    room = _room(intents, facts, memory, needs, admitted, off_device)
+    for name in admitted:
+        intent, fact = intents[name], facts[name]
+        if fact.phase is not WorkerPhase.ACTIVE or not (
+            intent.asleep_components or fact.asleep_components
+        ):
+            continue
+        known = {c.name for c in fact.components}
+        unknown = sorted(intent.asleep_components - known)
+        if unknown:
+            have = ", ".join(sorted(known)) or "none (one undivided model)"
+            msg = f"spec.asleepComponents names {', '.join(unknown)}; the worker has {have}"
+            parts.waiting[name] = [Blocker(BlockReason.UNKNOWN_COMPONENTS, msg)]
+            continue
+        to_wake = fact.asleep_components - intent.asleep_components
+        to_sleep = intent.asleep_components - fact.asleep_components
+        if to_wake:
+            growth = sum(
+                max(0, c.weights_bytes - c.device_bytes)
+                for c in fact.components
+                if c.name in fact.asleep_components
+            )
+            if name not in off_device and room is not None and growth > room:
+                msg = (
+                    f"waking {', '.join(sorted(fact.asleep_components))} takes {_fmt(growth)}; "
+                    f"the group's admitted stages leave {_fmt(room)}"
+                )
+                parts.waiting[name] = [Blocker(BlockReason.NO_ROOM, msg)]
+                continue
+            parts.wakes[name] = 0 if name in off_device else growth
+            if room is not None and name not in off_device:
+                room -= growth
+        elif to_sleep:
+            parts.sleeps.append(
+                SleepOrder(
+                    name,
+                    intent.sleep_level,
+                    releases_memory=name not in off_device,
+                    drain_timeout_s=intent.drain_timeout_s,
+                    inflight_requests=fact.inflight_requests,
+                    components=tuple(sorted(to_sleep)),
+                )
+            )
+    return parts
+
+
+def _room(  # noqa: PLR0917 - private helper of plan
+    intents: Mapping[str, StageIntent],
+    facts: Mapping[str, StageFacts],
+    memory: GroupMemory,
+    needs: Mapping[str, int | None],
+    admitted: list[str],
+    off_device: frozenset[str],
+) -> int | None:
+    """Per device, what the admitted stages' footprints leave of the group's memory (None:
+    not measured; 0 when a footprint is unknown: such a stage takes the whole group)."""
+    capacity = memory.capacity
+    if capacity is None:
+        return None
+    usable = usable_memory(intents, facts, memory)
+    left = capacity if usable is None else min(capacity, usable)
+    for name in admitted:
+        if name in off_device:
+            continue
+        need = needs[name]
+        if need is None:
+            return 0
+        left -= need
+    return max(0, left)
 
 
 def _sleeps_and_fences(

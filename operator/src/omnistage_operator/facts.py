@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
-from omnistage_operator.arbiter import StageFacts, WorkerPhase
+from omnistage_operator.arbiter import ComponentFacts, StageFacts, WorkerPhase
 
 __all__ = [
     "CONTRADICTION_FLOOR_BYTES",
@@ -94,6 +94,7 @@ class AckFacts:
     peak_active_bytes: int = 0
     residual_bound_bytes: int = 0
     bytes_moved: int = 0
+    components: tuple[ComponentFacts, ...] = ()  # per pipeline component, after it
 
     @property
     def device_free_gain(self) -> int | None:
@@ -127,6 +128,7 @@ class WorkerReport:
     context_bytes: int = 0
     epoch: int = 0
     drain_timeout_s: float | None = None
+    components: tuple[ComponentFacts, ...] = ()  # per pipeline component (empty: undivided)
 
     @property
     def device_uuids(self) -> tuple[str, ...]:
@@ -157,6 +159,7 @@ class WorkerReport:
             ack_contradicted=contradicted,
             inflight_requests=self.inflight_requests,
             device_uuids=self.device_uuids,
+            components=self.components,
         )
 
 
@@ -206,6 +209,15 @@ def _device(d: types_pb2.DeviceMemory) -> DeviceFigures:
     )
 
 
+def _component(c: types_pb2.ComponentMemory) -> ComponentFacts:
+    return ComponentFacts(
+        name=c.name,
+        weights_bytes=c.weights_bytes,
+        device_bytes=c.device_bytes,
+        level=_level(c.level),
+    )
+
+
 def ack_from_proto(ack: types_pb2.Ack) -> AckFacts:
     """Convert an ``Ack`` message."""
     total = sum(d.total_bytes for d in ack.devices)
@@ -241,6 +253,7 @@ def ack_from_proto(ack: types_pb2.Ack) -> AckFacts:
         peak_active_bytes=ack.peak_active_bytes,
         residual_bound_bytes=ack.residual_bound_bytes,
         bytes_moved=ack.bytes_moved,
+        components=tuple(_component(c) for c in ack.components),
     )
 
 
@@ -269,4 +282,5 @@ def report_from_proto(status: sleep_service_pb2.GetStatusResponse) -> WorkerRepo
             if status.HasField("drain_timeout")
             else None
         ),
+        components=tuple(_component(c) for c in status.components),
     )

@@ -166,10 +166,11 @@ class GroupPort(Protocol):
         *,
         drain_timeout_s: float | None = None,
         timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> AckFacts:
-        """Call Sleep (``drain_timeout_s`` goes in the request; ``timeout_s`` is the call's
-        deadline); raises ``WorkerUnavailable`` when no ACK comes, ``WorkerRefused`` when the
-        worker refuses."""
+        """Call Sleep (``drain_timeout_s`` and ``components`` go in the request; ``timeout_s``
+        is the call's deadline); raises ``WorkerUnavailable`` when no ACK comes,
+        ``WorkerRefused`` when the worker refuses."""
         ...
 
     async def wake(self, stage: str, task_id: str) -> AckFacts:
@@ -303,6 +304,7 @@ class RoundOutcome:
     wake_errors: dict[str, str] = field(default_factory=dict)
     wake_refusals: dict[str, Refusal] = field(default_factory=dict)
     learned_needs: dict[str, int] = field(default_factory=dict)
+    component_wakes: set[str] = field(default_factory=set)  # wakes of asleep components
     started_active: list[str] = field(default_factory=list)  # pods created Active (vLLM)
     stage_errors: dict[str, str] = field(default_factory=dict)  # unexpected, per stage
     fence_pending: set[str] = field(default_factory=set)
@@ -317,6 +319,11 @@ class RoundOutcome:
             self.started or self.sleeps or self.fences or self.wakes or self.wake_errors
             or self.stage_errors
         )  # fmt: skip
+
+
+def _refusal_failed(refusal: Refusal | None) -> bool:
+    """The refusal says the worker FAILED."""
+    return refusal is not None and refusal.worker_failed
 
 
 def _retry_id(base: str, n: int) -> str:
@@ -363,14 +370,14 @@ async def _sleep_or_fence(
             ack = await port.sleep(
                 order.stage, order.level, task_id, drain_timeout_s=order.drain_timeout_s,
                 timeout_s=max(0.0, min(timeout, bound - (time.monotonic() - began)))
-                or policy.transition_allowance_s,
+                or policy.transition_allowance_s, components=order.components,
             )  # fmt: skip
         except WorkerRefused as exc:
             refusal = exc.refusal
             log.warning("sleep %s of %s refused: %s", task_id, order.stage, exc)
             if refusal.stale_epoch:
                 raise LeadershipLost(f"{order.stage} refused sleep {task_id}: {exc}") from exc
-            if refusal.worker_failed:
+            if refusal.worker_failed or order.components:
                 break  # a FAILED worker refuses every transition: fence it now
         except WorkerUnavailable as exc:
             lost = True
@@ -399,8 +406,10 @@ async def _sleep_or_fence(
             break
         await asyncio.sleep(min(policy.backoff_s * (2**attempt), 5.0))
         attempt += 1
-    if not order.releases_memory:
-        # A 1->2 deepening of a stage that holds no memory: nothing to protect by fencing.
+    if not order.releases_memory or (order.components and not _refusal_failed(refusal)):
+        # A 1->2 deepening of a stage that holds no memory: nothing to protect by fencing. A
+        # component sleep that did not go through leaves an Active worker that reports its
+        # footprint: it is not counted as freed (no ok ACK), and nothing is fenced.
         return result()
     reason = result().message
     try:
@@ -494,6 +503,11 @@ def _plan(
     )  # fmt: skip
 
 
+def _sleep_id(hid: str, order: SleepOrder) -> str:
+    parts = "-parts" if order.components else ""
+    return f"{hid}-{order.stage}-sleep{order.level}{parts}"
+
+
 async def run_round(
     port: GroupPort, policy: RoundPolicy, new_id: Callable[[], str]
 ) -> RoundOutcome:
@@ -517,8 +531,7 @@ async def run_round(
         hid = new_id()
         out.handover_id = hid
         sleeps = [
-            _guarded_sleep(port, order, f"{hid}-{order.stage}-sleep{order.level}", policy)
-            for order in decision.sleep
+            _guarded_sleep(port, order, _sleep_id(hid, order), policy) for order in decision.sleep
         ]
         fences = [_fence(port, order) for order in decision.fence]
         results = await asyncio.gather(*sleeps, *fences)
@@ -541,31 +554,35 @@ async def run_round(
         out.decision, out.observation = decision, obs
         await port.checkpoint(out)
 
-    if decision.wake or decision.start:
+    if decision.wake or decision.start or decision.component_wakes:
         hid = out.handover_id or new_id()
         out.handover_id = hid
         for name in decision.start:
             await _start(port, name, out, active=True)
-        for name in decision.wake:
+        for name in decision.component_wakes + decision.wake:
+            parts = name in decision.component_wakes  # an Active stage's footprint grows
+            suffix = "-parts" if parts else ""
             try:
-                result = await _wake(port, name, f"{hid}-{name}-wake", policy)
+                result = await _wake(port, name, f"{hid}-{name}-wake{suffix}", policy)
             except Exception as exc:  # isolated per stage
                 out.stage_errors[name] = _failure(name, "wake", exc)
                 continue
+            need: int | None = None
             if isinstance(result, str):
                 out.wake_errors[name] = result
             elif isinstance(result, Refusal):
                 out.wake_refusals[name] = result
                 out.wake_errors[name] = f"refused ({result.code}): {result.message}"
-                if result.need_bytes is not None:
-                    out.learned_needs[name] = result.need_bytes
+                need = result.need_bytes
             else:
                 out.wakes[name] = result
                 if not result.ok:
                     out.wake_errors[name] = result.error or "wake ACK not ok"
                     need = memory_need(result.error)
-                    if need is not None:
-                        out.learned_needs[name] = need
+            if parts:
+                out.component_wakes.add(name)
+            elif need is not None:
+                out.learned_needs[name] = need
         obs = _remember(await port.observe(), out)
         decision = _plan(obs, handover, policy, started)
 

@@ -123,9 +123,23 @@ class KubeGroupPort:
             vram_request=spec.vram_request_bytes,
             gpus=spec.gpus,
             drain_timeout_s=float(spec.drain_timeout_s),
+            asleep_components=self._asleep_components(spec, fact),
             starts_active=starts_active,
             memory_share=spec.vllm.gpu_memory_utilization if starts_active else None,
         )
+
+    def _asleep_components(self, spec: StageSpec, fact: StageFacts) -> frozenset[str]:
+        """The spec's asleepComponents; while the worker refused to sleep exactly those (an
+        unknown name, sequential mode), what the worker has: no order until the spec changes."""
+        key = (self.ns, spec.name)
+        refused = self.r.component_refused.get(key)
+        if refused is None:
+            return frozenset(spec.asleep_components)
+        if set(refused) == set(spec.asleep_components) - fact.asleep_components:
+            return fact.asleep_components
+        self.r.component_refused.pop(key, None)
+        self.r.component_problems.pop(key, None)
+        return frozenset(spec.asleep_components)
 
     async def _status_of(self, name: str, pod: Mapping[str, Any]) -> WorkerReport | None:
         client = self.r.client_for(self.ns, self.specs[name], pod)
@@ -424,8 +438,10 @@ class KubeGroupPort:
         *,
         drain_timeout_s: float | None = None,
         timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> AckFacts:
-        """Sleep; the request carries the stage's drain timeout, and the call's deadline is
+        """Sleep (of ``components`` only, when named); the request carries the stage's drain
+        timeout, and the call's deadline is
         ``timeout_s`` (the round's: --sleep-timeout, plus the drain timeout while requests are
         in flight), else the drain timeout plus --sleep-timeout. The ACK is kept for status."""
         client = self._client(stage)
@@ -436,8 +452,9 @@ class KubeGroupPort:
         deadline = timeout_s if timeout_s is not None else drain + self.r.settings.sleep_timeout_s
         t0 = time.monotonic()
         ack = await client.sleep(
-            level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain
-        )
+            level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain,
+            components=components,
+        )  # fmt: skip
         metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
         self.r.last_acks[(self.ns, stage)] = ack
         result = "ok" if ack.ok else "not_ok"

@@ -81,6 +81,7 @@ class StatusPublisher:
     backoffs: dict[StageKey, CrashBackoff]
     sleep_problems: dict[StageKey, tuple[str, str]]
     wake_problems: dict[StageKey, tuple[str, str]]
+    component_problems: dict[StageKey, tuple[str, str]]
     stage_problems: dict[StageKey, tuple[str, str]]
     _tasks: set[asyncio.Task[Any]]
     demand: DemandWatcher
@@ -103,7 +104,15 @@ class StatusPublisher:
             body = port.bodies.get(s.order.stage)
             if body is None:
                 continue
-            if s.ok and s.ack is not None:
+            if s.ok and s.ack is not None and s.order.components:
+                a = s.ack
+                msg = (
+                    f"ACK {a.task_id}: {', '.join(s.order.components)} asleep at level "
+                    f"{s.order.level}, freed {format_bytes(max(a.freed_bytes, 0))}; the worker "
+                    f"stays Active with {format_bytes(a.used_after_bytes)} ({a.source})"
+                )
+                self.emit(body, "ComponentsSlept", msg)
+            elif s.ok and s.ack is not None:
                 a = s.ack
                 freed = format_bytes(max(a.freed_bytes, 0))
                 msg = (
@@ -118,7 +127,8 @@ class StatusPublisher:
             if body is not None and a.ok:
                 used = format_bytes(a.used_after_bytes)
                 msg = f"ACK {a.task_id}: used {used} ({a.source}), {a.duration_s:.3f}s"
-                self.emit(body, "Woken", msg)
+                parts = name in outcome.component_wakes
+                self.emit(body, "ComponentsWoken" if parts else "Woken", msg)
         self._demand_events(port, outcome)
         for name, err in outcome.wake_errors.items():
             body = port.bodies.get(name)
@@ -200,6 +210,11 @@ class StatusPublisher:
                 learned_need=self.learned.get(key) or None,
                 sleep_problem=self.sleep_problems.get(key),
                 wake_problem=self.wake_problems.get(key),
+                asleep_components=spec.asleep_components,
+                components_waiting=(
+                    decision.components_waiting.get(name, ()) if decision is not None else ()
+                ),
+                component_problem=self.component_problems.get(key),
                 stage_problem=self.stage_problems.get(key),
                 starts_when_admitted=not can_start_asleep(spec),
             )

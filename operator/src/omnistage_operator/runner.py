@@ -126,6 +126,10 @@ class GroupRunner(StatusPublisher):
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
+        # Component sleeps and wakes that did not go through (reason, message), and the spec's
+        # asleepComponents a worker refused (not ordered again until the spec changes).
+        self.component_problems: dict[StageKey, tuple[str, str]] = {}
+        self.component_refused: dict[StageKey, tuple[str, ...]] = {}
         self.stage_problems: dict[StageKey, tuple[str, str]] = {}  # per-stage round errors
         self._claims: dict[str, tuple[str, tuple[str, ...]]] = {}  # claim key: (uid, uuids)
         self._claim_errors: set[str] = set()
@@ -318,6 +322,8 @@ class GroupRunner(StatusPublisher):
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
         self.wake_problems.pop(key, None)
+        self.component_problems.pop(key, None)
+        self.component_refused.pop(key, None)
         self.stage_problems.pop(key, None)
         self.demand.drop(namespace, name)
 
@@ -415,13 +421,18 @@ class GroupRunner(StatusPublisher):
             self.learned[(namespace, name)] = need
         for s in outcome.sleeps:
             key = (namespace, s.order.stage)
+            problems = self.component_problems if s.order.components else self.sleep_problems
             if s.ok:
-                self.sleep_problems.pop(key, None)
+                problems.pop(key, None)
             else:
-                self.sleep_problems[key] = (s.reason.value, s.message)
+                problems[key] = (s.reason.value, s.message)
+            if s.order.components and s.refusal is not None and not s.refusal.worker_failed:
+                self.component_refused[key] = s.order.components
         for name in outcome.wakes:
             if name not in outcome.wake_errors:
                 self.wake_problems.pop((namespace, name), None)
+                if name in outcome.component_wakes:
+                    self.component_problems.pop((namespace, name), None)
         for name in outcome.started + outcome.started_active:
             self.stage_problems.pop((namespace, name), None)
         for name, err in outcome.stage_errors.items():
@@ -429,7 +440,10 @@ class GroupRunner(StatusPublisher):
         for name, err in outcome.wake_errors.items():
             refused = name in outcome.wake_refusals
             reason = cond.Reason.WAKE_REFUSED if refused else cond.Reason.ACK_FAILED
-            self.wake_problems[(namespace, name)] = (reason.value, err)
+            into = (
+                self.component_problems if name in outcome.component_wakes else self.wake_problems
+            )
+            into[(namespace, name)] = (reason.value, err)
 
     async def cleanup_stage(self, body: Mapping[str, Any]) -> None:
         """Delete a stage's pod (until confirmed gone), Service, and the claim of an empty group."""

@@ -30,7 +30,8 @@ Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     annotations, labels, service_account_name, priority_class_name)``,
     ``StageSpec(name, namespace, uid, generation, runner, backend, model, image, state,
     sleep_level, colocation, gpus, vram_request, vram_request_bytes, placement, worker,
-    template, drain_timeout_s, vllm)`` with properties ``group``, ``priority``, ``key``
+    template, drain_timeout_s, vllm, asleep_components)`` with properties ``group``,
+    ``priority``, ``key``
     (``"ns/name"``), ``wants_active``.
 Functions:
     ``parse_stage(body: Mapping[str, Any]) -> StageSpec`` (raises ``SpecError``)
@@ -304,6 +305,8 @@ class StageSpec:
     # How long a sleep waits for in-flight requests; the worker (--drain-timeout) and every
     # Sleep the operator sends (SleepRequest.drain_timeout, and its deadline) honour this one value.
     drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT_S
+    # Pipeline components kept asleep while Active (a diffusion stage's encoders, say).
+    asleep_components: tuple[str, ...] = ()
     vllm: VllmSettings = field(default_factory=VllmSettings)
     # spec.activation: Manual (spec.state only) or OnDemand (requests wake the stage).
     activation: Activation = field(default_factory=Activation)
@@ -567,6 +570,9 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
         template=_parse_template(spec),
         drain_timeout_s=_int(
             spec.get("drainTimeoutSeconds"), "spec.drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_S
+        ),
+        asleep_components=tuple(
+            sorted(set(_strings(spec.get("asleepComponents"), "spec.asleepComponents")))
         ),
         vllm=_parse_vllm(spec),
         activation=activation,

@@ -19,6 +19,11 @@ from typing import Any
 
 from omnistage_operator import conditions as cond
 from omnistage_operator.arbiter import Blocker, BlockReason, WorkerPhase
+from omnistage_operator.components import (
+    COMPONENTS_SETTLED,
+    component_status,
+    components_verdict,
+)
 from omnistage_operator.facts import AckFacts, WorkerReport, ack_contradiction
 from omnistage_operator.quantities import format_bytes
 
@@ -95,6 +100,11 @@ class StageObservation:
     # ok (``SleepResult.reason``/``message``) and a wake that was refused or failed.
     sleep_problem: tuple[str, str] | None = None
     wake_problem: tuple[str, str] | None = None
+    # Component-level sleep: the spec's asleepComponents, why they are not as asked (the
+    # arbiter's blockers), and the worker's own word on a component sleep or wake that failed.
+    asleep_components: tuple[str, ...] = ()
+    components_waiting: tuple[Blocker, ...] = ()
+    component_problem: tuple[str, str] | None = None
     # An unexpected error of this stage in a round (start, sleep, wake): (reason, message).
     stage_problem: tuple[str, str] | None = None
     # Its pod is created only once admitted (vLLM takes its memory while it starts).
@@ -206,8 +216,26 @@ def build_status(
         (cond.ADMITTED, _admitted(o)),
     ):
         cs = cond.set_condition(cs, kind, ok, reason, message, gen, now)
+    parts = _components(o, cs)
+    if parts is not None:
+        cs = cond.set_condition(cs, COMPONENTS_SETTLED, *parts, gen, now)
     status["conditions"] = cs
     return status
+
+
+def _components(o: StageObservation, cs: list[dict[str, Any]] | None) -> _Verdict | None:
+    """``ComponentsSettled``: written once a stage has components asleep or asked asleep."""
+    r = o.report
+    verdict = components_verdict(
+        o.asleep_components,
+        o.phase,
+        r.components if r is not None else (),
+        o.components_waiting,
+        o.component_problem,
+    )
+    if verdict is None and cond.get_condition(cs or [], COMPONENTS_SETTLED) is not None:
+        return True, "ComponentsResident", "no component is asleep or asked asleep"
+    return verdict
 
 
 _Verdict = tuple[bool, str, str]  # a condition's status, reason and message
@@ -247,6 +275,7 @@ def _memory(r: WorkerReport, last_ack: AckFacts | None) -> dict[str, Any]:
         "source": r.source or None,
         "peakActiveBytes": r.peak_active_bytes or None,
         "contextBytes": r.context_bytes or None,
+        "components": component_status(r.components),
     }
 
 

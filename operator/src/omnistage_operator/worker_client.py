@@ -104,12 +104,16 @@ class WorkerClient:
         *,
         epoch: int = 0,
         drain_timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
     ) -> AckFacts:
         """Sleep at ``level`` (1 or 2) under ``task_id``, ordered by leadership ``epoch``;
-        ``drain_timeout_s`` bounds the worker's wait for in-flight requests (None: its own)."""
+        ``drain_timeout_s`` bounds the worker's wait for in-flight requests (None: its own);
+        ``components``: only those pipeline components (the worker stays Active)."""
         if level not in _LEVELS:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        req = sleep_service_pb2.SleepRequest(task_id=task_id, level=_LEVELS[level], epoch=epoch)
+        req = sleep_service_pb2.SleepRequest(
+            task_id=task_id, level=_LEVELS[level], epoch=epoch, components=list(components)
+        )
         if drain_timeout_s is not None:
             drain = duration_pb2.Duration()
             drain.FromNanoseconds(int(drain_timeout_s * 1e9))
