@@ -65,7 +65,10 @@ def wait_for(what: str, check: Callable[[], bool], timeout: float = 180.0) -> No
 
 
 def build_models() -> None:
-    builders = {"tiny-llama": build_causal_lm, "tiny-diffusion": build_diffusion_pipeline}
+    builders: dict[str, Callable[[Path], object]] = {
+        "tiny-llama": build_causal_lm,
+        "tiny-diffusion": build_diffusion_pipeline,
+    }
     for name, build in builders.items():
         target = MODELS / name
         if not (target / "model_index.json").exists() and not (target / "config.json").exists():
