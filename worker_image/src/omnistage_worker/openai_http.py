@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -72,6 +72,18 @@ def _failed(request_id: str, exc: Exception) -> JSONResponse:
     log.exception("request %s failed", request_id)
     message = f"generation failed: {exc}"
     return _error(500, openai_api.error_body(message, "server_error", None, "internal_error"))
+
+
+async def _answered(what: str, answer: Callable[[], Awaitable[Response]]) -> Response:
+    """``answer()``, or the OpenAI-shaped error for a bad request, a refusal or a failure."""
+    try:
+        return await answer()
+    except BadRequest as exc:
+        return _bad(exc)
+    except Refused as exc:
+        return _refused(exc)
+    except Exception as exc:
+        return _failed(what, exc)
 
 
 def _bad(exc: BadRequest) -> JSONResponse:
@@ -145,34 +157,28 @@ class OpenAIApp:
         if self.is_ar:
             return _bad(BadRequest(None, "this stage serves text: use /v1/completions"))
         admission = _Admission()
-        try:
+
+        async def answer() -> Response:
             parsed = openai_api.parse_image(await _json(request), self.model)
             response = await self.worker.generate(parsed.request, on_admitted=admission.admitted)
-        except BadRequest as exc:
-            return _bad(exc)
-        except Refused as exc:
-            return _refused(exc)
-        except Exception as exc:
-            return _failed("image", exc)
-        return JSONResponse(openai_api.image_body(response), headers=admission.header)
+            return JSONResponse(openai_api.image_body(response), headers=admission.header)
+
+        return await _answered("image", answer)
 
     async def _text(self, request: Request, parse: Parser, chat: bool) -> Response:
         if not self.is_ar:
             return _bad(BadRequest(None, "this stage serves images: use /v1/images/generations"))
         admission = _Admission()
-        try:
+
+        async def answer() -> Response:
             parsed = parse(await _json(request), self.model)
             if parsed.stream:
                 return await self._stream(parsed, chat, admission)
             response = await self.worker.generate(parsed.request, on_admitted=admission.admitted)
-        except BadRequest as exc:
-            return _bad(exc)
-        except Refused as exc:
-            return _refused(exc)
-        except Exception as exc:
-            return _failed("completion", exc)
-        body = openai_api.completion_body(parsed, response, self.model, chat)
-        return JSONResponse(body, headers=admission.header)
+            body = openai_api.completion_body(parsed, response, self.model, chat)
+            return JSONResponse(body, headers=admission.header)
+
+        return await _answered("completion", answer)
 
     async def _stream(self, parsed: Parsed, chat: bool, admission: _Admission) -> Response:
         """Wait until the request is admitted (held first when asleep), then stream SSE.
