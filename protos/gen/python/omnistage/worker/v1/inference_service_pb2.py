@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+omnistage/worker/v1/inference_service.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\"\xf8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_inference_steps\x18\x05 \x01(\x05\x12\x0e\n\x06height\x18\x06 \x01(\x05\x12\r\n\x05width\x18\x07 \x01(\x05\x12\x16\n\x0eguidance_scale\x18\x08 \x01(\x02\x12\x11\n\tdo_sample\x18\t \x01(\x08\x12\x12\n\nnum_frames\x18\n \x01(\x05\x12H\n\nparameters\x18\x0b \x03(\x0b\x32\x34.omnistage.worker.v1.GenerateRequest.ParametersEntry\x1aV\n\x0fParametersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x32\n\x05value\x18\x02 \x01(\x0b\x32#.omnistage.worker.v1.ParameterValue:\x02\x38\x01\"s\n\x0eParameterValue\x12\x14\n\nbool_value\x18\x01 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x02 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x03 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"9\n\x0bImageOutput\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06height\x18\x03 \x01(\x05\"M\n\x0bVideoOutput\x12\x12\n\nframes_png\x18\x01 \x03(\x0c\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x04 \x01(\x02\"-\n\nTextOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x05image\x18\x02 \x01(\x0b\x32 .omnistage.worker.v1.ImageOutputH\x00\x12/\n\x04text\x18\x03 \x01(\x0b\x32\x1f.omnistage.worker.v1.TextOutputH\x00\x12\x31\n\x05video\x18\x05 \x01(\x0b\x32 .omnistage.worker.v1.VideoOutputH\x00\x12+\n\x08\x64uration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.DurationB\x08\n\x06output\"N\n\x15GenerateStreamRequest\x12\x35\n\x07request\x18\x01 \x01(\x0b\x32$.omnistage.worker.v1.GenerateRequest\",\n\tTextChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x89\x01\n\x16GenerateStreamResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.omnistage.worker.v1.TextChunkH\x00\x12\x35\n\x04\x64one\x18\x02 \x01(\x0b\x32%.omnistage.worker.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent2\xd8\x01\n\x10InferenceService\x12W\n\x08Generate\x12$.omnistage.worker.v1.GenerateRequest\x1a%.omnistage.worker.v1.GenerateResponse\x12k\n\x0eGenerateStream\x12*.omnistage.worker.v1.GenerateStreamRequest\x1a+.omnistage.worker.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+omnistage/worker/v1/inference_service.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\"\xfa\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x03\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_inference_steps\x18\x05 \x01(\x05\x12\x0e\n\x06height\x18\x06 \x01(\x05\x12\r\n\x05width\x18\x07 \x01(\x05\x12\x16\n\x0eguidance_scale\x18\x08 \x01(\x02\x12\x11\n\tdo_sample\x18\t \x01(\x08\x12\x12\n\nnum_frames\x18\n \x01(\x05\x12H\n\nparameters\x18\x0b \x03(\x0b\x32\x34.omnistage.worker.v1.GenerateRequest.ParametersEntry\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x18\n\x0btemperature\x18\r \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x0e \x01(\x02H\x01\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x1aV\n\x0fParametersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x32\n\x05value\x18\x02 \x01(\x0b\x32#.omnistage.worker.v1.ParameterValue:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x0f\n\r_top_logprobs\"s\n\x0eParameterValue\x12\x14\n\nbool_value\x18\x01 \x01(\x08H\x00\x12\x13\n\tint_value\x18\x02 \x01(\x03H\x00\x12\x16\n\x0c\x64ouble_value\x18\x03 \x01(\x01H\x00\x12\x16\n\x0cstring_value\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"9\n\x0bImageOutput\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06height\x18\x03 \x01(\x05\"M\n\x0bVideoOutput\x12\x12\n\nframes_png\x18\x01 \x03(\x0c\x12\r\n\x05width\x18\x02 \x01(\x05\x12\x0e\n\x06height\x18\x03 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x04 \x01(\x02\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12,\n\x03top\x18\x04 \x03(\x0b\x32\x1f.omnistage.worker.v1.TopLogprob\"\x9c\x01\n\nTextOutput\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x38\n\rfinish_reason\x18\x03 \x01(\x0e\x32!.omnistage.worker.v1.FinishReason\x12\x33\n\x08logprobs\x18\x04 \x03(\x0b\x32!.omnistage.worker.v1.TokenLogprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xb3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x05image\x18\x02 \x01(\x0b\x32 .omnistage.worker.v1.ImageOutputH\x00\x12/\n\x04text\x18\x03 \x01(\x0b\x32\x1f.omnistage.worker.v1.TextOutputH\x00\x12\x31\n\x05video\x18\x05 \x01(\x0b\x32 .omnistage.worker.v1.VideoOutputH\x00\x12+\n\x08\x64uration\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x05usage\x18\x06 \x01(\x0b\x32\x1a.omnistage.worker.v1.Usage\x12\x12\n\nbatch_size\x18\x07 \x01(\x05\x42\x08\n\x06output\"N\n\x15GenerateStreamRequest\x12\x35\n\x07request\x18\x01 \x01(\x0b\x32$.omnistage.worker.v1.GenerateRequest\"a\n\tTextChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.omnistage.worker.v1.TokenLogprob\"\x89\x01\n\x16GenerateStreamResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.omnistage.worker.v1.TextChunkH\x00\x12\x35\n\x04\x64one\x18\x02 \x01(\x0b\x32%.omnistage.worker.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xd8\x01\n\x10InferenceService\x12W\n\x08Generate\x12$.omnistage.worker.v1.GenerateRequest\x1a%.omnistage.worker.v1.GenerateResponse\x12k\n\x0eGenerateStream\x12*.omnistage.worker.v1.GenerateStreamRequest\x1a+.omnistage.worker.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_PARAMETERSENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_PARAMETERSENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1887
+  _globals['_FINISHREASON']._serialized_end=1982
   _globals['_GENERATEREQUEST']._serialized_start=101
-  _globals['_GENERATEREQUEST']._serialized_end=477
-  _globals['_GENERATEREQUEST_PARAMETERSENTRY']._serialized_start=391
-  _globals['_GENERATEREQUEST_PARAMETERSENTRY']._serialized_end=477
-  _globals['_PARAMETERVALUE']._serialized_start=479
-  _globals['_PARAMETERVALUE']._serialized_end=594
-  _globals['_IMAGEOUTPUT']._serialized_start=596
-  _globals['_IMAGEOUTPUT']._serialized_end=653
-  _globals['_VIDEOOUTPUT']._serialized_start=655
-  _globals['_VIDEOOUTPUT']._serialized_end=732
-  _globals['_TEXTOUTPUT']._serialized_start=734
-  _globals['_TEXTOUTPUT']._serialized_end=779
-  _globals['_GENERATERESPONSE']._serialized_start=782
-  _globals['_GENERATERESPONSE']._serialized_end=1026
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1028
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1106
-  _globals['_TEXTCHUNK']._serialized_start=1108
-  _globals['_TEXTCHUNK']._serialized_end=1152
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1155
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1292
-  _globals['_INFERENCESERVICE']._serialized_start=1295
-  _globals['_INFERENCESERVICE']._serialized_end=1511
+  _globals['_GENERATEREQUEST']._serialized_end=607
+  _globals['_GENERATEREQUEST_PARAMETERSENTRY']._serialized_start=478
+  _globals['_GENERATEREQUEST_PARAMETERSENTRY']._serialized_end=564
+  _globals['_PARAMETERVALUE']._serialized_start=609
+  _globals['_PARAMETERVALUE']._serialized_end=724
+  _globals['_IMAGEOUTPUT']._serialized_start=726
+  _globals['_IMAGEOUTPUT']._serialized_end=783
+  _globals['_VIDEOOUTPUT']._serialized_start=785
+  _globals['_VIDEOOUTPUT']._serialized_end=862
+  _globals['_TOPLOGPROB']._serialized_start=864
+  _globals['_TOPLOGPROB']._serialized_end=926
+  _globals['_TOKENLOGPROB']._serialized_start=928
+  _globals['_TOKENLOGPROB']._serialized_end=1038
+  _globals['_TEXTOUTPUT']._serialized_start=1041
+  _globals['_TEXTOUTPUT']._serialized_end=1197
+  _globals['_USAGE']._serialized_start=1199
+  _globals['_USAGE']._serialized_end=1256
+  _globals['_GENERATERESPONSE']._serialized_start=1259
+  _globals['_GENERATERESPONSE']._serialized_end=1566
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1568
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1646
+  _globals['_TEXTCHUNK']._serialized_start=1648
+  _globals['_TEXTCHUNK']._serialized_end=1745
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1748
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1885
+  _globals['_INFERENCESERVICE']._serialized_start=1985
+  _globals['_INFERENCESERVICE']._serialized_end=2201
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -18,6 +19,30 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _FinishReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FINISH_REASON_UNSPECIFIED: _FinishReason.ValueType  # 0
+    """FINISH_REASON_UNSPECIFIED: not an AR answer."""
+    FINISH_REASON_STOP: _FinishReason.ValueType  # 1
+    """FINISH_REASON_STOP: the model ended, or a stop sequence was produced."""
+    FINISH_REASON_LENGTH: _FinishReason.ValueType  # 2
+    """FINISH_REASON_LENGTH: max_new_tokens was reached."""
+
+class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
+    """FinishReason says why AR generation ended."""
+
+FINISH_REASON_UNSPECIFIED: FinishReason.ValueType  # 0
+"""FINISH_REASON_UNSPECIFIED: not an AR answer."""
+FINISH_REASON_STOP: FinishReason.ValueType  # 1
+"""FINISH_REASON_STOP: the model ended, or a stop sequence was produced."""
+FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
+"""FINISH_REASON_LENGTH: max_new_tokens was reached."""
+Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):
@@ -57,6 +82,10 @@ class GenerateRequest(_message.Message):
     DO_SAMPLE_FIELD_NUMBER: _builtins.int
     NUM_FRAMES_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """request_id is echoed in the response."""
     prompt: _builtins.str
@@ -79,12 +108,24 @@ class GenerateRequest(_message.Message):
     """num_frames is the number of frames for video pipelines (0: the pipeline's default);
     INVALID_ARGUMENT for image pipelines.
     """
+    temperature: _builtins.float
+    """temperature scales sampling logits for AR runners (unset: the model's default; 0: greedy)."""
+    top_p: _builtins.float
+    """top_p is the nucleus sampling mass for AR runners (unset: the model's default)."""
+    top_logprobs: _builtins.int
+    """top_logprobs asks AR runners for the log probability of each generated token and of the
+    this many most likely alternatives (unset: no log probabilities).
+    """
     @_builtins.property
     def parameters(self) -> _containers.MessageMap[_builtins.str, Global___ParameterValue]:
         """parameters are pipeline-specific call arguments (e.g. negative_prompt, true_cfg_scale),
         checked against the pipeline's call signature: an unknown or reserved name, or a value of
         the wrong kind, is INVALID_ARGUMENT naming the parameter.
         """
+
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """stop are sequences that end AR generation (not included in the output); at most 4."""
 
     def __init__(
         self,
@@ -100,12 +141,27 @@ class GenerateRequest(_message.Message):
         do_sample: _builtins.bool = ...,
         num_frames: _builtins.int = ...,
         parameters: _abc.Mapping[_builtins.str, Global___ParameterValue] | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        top_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "temperature", b"temperature", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["do_sample", b"do_sample", "guidance_scale", b"guidance_scale", "height", b"height", "max_new_tokens", b"max_new_tokens", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "parameters", b"parameters", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "do_sample", b"do_sample", "guidance_scale", b"guidance_scale", "height", b"height", "max_new_tokens", b"max_new_tokens", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "parameters", b"parameters", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_logprobs: _TypeAlias = _typing.Literal["top_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__top_logprobs: _TypeAlias = _typing.Literal["_top_logprobs", b"_top_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_logprobs) -> _WhichOneofReturnType__top_logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -212,6 +268,72 @@ class VideoOutput(_message.Message):
 Global___VideoOutput: _TypeAlias = VideoOutput  # noqa: Y015
 
 @_typing.final
+class TopLogprob(_message.Message):
+    """TopLogprob is one likely token at a position and its log probability."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """token_id is the token."""
+    token: _builtins.str
+    """token is its decoded text."""
+    logprob: _builtins.float
+    """logprob is its log probability."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        token: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token", b"token", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """TokenLogprob is the log probability of one generated token and its likely alternatives."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """token_id is the generated token."""
+    token: _builtins.str
+    """token is its decoded text."""
+    logprob: _builtins.float
+    """logprob is its log probability."""
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """top are the most likely tokens at this position, most likely first."""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        token: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+        top: _abc.Iterable[Global___TopLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token", b"token", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
 class TextOutput(_message.Message):
     """TextOutput is generated text."""
 
@@ -219,25 +341,61 @@ class TextOutput(_message.Message):
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """text is the decoded generated text."""
+    finish_reason: Global___FinishReason.ValueType
+    """finish_reason says why generation ended."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """token_ids are the generated token ids (prompt excluded)."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """logprobs holds one entry per generated token when the request asked for top_logprobs."""
 
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
+        finish_reason: Global___FinishReason.ValueType = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TextOutput: _TypeAlias = TextOutput  # noqa: Y015
+
+@_typing.final
+class Usage(_message.Message):
+    """Usage counts the tokens of one request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    """prompt_tokens is the number of tokens in the prompt."""
+    completion_tokens: _builtins.int
+    """completion_tokens is the number of generated tokens."""
+    def __init__(
+        self,
+        *,
+        prompt_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
@@ -250,8 +408,12 @@ class GenerateResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     VIDEO_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """request_id echoes the request."""
+    batch_size: _builtins.int
+    """batch_size is how many requests the engine ran together with this one, itself included."""
     @_builtins.property
     def image(self) -> Global___ImageOutput:
         """image is set by diffusion runners."""
@@ -268,6 +430,10 @@ class GenerateResponse(_message.Message):
     def duration(self) -> _duration_pb2.Duration:
         """duration is the time spent generating."""
 
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """usage counts the request's tokens (AR runners; zero for diffusion)."""
+
     def __init__(
         self,
         *,
@@ -276,10 +442,12 @@ class GenerateResponse(_message.Message):
         text: Global___TextOutput | None = ...,
         video: Global___VideoOutput | None = ...,
         duration: _duration_pb2.Duration | None = ...,
+        usage: Global___Usage | None = ...,
+        batch_size: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "image", b"image", "output", b"output", "text", b"text", "video", b"video"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "image", b"image", "output", b"output", "text", b"text", "usage", b"usage", "video", b"video"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "image", b"image", "output", b"output", "request_id", b"request_id", "text", b"text", "video", b"video"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "duration", b"duration", "image", b"image", "output", b"output", "request_id", b"request_id", "text", b"text", "usage", b"usage", "video", b"video"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_output: _TypeAlias = _typing.Literal["image", "text", "video"]  # noqa: Y015
     _WhichOneofArgType_output: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
@@ -319,21 +487,27 @@ class TextChunk(_message.Message):
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """text is their decoded text (may be empty while a multi-token character is incomplete)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """token_ids are the tokens generated since the previous chunk."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """logprobs holds one entry per token of this chunk when the request asked for top_logprobs."""
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

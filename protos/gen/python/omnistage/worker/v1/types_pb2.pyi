@@ -314,6 +314,7 @@ class Ack(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     PEAK_ACTIVE_BYTES_FIELD_NUMBER: _builtins.int
     COMPONENTS_FIELD_NUMBER: _builtins.int
+    NEEDED_BYTES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """task_id is the caller's id for this transition; a repeated id returns the first Ack."""
     ok: _builtins.bool
@@ -349,6 +350,10 @@ class Ack(_message.Message):
     peak_active_bytes: _builtins.int
     """peak_active_bytes is the most device memory the process held while Active before this
     transition (for a sleep: since its last wake), sum over devices.
+    """
+    needed_bytes: _builtins.int
+    """needed_bytes is, for a wake that ran out of device memory, how much more it needed than
+    the device had (0 otherwise); the worker is back asleep at its level.
     """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceMemory]:
@@ -414,10 +419,11 @@ class Ack(_message.Message):
         epoch: _builtins.int = ...,
         peak_active_bytes: _builtins.int = ...,
         components: _abc.Iterable[Global___ComponentMemory] | None = ...,
+        needed_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["drain_duration", b"drain_duration", "drain_started_at", b"drain_started_at", "duration", b"duration", "finished_at", b"finished_at", "started_at", b"started_at", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "components", b"components", "devices", b"devices", "drain_duration", b"drain_duration", "drain_started_at", b"drain_started_at", "duration", b"duration", "epoch", b"epoch", "error", b"error", "finished_at", b"finished_at", "free_after_bytes", b"free_after_bytes", "freed_bytes", b"freed_bytes", "level", b"level", "noop", b"noop", "ok", b"ok", "operation", b"operation", "peak_active_bytes", b"peak_active_bytes", "replayed", b"replayed", "residual_bound_bytes", b"residual_bound_bytes", "source", b"source", "started_at", b"started_at", "state", b"state", "task_id", b"task_id", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "components", b"components", "devices", b"devices", "drain_duration", b"drain_duration", "drain_started_at", b"drain_started_at", "duration", b"duration", "epoch", b"epoch", "error", b"error", "finished_at", b"finished_at", "free_after_bytes", b"free_after_bytes", "freed_bytes", b"freed_bytes", "level", b"level", "needed_bytes", b"needed_bytes", "noop", b"noop", "ok", b"ok", "operation", b"operation", "peak_active_bytes", b"peak_active_bytes", "replayed", b"replayed", "residual_bound_bytes", b"residual_bound_bytes", "source", b"source", "started_at", b"started_at", "state", b"state", "task_id", b"task_id", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
