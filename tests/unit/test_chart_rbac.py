@@ -51,8 +51,17 @@ CLUSTER_PEERING: set[Rule] = _grants("kopf.dev", "clusterkopfpeerings", "get lis
 NAMESPACED_PEERING: set[Rule] = _grants("kopf.dev", "kopfpeerings", "get list watch patch")
 
 
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def _aggregated(role: Obj) -> bool:
+    """A user-facing role aggregated into view/edit/admin, not one of the operator's."""
+    labels: dict[str, str] = role["metadata"].get("labels", {})
+    return any(key.startswith(AGGREGATE) for key in labels)
+
+
 def _by_name(objs: list[Obj], kind: str) -> dict[str, Obj]:
-    return {o["metadata"]["name"]: o for o in select(objs, kind)}
+    return {o["metadata"]["name"]: o for o in select(objs, kind) if not _aggregated(o)}
 
 
 def _assert_bound_to_operator(binding: Obj, role_kind: str, role_name: str) -> None:
@@ -122,8 +131,8 @@ def test_namespaced_scope_has_one_role_per_namespace() -> None:
     _assert_only_the_lease_role(objs, ("team-a", "team-b"))
     for binding in bindings:
         _assert_bound_to_operator(binding, "Role", FULLNAME)
-    # Only kopf's cluster-scoped reads remain cluster-wide.
-    (cluster_role,) = select(objs, "ClusterRole")
+    # Only kopf's cluster-scoped reads remain cluster-wide (beside the users' aggregated roles).
+    (cluster_role,) = _by_name(objs, "ClusterRole").values()
     assert flatten_rules(cluster_role["rules"]) == FRAMEWORK_RULES
 
 
@@ -153,7 +162,8 @@ def test_peering_adds_only_the_peering_grants() -> None:
     objs = render(values, api_versions=PEERING_APIS)
     (role,) = [r for r in select(objs, "Role") if r["metadata"]["name"] == FULLNAME]
     assert flatten_rules(role["rules"]) == STAGE_RULES | NAMESPACED_PEERING
-    assert flatten_rules(one(objs, "ClusterRole")["rules"]) == FRAMEWORK_RULES
+    (framework,) = _by_name(objs, "ClusterRole").values()
+    assert flatten_rules(framework["rules"]) == FRAMEWORK_RULES
 
 
 @pytest.mark.parametrize(
@@ -247,3 +257,32 @@ def test_worker_token_guard_restricts_the_operator_secret_writes() -> None:
     assert '"omnistage-worker-token"' in validation["expression"]
     assert 'object.type == "Opaque"' in validation["expression"]
     assert select(render({"rbac": {"workerTokenGuard": False}}), "ValidatingAdmissionPolicy") == []
+
+
+def test_users_get_omnistage_in_the_default_roles() -> None:
+    objs = render()
+    roles = {o["metadata"]["name"]: o for o in select(objs, "ClusterRole") if _aggregated(o)}
+    view, edit = roles[f"{FULLNAME}-view"], roles[f"{FULLNAME}-edit"]
+    view_labels = {
+        k[len(AGGREGATE) :] for k in view["metadata"]["labels"] if k.startswith(AGGREGATE)
+    }
+    edit_labels = {
+        k[len(AGGREGATE) :] for k in edit["metadata"]["labels"] if k.startswith(AGGREGATE)
+    }
+    assert view_labels == {"view", "edit", "admin"}
+    assert edit_labels == {"edit", "admin"}
+    assert flatten_rules(view["rules"]) == _grants(
+        "omnistage.io", "omnistages", "get list watch"
+    ) | _grants("omnistage.io", "omnistages/status", "get list watch")
+    assert flatten_rules(edit["rules"]) == _grants(
+        "omnistage.io", "omnistages", "create update patch delete"
+    )
+    # Status is written by the operator alone, and nothing binds these roles to it.
+    assert not any(
+        g[1] == "omnistages/status" and g[2] != "get" and g[2] not in ("list", "watch")
+        for g in flatten_rules(view["rules"]) | flatten_rules(edit["rules"])
+    )
+    bound = {b["roleRef"]["name"] for b in select(objs, "ClusterRoleBinding")}
+    assert not bound & set(roles)
+    off = render({"rbac": {"aggregateToDefaultRoles": False}})
+    assert not [o for o in select(off, "ClusterRole") if _aggregated(o)]

@@ -275,9 +275,16 @@ def test_namespaced_scope_without_list_serves_the_release_namespace() -> None:
 
 
 def _policy_ingress(policy: Obj) -> Obj:
+    """The control-channel rule (gRPC from the operator), always the first."""
     ingress: list[Obj] = policy["spec"]["ingress"]
-    assert len(ingress) == 1
     return ingress[0]
+
+
+def _http_rule(policy: Obj) -> Obj:
+    """The OpenAI HTTP rule, the second."""
+    ingress: list[Obj] = policy["spec"]["ingress"]
+    assert len(ingress) == 2, ingress
+    return ingress[1]
 
 
 def test_network_policy_admits_only_the_operator_pods() -> None:
@@ -300,6 +307,58 @@ def test_network_policy_admits_only_the_operator_pods() -> None:
     assert selector["app.kubernetes.io/component"] == "operator"
 
 
+def test_network_policy_admits_http_from_the_stage_namespace_by_default() -> None:
+    policy = one(render(), "NetworkPolicy")
+    rule = _http_rule(policy)
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    # Every pod of the policy's own namespace (a podSelector without a namespaceSelector).
+    assert rule["from"] == [{"podSelector": {}}]
+
+
+def test_network_policy_admits_the_routers_on_their_worker_ports() -> None:
+    values = {
+        "networkPolicy": {"namespaces": ["models"], "httpFromSameNamespace": False},
+        "router": {
+            "enabled": True,
+            "groups": [
+                {"name": "studio", "stages": ["a"], "namespace": "models", "workerPort": 8001}
+            ],
+        },
+    }
+    objs = render(values)
+    policy = one(objs, "NetworkPolicy")
+    rule = _http_rule(policy)
+    assert sorted(p["port"] for p in rule["ports"]) == [8000, 8001]
+    (peer,) = rule["from"]
+    assert peer["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["models"]}
+    ]
+    # The peer selects the router pods and not the operator's.
+    router = next(o for o in select(objs, "Deployment") if "router" in o["metadata"]["name"])
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    selector = peer["podSelector"]["matchLabels"]
+    assert selector.items() <= router_labels.items()
+    operator_labels = one([o for o in select(objs, "Deployment") if o is not router], "Deployment")[
+        "spec"
+    ]["template"]["metadata"]["labels"]
+    assert not selector.items() <= operator_labels.items()
+
+
+def test_network_policy_http_closed_without_clients() -> None:
+    values = {"networkPolicy": {"httpFromSameNamespace": False}}
+    policy = one(render(values), "NetworkPolicy")
+    assert len(policy["spec"]["ingress"]) == 1
+
+
+def test_network_policy_http_sources() -> None:
+    apps = {"namespaceSelector": {"matchLabels": {"team": "apps"}}}
+    values = {"networkPolicy": {"httpFromSameNamespace": False, "httpIngressFrom": [apps]}}
+    policy = one(render(values), "NetworkPolicy")
+    assert _http_rule(policy)["from"] == [apps]
+    # HTTP sources do not reach the control channel.
+    assert apps not in _policy_ingress(policy)["from"]
+
+
 def test_network_policy_per_served_namespace_with_extra_sources() -> None:
     gateway = {"podSelector": {"matchLabels": {"app": "gateway"}}}
     values = {
@@ -312,6 +371,8 @@ def test_network_policy_per_served_namespace_with_extra_sources() -> None:
         rule = _policy_ingress(policy)
         assert rule["from"][1:] == [gateway]
         assert [p["port"] for p in rule["ports"]] == [50051, 50052]
+        # Inference clients reach the HTTP API too.
+        assert gateway in _http_rule(policy)["from"]
 
 
 def test_network_policy_namespaces_override() -> None:
@@ -467,3 +528,24 @@ def test_router_per_group_routes_by_model() -> None:
         {"router": {"enabled": True, "groups": [{"name": "demo", "stages": []}]}}
     )
     assert "stages" in refused
+
+
+def test_operator_has_startup_readiness_and_liveness_probes() -> None:
+    container = operator_container(render())
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http-healthz"}
+    # The startup probe gives a slow start two minutes before liveness can restart it.
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 120
+
+
+def test_disruption_budget_keeps_a_standby() -> None:
+    objs = render()
+    budget = one(objs, "PodDisruptionBudget")
+    assert budget["spec"]["maxUnavailable"] == 1
+    labels = one(objs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # One replica gets no budget: it would block every node drain.
+    single = render({"leaderElection": {"enabled": False}, "replicaCount": 1})
+    assert select(single, "PodDisruptionBudget") == []
+    assert select(render({"podDisruptionBudget": {"enabled": False}}), "PodDisruptionBudget") == []
