@@ -177,9 +177,68 @@ def build_llm_and_measure_generate(work: Path, plan: Plan, smoke: bool) -> Json:
             "tokens_per_s": tokens / seconds,
         }
         print(f"generate batch {batch}: {tokens / seconds:.1f} tokens/s", flush=True)
+    out["batcher_in_process"] = batcher_in_process(model, tokenizer, device, plan)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return out
+
+
+def batcher_in_process(model: Any, tokenizer: Any, device: Any, plan: Plan) -> Json:
+    """The worker's batcher driven here, without the worker around it: one request, a batch
+    submitted at once, and closed-loop threads (staggered arrivals), as tokens/s."""
+    from omnistage.worker.v1 import inference_service_pb2 as pb
+    from omnistage_worker.runners.decode_batch import DecodeBatcher, Job
+    from omnistage_worker.runners.sampling import Sampling
+
+    batcher = DecodeBatcher(
+        model,
+        tokenizer=tokenizer,
+        device=device,
+        max_batch=plan.max_batch,
+        eos_ids=set(),
+        pad_id=int(tokenizer.pad_token_id),
+    )
+
+    def job(index: int) -> Job:
+        ids = [int(t) for t in tokenizer(prompt(index))["input_ids"]]
+        return Job(pb.GenerateRequest(), ids, plan.new_tokens, Sampling(greedy=True), None)
+
+    def together(count: int) -> float:
+        began = time.perf_counter()
+        futures = [batcher.submit(job(i)) for i in range(count)]
+        tokens = sum(len(f.result().text.token_ids) for f in futures)
+        return tokens / (time.perf_counter() - began)
+
+    def closed_loop(count: int, seconds: float) -> float:
+        done: list[tuple[float, float]] = []
+        stop = time.monotonic() + seconds
+
+        def loop(index: int) -> None:
+            turn = 0
+            while time.monotonic() < stop:
+                began = time.monotonic()
+                batcher.submit(job(index * 100 + turn)).result()
+                done.append((began, time.monotonic()))
+                turn += 1
+
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        answers = [Answer(a, b, 200, plan.new_tokens) for a, b in done]
+        start = min(a for a, _ in done) + plan.warmup_s
+        return tokens_in(answers, start, stop) / (stop - start)
+
+    together(1)  # warm
+    out: Json = {"one": together(1)}
+    middle = plan.clients[1]
+    out[f"together_{middle}"] = together(middle)
+    out[f"closed_loop_{middle}"] = closed_loop(middle, plan.warmup_s + plan.window_s / 2)
+    out["steps"] = batcher.steps
+    batcher.close()
+    print(f"batcher in process: {out}", flush=True)
     return out
 
 
@@ -365,6 +424,8 @@ class Clients:
     port: int
     count: int
     new_tokens: int
+    rounds: int | None = None
+    """Requests per client (None: until :meth:`finish`)."""
     stop: threading.Event = field(default_factory=threading.Event)
     answers: list[Answer] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -377,14 +438,15 @@ class Clients:
             self._threads.append(thread)
 
     def finish(self) -> None:
-        self.stop.set()
+        if self.rounds is None:
+            self.stop.set()
         for thread in self._threads:
             thread.join(600)
 
     def _loop(self, index: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         turn = 0
-        while not self.stop.is_set():
+        while not self.stop.is_set() and (self.rounds is None or turn < self.rounds):
             body = json.dumps(
                 {
                     "model": "bench",
@@ -444,6 +506,9 @@ def tokens_in(answers: Sequence[Answer], a: float, b: float,
 
 
 def run_clients(worker: Worker, count: int, plan: Plan) -> Json:
+    warm = Clients(worker.http_port, count, plan.new_tokens, rounds=1)
+    warm.start()
+    warm.finish()  # one request each, so shapes and kernels are warm before measuring
     clients = Clients(worker.http_port, count, plan.new_tokens)
     began = time.monotonic()
     clients.start()
