@@ -16,7 +16,7 @@ import torch
 
 from omnistage.worker.v1 import inference_service_pb2
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.runners.base import SleepController, Stats
+from omnistage_worker.runners.base import SleepController, Stats, TextChunkSink
 from omnistage_worker.runners.causal_lm import CausalLMRunner
 
 SCRATCH_PER_TOKEN = 4096  # bytes of "activations" a request keeps per new token
@@ -51,12 +51,12 @@ class HeldMemoryLM(CausalLMRunner):
     def build_controller(self) -> SleepController:
         return HeldMemoryController(super().build_controller(), self)
 
-    def _generate(
-        self, request: inference_service_pb2.GenerateRequest
+    def generate(
+        self, request: inference_service_pb2.GenerateRequest, sink: TextChunkSink | None = None
     ) -> inference_service_pb2.GenerateResponse:
         if self.hold is not None and not self.hold.wait(60):
             raise RuntimeError("the test never released the held request")
-        response = super()._generate(request)
+        response = super().generate(request, sink)
         self.scratch = torch.ones(
             SCRATCH_PER_TOKEN * max(1, request.max_new_tokens), dtype=torch.uint8
         )

@@ -25,6 +25,7 @@ from omnistage_worker.config import (
     BACKENDS,
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_HOLD_TIMEOUT_S,
+    DEFAULT_MAX_BATCH,
     DEFAULT_MAX_HELD,
     DEFAULT_PORT,
     DEFAULT_RESIDUAL_SLACK,
@@ -138,6 +139,13 @@ def build_parser(env: Mapping[str, str]) -> Parser:
         help="seconds a held request waits before UNAVAILABLE / 503",
     )
     p.add_argument("--max-held", type=int, default=DEFAULT_MAX_HELD, help="bound of the hold queue")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=int(env.get("OMNISTAGE_MAX_BATCH") or DEFAULT_MAX_BATCH),
+        help="requests a torch stage runs together: rows of the AR batch, images of one "
+        f"diffusion call (default {DEFAULT_MAX_BATCH})",
+    )
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     _vllm_flags(p)
     return p
@@ -214,6 +222,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         activation=args.activation,
         hold_timeout_s=args.hold_timeout,
         max_held=args.max_held,
+        max_batch=args.max_batch,
     )
 
 

@@ -21,6 +21,9 @@ DEFAULT_DRAIN_TIMEOUT_S: Final = 600.0
 DEFAULT_HTTP_PORT: Final = 8000
 DEFAULT_HOLD_TIMEOUT_S: Final = 60.0
 DEFAULT_MAX_HELD: Final = 256
+DEFAULT_MAX_BATCH: Final = 32
+"""Requests a torch stage runs together (AR: rows of the running batch; diffusion: one call)."""
+MAX_BATCH: Final = 1024
 ACTIVATIONS: Final = ("manual", "ondemand")
 
 RUNNER_BACKENDS: Final[dict[str, tuple[str, ...]]] = {
@@ -179,6 +182,8 @@ class WorkerConfig:
     activation: str = "manual"
     hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S
     max_held: int = DEFAULT_MAX_HELD
+    # How many requests a torch runner runs together (one batch).
+    max_batch: int = DEFAULT_MAX_BATCH
 
     @property
     def model_name(self) -> str:
@@ -314,6 +319,8 @@ def _check_limits(config: WorkerConfig) -> None:
         raise ConfigError("--ack-cache-size", "must be at least 1")
     if not 1 <= config.gpus <= MAX_GPUS:
         raise ConfigError("--gpus", f"{config.gpus} (1 to {MAX_GPUS})")
+    if not 1 <= config.max_batch <= MAX_BATCH:
+        raise ConfigError("--max-batch", f"{config.max_batch} (1 to {MAX_BATCH})")
     _check_demand(config)
 
 

@@ -46,10 +46,9 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[inference_service_pb2.GenerateStreamResponse]:
         chunks: asyncio.Queue[inference_service_pb2.TextChunk] = asyncio.Queue()
 
-        def sink(token_ids: list[int], text: str) -> None:
-            chunks.put_nowait(inference_service_pb2.TextChunk(token_ids=token_ids, text=text))
-
-        task = asyncio.ensure_future(self.worker.generate(request.request, on_chunk=sink))
+        task = asyncio.ensure_future(
+            self.worker.generate(request.request, on_text_chunk=chunks.put_nowait)
+        )
         try:
             while not task.done() or not chunks.empty():
                 getter = asyncio.ensure_future(chunks.get())

@@ -59,7 +59,7 @@ def _load_blocking(worker: Worker) -> None:
     if level2_start and not runner.supports_level2:
         raise RuntimeError("--sleep-level 2 needs *.safetensors weight files to reload from")
     controller = runner.build_controller()
-    feed_accounting(probe, per_device_bytes(controller))
+    feed_accounting(probe, per_device_bytes(controller, runner.transient_bytes))
     if config.initial_state == "active":
         stats = controller.activate()
         verb = "activated"
@@ -77,10 +77,16 @@ def _load_blocking(worker: Worker) -> None:
     )
 
 
-def per_device_bytes(controller: SleepController) -> list[Callable[[], int]]:
-    """How to count the controller's bytes on each of its devices (one: all of them)."""
+def per_device_bytes(
+    controller: SleepController, transient: Callable[[], int] | None = None
+) -> list[Callable[[], int]]:
+    """How to count the controller's bytes on each of its devices (one: all of them, plus
+    the ``transient`` bytes the runner holds for requests, such as a batch's KV cache)."""
     from omnistage_worker.engine.sharded import ShardedEngine
 
     if isinstance(controller, ShardedEngine):
         return [shard.device_bytes for shard in controller.shards]
-    return [controller.device_bytes]
+    if transient is None:
+        return [controller.device_bytes]
+    weights = controller.device_bytes
+    return [lambda: weights() + transient()]

@@ -29,7 +29,13 @@ from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand import Demand
 from omnistage_worker.lane import DaemonLane
 from omnistage_worker.memory import MemoryProbe, Reading
-from omnistage_worker.runners.base import ChunkSink, InvalidRequest, ModelRunner, SleepController
+from omnistage_worker.runners.base import (
+    ChunkSink,
+    InvalidRequest,
+    ModelRunner,
+    SleepController,
+    TextChunkSink,
+)
 from omnistage_worker.sleep_wake import SleepWake
 from omnistage_worker.status import build_status
 from omnistage_worker.transitions import (
@@ -76,7 +82,10 @@ class Worker:
         self.loaded = asyncio.Event()
         # Transitions (and the load) run on one thread, Generate calls on another.
         self.transition_lane = DaemonLane("omnistage-transitions")
-        self._generate_lane = DaemonLane("omnistage-generate")
+        # One thread per request the runner takes at once (a batching runner: twice its batch,
+        # so the next requests already wait in its queue while a batch runs).
+        takes = runner.max_concurrency
+        self._generate_lane = DaemonLane("omnistage-generate", 1 if takes == 1 else 2 * takes)
         self._sleep_wake = SleepWake(self)
         self.demand = Demand(config.activation, config.hold_timeout_s, config.max_held)
 
@@ -229,12 +238,15 @@ class Worker:
         request: inference_service_pb2.GenerateRequest,
         on_chunk: ChunkSink | None = None,
         on_admitted: Callable[[], None] | None = None,
+        on_text_chunk: TextChunkSink | None = None,
     ) -> inference_service_pb2.GenerateResponse:
         """Serve one request now, hold it (OnDemand, asleep or in a transition), or refuse it
         with the reason (never dropped silently).
 
         ``on_chunk`` receives the token ids and text of AR output as they are generated (on
-        the event loop); ``on_admitted`` is called once the request is past holding and validation.
+        the event loop); ``on_text_chunk`` receives the same as whole ``TextChunk`` messages
+        (with log probabilities); ``on_admitted`` is called once the request is past holding
+        and validation.
         """
         try:
             self.runner.validate(request)
@@ -259,7 +271,7 @@ class Worker:
             on_admitted()
 
         probe = self.probe
-        sink = _thread_safe(on_chunk) if on_chunk is not None else None
+        sink = _thread_safe(_chunk_receiver(on_chunk, on_text_chunk))
 
         def serve() -> inference_service_pb2.GenerateResponse:
             # on the lane's thread: a simulated device charges the request's activations
@@ -286,6 +298,10 @@ class Worker:
         The engine is closed on its own thread and waited for: a process that exits while a
         thread is inside torch's C++ code aborts.
         """
+        try:
+            await asyncio.wait_for(self.transition_lane.run(self.runner.close), within)
+        except Exception:
+            log.exception("closing the runner failed")
         close = getattr(self.controller, "close", None)
         if callable(close):
             try:
@@ -298,11 +314,29 @@ class Worker:
         self._generate_lane.close()
 
 
-def _thread_safe(sink: ChunkSink) -> ChunkSink:
+def _chunk_receiver(
+    on_chunk: ChunkSink | None, on_text_chunk: TextChunkSink | None
+) -> TextChunkSink | None:
+    """One sink that hands each chunk to whichever receivers the caller gave (None: none)."""
+    if on_chunk is None and on_text_chunk is None:
+        return None
+
+    def receive(chunk: inference_service_pb2.TextChunk) -> None:
+        if on_chunk is not None:
+            on_chunk(list(chunk.token_ids), chunk.text)
+        if on_text_chunk is not None:
+            on_text_chunk(chunk)
+
+    return receive
+
+
+def _thread_safe(sink: TextChunkSink | None) -> TextChunkSink | None:
     """``sink`` called on the current event loop, from whichever thread generates."""
+    if sink is None:
+        return None
     loop = asyncio.get_running_loop()
 
-    def forward(token_ids: list[int], text: str) -> None:
-        loop.call_soon_threadsafe(sink, token_ids, text)
+    def forward(chunk: inference_service_pb2.TextChunk) -> None:
+        loop.call_soon_threadsafe(sink, chunk)
 
     return forward

@@ -27,6 +27,8 @@ MAX_SIDE = 8192
 
 #: Receives the token ids and text generated since its previous call (AR runners).
 ChunkSink = Callable[[list[int], str], None]
+#: Receives each chunk of AR output as it is generated (ids, text and log probabilities).
+TextChunkSink = Callable[[inference_service_pb2.TextChunk], None]
 
 
 class InvalidRequest(ValueError):
@@ -117,7 +119,7 @@ class ModelRunner(ABC):
         # Generate calls run one at a time: pipelines and samplers keep per-call state.
         self._generate_lock = threading.Lock()
         # Where the request being generated streams its chunks (None: not streamed).
-        self.chunk_sink: ChunkSink | None = None
+        self.chunk_sink: TextChunkSink | None = None
         # The worker's probe, set before :meth:`load` (a runner may measure with it).
         self.probe: MemoryProbe | None = None
 
@@ -149,8 +151,22 @@ class ModelRunner(ABC):
         """Refuse a bad request with :class:`InvalidRequest` before it is queued."""
         validate_common(request)
 
+    @property
+    def max_concurrency(self) -> int:
+        """How many requests the worker hands this runner at once (1: one after the other;
+        a batching runner takes up to its batch and queues the rest itself)."""
+        return 1
+
+    def transient_bytes(self) -> int:
+        """Device bytes the runner holds for requests in flight (a batch's KV cache), beside
+        the weights; 0 when idle."""
+        return 0
+
+    def close(self) -> None:  # noqa: B027 (most runners have no threads of their own)
+        """End the runner's own threads (after the requests queued to them)."""
+
     def generate(
-        self, request: inference_service_pb2.GenerateRequest, sink: ChunkSink | None = None
+        self, request: inference_service_pb2.GenerateRequest, sink: TextChunkSink | None = None
     ) -> inference_service_pb2.GenerateResponse:
         """Run one request (blocking; called from a worker thread); ``sink`` gets AR output
         as it is generated (runners that cannot stream only return the response)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -13,7 +14,9 @@ import torch
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.engine.placement import Block, blocks_of
-from omnistage_worker.runners.base import ChunkSink, TorchRunner, safetensors_in
+from omnistage_worker.runners.base import TextChunkSink, TorchRunner, safetensors_in
+from omnistage_worker.runners.decode_batch import DecodeBatcher, Job
+from omnistage_worker.runners.sampling import resolve_sampling, validate_sampling
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +24,8 @@ DEFAULT_MAX_NEW_TOKENS = 32
 
 
 class CausalLMRunner(TorchRunner):
-    """Generate returns token ids and text; greedy unless ``do_sample`` (then seeded)."""
+    """Generate returns token ids and text; greedy unless sampling is asked for (then seeded
+    per request). Concurrent requests run together (:mod:`.decode_batch`)."""
 
     runner_kind = types_pb2.RUNNER_AR
     backend_kind = types_pb2.BACKEND_TRANSFORMERS
@@ -30,6 +34,7 @@ class CausalLMRunner(TorchRunner):
         super().__init__(config)
         self.model: Any = None
         self.tokenizer: Any = None
+        self._batcher: DecodeBatcher | None = None
 
     def load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,71 +69,78 @@ class CausalLMRunner(TorchRunner):
         found = self._files()
         return {"model": found} if found else None
 
+    def validate(self, request: inference_service_pb2.GenerateRequest) -> None:
+        super().validate(request)
+        validate_sampling(request)
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.config.max_batch
+
+    def batcher(self) -> DecodeBatcher:
+        """The batcher that runs this model's requests (made on first use, after loading)."""
+        if self._batcher is None:
+            tok = self.tokenizer
+            pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            self._batcher = DecodeBatcher(
+                self.model,
+                tokenizer=tok,
+                device=self.device,
+                max_batch=self._batch_limit(),
+                eos_ids=_eos_ids(self.model, tok),
+                pad_id=0 if pad is None else int(pad),
+            )
+        return self._batcher
+
+    def _batch_limit(self) -> int:
+        """``--max-batch``, or 1 for a model with sliding-window layers (their cache keeps
+        a window per row that the batch's shared layout cannot follow)."""
+        from transformers import DynamicCache
+
+        layers = DynamicCache(config=self.model.config).layers
+        if any(getattr(layer, "is_sliding", False) for layer in layers):
+            log.warning("sliding-window attention: requests run one at a time")
+            return 1
+        return self.config.max_batch
+
+    def generate(
+        self, request: inference_service_pb2.GenerateRequest, sink: TextChunkSink | None = None
+    ) -> inference_service_pb2.GenerateResponse:
+        """Run ``request`` in the running batch (blocking until it is done)."""
+        return self.submit(request, sink).result()
+
+    def submit(
+        self, request: inference_service_pb2.GenerateRequest, sink: TextChunkSink | None = None
+    ) -> concurrent.futures.Future[inference_service_pb2.GenerateResponse]:
+        """Queue ``request``; it joins the running batch at the next step."""
+        prompt_ids = [int(t) for t in self.tokenizer(request.prompt)["input_ids"]]
+        job = Job(
+            request=request,
+            prompt_ids=prompt_ids,
+            max_new_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            sampling=resolve_sampling(request, self.model.generation_config),
+            sink=sink,
+        )
+        return self.batcher().submit(job)
+
     def _generate(
         self, request: inference_service_pb2.GenerateRequest
     ) -> inference_service_pb2.GenerateResponse:
-        started = time.monotonic()
-        tok = self.tokenizer
-        encoded = tok(request.prompt, return_tensors="pt")
-        input_ids = encoded["input_ids"].to(self.device)
-        attention_mask = encoded["attention_mask"].to(self.device)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-            "do_sample": request.do_sample,
-            "pad_token_id": pad,
-        }
-        if not request.do_sample:
-            # Greedy: sampling knobs from the model's generation config do not apply.
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        with torch.inference_mode():
-            if request.do_sample:
-                # transformers samples from the global generator; generate calls are serialized.
-                torch.manual_seed(request.seed)
-            if self.chunk_sink is not None:
-                kwargs["streamer"] = TokenStreamer(tok, self.chunk_sink)
-            output = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, **kwargs
-            )
-        new_ids = [int(t) for t in output[0, input_ids.shape[1] :].tolist()]
-        text = tok.decode(new_ids, skip_special_tokens=True)
-        response = inference_service_pb2.GenerateResponse(
-            request_id=request.request_id,
-            text=inference_service_pb2.TextOutput(token_ids=new_ids, text=text),
-        )
-        response.duration.FromNanoseconds(int((time.monotonic() - started) * 1e9))
-        return response
+        return self.generate(request)
+
+    def transient_bytes(self) -> int:
+        return 0 if self._batcher is None else self._batcher.cache_bytes()
+
+    def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
 
 
-class TokenStreamer:
-    """A transformers streamer that hands each new token and its text to a sink.
-
-    ``generate`` first puts the prompt (skipped), then each generated token. Text is decoded
-    over all tokens so far and only the new suffix is sent; a trailing replacement character
-    (a multi-byte character not complete yet) waits for the next token.
-    """
-
-    def __init__(self, tokenizer: Any, sink: ChunkSink) -> None:
-        self._tokenizer = tokenizer
-        self._sink = sink
-        self._prompt_seen = False
-        self._ids: list[int] = []
-        self._sent = ""
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        new = [int(t) for t in value.reshape(-1).tolist()]
-        self._ids.extend(new)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        delta = ""
-        if not text.endswith("\ufffd") and text.startswith(self._sent):
-            delta, self._sent = text[len(self._sent) :], text
-        self._sink(new, delta)
-
-    def end(self) -> None:
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        if text.startswith(self._sent) and len(text) > len(self._sent):
-            self._sink([], text[len(self._sent) :])
-            self._sent = text
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The token ids that end generation (the generation config's, else the tokenizer's)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in eos} if isinstance(eos, list | tuple) else {int(eos)}

@@ -7,7 +7,7 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,13 @@ from omnistage_worker.config import WorkerConfig
 from omnistage_worker.runners.base import (
     InvalidRequest,
     SleepController,
+    TextChunkSink,
     TorchRunner,
     safetensors_in,
 )
 from omnistage_worker.runners.components import discover
 from omnistage_worker.runners.frames import png, to_pil, video_frames
+from omnistage_worker.runners.group_batch import GroupBatcher
 from omnistage_worker.runners.pipeline_call import (
     Scalar,
     SizeRules,
@@ -33,6 +35,8 @@ from omnistage_worker.runners.pipeline_call import (
 
 log = logging.getLogger(__name__)
 
+Response = inference_service_pb2.GenerateResponse
+
 MAX_FRAMES = 1025
 VIDEO_FPS = {"Wan": 16.0}
 """Frame rates of the video families' models (the rate their exports use)."""
@@ -40,7 +44,10 @@ VIDEO_FPS = {"Wan": 16.0}
 
 class DiffusionRunner(TorchRunner):
     """Every ``nn.Module`` component of the pipeline is handed to the weight engine, each as a
-    component that sleeps separately (declared ones first, see :mod:`.components`)."""
+    component that sleeps separately (declared ones first, see :mod:`.components`).
+
+    Concurrent requests of the same size and parameters run as one call (up to
+    ``--max-batch``, :mod:`.group_batch`); each answer says how many ran together."""
 
     runner_kind = types_pb2.RUNNER_DIFFUSION
     backend_kind = types_pb2.BACKEND_DIFFUSERS
@@ -53,6 +60,7 @@ class DiffusionRunner(TorchRunner):
         self._signature = inspect.Signature()
         self._files: dict[str, list[Path]] = {}
         self._components: dict[str, torch.nn.Module] = {}
+        self._batcher: GroupBatcher[inference_service_pb2.GenerateRequest, Response] | None = None
 
     def load(self) -> None:
         from diffusers import DiffusionPipeline
@@ -159,15 +167,36 @@ class DiffusionRunner(TorchRunner):
         owner = type(self.pipeline).__name__
         return check_parameters(self._signature, owner, values)
 
-    def _generate(
-        self, request: inference_service_pb2.GenerateRequest
+    @property
+    def max_concurrency(self) -> int:
+        return self.config.max_batch
+
+    def generate(
+        self, request: inference_service_pb2.GenerateRequest, sink: TextChunkSink | None = None
     ) -> inference_service_pb2.GenerateResponse:
-        started = time.monotonic()
-        # The pipeline draws its noise on its execution device (with components on several
-        # devices: the first hooked component's), so the generator lives there too.
-        device = getattr(self.pipeline, "_execution_device", None) or self.device
-        generator = torch.Generator(device=device).manual_seed(request.seed)
-        kwargs: dict[str, Any] = {"generator": generator, "output_type": "pil"}
+        """Run ``request`` in one call with the requests of its size and parameters that wait
+        with it (blocking until it is done)."""
+        return self._batches().submit(request).result()
+
+    def _batches(self) -> GroupBatcher[inference_service_pb2.GenerateRequest, Response]:
+        if self._batcher is None:
+            self._batcher = GroupBatcher(
+                self._run_batch, self._batch_key, self.config.max_batch, "omnistage-diffusion"
+            )
+        return self._batcher
+
+    def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
+
+    def _batch_key(self, request: inference_service_pb2.GenerateRequest) -> Hashable:
+        """What requests must share to run in one call: everything but prompt and seed."""
+        return (
+            tuple(sorted(self._call_sizes(request).items())),
+            tuple(sorted(self._parameters(request).items())),
+        )
+
+    def _call_sizes(self, request: inference_service_pb2.GenerateRequest) -> dict[str, Any]:
         optional = {
             "num_inference_steps": request.num_inference_steps,
             "height": request.height,
@@ -175,15 +204,46 @@ class DiffusionRunner(TorchRunner):
             "guidance_scale": request.guidance_scale,
             "num_frames": request.num_frames,
         }
-        for name, value in optional.items():
-            if value and name in self._call_params:
-                kwargs[name] = value
-        kwargs.update(self._parameters(request))
+        return {n: v for n, v in optional.items() if v and n in self._call_params}
+
+    def _generate(self, request: inference_service_pb2.GenerateRequest) -> Response:
+        return self._run_batch([request])[0]
+
+    def _run_batch(self, requests: list[inference_service_pb2.GenerateRequest]) -> list[Response]:
+        """One pipeline call for requests of one key: a list of prompts and one seeded
+        generator per request, so each output is what its request alone makes with its seed."""
+        started = time.monotonic()
+        # The pipeline draws its noise on its execution device (with components on several
+        # devices: the first hooked component's), so the generators live there too.
+        device = getattr(self.pipeline, "_execution_device", None) or self.device
+        generators = [torch.Generator(device=device).manual_seed(r.seed) for r in requests]
+        first = requests[0]
+        kwargs: dict[str, Any] = {
+            "generator": generators if len(requests) > 1 else generators[0],
+            "output_type": "pil",
+        }
+        kwargs.update(self._call_sizes(first))
+        kwargs.update(self._parameters(first))
+        prompts = [r.prompt for r in requests]
         with torch.inference_mode():
-            result = self.pipeline(request.prompt, **kwargs)
-        response = inference_service_pb2.GenerateResponse(request_id=request.request_id)
+            result = self.pipeline(prompts if len(requests) > 1 else prompts[0], **kwargs)
+        seconds = time.monotonic() - started
+        return [
+            self._response(request, result, index, len(requests), seconds)
+            for index, request in enumerate(requests)
+        ]
+
+    def _response(
+        self,
+        request: inference_service_pb2.GenerateRequest,
+        result: Any,
+        index: int,
+        batch_size: int,
+        seconds: float,
+    ) -> Response:
+        response = Response(request_id=request.request_id, batch_size=batch_size)
         if self.makes_video:
-            frames = video_frames(result.frames)
+            frames = video_frames(result.frames, index)
             response.video.CopyFrom(
                 inference_service_pb2.VideoOutput(
                     frames_png=[png(f) for f in frames],
@@ -193,11 +253,11 @@ class DiffusionRunner(TorchRunner):
                 )
             )
         else:
-            image = to_pil(result.images[0])
+            image = to_pil(result.images[index])
             response.image.CopyFrom(
                 inference_service_pb2.ImageOutput(
                     png=png(image), width=image.width, height=image.height
                 )
             )
-        response.duration.FromNanoseconds(int((time.monotonic() - started) * 1e9))
+        response.duration.FromNanoseconds(int(seconds * 1e9))
         return response

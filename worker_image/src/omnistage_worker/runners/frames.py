@@ -29,7 +29,7 @@ def png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def video_frames(frames: Any) -> list[Image.Image]:
-    """The frames of the first video of a pipeline's ``frames`` output (list or array)."""
-    first: Sequence[Any] = frames[0]
-    return [to_pil(f) for f in first]
+def video_frames(frames: Any, index: int = 0) -> list[Image.Image]:
+    """The frames of video ``index`` of a pipeline's ``frames`` output (list or array)."""
+    video: Sequence[Any] = frames[index]
+    return [to_pil(f) for f in video]

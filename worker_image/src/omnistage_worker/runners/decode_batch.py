@@ -1,0 +1,311 @@
+"""Continuous batching for a transformers causal LM: requests that arrive while others decode
+join the running batch at the next step, each with its own sampling, stops and stream.
+
+Why not transformers' own continuous batching (``init_continuous_batching`` /
+``generate_batch``): its sampler draws every row from one generator, so a request's sampled
+output depends on what else is in the batch (no per-request seed); per-request temperature and
+top-p exist only in later 5.x releases than the GPU host's 5.17; it reports no log
+probabilities; and its paged KV pool is allocated once on the device when the manager starts,
+which a stage that sleeps would have to tear down and rebuild around every weight move.
+
+Here the running batch is one ``DynamicCache`` of shape ``[rows, heads, slots, dim]`` with a
+``[rows, slots]`` attention mask: every step feeds each running row its pending token and each
+joining row its whole prompt, left-padded to the longest feed, in one forward pass (a joining
+row's past is all padding; a running row gets masked holes when prompts join). Positions are
+per row, so a row sees exactly the tokens it would see alone. Finished rows are dropped from
+the cache at once and columns no row uses any more are trimmed, so when the last request ends
+the cache is gone: nothing of a batch stays on the device for a sleep to find.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.worker.v1 import inference_service_pb2
+from omnistage_worker.runners.sampling import (
+    Sampling,
+    choose,
+    new_generator,
+    token_logprobs,
+)
+from omnistage_worker.runners.text_output import TextOutput
+
+log = logging.getLogger(__name__)
+
+FINISH_STOP = inference_service_pb2.FINISH_REASON_STOP
+FINISH_LENGTH = inference_service_pb2.FINISH_REASON_LENGTH
+
+Response = inference_service_pb2.GenerateResponse
+TextChunkSink = Any  # Callable[[inference_service_pb2.TextChunk], None]
+
+
+@dataclass
+class Job:
+    """One request as the batcher runs it."""
+
+    request: inference_service_pb2.GenerateRequest
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    sink: TextChunkSink | None
+    future: concurrent.futures.Future[Response] = field(default_factory=concurrent.futures.Future)
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Row:
+    """A request in the running batch."""
+
+    job: Job
+    output: TextOutput
+    generator: torch.Generator | None
+    seen: int = 0
+    """Real (unmasked) tokens of this row in the cache: the position of its pending token."""
+    pending: int = -1
+    """The token sampled last, fed at the next step."""
+    logprobs: list[inference_service_pb2.TokenLogprob] = field(default_factory=list)
+    batch_size: int = 0
+    finish: inference_service_pb2.FinishReason.ValueType = (
+        inference_service_pb2.FINISH_REASON_UNSPECIFIED
+    )
+
+
+class DecodeBatcher:
+    """Runs requests in one growing and shrinking batch on a daemon thread of its own."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tokenizer: Any,
+        device: torch.device,
+        max_batch: int,
+        eos_ids: set[int],
+        pad_id: int,
+    ) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._device = device
+        self.max_batch = max(1, max_batch)
+        self._eos = eos_ids
+        self._pad = pad_id
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cond = threading.Condition()
+        self._pending: deque[Job] = deque()
+        self._rows: list[Row] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # -- callers' side ----------------------------------------------------------------------
+
+    def submit(self, job: Job) -> concurrent.futures.Future[Response]:
+        """Queue ``job``; it joins the running batch at the next step."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._serve, daemon=True, name="omnistage-decode-batch"
+                )
+                self._thread.start()
+            self._cond.notify()
+        return job.future
+
+    def close(self, within: float = 30.0) -> None:
+        """Stop after the requests already queued have finished (bounded wait)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(within)
+
+    def cache_bytes(self) -> int:
+        """Bytes the running batch holds in its KV cache and mask (0 when idle)."""
+        cache, mask = self._cache, self._mask
+        total = 0 if mask is None else mask.numel() * mask.element_size()
+        for layer in getattr(cache, "layers", None) or ():
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+    # -- the batch's thread -----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._rows:
+                    if self._closed:
+                        return
+                    self._cond.wait()
+                room = self.max_batch - len(self._rows)
+                joining = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            for future, outcome in self._step_or_fail(joining):
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+
+    def _step_or_fail(
+        self, joining: list[Job]
+    ) -> list[tuple[concurrent.futures.Future[Response], Response | BaseException]]:
+        """One step; on an error every request in the batch fails with it (and the batch's
+        memory is dropped). Runs to completion before any future is resolved, so the tensors
+        of the step are gone when a caller (or a draining sleep) sees its answer."""
+        try:
+            with torch.inference_mode():
+                return self._step(joining)
+        except Exception as exc:
+            log.exception("a batch step failed (%d rows)", len(self._rows) + len(joining))
+            failed = [row.job.future for row in self._rows] + [job.future for job in joining]
+            self._rows, self._cache, self._mask = [], None, None
+            return [(future, exc) for future in failed]
+
+    def _step(
+        self, joining: list[Job]
+    ) -> list[tuple[concurrent.futures.Future[Response], Response | BaseException]]:
+        new_rows = [self._new_row(job) for job in joining]
+        feeds = [[row.pending] for row in self._rows] + [job.prompt_ids for job in joining]
+        self._grow(len(new_rows))
+        rows = self._rows = self._rows + new_rows
+        logits = self._forward(rows, feeds)
+        self.steps += 1
+        tokens = choose(logits, [r.job.sampling for r in rows], [r.generator for r in rows])
+        tops = [r.job.sampling.top_logprobs for r in rows]
+        logprobs = token_logprobs(logits, tokens, tops, self._decode_one)
+        del logits
+        for row, feed, token, logprob in zip(rows, feeds, tokens, logprobs, strict=True):
+            row.seen += len(feed)
+            row.batch_size = max(row.batch_size, len(rows))
+            self._take(row, token, logprob)
+        return self._drop_finished()
+
+    def _new_row(self, job: Job) -> Row:
+        streamed = job.sink is not None
+        output = TextOutput(self._decode, list(job.request.stop), streamed)
+        sampling = job.sampling
+        generator = None if sampling.greedy else new_generator(self._device, sampling.seed)
+        return Row(job=job, output=output, generator=generator)
+
+    def _grow(self, joining: int) -> None:
+        """Give joining rows an all-padding past as long as the running rows'."""
+        if not joining or self._cache is None or self._mask is None:
+            return
+        for layer in self._cache.layers:
+            layer.keys = _pad_rows(layer.keys, joining)
+            layer.values = _pad_rows(layer.values, joining)
+        self._mask = _pad_rows(self._mask, joining)
+
+    def _forward(self, rows: list[Row], feeds: list[list[int]]) -> torch.Tensor:
+        """Feed each row its tokens (left-padded to the longest); the last position's logits."""
+        width = max(len(f) for f in feeds)
+        ids = [[self._pad] * (width - len(f)) + f for f in feeds]
+        mask = [[0] * (width - len(f)) + [1] * len(f) for f in feeds]
+        positions = [
+            [0] * (width - len(f)) + list(range(row.seen, row.seen + len(f)))
+            for row, f in zip(rows, feeds, strict=True)
+        ]
+        device = self._device
+        new_mask = torch.tensor(mask, dtype=torch.long, device=device)
+        full_mask = new_mask if self._mask is None else torch.cat([self._mask, new_mask], dim=1)
+        kwargs: dict[str, Any] = {
+            "input_ids": torch.tensor(ids, dtype=torch.long, device=device),
+            "attention_mask": full_mask,
+            "position_ids": torch.tensor(positions, dtype=torch.long, device=device),
+            "past_key_values": self._cache,
+            "use_cache": True,
+        }
+        if self._keeps_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self._model(**kwargs)
+        self._cache, self._mask = out.past_key_values, full_mask
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
+
+    def _take(
+        self, row: Row, token: int, logprob: inference_service_pb2.TokenLogprob | None
+    ) -> None:
+        """Append ``token`` to ``row``, stream it, and decide whether the row is done."""
+        job = row.job
+        row.pending = token
+        if logprob is not None:
+            row.logprobs.append(logprob)
+        delta = row.output.add(token)
+        if row.output.stopped or token in self._eos:
+            row.finish = FINISH_STOP
+        elif len(row.output.ids) >= job.max_new_tokens:
+            row.finish = FINISH_LENGTH
+        if row.finish:
+            delta += row.output.finish()
+        if job.sink is not None:
+            chunk = inference_service_pb2.TextChunk(token_ids=[token], text=delta)
+            if logprob is not None:
+                chunk.logprobs.append(logprob)
+            job.sink(chunk)
+
+    def _drop_finished(
+        self,
+    ) -> list[tuple[concurrent.futures.Future[Response], Response | BaseException]]:
+        """Answer finished rows and drop them (and padding no row needs) from the cache."""
+        done = [row for row in self._rows if row.finish]
+        if not done:
+            return []
+        keep = [i for i, row in enumerate(self._rows) if not row.finish]
+        self._rows = [self._rows[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+        else:
+            assert self._mask is not None
+            index = torch.tensor(keep, device=self._mask.device)
+            mask = self._mask.index_select(0, index)
+            start = int(mask.any(dim=0).int().argmax())
+            self._mask = mask[:, start:]
+            for layer in self._cache.layers:
+                layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+                layer.values = layer.values.index_select(0, index)[:, :, start:]
+        return [(row.job.future, self._response(row)) for row in done]
+
+    def _response(self, row: Row) -> Response:
+        job = row.job
+        ids = row.output.ids
+        response = Response(
+            request_id=job.request.request_id,
+            text=inference_service_pb2.TextOutput(
+                token_ids=ids,
+                text=row.output.text,
+                finish_reason=row.finish,
+                logprobs=row.logprobs,
+            ),
+            usage=inference_service_pb2.Usage(
+                prompt_tokens=len(job.prompt_ids), completion_tokens=len(ids)
+            ),
+            batch_size=row.batch_size,
+        )
+        response.duration.FromNanoseconds(int((time.monotonic() - job.submitted) * 1e9))
+        return response
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _decode_one(self, token_id: int) -> str:
+        return str(self._tokenizer.decode([token_id]))
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with ``rows`` zero rows appended along the batch dimension."""
+    shape = (rows, *tensor.shape[1:])
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=0)
