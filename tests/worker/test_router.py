@@ -42,7 +42,7 @@ async def test_requests_go_to_the_stage_named_by_model(
         lm_dir, "ar", "transformers", http_port=0, served_model_name="two",
         activation="ondemand", initial_state="asleep",
     )  # fmt: skip
-    router = Router({"one": url(awake), "two": url(lazy), "gone": "http://127.0.0.1:9"})
+    router = Router({"one": [url(awake)], "two": [url(lazy)], "gone": ["http://127.0.0.1:9"]})
     async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["gone", "one", "two"]
@@ -76,9 +76,9 @@ async def test_requests_go_to_the_stage_named_by_model(
 
 
 def test_routing_table_from_flags() -> None:
-    assert parse_routes("ns", ["a"], 8000, ["b=http://b:1/"]) == {
-        "a": "http://a-worker.ns.svc:8000",
-        "b": "http://b:1",
+    assert parse_routes("ns", ["a"], 8000, ["b=http://b:1/", "b=http://b2:1"]) == {
+        "a": ["http://a-worker.ns.svc:8000"],
+        "b": ["http://b:1", "http://b2:1"],
     }
     with pytest.raises(ValueError, match="NAME=http"):
         parse_routes("ns", [], 8000, ["b"])

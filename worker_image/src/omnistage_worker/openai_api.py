@@ -195,12 +195,13 @@ IMAGE_FIELDS = _COMMON | {
 }  # fmt: skip
 
 
-def check_fields(body: JSON, known: set[str]) -> None:
-    """Refuse a field this endpoint does not define, or one set to what the stage cannot do."""
+def check_fields(body: JSON, known: set[str], own: frozenset[str] = frozenset()) -> None:
+    """Refuse a field this endpoint does not define, or one set to what the stage cannot do
+    (``own``: fields the endpoint checks itself)."""
     for key in body:
         if key not in known:
             raise BadRequest(key, f"unknown field {key!r}: this stage does not support it")
-        honoured = _DEFAULTS.get(key)
+        honoured = None if key in own else _DEFAULTS.get(key)
         if honoured is not None and not honoured(body[key]):
             raise BadRequest(
                 key, f"{key}={body[key]!r} is not supported by this stage (leave it unset)"
@@ -350,7 +351,7 @@ def parse_image(raw: Any, served: str) -> Parsed:
     """A ``/v1/images/generations`` body (``b64_json`` only; ``size`` as ``WxH``)."""
     body = _obj(raw)
     check_model(body, served)
-    check_fields(body, IMAGE_FIELDS)
+    check_fields(body, IMAGE_FIELDS, own=frozenset({"response_format"}))
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt", "prompt must be a non-empty string")
