@@ -266,16 +266,18 @@ class OpenAIApp:
         return await _answered(request, self.limits.request_body_bytes, "completion", answer)
 
     async def _stream(self, parsed: Parsed, chat: bool, admission: _Admission) -> Response:
-        """Wait until the request is admitted (held first when asleep), then stream SSE.
+        """Wait until the model produced the first chunk (held and queued first), then
+        stream SSE.
 
-        A refusal before admission is an ordinary error response (status and Retry-After);
-        after the first byte, a failure ends the stream with an error event.
+        A refusal until then (a hold timeout, a shutdown that answers the queue) is an ordinary
+        error response (status and Retry-After); after the first byte, a failure ends the
+        stream with an error event.
         """
         events = _Events(len(parsed.requests))
         tasks = self._start(parsed, admission, events.sinks())
         for task in tasks:
             task.add_done_callback(lambda _: events.wake.set())
-        waiter = asyncio.ensure_future(admission.event.wait())
+        waiter = asyncio.ensure_future(events.wake.wait())
         try:
             either: set[asyncio.Future[Any]] = {*tasks, waiter}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)

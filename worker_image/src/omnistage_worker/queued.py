@@ -46,6 +46,11 @@ class Ticket:
     def started(self) -> bool:
         return self._started
 
+    @property
+    def waiting(self) -> bool:
+        """Admitted, not taken by the model, not gone."""
+        return not (self._started or self._left)
+
     def start(self) -> bool:
         """The model takes the request now (any thread); False when it already left."""
         with self._lock:
@@ -76,7 +81,8 @@ class Queued:
         self._tickets: set[Ticket] = set()
 
     def __len__(self) -> int:
-        return sum(1 for t in self._tickets if not t.started)
+        """How many requests wait for the model."""
+        return sum(1 for t in self._tickets if t.waiting)
 
     def enter(self) -> Ticket:
         ticket = Ticket()
