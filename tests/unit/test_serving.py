@@ -109,3 +109,22 @@ def test_crd_refuses_the_serving_flags_in_worker_args() -> None:
         for arg in (flag, f"{flag}=1"):
             assert any(p.match(arg) for p in compiled), arg
     assert not any(p.match("--max-held") for p in compiled)
+
+
+def test_chart_router_requires_the_stages_token() -> None:
+    from tests.unit.test_chart_render import render
+
+    group = {"name": "demo", "stages": ["llm"], "authSecret": {"name": "llm-api", "key": "k"}}
+    objs = render({"router": {"enabled": True, "groups": [group]}})
+    deployment = next(
+        o for o in objs if o["kind"] == "Deployment" and "-router-" in o["metadata"]["name"]
+    )
+    pod = deployment["spec"]["template"]["spec"]
+    (router,) = pod["containers"]
+    assert f"--token-file={V.HTTP_TOKEN_DIR}/k" in router["args"]
+    assert router["volumeMounts"] == [
+        {"name": V.HTTP_TOKEN_VOLUME, "mountPath": V.HTTP_TOKEN_DIR, "readOnly": True}
+    ]
+    (volume,) = pod["volumes"]
+    assert volume["secret"]["secretName"] == "llm-api"
+    assert volume["secret"]["items"] == [{"key": "k", "path": "k"}]
