@@ -154,7 +154,8 @@ async def test_a_going_worker_answers_its_held_requests_and_the_router_sends_the
         )
 
         async def three_held() -> bool:
-            return (await http.get(f"{going_url}/health")).json()["held_requests"] == 3
+            held: int = (await http.get(f"{going_url}/health")).json()["held_requests"]
+            return held == 3
 
         await wait_for(three_held, what="three requests held by the asleep worker")
         signalled = time.monotonic()

@@ -58,6 +58,7 @@ class Parsed:
     logprobs: int | None = None
     n: int = 1
     params: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None  # the client's end-user id (logged, not used)
 
     @property
     def request(self) -> inference_service_pb2.GenerateRequest:
@@ -220,10 +221,11 @@ def check_model(body: JSON, served: str) -> None:
         )
 
 
-def _user(body: JSON) -> None:
+def _user(body: JSON) -> str | None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise BadRequest("user", "user must be a string")
+    return user
 
 
 # -- text ---------------------------------------------------------------------------------
@@ -250,7 +252,7 @@ def _text(
         raise BadRequest("top_p", "top_p must be more than 0")
     seed = _int(body, "seed", 0, low=-(2**63))
     stops = _stop(body)
-    _user(body)
+    user = _user(body)
     stem = uuid.uuid4().hex
     requests = []
     for p, prompt in enumerate(prompts):
@@ -270,7 +272,7 @@ def _text(
                 request.top_logprobs = logprobs
             requests.append(request)
     params = {"max_new_tokens": tokens_key, "top_logprobs": "logprobs", "prompt": "prompt"}
-    return Parsed(tuple(requests), stream, include_usage, max_tokens, logprobs, n, params)
+    return Parsed(tuple(requests), stream, include_usage, max_tokens, logprobs, n, params, user)
 
 
 def parse_completion(raw: Any, served: str) -> Parsed:
@@ -367,7 +369,7 @@ def parse_image(raw: Any, served: str) -> Parsed:
         width, height = int(match.group(1)), int(match.group(2))
     guidance = _number(body, "guidance_scale", 0.0, 1000.0) or 0.0
     seed = _int(body, "seed", 0, low=-(2**63))
-    _user(body)
+    user = _user(body)
     stem = uuid.uuid4().hex
     requests = tuple(
         inference_service_pb2.GenerateRequest(
@@ -382,4 +384,4 @@ def parse_image(raw: Any, served: str) -> Parsed:
         )
         for i in range(n)
     )
-    return Parsed(requests, n=n, params={"width": "size", "height": "size"})
+    return Parsed(requests, n=n, params={"width": "size", "height": "size"}, user=user)

@@ -227,6 +227,8 @@ class OpenAIApp:
     ) -> list[asyncio.Future[Response_]]:
         """The parsed requests, started at once: they run concurrently, so the engine
         serves them together as it does concurrent clients."""
+        if parsed.user is not None:
+            log.info("request %s: user %r", parsed.request.request_id, parsed.user)
         return [
             asyncio.ensure_future(
                 self.worker.generate(

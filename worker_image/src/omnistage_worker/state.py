@@ -244,8 +244,8 @@ class Worker:
         if self.terminating:
             raise ShuttingDown("it arrived after the shutdown began")
         try:
-            self.runner.validate(request)
             limits.check(self.config.limits, request, self.runner)
+            self.runner.validate(request)
         except (InvalidRequest, limits.OverLimit) as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         self.demand.touch()
