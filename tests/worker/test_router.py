@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import re
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -50,7 +51,8 @@ async def test_requests_go_to_the_stage_named_by_model(
         lm_dir, "ar", "transformers", http_port=0, served_model_name="two",
         activation="ondemand", initial_state="asleep",
     )  # fmt: skip
-    router = Router({"one": [url(awake)], "two": [url(lazy)], "gone": ["http://127.0.0.1:9"]})
+    routes = {"one": [url(awake)], "two": [url(lazy)], "gone": ["http://127.0.0.1:9"]}
+    router = Router(routes, retry_within=0.5)
     async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["gone", "one", "two"]
@@ -178,3 +180,28 @@ async def test_a_going_worker_answers_its_held_requests_and_the_router_sends_the
         after = await http.post("/v1/completions", json=body)
         assert after.status_code == 200 and router.retried == 3
     await channel.close()
+
+
+async def test_behind_one_url_a_request_waits_for_the_next_pod(
+    start_worker: StartWorker, lm_dir: Path
+) -> None:
+    """One Service URL and no pod behind it yet (the old one went): the request is sent again
+    until the next pod answers, within the router's retry window."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    router = Router({"lm": [f"http://127.0.0.1:{port}"]}, retry_within=60.0)
+    async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=90) as http:
+        sent = asyncio.ensure_future(
+            http.post("/v1/completions", json={"model": "lm", "prompt": "the cat", "max_tokens": 2})
+        )
+
+        async def retried() -> bool:
+            return router.retried >= 2
+
+        await wait_for(retried, what="the router to send the request again")
+        assert not sent.done()
+        await start_worker(lm_dir, "ar", "transformers", http_port=port, served_model_name="lm")
+        answer = await sent
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 2

@@ -11,9 +11,10 @@ OpenAI error shape; a backend that cannot be reached is a 502.
 Nothing lost when a worker goes: a request that never reached a model (the connection was
 refused, or the worker answered 503 with ``x-omnistage-unserved`` while shutting down) is sent
 again, to the stage's next backend (``--route NAME=URL`` repeated) or, behind one Service URL,
-to the same URL after a short pause (the Service then sends it to the next ready pod). A request
-that reached a model is never sent twice. ``--token-file`` makes the router require a bearer
-token (``/health`` stays open); the client's ``Authorization`` goes on to the stage.
+to the same URL after a short pause (the Service then sends it to the next ready pod), for up
+to ``--retry-within`` seconds (15). A request that reached a model is never sent twice.
+``--token-file`` makes the router require a bearer token (``/health`` stays open); the client's
+``Authorization`` goes on to the stage.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ from omnistage_worker.queued import UNSERVED_HEADER
 log = logging.getLogger(__name__)
 
 PASSED_HEADERS = ("content-type", "retry-after", "x-omnistage-held-ms", "cache-control")
-# How often a request that never reached a model is sent again, and the pause before a
-# backend is tried again (behind one Service URL, the next try reaches the next ready pod).
-MAX_ATTEMPTS = 8
-RETRY_PAUSE_S = 0.25
+# How long a request that never reached a model is sent again (a replaced pod needs a moment
+# behind its Service), and the pauses before a backend is tried again (doubling, at most 2 s).
+RETRY_WITHIN_S = 15.0
+FIRST_PAUSE_S = 0.25
+MAX_PAUSE_S = 2.0
 
 Routes = Mapping[str, Sequence[str]]
 
@@ -68,10 +70,12 @@ class Router:
         timeout: float = 600.0,
         token: str | None = None,
         max_request_bytes: int = DEFAULT_REQUEST_BODY_BYTES,
+        retry_within: float = RETRY_WITHIN_S,
     ) -> None:
         self.routes = {name: list(urls) for name, urls in routes.items()}
         self.created = int(time.time())
         self.max_request_bytes = max_request_bytes
+        self.retry_within = retry_within
         self.retried = 0  # requests sent again because they never reached a model
         self.client = httpx.AsyncClient(timeout=timeout)
         self.app = Starlette(
@@ -144,11 +148,14 @@ class Router:
         Sent again only when it never reached one: the connection was refused, or the worker
         answered that it is shutting down (``x-omnistage-unserved``).
         """
-        failure = ""
-        for attempt in range(MAX_ATTEMPTS):
+        deadline = time.monotonic() + self.retry_within
+        attempt = 0
+        while True:
             target = targets[attempt % len(targets)]
             if attempt and attempt % len(targets) == 0:
-                await asyncio.sleep(RETRY_PAUSE_S)
+                rounds = attempt // len(targets)
+                await asyncio.sleep(min(MAX_PAUSE_S, FIRST_PAUSE_S * 2 ** (rounds - 1)))
+            last = time.monotonic() >= deadline
             upstream = self.client.build_request(
                 "POST", f"{target}{path}", content=raw, headers=headers
             )
@@ -160,13 +167,15 @@ class Router:
                 message = f"stage {model!r} at {target} failed: {exc!r}"
                 return JSONResponse(error_body(message, "server_error", None, "bad_gateway"), 502)
             else:
-                if UNSERVED_HEADER not in reply.headers or attempt == MAX_ATTEMPTS - 1:
+                if UNSERVED_HEADER not in reply.headers or last:
                     return reply
                 await reply.aclose()
                 failure = f"stage {model!r} at {target} is shutting down"
+            if last:
+                return JSONResponse(error_body(failure, "server_error", None, "bad_gateway"), 502)
+            attempt += 1
             self.retried += 1
-            log.info("%s; sending the request again (attempt %d)", failure, attempt + 2)
-        return JSONResponse(error_body(failure, "server_error", None, "bad_gateway"), 502)
+            log.info("%s; sending the request again (attempt %d)", failure, attempt + 1)
 
 
 async def _relay(reply: httpx.Response) -> AsyncIterator[bytes]:
@@ -208,6 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=str(DEFAULT_REQUEST_BODY_BYTES),
         help="largest request body (a quantity, default 1Mi): larger ones get 413",
     )
+    p.add_argument(
+        "--retry-within",
+        type=float,
+        default=RETRY_WITHIN_S,
+        help="seconds a request that never reached a model is sent again (default 15)",
+    )
     args = p.parse_args(argv)
     try:
         table = parse_routes(args.namespace, args.stage, args.worker_port, args.route)
@@ -217,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     log.info("routes: %s%s", table, " (bearer token required)" if token else "")
-    router = Router(table, token=token, max_request_bytes=limit)
+    router = Router(table, token=token, max_request_bytes=limit, retry_within=args.retry_within)
     uvicorn.run(router.asgi, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
