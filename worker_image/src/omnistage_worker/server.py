@@ -74,6 +74,7 @@ class WorkerServer:
         self.port = 0
         self.http: HttpServer | None = None
         self.http_port = 0
+        self._stopped = False
 
     async def start(self) -> int:
         """Bind, start serving, start loading the model; the bound port."""
@@ -113,7 +114,11 @@ class WorkerServer:
 
     async def stop(self, grace: float) -> None:
         """Answer held and queued requests (503 / UNAVAILABLE, retry elsewhere), health
-        NOT_SERVING, then let running calls finish within ``grace`` seconds."""
+        NOT_SERVING, then let running calls finish within ``grace`` seconds (once: a second
+        call returns at once)."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.worker.terminate()
         await self.health.shutdown()
         log.info("health NOT_SERVING; waiting up to %.1fs for in-flight calls", grace)
