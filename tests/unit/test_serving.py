@@ -112,7 +112,7 @@ def test_crd_refuses_the_serving_flags_in_worker_args() -> None:
 
 
 def test_chart_router_requires_the_stages_token() -> None:
-    from tests.unit.test_chart_render import render
+    from tests.unit.test_chart_support import render
 
     group = {"name": "demo", "stages": ["llm"], "authSecret": {"name": "llm-api", "key": "k"}}
     objs = render({"router": {"enabled": True, "groups": [group]}})
