@@ -73,7 +73,7 @@ async def test_streamed_completion_and_chat_are_sse(
         )
         message = plain.json()["choices"][0]["message"]
         streamed_text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-        assert message == {"role": "assistant", "content": streamed_text}
+        assert message == {"role": "assistant", "content": streamed_text, "refusal": None}
 
 
 async def test_errors_use_the_openai_shape(start_worker: StartWorker, lm_dir: Path) -> None:
@@ -87,7 +87,7 @@ async def test_errors_use_the_openai_shape(start_worker: StartWorker, lm_dir: Pa
         assert bad.json()["error"]["param"] == "max_tokens"
         too_many = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 10**6})
         assert too_many.status_code == 400
-        assert too_many.json()["error"]["param"] == "max_new_tokens"
+        assert too_many.json()["error"]["param"] == "max_tokens"
         images = await http.post("/v1/images/generations", json={"prompt": "x"})
         assert images.status_code == 400 and "serves text" in images.json()["error"]["message"]
         nothing = await http.get("/v1/nothing")
@@ -124,7 +124,7 @@ async def test_503_with_retry_after_past_the_hold_timeout_409_when_manual(
     manual = await lm_http(start_worker, lm_dir, initial_state="asleep")
     async with client(held) as http:
         answer = await http.post("/v1/completions", json={"prompt": "a", "stream": True})
-        assert answer.status_code == 503
+        assert answer.status_code == 503, answer.text
         assert answer.headers["retry-after"] == "1"
         assert answer.json()["error"]["code"] == "hold_timeout"
     async with client(manual) as http:

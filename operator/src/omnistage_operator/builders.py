@@ -64,6 +64,7 @@ from omnistage_operator.labels import (
     stage_labels,
     stage_selector,
 )
+from omnistage_operator.serving import Serving, serving_args, serving_volume
 from omnistage_operator.spec import (
     API_VERSION,
     KIND,
@@ -225,6 +226,7 @@ def worker_args(
         args += ["--dtype", stage.worker.dtype]
     if stage.backend is Backend.VLLM:
         args += vllm_args(stage)
+    args += serving_args(stage.serving)
     args += list(stage.worker.args)
     return args
 
@@ -284,6 +286,8 @@ def pod_spec_hash(stage: StageSpec) -> str:
     }
     if stage.backend is Backend.VLLM:  # the engine's memory budget is fixed when it starts
         payload["vllm"] = vllm_args(stage)
+    if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
+        payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=_jsonable)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -384,6 +388,10 @@ def _pod_volumes(
             },
         }
     ]
+    http_token = serving_volume(stage.serving)
+    if http_token is not None:
+        mounts.append(http_token[0])
+        volumes.append(http_token[1])
     if stage.model.volume is not None:
         mounts.append({"name": MODEL_VOLUME, "mountPath": stage.model.mount_path, "readOnly": True})
         volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(dict(stage.model.volume))})

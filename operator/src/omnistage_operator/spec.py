@@ -49,6 +49,13 @@ from typing import Any, TypeVar
 
 from omnistage_operator.activation import Activation, ActivationError, parse_activation
 from omnistage_operator.quantities import QuantityError, parse_quantity
+from omnistage_operator.serving import (
+    HTTP_TOKEN_VOLUME,
+    SERVING_ARGS,
+    Serving,
+    ServingError,
+    parse_serving,
+)
 from omnistage_worker.config import DTYPES
 
 __all__ = [
@@ -141,8 +148,10 @@ RESERVED_ARGS = frozenset(
         "--http-port",
     }
 )
+# spec.limits and spec.http set these (omnistage_operator.serving).
+RESERVED_ARGS |= SERVING_ARGS
 # Names the builders use for their own volumes and mount points.
-RESERVED_VOLUMES = frozenset({"omnistage-token", "model"})
+RESERVED_VOLUMES = frozenset({"omnistage-token", "model", HTTP_TOKEN_VOLUME})
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"
 
 _E = TypeVar("_E", bound=StrEnum)
@@ -310,6 +319,8 @@ class StageSpec:
     vllm: VllmSettings = field(default_factory=VllmSettings)
     # spec.activation: Manual (spec.state only) or OnDemand (requests wake the stage).
     activation: Activation = field(default_factory=Activation)
+    # spec.limits and spec.http: bounds on one request, the HTTP API's bearer token Secret.
+    serving: Serving = field(default_factory=Serving)
 
     @property
     def group(self) -> str:
@@ -548,7 +559,8 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
     vram_request, vram_request_bytes = _parse_vram(spec)
     try:
         activation = parse_activation(spec)
-    except ActivationError as exc:
+        serving = parse_serving(spec)
+    except (ActivationError, ServingError) as exc:
         raise SpecError(exc.field, exc.message) from exc
     return StageSpec(
         name=name,
@@ -576,4 +588,5 @@ def parse_stage(body: Mapping[str, Any]) -> StageSpec:
         ),
         vllm=_parse_vllm(spec),
         activation=activation,
+        serving=serving,
     )

@@ -39,6 +39,13 @@ from omnistage_worker.config import (
     read_token,
 )
 from omnistage_worker.host_allocator import fix_mmap_threshold
+from omnistage_worker.limits import (
+    DEFAULT_FRAMES,
+    DEFAULT_IMAGE_SIDE,
+    DEFAULT_PROMPT_TOKENS,
+    DEFAULT_REQUEST_BODY_BYTES,
+    RequestLimits,
+)
 
 log = logging.getLogger("omnistage_worker")
 
@@ -148,7 +155,37 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     )
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
     _vllm_flags(p)
+    _limit_flags(p)
     return p
+
+
+def _limit_flags(p: argparse.ArgumentParser) -> None:
+    """Bounds on one request and the HTTP API's token (the operator's ``spec.limits``,
+    ``spec.http``); see :mod:`omnistage_worker.limits`."""
+    g = p.add_argument_group("request limits and HTTP auth")
+    g.add_argument(
+        "--max-request-bytes",
+        default=str(DEFAULT_REQUEST_BODY_BYTES),
+        help="largest HTTP request body (a quantity, default 1Mi): larger ones get 413",
+    )
+    g.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS)
+    g.add_argument("--max-image-side", type=int, default=DEFAULT_IMAGE_SIDE, help="pixels")
+    g.add_argument("--max-frames", type=int, default=DEFAULT_FRAMES, help="video frames")
+    g.add_argument(
+        "--http-token-file",
+        type=Path,
+        help="bearer token the OpenAI HTTP API requires (/health stays open; default: none)",
+    )
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The limit flags as :class:`RequestLimits` (validated with the rest of the config)."""
+    return RequestLimits(
+        request_body_bytes=parse_byte_flag(args.max_request_bytes, "--max-request-bytes"),
+        prompt_tokens=args.max_prompt_tokens,
+        image_side=args.max_image_side,
+        frames=args.max_frames,
+    )
 
 
 def _vllm_flags(p: argparse.ArgumentParser) -> None:
@@ -223,6 +260,12 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         hold_timeout_s=args.hold_timeout,
         max_held=args.max_held,
         max_batch=args.max_batch,
+        limits=request_limits(args),
+        http_token=(
+            read_token(args.http_token_file, "--http-token-file")
+            if args.http_token_file is not None
+            else None
+        ),
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from omnistage_worker.limits import RequestLimits
 from omnistage_worker.quantities import QuantityError, parse_quantity
 
 MI: Final = 1024 * 1024
@@ -184,6 +185,9 @@ class WorkerConfig:
     max_held: int = DEFAULT_MAX_HELD
     # How many requests a torch runner runs together (one batch).
     max_batch: int = DEFAULT_MAX_BATCH
+    # Bounds on one request (spec.limits) and the HTTP API's bearer token (spec.http).
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    http_token: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -336,16 +340,21 @@ def _check_demand(config: WorkerConfig) -> None:
         raise ConfigError("--http-port", f"{config.http_port} is not a TCP port (0-65535)")
     if config.http_port is not None and config.http_port and config.http_port == config.port:
         raise ConfigError("--http-port", "must differ from --port (gRPC)")
+    if config.http_token is not None and not config.http_token:
+        raise ConfigError("--http-token-file", "the token file is empty")
+    bad = config.limits.invalid()
+    if bad is not None:
+        raise ConfigError(*bad)
 
 
-def read_token(path: Path) -> str:
+def read_token(path: Path, flag: str = "--token-file") -> str:
     """Read a bearer token from a file (surrounding whitespace dropped)."""
     if not path.is_file():
-        raise ConfigError("--token-file", f"{str(path)!r} does not exist or is not a file")
+        raise ConfigError(flag, f"{str(path)!r} does not exist or is not a file")
     try:
         token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError("--token-file", f"cannot read {str(path)!r}: {exc}") from exc
+        raise ConfigError(flag, f"cannot read {str(path)!r}: {exc}") from exc
     if not token:
-        raise ConfigError("--token-file", f"{str(path)!r} is empty")
+        raise ConfigError(flag, f"{str(path)!r} is empty")
     return token

@@ -172,6 +172,18 @@ class Demand:
             self.changed()
         return released
 
+    def refuse_all(self, refusal: Refused) -> int:
+        """Answer every held request with ``refusal`` (the worker is going); how many."""
+        refused = 0
+        while self._held:
+            entry = self._held.popleft()
+            if not entry.future.done():
+                entry.future.set_exception(refusal)
+                refused += 1
+        if refused:
+            self.changed()
+        return refused
+
     def _drop(self, entry: _Held) -> None:
         with contextlib.suppress(ValueError):
             self._held.remove(entry)

@@ -10,6 +10,7 @@ stage that is not Active. Errors use the OpenAI error shape.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -24,21 +25,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
-from omnistage_worker import openai_api
+from omnistage_worker import openai_answers, openai_api
 from omnistage_worker.demand import retry_after_header
+from omnistage_worker.http_auth import BearerAuth
 from omnistage_worker.openai_api import BadRequest, Parsed
+from omnistage_worker.queued import UNSERVED_HEADER, ShuttingDown
 from omnistage_worker.state import Worker
 from omnistage_worker.transitions import Refused
 
 log = logging.getLogger(__name__)
 
 Parser = Callable[[Any, str], Parsed]
-
+Response_ = inference_service_pb2.GenerateResponse
 
 KEEP_ALIVE_S = 75
 
 # How long the request was held (asleep or waking stage) before it was served, in ms.
 HELD_HEADER = "x-omnistage-held-ms"
+# The status logged for a request whose client went away before its answer (nginx's).
+CLIENT_GONE = 499
 
 
 class _Admission:
@@ -50,22 +55,32 @@ class _Admission:
         self.at = self.arrived
 
     def admitted(self) -> None:
-        self.at = time.monotonic()
-        self.event.set()
+        if not self.event.is_set():
+            self.at = time.monotonic()
+            self.event.set()
 
     @property
     def header(self) -> dict[str, str]:
         return {HELD_HEADER: f"{(self.at - self.arrived) * 1000:.1f}"}
 
 
-def _error(status: int, body: dict[str, Any], retry_after: float | None = None) -> JSONResponse:
-    headers = {"Retry-After": retry_after_header(retry_after)} if retry_after is not None else None
-    return JSONResponse(body, status_code=status, headers=headers)
+def _error(
+    status: int,
+    body: dict[str, Any],
+    retry_after: float | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    headers = dict(headers or {})
+    if retry_after is not None:
+        headers["Retry-After"] = retry_after_header(retry_after)
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def _refused(exc: Refused) -> JSONResponse:
-    status, body = openai_api.refusal_status(exc.code, exc.message)
-    return _error(status, body, exc.retry_after)
+def _refused(exc: Refused, parsed: Parsed | None) -> JSONResponse:
+    params = parsed.param if parsed is not None else str
+    status, body = openai_api.refusal_status(exc.code, exc.message, params)
+    unserved = {UNSERVED_HEADER: "shutting-down"} if isinstance(exc, ShuttingDown) else None
+    return _error(status, body, exc.retry_after, unserved)
 
 
 def _failed(request_id: str, exc: Exception) -> JSONResponse:
@@ -74,22 +89,10 @@ def _failed(request_id: str, exc: Exception) -> JSONResponse:
     return _error(500, openai_api.error_body(message, "server_error", None, "internal_error"))
 
 
-async def _answered(what: str, answer: Callable[[], Awaitable[Response]]) -> Response:
-    """``answer()``, or the OpenAI-shaped error for a bad request, a refusal or a failure."""
-    try:
-        return await answer()
-    except BadRequest as exc:
-        return _bad(exc)
-    except Refused as exc:
-        return _refused(exc)
-    except Exception as exc:
-        return _failed(what, exc)
-
-
 def _bad(exc: BadRequest) -> JSONResponse:
-    kind = "invalid_request_error"
-    code = "model_not_found" if exc.status == 404 else "invalid_value"
-    return _error(exc.status, openai_api.error_body(exc.message, kind, exc.param, code))
+    return _error(
+        exc.status, openai_api.error_body(exc.message, "invalid_request_error", exc.param, exc.code)
+    )
 
 
 def _sse(body: dict[str, Any] | str) -> bytes:
@@ -97,12 +100,73 @@ def _sse(body: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+class _Call:
+    """One HTTP request: its parsed body once known (to name fields in refusals)."""
+
+    parsed: Parsed | None = None
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Return once the client has gone (the body must have been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+Answer = Callable[[_Call, Any], Awaitable[Response]]
+
+
+async def _answered(request: Request, limit: int, what: str, answer: Answer) -> Response:
+    """``answer(call, body)``, or the OpenAI-shaped error for a bad request, a refusal or a
+    failure; the body is read first (up to ``limit`` bytes).
+
+    A client that goes away before its answer cancels it: a held request leaves the hold
+    queue, a queued one leaves the model's queue (neither counts as demand any more).
+    """
+    try:
+        body = await _json(request, limit)
+    except BadRequest as exc:
+        return _bad(exc)
+    call = _Call()
+    task = asyncio.ensure_future(answer(call, body))
+    gone = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        log.info("%s: the client went away before its answer", what)
+        return Response(status_code=CLIENT_GONE)
+    try:
+        return task.result()
+    except BadRequest as exc:
+        return _bad(exc)
+    except Refused as exc:
+        return _refused(exc, call.parsed)
+    except Exception as exc:
+        return _failed(what, exc)
+
+
+async def _all(
+    calls: list[asyncio.Future[Response_]],
+) -> list[Response_]:
+    """Every call's response; the first failure cancels the others and is raised."""
+    try:
+        return list(await asyncio.gather(*calls))
+    finally:
+        for call in calls:
+            call.cancel()
+
+
 class OpenAIApp:
-    """The routes over one worker."""
+    """The routes over one worker (behind the bearer check when a token is set)."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.model = worker.config.model_name
+        self.limits = worker.config.limits
         self.created = int(time.time())
         self.app = Starlette(
             routes=[
@@ -114,6 +178,8 @@ class OpenAIApp:
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
+        token = worker.config.http_token
+        self.asgi: Any = BearerAuth(self.app, token) if token else self.app
 
     @property
     def is_ar(self) -> bool:
@@ -128,17 +194,20 @@ class OpenAIApp:
         return _error(405, openai_api.error_body(message, "invalid_request_error", None, None))
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(openai_api.models_body(self.model, self.created))
+        return JSONResponse(openai_answers.models_body(self.model, self.created))
 
     async def health(self, request: Request) -> Response:
-        """200 while the worker can serve or be woken; 503 while loading or failed."""
+        """200 while the worker can serve or be woken; 503 while loading, failed or going."""
         state = self.worker.state
         ok = state not in (types_pb2.WORKER_STATE_LOADING, types_pb2.WORKER_STATE_FAILED)
+        ok = ok and not self.worker.terminating
         body = {
             "status": "ok" if ok else "unavailable",
             "state": types_pb2.WorkerState.Name(state),
             "activation": self.worker.demand.policy,
             "held_requests": self.worker.demand.held,
+            "queued_requests": len(self.worker.queued),
+            "shutting_down": self.worker.terminating,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -153,55 +222,78 @@ class OpenAIApp:
 
         return await self._text(request, parse, chat=True)
 
+    def _start(
+        self, parsed: Parsed, admission: _Admission, sinks: list[Any] | None = None
+    ) -> list[asyncio.Future[Response_]]:
+        """The parsed requests, started at once: they run concurrently, so the engine
+        serves them together as it does concurrent clients."""
+        if parsed.user is not None:
+            log.info("request %s: user %r", parsed.request.request_id, parsed.user)
+        return [
+            asyncio.ensure_future(
+                self.worker.generate(
+                    r,
+                    on_chunk=sinks[i] if sinks is not None else None,
+                    on_admitted=admission.admitted,
+                )
+            )
+            for i, r in enumerate(parsed.requests)
+        ]
+
     async def images(self, request: Request) -> Response:
         if self.is_ar:
             return _bad(BadRequest(None, "this stage serves text: use /v1/completions"))
         admission = _Admission()
 
-        async def answer() -> Response:
-            parsed = openai_api.parse_image(await _json(request), self.model)
-            response = await self.worker.generate(parsed.request, on_admitted=admission.admitted)
-            return JSONResponse(openai_api.image_body(response), headers=admission.header)
+        async def answer(call: _Call, body: Any) -> Response:
+            parsed = call.parsed = openai_api.parse_image(body, self.model)
+            responses = await _all(self._start(parsed, admission))
+            return JSONResponse(openai_answers.image_body(responses), headers=admission.header)
 
-        return await _answered("image", answer)
+        return await _answered(request, self.limits.request_body_bytes, "image", answer)
 
     async def _text(self, request: Request, parse: Parser, chat: bool) -> Response:
         if not self.is_ar:
             return _bad(BadRequest(None, "this stage serves images: use /v1/images/generations"))
         admission = _Admission()
 
-        async def answer() -> Response:
-            parsed = parse(await _json(request), self.model)
+        async def answer(call: _Call, body: Any) -> Response:
+            parsed = call.parsed = parse(body, self.model)
             if parsed.stream:
                 return await self._stream(parsed, chat, admission)
-            response = await self.worker.generate(parsed.request, on_admitted=admission.admitted)
-            body = openai_api.completion_body(parsed, response, self.model, chat)
-            return JSONResponse(body, headers=admission.header)
+            responses = await _all(self._start(parsed, admission))
+            answer = openai_answers.completion_body(parsed, responses, self.model, chat)
+            return JSONResponse(answer, headers=admission.header)
 
-        return await _answered("completion", answer)
+        return await _answered(request, self.limits.request_body_bytes, "completion", answer)
 
     async def _stream(self, parsed: Parsed, chat: bool, admission: _Admission) -> Response:
-        """Wait until the request is admitted (held first when asleep), then stream SSE.
+        """Wait until the model produced the first chunk (held and queued first), then
+        stream SSE.
 
-        A refusal before admission is an ordinary error response (status and Retry-After);
-        after the first byte, a failure ends the stream with an error event.
+        A refusal until then (a hold timeout, a shutdown that answers the queue) is an ordinary
+        error response (status and Retry-After); after the first byte, a failure ends the
+        stream with an error event.
         """
-        chunks: asyncio.Queue[tuple[list[int], str]] = asyncio.Queue()
-        task = asyncio.ensure_future(
-            self.worker.generate(
-                parsed.request,
-                on_chunk=lambda ids, text: chunks.put_nowait((ids, text)),
-                on_admitted=admission.admitted,
-            )
-        )
-        waiter: asyncio.Future[Any] = asyncio.ensure_future(admission.event.wait())
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        failure = task.exception() if task.done() else None
-        if failure is not None:
-            raise failure
+        events = _Events(len(parsed.requests))
+        tasks = self._start(parsed, admission, events.sinks())
+        for task in tasks:
+            task.add_done_callback(lambda _: events.wake.set())
+        waiter = asyncio.ensure_future(events.wake.wait())
+        try:
+            either: set[asyncio.Future[Any]] = {*tasks, waiter}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                await _all(tasks)  # cancels the others, raises the failure
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        finally:
+            waiter.cancel()
         return StreamingResponse(
-            self._events(parsed, chat, task, chunks),
+            self._events(parsed, chat, tasks, events),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **admission.header},
         )
@@ -210,35 +302,93 @@ class OpenAIApp:
         self,
         parsed: Parsed,
         chat: bool,
-        task: asyncio.Future[inference_service_pb2.GenerateResponse],
-        chunks: asyncio.Queue[tuple[list[int], str]],
+        tasks: list[asyncio.Future[Response_]],
+        events: _Events,
     ) -> AsyncIterator[bytes]:
-        tokens, first = 0, True
+        finished: dict[int, Response_] = {}
+        first = [True] * len(tasks)
         try:
-            while not task.done() or not chunks.empty():
-                getter = asyncio.ensure_future(chunks.get())
-                either: set[asyncio.Future[Any]] = {getter, task}
-                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                ids, text = getter.result()
-                tokens += len(ids)
-                if text or first:
-                    yield _sse(openai_api.chunk_body(parsed, self.model, chat, text, first))
-                    first = False
-            task.result()
+            while len(finished) < len(tasks):
+                events.wake.clear()
+                while events.chunks:
+                    index, text = events.chunks.popleft()
+                    if text or first[index]:
+                        yield _sse(
+                            openai_answers.chunk_body(
+                                parsed, self.model, chat, index=index, text=text, first=first[index]
+                            )
+                        )
+                        first[index] = False
+                for index, task in enumerate(tasks):
+                    if index not in finished and task.done():
+                        response = finished[index] = task.result()
+                        yield _sse(
+                            openai_answers.final_chunk_body(
+                                parsed,
+                                self.model,
+                                chat,
+                                index=index,
+                                response=response,
+                                logprobs=response.text.logprobs,
+                            )
+                        )
+                if len(finished) < len(tasks) and not events.chunks:
+                    await events.wake.wait()
         except Exception as exc:
             log.exception("streamed request %s failed", parsed.request.request_id)
             yield _sse(openai_api.error_body(f"generation failed: {exc}", "server_error"))
             return
-        yield _sse(openai_api.final_chunk_body(parsed, self.model, chat, tokens))
+        finally:
+            for task in tasks:
+                task.cancel()  # the client went away: queued ones leave the queue
+        if parsed.include_usage:
+            ordered = [finished[i] for i in range(len(tasks))]
+            yield _sse(openai_answers.usage_chunk_body(parsed, self.model, chat, ordered))
         yield _sse("[DONE]")
 
 
-async def _json(request: Request) -> Any:
+class _Events:
+    """The streamed chunks of several choices, in the order they were produced."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.chunks: collections.deque[tuple[int, str]] = collections.deque()
+        self.wake = asyncio.Event()
+
+    def sinks(self) -> list[Any]:
+        def sink(index: int) -> Callable[[list[int], str], None]:
+            def put(ids: list[int], text: str) -> None:
+                self.chunks.append((index, text))
+                self.wake.set()
+
+            return put
+
+        return [sink(i) for i in range(self.n)]
+
+
+async def _json(request: Request, limit: int) -> Any:
+    """The body as JSON; over ``limit`` bytes it is refused with 413 unread.
+
+    413 rather than 400: the body is refused before it is parsed, so there is no field to
+    name; 413 says the size is the fault, and that sending the same body again cannot help
+    (the ``openai`` client does not retry it, a proxy knows it at once).
+    """
+    too_large = BadRequest(
+        None,
+        f"the request body is larger than this stage's limit of {limit} bytes",
+        413,
+        "request_too_large",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw.extend(chunk)
+        if len(raw) > limit:
+            raise too_large
     try:
-        return await request.json()
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(None, f"the request body is not JSON: {exc}") from exc
 
@@ -271,7 +421,7 @@ class HttpServer:
 
     def __init__(self, worker: Worker, host: str, port: int, grace: float = 30.0) -> None:
         config = uvicorn.Config(
-            OpenAIApp(worker).app,
+            OpenAIApp(worker).asgi,
             host=host,
             port=port,
             log_level="warning",

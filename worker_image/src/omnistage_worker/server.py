@@ -74,6 +74,7 @@ class WorkerServer:
         self.port = 0
         self.http: HttpServer | None = None
         self.http_port = 0
+        self._stopped = False
 
     async def start(self) -> int:
         """Bind, start serving, start loading the model; the bound port."""
@@ -100,6 +101,8 @@ class WorkerServer:
             self.http = HttpServer(
                 self.worker, config.host, config.http_port, config.shutdown_grace_s
             )
+            if config.http_token:
+                log.info("the OpenAI HTTP API requires a bearer token (/health is open)")
             self.http_port = await self.http.start()
             log.info("OpenAI-compatible HTTP on %s:%d", config.host, self.http_port)
         self._load_task = asyncio.ensure_future(self.worker.load())
@@ -110,7 +113,13 @@ class WorkerServer:
         await self.worker.loaded.wait()
 
     async def stop(self, grace: float) -> None:
-        """Health NOT_SERVING first, then let in-flight calls finish within ``grace`` seconds."""
+        """Answer held and queued requests (503 / UNAVAILABLE, retry elsewhere), health
+        NOT_SERVING, then let running calls finish within ``grace`` seconds (once: a second
+        call returns at once)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.worker.terminate()
         await self.health.shutdown()
         log.info("health NOT_SERVING; waiting up to %.1fs for in-flight calls", grace)
         if self.http is not None:

@@ -19,16 +19,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_pb2
-from omnistage_worker import loading, termination
+from omnistage_worker import limits, loading, termination
 from omnistage_worker.component_sleep import asleep_components
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand import Demand
 from omnistage_worker.lane import DaemonLane
 from omnistage_worker.memory import MemoryProbe, Reading
+from omnistage_worker.queued import Queued, ShuttingDown
 from omnistage_worker.runners.base import (
     ChunkSink,
     InvalidRequest,
@@ -88,6 +90,9 @@ class Worker:
         self._generate_lane = DaemonLane("omnistage-generate", 1 if takes == 1 else 2 * takes)
         self._sleep_wake = SleepWake(self)
         self.demand = Demand(config.activation, config.hold_timeout_s, config.max_held)
+        # Admitted requests not finished; set once a shutdown began (new ones are refused).
+        self.queued = Queued()
+        self.terminating = False
 
     # -- state ----------------------------------------------------------------------------
 
@@ -248,9 +253,12 @@ class Worker:
         (with log probabilities); ``on_admitted`` is called once the request is past holding
         and validation.
         """
+        if self.terminating:
+            raise ShuttingDown("it arrived after the shutdown began")
         try:
+            limits.check(self.config.limits, request, self.runner)
             self.runner.validate(request)
-        except InvalidRequest as exc:
+        except (InvalidRequest, limits.OverLimit) as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         self.demand.touch()
         deadline = time.monotonic() + self.demand.hold_timeout
@@ -266,6 +274,7 @@ class Worker:
             )
         self._inflight += 1
         self.idle.clear()
+        ticket = self.queued.enter()
         self.demand.changed()
         if on_admitted is not None:
             on_admitted()
@@ -273,15 +282,18 @@ class Worker:
         probe = self.probe
         sink = _thread_safe(_chunk_receiver(on_chunk, on_text_chunk))
 
-        def serve() -> inference_service_pb2.GenerateResponse:
+        def serve() -> inference_service_pb2.GenerateResponse | None:
+            if not ticket.start():
+                return None  # it left the queue (client gone, or answered at shutdown)
             # on the lane's thread: a simulated device charges the request's activations
             with probe.serving() if probe is not None else contextlib.nullcontext():
                 return self.runner.generate(request, sink)
 
-        async def run() -> inference_service_pb2.GenerateResponse:
+        async def run() -> inference_service_pb2.GenerateResponse | None:
             try:
                 return await self._generate_lane.run(serve)
             finally:
+                self.queued.done(ticket)
                 self._inflight -= 1
                 if self._inflight == 0:
                     self.idle.set()
@@ -289,8 +301,34 @@ class Worker:
                 self._measure_peak()
                 self.demand.touch()
 
-        # The model keeps running if the caller goes away; a sleep waits for it either way.
-        return await asyncio.shield(asyncio.ensure_future(run()))
+        # The model keeps running if the caller goes away once it started (a sleep waits for
+        # it either way); a caller that goes before leaves the queue.
+        job = asyncio.ensure_future(run())
+        job.add_done_callback(_retrieved)
+        try:
+            either: set[asyncio.Future[Any]] = {job, ticket.refused}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            if ticket.leave():
+                log.info("request %s left the queue: its caller went away", request.request_id)
+                self.demand.changed()
+            raise
+        if not job.done():
+            ticket.refused.result()  # raises the refusal it was answered with
+        response = job.result()
+        if response is None:
+            raise ShuttingDown()
+        return response
+
+    def terminate(self) -> int:
+        """The worker is going: refuse new requests, answer the held and queued ones
+        (:class:`ShuttingDown`); running ones go on. How many were answered."""
+        self.terminating = True
+        refusal = ShuttingDown()
+        answered = self.demand.refuse_all(refusal) + self.queued.refuse_waiting(refusal)
+        log.info("shutting down: %d held or queued requests answered (retry elsewhere)", answered)
+        self.demand.changed()
+        return answered
 
     async def aclose(self, within: float = 30.0) -> None:
         """Free the engine's buffers, leave the device, end the worker threads.
@@ -328,6 +366,12 @@ def _chunk_receiver(
             on_text_chunk(chunk)
 
     return receive
+
+
+def _retrieved(job: asyncio.Future[Any]) -> None:
+    """Mark a finished job's exception as seen (its caller may have gone)."""
+    if not job.cancelled():
+        job.exception()
 
 
 def _thread_safe(sink: TextChunkSink | None) -> TextChunkSink | None:

@@ -38,7 +38,7 @@ from typing import Any
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.memory import EngineTreeProbe, MemoryProbe
-from omnistage_worker.runners.base import ModelRunner, SleepController
+from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,18 @@ class VllmRunner(ModelRunner):
         weights = sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
         return VllmController(self.llm, weights, self._wake_bytes)
 
+    def validate(self, request: inference_service_pb2.GenerateRequest) -> None:
+        """Refuse what ``LLM.generate`` is not given here (until the stage serves through
+        vLLM's own server): stop strings, a sampling temperature or top_p, log probabilities."""
+        super().validate(request)
+        if request.stop:
+            raise InvalidRequest("stop", "not supported by this vLLM stage")
+        if request.HasField("temperature") and request.temperature != 0:
+            raise InvalidRequest("temperature", "only 0 (greedy) on this vLLM stage")
+        for name in ("top_p", "top_logprobs"):
+            if request.HasField(name):
+                raise InvalidRequest(name, "not supported by this vLLM stage")
+
     def _prompt(self, text: str) -> Any:
         if self.tokenizer:
             return text
@@ -245,11 +257,25 @@ class VllmRunner(ModelRunner):
         )
         outputs = self.llm.generate([self._prompt(request.prompt)], params, use_tqdm=False)
         completion = outputs[0].outputs[0]
+        reason = {
+            "stop": inference_service_pb2.FINISH_REASON_STOP,
+            "length": inference_service_pb2.FINISH_REASON_LENGTH,
+        }.get(
+            getattr(completion, "finish_reason", None) or "",
+            inference_service_pb2.FINISH_REASON_UNSPECIFIED,
+        )
         response = inference_service_pb2.GenerateResponse(
             request_id=request.request_id,
             text=inference_service_pb2.TextOutput(
-                token_ids=[int(t) for t in completion.token_ids], text=completion.text or ""
+                token_ids=[int(t) for t in completion.token_ids],
+                text=completion.text or "",
+                finish_reason=reason,
             ),
+            usage=inference_service_pb2.Usage(
+                prompt_tokens=len(outputs[0].prompt_token_ids or ()),
+                completion_tokens=len(completion.token_ids),
+            ),
+            batch_size=1,
         )
         response.duration.FromNanoseconds(int((time.monotonic() - started) * 1e9))
         return response

@@ -1,0 +1,130 @@
+"""``spec.limits`` and ``spec.http``: parsed, refused naming the field, passed to the worker as
+reserved flags and a read-only Secret volume, bounded the same in the CRD."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from omnistage_operator import serving as V
+from omnistage_operator.builders import build_worker_pod, pod_spec_hash, worker_args
+from omnistage_operator.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredState, SpecError
+from omnistage_worker import limits as worker_limits
+from omnistage_worker.cli import build_parser, request_limits
+from tests.unit.test_builders import container, make
+from tests.unit.test_crd import CRD_PATH, prop
+
+LIMITS = {"requestBodyBytes": 4096, "promptTokens": 100, "imageSide": 512, "frames": 17}
+AUTH = {"authSecret": {"name": "llm-api", "key": "api-token"}}
+
+
+def test_defaults_are_the_workers() -> None:
+    stage, _ = make()
+    assert stage.serving == V.Serving()
+    assert (
+        V.DEFAULT_REQUEST_BODY_BYTES,
+        V.DEFAULT_PROMPT_TOKENS,
+        V.DEFAULT_IMAGE_SIDE,
+        V.DEFAULT_FRAMES,
+    ) == (
+        worker_limits.DEFAULT_REQUEST_BODY_BYTES,
+        worker_limits.DEFAULT_PROMPT_TOKENS,
+        worker_limits.DEFAULT_IMAGE_SIDE,
+        worker_limits.DEFAULT_FRAMES,
+    )
+    # a default stage's worker flags and pod hash are as before these fields existed
+    assert not set(worker_args(stage, initial_state=DesiredState.ACTIVE)) & V.SERVING_ARGS
+
+
+def test_limits_and_auth_become_worker_flags_and_a_secret_volume() -> None:
+    stage, owner = make(limits=LIMITS, http=AUTH)
+    args = worker_args(stage, initial_state=DesiredState.ACTIVE)
+    token_file = f"{V.HTTP_TOKEN_DIR}/api-token"
+    # the worker's own parser reads them back as the same limits
+    parsed = build_parser({}).parse_args(args)
+    assert request_limits(parsed) == worker_limits.RequestLimits(4096, 100, 512, 17)
+    assert parsed.http_token_file is not None and str(parsed.http_token_file) == token_file
+    pod = build_worker_pod(stage, initial_state=DesiredState.ACTIVE, owner=owner)
+    mounts = {m["name"]: m for m in container(pod)["volumeMounts"]}
+    assert mounts[V.HTTP_TOKEN_VOLUME] == {
+        "name": V.HTTP_TOKEN_VOLUME,
+        "mountPath": V.HTTP_TOKEN_DIR,
+        "readOnly": True,
+    }
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == V.HTTP_TOKEN_VOLUME)
+    assert volume["secret"]["secretName"] == "llm-api"
+    assert volume["secret"]["items"] == [{"key": "api-token", "path": "api-token"}]
+    assert pod_spec_hash(stage) != pod_spec_hash(make()[0])  # a change needs a new pod
+    assert V.SERVING_ARGS <= RESERVED_ARGS and V.HTTP_TOKEN_VOLUME in RESERVED_VOLUMES
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"limits": {"promptTokens": 0}}, "spec.limits.promptTokens"),
+        ({"limits": {"imageSide": 16385}}, "spec.limits.imageSide"),
+        ({"limits": {"frames": "many"}}, "spec.limits.frames"),
+        ({"limits": {"requestBodyBytes": 10}}, "spec.limits.requestBodyBytes"),
+        ({"limits": {"tokens": 5}}, "spec.limits.tokens"),
+        ({"limits": []}, "spec.limits"),
+        ({"http": {"authSecret": {"name": "Bad_Name"}}}, "spec.http.authSecret.name"),
+        ({"http": {"authSecret": {"name": "ok", "key": "a/b"}}}, "spec.http.authSecret.key"),
+    ],
+)
+def test_bad_fields_are_named(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as info:
+        make(**spec)
+    assert info.value.field == field
+
+
+def _crd_root() -> dict[str, Any]:
+    import yaml
+
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    root: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return root
+
+
+def test_crd_bounds_and_defaults_are_the_parsers() -> None:
+    root = _crd_root()
+    defaults = V.Serving()
+    for key, (low, high) in V.BOUNDS.items():
+        node = prop(root, f"spec.limits.{key}")
+        assert (node["type"], node["minimum"], node["maximum"]) == ("integer", low, high)
+    assert prop(root, "spec.limits.requestBodyBytes")["default"] == defaults.request_body_bytes
+    assert prop(root, "spec.limits.promptTokens")["default"] == defaults.prompt_tokens
+    assert prop(root, "spec.limits.imageSide")["default"] == defaults.image_side
+    assert prop(root, "spec.limits.frames")["default"] == defaults.frames
+    assert prop(root, "spec.http.authSecret")["required"] == ["name"]
+    assert prop(root, "spec.http.authSecret.key")["default"] == V.DEFAULT_AUTH_KEY
+
+
+def test_crd_refuses_the_serving_flags_in_worker_args() -> None:
+    rules = prop(_crd_root(), "spec.worker.args")["x-kubernetes-validations"]
+    patterns = [re.search(r"matches\('([^']+)'\)", r["rule"]) for r in rules]
+    compiled = [re.compile(m.group(1).replace("\\\\", "\\")) for m in patterns if m]
+    for flag in sorted(V.SERVING_ARGS):
+        for arg in (flag, f"{flag}=1"):
+            assert any(p.match(arg) for p in compiled), arg
+    assert not any(p.match("--max-held") for p in compiled)
+
+
+def test_chart_router_requires_the_stages_token() -> None:
+    from tests.unit.test_chart_support import render
+
+    group = {"name": "demo", "stages": ["llm"], "authSecret": {"name": "llm-api", "key": "k"}}
+    objs = render({"router": {"enabled": True, "groups": [group]}})
+    deployment = next(
+        o for o in objs if o["kind"] == "Deployment" and "-router-" in o["metadata"]["name"]
+    )
+    pod = deployment["spec"]["template"]["spec"]
+    (router,) = pod["containers"]
+    assert f"--token-file={V.HTTP_TOKEN_DIR}/k" in router["args"]
+    assert router["volumeMounts"] == [
+        {"name": V.HTTP_TOKEN_VOLUME, "mountPath": V.HTTP_TOKEN_DIR, "readOnly": True}
+    ]
+    (volume,) = pod["volumes"]
+    assert volume["secret"]["secretName"] == "llm-api"
+    assert volume["secret"]["items"] == [{"key": "k", "path": "k"}]
