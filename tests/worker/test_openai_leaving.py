@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -18,24 +19,28 @@ import httpx
 from omnistage.worker.v1 import inference_service_pb2
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.queued import UNSERVED_HEADER
+from omnistage_worker.runners.base import TextChunkSink
 from omnistage_worker.runners.causal_lm import CausalLMRunner
 from tests.worker.conftest import StartWorker, WorkerHandle, rpc_error, wait_for
 
 
 class GatedLM(CausalLMRunner):
-    """The tiny causal LM; each generation waits for the gate first, and is counted."""
+    """The tiny causal LM taking one request at a time (``--max-batch 1``: the next ones
+    queue for the model); each generation waits for the gate first, and is counted."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        super().__init__(config)
+        super().__init__(replace(config, max_batch=1))
         self.gate = threading.Event()
         self.started = 0
 
-    def _generate(
-        self, request: inference_service_pb2.GenerateRequest
+    def generate(
+        self,
+        request: inference_service_pb2.GenerateRequest,
+        sink: TextChunkSink | None = None,
     ) -> inference_service_pb2.GenerateResponse:
         self.started += 1
         self.gate.wait(60)
-        return super()._generate(request)
+        return super().generate(request, sink)
 
 
 def http(worker: WorkerHandle) -> httpx.AsyncClient:

@@ -84,10 +84,10 @@ class Worker:
         self.loaded = asyncio.Event()
         # Transitions (and the load) run on one thread, Generate calls on another.
         self.transition_lane = DaemonLane("omnistage-transitions")
-        # One thread per request the runner takes at once (a batching runner: twice its batch,
-        # so the next requests already wait in its queue while a batch runs).
-        takes = runner.max_concurrency
-        self._generate_lane = DaemonLane("omnistage-generate", 1 if takes == 1 else 2 * takes)
+        # One thread per request the runner takes at once (a batching runner: its batch). A
+        # request beyond that waits here, where it can still leave (its client went, or the
+        # worker shuts down), not in the runner's own queue, which it could not leave.
+        self._generate_lane = DaemonLane("omnistage-generate", runner.max_concurrency)
         self._sleep_wake = SleepWake(self)
         self.demand = Demand(config.activation, config.hold_timeout_s, config.max_held)
         # Admitted requests not finished; set once a shutdown began (new ones are refused).
