@@ -318,7 +318,7 @@ def render() -> str:
         lines += vllm_section(vllm)
     serving = _load("serving.json")
     if serving:
-        lines += serving_section(serving)
+        lines += serving_section(serving, _load("serving_first_run.json"))
     lines.append(END)
     return "\n".join(lines)
 

@@ -11,9 +11,10 @@ def _ok(flag: bool) -> str:
     return "yes" if flag else "**no**"
 
 
-def serving_section(data: dict[str, Any]) -> list[str]:
+def serving_section(data: dict[str, Any], earlier: dict[str, Any] | None = None) -> list[str]:
     """The torch AR stage under concurrent HTTP clients against batched ``generate``, under
-    sleep/wake, and diffusion images/s; a ``--smoke`` run on CPU is not rendered."""
+    sleep/wake, and diffusion images/s (from ``earlier``, a previous run, when this one made
+    none); a ``--smoke`` run on CPU is not rendered."""
     if data.get("smoke"):
         return []
     m, llm, s = data["machine"], data["llm"], data["summary"]
@@ -39,6 +40,15 @@ def serving_section(data: dict[str, Any]) -> list[str]:
     lines.append(
         f"| **16 clients of batched** | | | **{s['torch_16_clients_of_batched']:.2f}** (goal 0.8) |"
     )
+    if "batcher_in_process" in llm:
+        inner = llm["batcher_in_process"]
+        middle = str(plan["clients"][1])
+        lines += [
+            "",
+            f"The batcher alone in the bench process (no worker, no HTTP): one request "
+            f"{inner['one']:.1f} tokens/s; {middle} closed-loop threads "
+            f"{inner[f'closed_loop_{middle}']:.1f} tokens/s.",
+        ]
     if "swaps" in s:
         swaps = data["swaps"]
         lines += [
@@ -51,6 +61,10 @@ def serving_section(data: dict[str, Any]) -> list[str]:
             f"the steady 16-client figure (median {s['swaps_window_ratio_median']:.2f}).",
         ]
     images = data.get("images") or []
+    source = ""
+    if not images and earlier is not None:
+        images = earlier.get("images") or []
+        source = f" (the earlier run of {earlier['machine']['date'][:16].replace('T', ' ')} UTC)"
     if images:
         figures = "; ".join(
             f"{run['clients']} client(s) {run['images_per_s']:.2f} images/s ("
@@ -62,6 +76,6 @@ def serving_section(data: dict[str, Any]) -> list[str]:
             "",
             f"Diffusion stage (an SD-like pipeline from configs, {plan['image_side']}x"
             f"{plan['image_side']}, {plan['image_steps']} steps, `--max-batch 8`), concurrent "
-            f"same-size requests over gRPC: {figures}.",
+            f"same-size requests over gRPC{source}: {figures}.",
         ]
     return lines
