@@ -78,8 +78,18 @@ async def test_greedy_outputs_equal_unbatched_and_ran_together(
     assert max(r.batch_size for r in together) > 1  # they did run as one batch
 
 
-async def test_requests_join_a_running_batch_mid_decode(batching_worker: WorkerHandle) -> None:
-    """Prompts of other lengths join while a long request decodes (holes in its cache)."""
+@pytest.mark.parametrize("compact", [False, True], ids=["gathered-joins", "compacted-at-once"])
+async def test_requests_join_a_running_batch_mid_decode(
+    batching_worker: WorkerHandle, monkeypatch: pytest.MonkeyPatch, compact: bool
+) -> None:
+    """Prompts of other lengths join while a long request decodes (holes in its cache); with
+    ``compact`` every join at once and the holes compacted away at every step."""
+    from omnistage_worker.runners import decode_batch
+
+    if compact:
+        monkeypatch.setattr(decode_batch, "JOIN_EVERY", 1)
+        monkeypatch.setattr(decode_batch, "MIN_HOLES", 1)
+        monkeypatch.setattr(decode_batch, "HOLE_RATIO", 0.0)
     w = batching_worker
     long_fields: dict[str, Any] = {"prompt": "the sun is bright today", "max_new_tokens": 60}
     short = [{"prompt": s, "max_new_tokens": 5} for s in SENTENCES[:3]]
@@ -109,8 +119,10 @@ async def test_requests_join_a_running_batch_mid_decode(batching_worker: WorkerH
     long_response = await long_task
     assert outputs(long_response) == reference_long
     assert [outputs(r) for r in joined] == reference_short
-    if len(reference_long[0]) == long_fields["max_new_tokens"]:
-        assert long_response.batch_size > 1  # the short ones joined it
+    assert len(reference_long[0]) == long_fields["max_new_tokens"]  # no early end
+    assert long_response.batch_size > 1  # the short ones joined it
+    batcher = w.server.worker.runner._batcher  # type: ignore[attr-defined]
+    assert (batcher.compactions > 0) == compact
 
 
 async def test_seeded_sampling_is_per_request(batching_worker: WorkerHandle) -> None:

@@ -422,3 +422,15 @@ def test_gpus_flag_and_environment(tmp_path: Path) -> None:
     for bad in ("0", "9"):
         with pytest.raises(ConfigError, match="--gpus"):
             config_from_args(build_parser({}).parse_args([*base, "--gpus", bad]))
+
+
+def test_max_batch_flag_environment_and_bounds(tmp_path: Path) -> None:
+    base = ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
+    assert config_from_args(build_parser({}).parse_args(base)).max_batch == 32
+    env = {"OMNISTAGE_MAX_BATCH": "8"}
+    assert config_from_args(build_parser(env).parse_args(base)).max_batch == 8
+    flagged = build_parser(env).parse_args([*base, "--max-batch", "64"])
+    assert config_from_args(flagged).max_batch == 64
+    for bad in ("0", "1025"):
+        with pytest.raises(ConfigError, match="--max-batch"):
+            config_from_args(build_parser({}).parse_args([*base, "--max-batch", bad]))

@@ -47,6 +47,13 @@ FINISH_LENGTH = inference_service_pb2.FINISH_REASON_LENGTH
 Response = inference_service_pb2.GenerateResponse
 TextChunkSink = Any  # Callable[[inference_service_pb2.TextChunk], None]
 
+JOIN_EVERY = 8
+"""Steps between joins while the batch runs (joins are gathered, see ``_joining``)."""
+MIN_HOLES = 64
+"""Padding columns the cache may hold beyond its longest row before it is compacted ..."""
+HOLE_RATIO = 1.0
+"""... and as a share of the longest row."""
+
 
 @dataclass
 class Job:
@@ -107,6 +114,8 @@ class DecodeBatcher:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.compactions = 0
+        self._joined_at = -JOIN_EVERY
 
     # -- callers' side ----------------------------------------------------------------------
 
@@ -152,13 +161,27 @@ class DecodeBatcher:
                     if self._closed:
                         return
                     self._cond.wait()
-                room = self.max_batch - len(self._rows)
-                joining = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+                joining = self._joining()
             for future, outcome in self._step_or_fail(joining):
                 if isinstance(outcome, BaseException):
                     future.set_exception(outcome)
                 else:
                     future.set_result(outcome)
+
+    def _joining(self) -> list[Job]:
+        """The waiting requests that join at this step (under the lock).
+
+        A join feeds every running row padding up to the longest new prompt, so joins are
+        gathered: waiting requests join at once when the batch is empty or they fill it, else
+        at most every ``JOIN_EVERY`` steps (a request waits a few steps at most)."""
+        room = self.max_batch - len(self._rows)
+        if not self._pending or room <= 0:
+            return []
+        due = self.steps - self._joined_at >= JOIN_EVERY
+        if self._rows and len(self._pending) < room and not due:
+            return []
+        self._joined_at = self.steps
+        return [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
 
     def _step_or_fail(
         self, joining: list[Job]
@@ -192,7 +215,9 @@ class DecodeBatcher:
             row.seen += len(feed)
             row.batch_size = max(row.batch_size, len(rows))
             self._take(row, token, logprob)
-        return self._drop_finished()
+        finished = self._drop_finished()
+        self._compact()
+        return finished
 
     def _new_row(self, job: Job) -> Row:
         streamed = job.sink is not None
@@ -278,6 +303,26 @@ class DecodeBatcher:
                 layer.keys = layer.keys.index_select(0, index)[:, :, start:]
                 layer.values = layer.values.index_select(0, index)[:, :, start:]
         return [(row.job.future, self._response(row)) for row in done]
+
+    def _compact(self) -> None:
+        """Drop the padding columns that joins left inside running rows once they outnumber
+        the longest row: each row's tokens keep their order and move to the right end."""
+        mask = self._mask
+        if mask is None or self._cache is None:
+            return
+        width = max(row.seen for row in self._rows)
+        holes = mask.shape[1] - width
+        if holes < MIN_HOLES or holes < HOLE_RATIO * width:
+            return
+        self.compactions += 1
+        # Stable: a row's padding columns first, then its tokens in their order.
+        index = torch.argsort(mask, dim=1, stable=True)[:, -width:]
+        self._mask = mask.gather(1, index)
+        for layer in self._cache.layers:
+            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
+            spread = index[:, None, :, None].expand(-1, heads, -1, dim)
+            layer.keys = layer.keys.gather(2, spread)
+            layer.values = layer.values.gather(2, spread)
 
     def _response(self, row: Row) -> Response:
         job = row.job

@@ -1,0 +1,81 @@
+"""The README lines for ``bench/serving.py`` (a stage as a server); bench/report.py calls it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 1024**3
+
+
+def _ok(flag: bool) -> str:
+    return "yes" if flag else "**no**"
+
+
+def serving_section(data: dict[str, Any], earlier: dict[str, Any] | None = None) -> list[str]:
+    """The torch AR stage under concurrent HTTP clients against batched ``generate``, under
+    sleep/wake, and diffusion images/s (from ``earlier``, a previous run, when this one made
+    none); a ``--smoke`` run on CPU is not rendered."""
+    if data.get("smoke"):
+        return []
+    m, llm, s = data["machine"], data["llm"], data["summary"]
+    plan = data["plan"]
+    lines = [
+        "",
+        f"A stage as a server, `bench/serving.py` on {m.get('gpu', '?')} ({m['date'][:10]}, "
+        f"transformers {m.get('transformers', '?')}): the torch AR stage with a "
+        f"{llm['weights_bytes'] / GiB:.1f} GiB Llama-shaped bf16 model (random weights), "
+        f"{plan['new_tokens']} new tokens per request (greedy, no stop), closed-loop clients "
+        f"over the worker's OpenAI HTTP API (`--max-batch {plan['max_batch']}`), against the "
+        f"same weights' `model.generate` batched in the same run; tokens/s over "
+        f"{plan['window_s']:g} s windows.",
+        "",
+        "| load | stage tokens/s | `generate`, same batch | stage / `generate` |",
+        "|---|---|---|---|",
+    ]
+    for clients, rate in s["torch_tokens_per_s"].items():
+        batched = s["generate_tokens_per_s"].get(clients)
+        ratio = f"{rate / batched:.2f}" if batched else "-"
+        base = f"{batched:.1f}" if batched else "-"
+        lines.append(f"| {clients} client(s) | {rate:.1f} | {base} | {ratio} |")
+    lines.append(
+        f"| **16 clients of batched** | | | **{s['torch_16_clients_of_batched']:.2f}** (goal 0.8) |"
+    )
+    if "batcher_in_process" in llm:
+        inner = llm["batcher_in_process"]
+        middle = str(plan["clients"][1])
+        lines += [
+            "",
+            f"The batcher alone in the bench process (no worker, no HTTP): one request "
+            f"{inner['one']:.1f} tokens/s; {middle} closed-loop threads "
+            f"{inner[f'closed_loop_{middle}']:.1f} tokens/s.",
+        ]
+    if "swaps" in s:
+        swaps = data["swaps"]
+        lines += [
+            "",
+            f"Sleep (level 1) and wake every {swaps['swap_every_s']:g} s for "
+            f"{swaps['seconds']:g} s with {swaps['clients']} clients: {s['swaps']} swaps, every "
+            f"ACK ok: {_ok(s['swaps_all_acks_ok'])}; {swaps['requests']} requests, nothing "
+            f"lost: {_ok(s['swaps_nothing_lost'])}; tokens/s between swaps "
+            f"{s['swaps_window_ratio_min']:.2f}-{max(swaps['window_ratio_to_steady']):.2f} x "
+            f"the steady 16-client figure (median {s['swaps_window_ratio_median']:.2f}).",
+        ]
+    images = data.get("images") or []
+    source = ""
+    if not images and earlier is not None:
+        images = earlier.get("images") or []
+        source = f" (the earlier run of {earlier['machine']['date'][:16].replace('T', ' ')} UTC)"
+    if images:
+        figures = "; ".join(
+            f"{run['clients']} client(s) {run['images_per_s']:.2f} images/s ("
+            + ", ".join(f"{n} in batches of {b}" for b, n in run["batch_sizes"].items())
+            + ")"
+            for run in images
+        )
+        lines += [
+            "",
+            f"Diffusion stage (an SD-like pipeline from configs, {plan['image_side']}x"
+            f"{plan['image_side']}, {plan['image_steps']} steps, `--max-batch 8`), concurrent "
+            f"same-size requests over gRPC{source}: {figures}.",
+        ]
+    return lines
