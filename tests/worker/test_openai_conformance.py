@@ -1,9 +1,9 @@
 """The official ``openai`` client (pinned in the dev extra) against every stage kind over real HTTP.
 
 Stages: the tiny torch AR stage, the tiny diffusion stage, and the group router in front of
-them (``TEXT_TARGETS``). The vLLM stage joins through :func:`start_vllm_stage`: once it serves
-its OpenAI API (the vllmserve work), make that hook return its base URL and add ``"vllm"`` to
-``TEXT_TARGETS``; every text test then runs against it too.
+them (``TEXT_TARGETS``). The vLLM stage joins through the :func:`vllm_stage` fixture: once it
+serves its OpenAI API (the vllmserve work), make that hook return its base URL and add
+``"vllm"`` to ``TEXT_TARGETS``; every text test then runs against it too.
 """
 
 from __future__ import annotations
@@ -30,13 +30,23 @@ TOKEN = "conformance-token"
 TEXT_TARGETS = ["torch", "router"]
 
 
-async def start_vllm_stage(start_worker: StartWorker) -> str | None:
-    """HOOK for the vLLM stage: its OpenAI base URL (``http://host:port/v1``) serving ``MODEL``.
+VllmStage = Callable[[], Awaitable[str | None]]
+
+
+@pytest.fixture
+def vllm_stage(start_worker: StartWorker) -> VllmStage:
+    """HOOK for the vLLM stage: starts it, returns its OpenAI base URL (``http://host:port/v1``)
+    serving ``MODEL``; called only by the "vllm" target.
 
     None until the vLLM stage serves through vLLM's own OpenAI server (tests/fakevllm stands
-    in for vLLM on CPU); then add "vllm" to ``TEXT_TARGETS``.
+    in for vLLM on CPU: take the ``gpu`` fixture of tests/worker/test_vllm_standin.py here);
+    then add "vllm" to ``TEXT_TARGETS``.
     """
-    return None
+
+    async def start() -> str | None:
+        return None
+
+    return start
 
 
 @contextlib.asynccontextmanager
@@ -80,21 +90,17 @@ async def stages(
         yield Stages(lm, sd, router)
 
 
-async def text_client(stages: Stages, target: str, start_worker: StartWorker) -> openai.AsyncOpenAI:
-    if target == "router":
-        return client(stages.router)
-    if target == "vllm":
-        url = await start_vllm_stage(start_worker)
-        assert url is not None, "start_vllm_stage is not wired"
-        return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
-    return client(base(stages.lm))
-
-
 @pytest.fixture(params=TEXT_TARGETS)
 async def text(
-    request: pytest.FixtureRequest, stages: Stages, start_worker: StartWorker
+    request: pytest.FixtureRequest, stages: Stages, vllm_stage: VllmStage
 ) -> openai.AsyncOpenAI:
-    return await text_client(stages, request.param, start_worker)
+    if request.param == "router":
+        return client(stages.router)
+    if request.param == "vllm":
+        url = await vllm_stage()
+        assert url is not None, "the vllm_stage hook is not wired"
+        return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+    return client(base(stages.lm))
 
 
 async def test_completion_and_chat_carry_usage_and_finish_reason(text: openai.AsyncOpenAI) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from omnistage.worker.v1 import inference_service_pb2
+from omnistage.worker.v1 import demand_service_pb2, demand_service_pb2_grpc, inference_service_pb2
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.queued import UNSERVED_HEADER
 from omnistage_worker.runners.base import TextChunkSink
@@ -73,6 +73,13 @@ async def test_a_client_that_goes_while_held_leaves_the_hold_queue(
         await wait_for(one_held, what="the gone client's request to leave the hold queue")
         figures = demand.figures()
         assert figures.held == 1 and figures.hold_timeouts_total == 0
+        # what the operator reads: the worker's DemandService stream says 1 held, not 2
+        stream = demand_service_pb2_grpc.DemandServiceStub(worker.channel).WatchDemand(
+            demand_service_pb2.WatchDemandRequest()
+        )
+        reported = await asyncio.wait_for(stream.read(), 10)
+        stream.cancel()
+        assert reported.held_requests == 1
         assert (await worker.wake()).ok
         assert (await stays).status_code == 200
     assert demand.figures().served_after_hold_total == 1  # the gone one was never served

@@ -192,7 +192,7 @@ CHAT_FIELDS = _TEXT | {
 }  # fmt: skip
 IMAGE_FIELDS = _COMMON | {
     "prompt", "size", "response_format", "quality", "style", "num_inference_steps",
-    "guidance_scale", "num_frames",
+    "guidance_scale",
 }  # fmt: skip
 
 
@@ -380,7 +380,6 @@ def parse_image(raw: Any, served: str) -> Parsed:
             width=width,
             height=height,
             guidance_scale=guidance,
-            num_frames=_int(body, "num_frames", 0),
         )
         for i in range(n)
     )

@@ -10,12 +10,11 @@ stage that is not Active. Errors use the OpenAI error shape.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -29,6 +28,7 @@ from omnistage_worker import openai_answers, openai_api
 from omnistage_worker.demand import retry_after_header
 from omnistage_worker.http_auth import BearerAuth
 from omnistage_worker.openai_api import BadRequest, Parsed
+from omnistage_worker.openai_stream import ChunkQueue, sse_events
 from omnistage_worker.queued import UNSERVED_HEADER, ShuttingDown
 from omnistage_worker.state import Worker
 from omnistage_worker.transitions import Refused
@@ -95,11 +95,6 @@ def _bad(exc: BadRequest) -> JSONResponse:
     )
 
 
-def _sse(body: dict[str, Any] | str) -> bytes:
-    data = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
 class _Call:
     """One HTTP request: its parsed body once known (to name fields in refusals)."""
 
@@ -131,6 +126,9 @@ async def _answered(request: Request, limit: int, what: str, answer: Answer) -> 
     gone = asyncio.ensure_future(_until_disconnect(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # the server gave up on this request: so does the worker
+        raise
     finally:
         gone.cancel()
     if not task.done():
@@ -275,7 +273,7 @@ class OpenAIApp:
         error response (status and Retry-After); after the first byte, a failure ends the
         stream with an error event.
         """
-        events = _Events(len(parsed.requests))
+        events = ChunkQueue(len(parsed.requests))
         tasks = self._start(parsed, admission, events.sinks())
         for task in tasks:
             task.add_done_callback(lambda _: events.wake.set())
@@ -293,77 +291,10 @@ class OpenAIApp:
         finally:
             waiter.cancel()
         return StreamingResponse(
-            self._events(parsed, chat, tasks, events),
+            sse_events(parsed, self.model, chat, tasks, events),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", **admission.header},
         )
-
-    async def _events(
-        self,
-        parsed: Parsed,
-        chat: bool,
-        tasks: list[asyncio.Future[Response_]],
-        events: _Events,
-    ) -> AsyncIterator[bytes]:
-        finished: dict[int, Response_] = {}
-        first = [True] * len(tasks)
-        try:
-            while len(finished) < len(tasks):
-                events.wake.clear()
-                while events.chunks:
-                    index, text = events.chunks.popleft()
-                    if text or first[index]:
-                        yield _sse(
-                            openai_answers.chunk_body(
-                                parsed, self.model, chat, index=index, text=text, first=first[index]
-                            )
-                        )
-                        first[index] = False
-                for index, task in enumerate(tasks):
-                    if index not in finished and task.done():
-                        response = finished[index] = task.result()
-                        yield _sse(
-                            openai_answers.final_chunk_body(
-                                parsed,
-                                self.model,
-                                chat,
-                                index=index,
-                                response=response,
-                                logprobs=response.text.logprobs,
-                            )
-                        )
-                if len(finished) < len(tasks) and not events.chunks:
-                    await events.wake.wait()
-        except Exception as exc:
-            log.exception("streamed request %s failed", parsed.request.request_id)
-            yield _sse(openai_api.error_body(f"generation failed: {exc}", "server_error"))
-            return
-        finally:
-            for task in tasks:
-                task.cancel()  # the client went away: queued ones leave the queue
-        if parsed.include_usage:
-            ordered = [finished[i] for i in range(len(tasks))]
-            yield _sse(openai_answers.usage_chunk_body(parsed, self.model, chat, ordered))
-        yield _sse("[DONE]")
-
-
-class _Events:
-    """The streamed chunks of several choices, in the order they were produced."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.chunks: collections.deque[tuple[int, str]] = collections.deque()
-        self.wake = asyncio.Event()
-
-    def sinks(self) -> list[Any]:
-        def sink(index: int) -> Callable[[list[int], str], None]:
-            def put(ids: list[int], text: str) -> None:
-                self.chunks.append((index, text))
-                self.wake.set()
-
-            return put
-
-        return [sink(i) for i in range(self.n)]
 
 
 async def _json(request: Request, limit: int) -> Any:
