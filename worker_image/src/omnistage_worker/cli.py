@@ -160,6 +160,20 @@ def _vllm_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vllm-enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--vllm-tensor-parallel-size", type=int, default=1)
     g.add_argument("--vllm-attention-backend", help="e.g. TRITON_ATTN (vLLM's attention_backend)")
+    g.add_argument(
+        "--vllm-max-num-seqs", type=int, help="most sequences in one batch (max_num_seqs)"
+    )
+    g.add_argument("--vllm-kv-cache-dtype", help="KV cache dtype (kv_cache_dtype: auto, fp8, ...)")
+    g.add_argument(
+        "--vllm-enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="prefix caching (default: vLLM's)",
+    )
+    g.add_argument(
+        "--vllm-enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        help="chunked prefill (default: vLLM's)",
+    )
 
 
 def vllm_args(args: argparse.Namespace) -> VllmArgs:
@@ -172,6 +186,10 @@ def vllm_args(args: argparse.Namespace) -> VllmArgs:
         enforce_eager=args.vllm_enforce_eager,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
         attention_backend=args.vllm_attention_backend,
+        max_num_seqs=args.vllm_max_num_seqs,
+        kv_cache_dtype=args.vllm_kv_cache_dtype,
+        enable_prefix_caching=args.vllm_enable_prefix_caching,
+        enable_chunked_prefill=args.vllm_enable_chunked_prefill,
     )
 
 
