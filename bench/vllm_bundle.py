@@ -92,6 +92,15 @@ HOST_DEPS = [
     "typing_inspection==0.4.5",
     "watchfiles==1.3.0",
     "xgrammar==0.2.3",
+    # vLLM's OpenAI server in the worker (vllm.entrypoints.openai.api_server's routers) and the
+    # worker itself (gRPC stubs need grpcio >= 1.85.1, protobuf >= 7.35.1; its HTTP server)
+    "model_hosting_container_standards==0.1.16",
+    "jmespath==1.0.1",
+    "uvicorn==0.54.0",
+    "grpcio==1.85.1",
+    "grpcio_health_checking==1.85.1",
+    "grpcio_reflection==1.85.1",
+    "protobuf==7.36.2",
 ]
 # a static library the bindings do not load at run time (65 MB)
 DEPS_DROPPED = ("xgrammar/lib",)
