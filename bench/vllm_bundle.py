@@ -105,12 +105,13 @@ HOST_DEPS = [
 # a static library the bindings do not load at run time (65 MB)
 DEPS_DROPPED = ("xgrammar/lib",)
 PART = 60_000_000
+# glibc tags the host (glibc 2.39) also takes: llguidance 1.7.6 is manylinux_2_31 only
+EXTRA_PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64")
 
 
 def download(what: list[str], dest: Path) -> None:
     """cp312 manylinux wheels (``--no-deps``: every need is named)."""
-    platforms = [a for p in (*PLATFORMS, "manylinux_2_31_x86_64", "manylinux_2_24_x86_64",
-                             "manylinux_2_26_x86_64") for a in ("--platform", p)]  # fmt: skip
+    platforms = [a for p in (*PLATFORMS, *EXTRA_PLATFORMS) for a in ("--platform", p)]
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
          "--python-version", "3.12", "--implementation", "cp", *platforms, "--platform", "any",
@@ -155,7 +156,9 @@ def build(work: Path, out: Path) -> None:
     for name in SLIMMED:
         target = tree / name
         shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-    kernels = tar_xz(tree, [KERNELS], work / "kernels.tar.xz")
+    kernels = work / "kernels.tar.xz"
+    if not kernels.exists() or kernels.stat().st_mtime < wheel.stat().st_mtime:
+        kernels = tar_xz(tree, [KERNELS], kernels)  # minutes: reused when the wheel is the same
     (tree / KERNELS).unlink()
     python_part = tar_xz(tree, sorted(p.name for p in tree.iterdir()), work / "vllm.tar.xz")
     deps = work / "deps"
@@ -163,7 +166,7 @@ def build(work: Path, out: Path) -> None:
     download(HOST_DEPS, deps)
     site = work / "deps-site"
     shutil.rmtree(site, ignore_errors=True)
-    platforms = [a for p in PLATFORMS for a in ("--platform", p)]
+    platforms = [a for p in (*PLATFORMS, *EXTRA_PLATFORMS) for a in ("--platform", p)]
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
          "--target", str(site), "--python-version", "3.12", "--implementation", "cp",

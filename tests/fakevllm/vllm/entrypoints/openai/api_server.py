@@ -293,3 +293,37 @@ async def init_app_state(
         if config.is_file():
             template = json.loads(config.read_text()).get("chat_template")
     state.chat_template = template
+
+
+def main() -> None:
+    """``python -m vllm.entrypoints.openai.api_server ...``: the stand-in's bare server."""
+    import asyncio
+
+    import uvicorn
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args()
+    validate_parsed_serve_args(args)
+
+    async def serve() -> None:
+        engine = AsyncLLM.from_vllm_config(
+            AsyncEngineArgs.from_cli_args(args).create_engine_config()
+        )
+        tasks = await engine.get_supported_tasks()
+        app = build_app(args, tasks, engine.model_config)
+        await init_app_state(engine, app.state, args, tasks)
+        config = uvicorn.Config(app, host=args.host or "0.0.0.0", port=args.port,
+                                log_level="warning", access_log=False)  # fmt: skip
+        try:
+            await uvicorn.Server(config).serve()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
