@@ -209,7 +209,7 @@ class Result:
     chunks: list[float] = field(default_factory=list)  # when each streamed token arrived
 
 
-async def one_request(client: Any, port: int, n: int, vocab: int) -> Result:
+async def one_request(client: Any, port: int, n: int) -> Result:
     prompt_len, out_len = MIX[n % len(MIX)]
     prompt = [(n * 7919 + i * 31) % 250 for i in range(prompt_len)]  # byte tokens, no specials
     body = {"model": "llm", "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
@@ -246,7 +246,7 @@ async def one_request(client: Any, port: int, n: int, vocab: int) -> Result:
 
 
 async def load(
-    port: int, clients: int, per_client: int | None, seconds: float | None, vocab: int
+    port: int, clients: int, per_client: int | None, seconds: float | None
 ) -> list[Result]:
     """``clients`` concurrent clients, each ``per_client`` requests (or until ``seconds``)."""
     import httpx
@@ -262,7 +262,7 @@ async def load(
             while (per_client is None or done < per_client) and (
                 stop_at is None or time.monotonic() < stop_at
             ):
-                results.append(await one_request(client, port, next(counter), vocab))
+                results.append(await one_request(client, port, next(counter)))
                 done += 1
 
         await asyncio.gather(*(run_client() for _ in range(clients)))
@@ -358,9 +358,13 @@ def between_swaps(results: list[Result], swaps: list[Json], settle: float) -> li
 
 
 async def run(a: argparse.Namespace) -> Json:
+    """The phases asked for (``--phases``), added to the report kept under ``--workdir`` (so
+    they can run in consecutive device calls); the summary once all are there."""
     work: Path = a.workdir
-    report: Json = {"command": " ".join(sys.argv), "smoke": a.smoke, "machine": machine(a.smoke),
-                    "mix": MIX, "clients": a.clients}  # fmt: skip
+    saved = work / "report.json"
+    report: Json = json.loads(saved.read_text()) if saved.exists() else {}
+    report.setdefault("commands", []).append(" ".join(sys.argv))
+    report |= {"smoke": a.smoke, "machine": machine(a.smoke), "mix": MIX, "clients": a.clients}
     report["model"] = build_model(work, a.smoke)
     model = Path(report["model"]["dir"])
     fake_dir: Path | None = None
@@ -369,50 +373,60 @@ async def run(a: argparse.Namespace) -> Json:
         from tests.fakegpu.model import Device
 
         fake_dir = work / "fakegpu"
-        FakeGpu.create(fake_dir, Device(uuid="GPU-smoke", total=400_000_000))
+        if not fake_dir.exists():
+            FakeGpu.create(fake_dir, Device(uuid="GPU-smoke", total=400_000_000))
     env = env_for(a.smoke, fake_dir)
-    vocab = 258
     from omnistage_worker.runners.vllm_serve import serve_argv
 
     report["engine_flags"] = serve_argv(worker_config(a, model), a.utilization, tokenizer=True)
-    for name in ("bare", "stage"):
-        log = work / f"{name}.log"
-        if name == "bare":
-            server = start_bare(a, model, env, log)
-        else:
-            server = start_stage(a, model, env, log, "manual")
+    if "bare" in a.phases:
+        report["bare"] = await steady(a, start_bare(a, model, env, work / "bare.log"), "/v1/models")
+    if "stage" in a.phases:
+        # OnDemand, so requests that arrive during a swap are held (a Manual stage answers 409).
+        server = start_stage(a, model, env, work / "stage.log", "ondemand")
         try:
-            await wait_http(server, "/v1/models" if name == "bare" else "/health", a.start_timeout)
-            await load(server.port, 4, 1, None, vocab)  # warm-up
-            results = await load(server.port, a.clients, a.per_client, None, vocab)
-            report[name] = figures(results) | {"ready_s": round(server.ready_s, 1)}
-            print(name, report[name], flush=True)
+            report["stage"] = await steady(a, server, "/health", stop=False)
+            report["swaps"] = await swapping(a, server, report["stage"])
         finally:
             server.stop()
-    server = start_stage(a, model, env, work / "swaps.log", "ondemand")
-    swaps: list[Json] = []
-    try:
-        await wait_http(server, "/health", a.start_timeout)
-        await load(server.port, 4, 1, None, vocab)
-        until = time.monotonic() + a.swap_seconds
-        thread = swapper(server.grpc_port, a.swap_every, until, swaps)
-        results = await load(server.port, a.clients, None, a.swap_seconds, vocab)
-        thread.join(600)
-    finally:
-        server.stop()
-    windows = between_swaps(results, swaps, a.settle)
-    steady = report["stage"].get("steady_tokens_per_s", 0.0)
-    report["swaps"] = figures(results) | {
-        "swaps": swaps, "windows": windows, "settle_s": a.settle,
-        "all_acks_ok": all(s["sleep_ok"] and s["wake_ok"] for s in swaps),
-    }  # fmt: skip
-    report["summary"] = summarize(report, windows, steady)
+    saved.write_text(json.dumps(report))
+    if all(k in report for k in ("bare", "stage", "swaps")):
+        report["summary"] = summarize(report)
     return report
 
 
-def summarize(report: Json, windows: list[Json], steady: float) -> Json:
+async def steady(a: argparse.Namespace, server: Server, ready: str, stop: bool = True) -> Json:
+    """The steady load: ``--clients`` clients, ``--per-client`` requests each."""
+    try:
+        await wait_http(server, ready, a.start_timeout)
+        await load(server.port, 4, 1, None)  # warm-up
+        results = await load(server.port, a.clients, a.per_client, None)
+        out = figures(results) | {"ready_s": round(server.ready_s, 1)}
+        print(server.name, out, flush=True)
+        return out
+    finally:
+        if stop:
+            server.stop()
+
+
+async def swapping(a: argparse.Namespace, server: Server, steady_figures: Json) -> Json:
+    """The same load while the stage sleeps and wakes every ``--swap-every`` seconds."""
+    swaps: list[Json] = []
+    until = time.monotonic() + a.swap_seconds
+    thread = swapper(server.grpc_port, a.swap_every, until, swaps)
+    results = await load(server.port, a.clients, None, a.swap_seconds)
+    thread.join(600)
+    windows = between_swaps(results, swaps, a.settle)
+    return figures(results) | {
+        "swaps": swaps, "windows": windows, "settle_s": a.settle,
+        "all_acks_ok": all(s["sleep_ok"] and s["wake_ok"] for s in swaps),
+    }  # fmt: skip
+
+
+def summarize(report: Json) -> Json:
     bare, stage, swaps = report["bare"], report["stage"], report["swaps"]
-    rates = [w["tokens_per_s"] for w in windows]
+    steady = stage["steady_tokens_per_s"]
+    rates = [w["tokens_per_s"] for w in swaps["windows"]]
     between = statistics.median(rates) if rates else 0.0
     return {
         "vllm_64_clients_of_bare_serve": round(stage["tokens_per_s"] / bare["tokens_per_s"], 3),
@@ -458,6 +472,7 @@ def main() -> None:
     p.add_argument("--attention-backend", default="TRITON_ATTN")
     p.add_argument("--residual-slack", default="512Mi")
     p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--phases", nargs="+", choices=("bare", "stage"), default=["bare", "stage"])
     a = p.parse_args()
     if a.smoke:
         a.attention_backend = None
@@ -467,7 +482,7 @@ def main() -> None:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(text)
-    print(json.dumps(report["summary"], indent=1))
+    print(json.dumps(report.get("summary", {}), indent=1))
 
 
 if __name__ == "__main__":
