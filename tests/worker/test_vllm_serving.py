@@ -14,6 +14,7 @@ is lost across 100 sleep/wake cycles under load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -238,3 +239,43 @@ async def test_nothing_is_lost_across_100_sleep_wake_cycles_under_load(
     assert set(answers) == {reference}
     engine = engine_of(w)
     assert (await engine._call("state"))["added_while_asleep"] == 0
+
+
+async def test_a_client_that_disconnects_while_held_leaves_the_queue(
+    start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
+) -> None:
+    import httpx
+
+    w = await start(start_worker, tmp_path, activation="ondemand")
+    assert (await w.sleep(1)).ok
+    url = f"http://127.0.0.1:{w.server.http_port}/v1/completions"
+    body = {"model": "llm", "prompt": "hi", "max_tokens": 4}
+    async with httpx.AsyncClient() as http:
+        request = asyncio.ensure_future(http.post(url, json=body, timeout=60))
+        await wait_for(lambda: _held(w, 1), within=10, what="the request held")
+        request.cancel()  # the client goes away (its connection closes)
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+    await wait_for(lambda: _held_none(w), within=10, what="the hold queue empty again")
+    assert w.server.worker.inflight == 0
+    assert (await w.wake()).ok
+
+
+async def _held_none(w: WorkerHandle) -> bool:
+    return w.server.worker.demand.held == 0
+
+
+async def test_footprint_is_the_engines_weights_and_kv_pool_as_measured(
+    start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
+) -> None:
+    w = await start(start_worker, tmp_path)
+    (engine,) = gpu.live().values()
+    assert engine.weights > 0
+    held = engine.used  # context + weights + the KV pool the engine took at start
+    assert engine.pool > engine.weights  # the KV pool is most of the budget
+    st = await w.status()
+    assert st.active_footprint_bytes == held and st.used_bytes == held
+    c = client(w)
+    await asyncio.gather(*(complete(c, 5, f"p{i}") for i in range(8)))
+    st = await w.status()
+    assert st.peak_active_bytes == held  # batching takes nothing beyond the engine's pool
