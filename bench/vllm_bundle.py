@@ -5,8 +5,9 @@ importing ``vllm.LLM`` needs some forty packages the host's image lacks. This bu
 folders that the device tool carries in consecutive calls (a warm machine keeps ``/tmp``):
 
 - ``.vllm1/kernels.part.aa``: the first part of ``vllm/_C_stable_libtorch.abi3.so`` (xz);
-- ``.vllm2/``: the rest of it, the Python part of vLLM (``vllm.tar.xz``) and its missing
-  dependencies installed for the host's Python (``deps.tar.xz``).
+- ``.vllm2/``: the rest of it and the Python part of vLLM (``vllm.tar.xz``);
+- ``.vllmdeps/deps.tar.xz``: its missing dependencies, with what vLLM's OpenAI server and the
+  worker need (fastapi, uvicorn, grpcio, ...), installed for the host's Python.
 
 ``bench/vllm_host_setup.sh`` (tracked, so it travels with the tree) joins them into
 ``/tmp/vsite``. The wheel is slimmed of what an H100 run of a dense model does not use: the
@@ -18,6 +19,7 @@ loads, sleeps at levels 1 and 2 and generates the same token ids after each wake
     python -m bench.vllm_bundle [--work /work/vllmstage] [--out /work/main]
     # then, on the device, one call after the other:
     #   carry [".vllm1"]: mkdir -p /tmp/vs && cp .vllm1/* /tmp/vs/
+    #   carry [".vllmdeps"]: cp .vllmdeps/* /tmp/vs/
     #   carry [".vllm2"]: source bench/vllm_host_setup.sh && python3 bench/vllm_stage.py ...
 """
 
@@ -177,13 +179,14 @@ def build(work: Path, out: Path) -> None:
     for name in DEPS_DROPPED:
         shutil.rmtree(site / name, ignore_errors=True)
     deps_part = tar_xz(site, sorted(p.name for p in site.iterdir()), work / "deps.tar.xz", 6)
-    first, second = out / ".vllm1", out / ".vllm2"
-    for folder in (first, second):
+    first, second, third = out / ".vllm1", out / ".vllm2", out / ".vllmdeps"
+    for folder in (first, second, third):
         shutil.rmtree(folder, ignore_errors=True)
     split(kernels, [first, second])
     shutil.copy2(python_part, second / "vllm.tar.xz")
-    shutil.copy2(deps_part, second / "deps.tar.xz")
-    for folder in (first, second):
+    third.mkdir(parents=True)
+    shutil.copy2(deps_part, third / "deps.tar.xz")
+    for folder in (first, second, third):
         size = sum(f.stat().st_size for f in folder.iterdir())
         print(f"{folder}: {size / 2**20:.1f} MiB")
 
