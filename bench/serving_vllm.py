@@ -227,17 +227,24 @@ async def one_request(client: Any, port: int, n: int) -> Result:
                 text = (await reply.aread()).decode(errors="replace")
                 return Result(False, started, time.monotonic(), -1, 0, out_len,
                               f"{reply.status_code} {text[:200]}")  # fmt: skip
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):
-                    now = time.monotonic()
-                    chunks.append(now)
-                    if ttft < 0:
-                        ttft = now - started
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"]["completion_tokens"])
+            # SSE events end with a blank line; JSON escapes newlines, so b"\n" only separates
+            # (text lines would also split at U+2028 and the like, which random text holds).
+            buffer = b""
+            async for data in reply.aiter_bytes():
+                buffer += data
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices"):
+                            now = time.monotonic()
+                            chunks.append(now)
+                            if ttft < 0:
+                                ttft = now - started
+                        if chunk.get("usage"):
+                            tokens = int(chunk["usage"]["completion_tokens"])
     except Exception as exc:
         return Result(False, started, time.monotonic(), -1, 0, out_len, repr(exc)[:200])
     ended = time.monotonic()
@@ -436,6 +443,8 @@ def summarize(report: Json) -> Json:
         "swaps": len(swaps["swaps"]),
         "swap_requests_lost": swaps["requests"] - swaps["ok"],
         "steady_tokens_per_s": steady,
+        # the whole swap run (drains, sleeps and wakes included) against the steady run
+        "swap_run_of_steady_run": round(swaps["tokens_per_s"] / stage["tokens_per_s"], 3),
         "between_swaps_tokens_per_s_median": round(between, 1),
         "between_swaps_of_steady": round(between / steady, 3) if steady else 0.0,
         "between_swaps_goal_met": bool(steady) and abs(between / steady - 1) <= 0.05,

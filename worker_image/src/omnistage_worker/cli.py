@@ -244,6 +244,21 @@ def setup_logging(level: str) -> None:
     )
 
 
+def run_loop(config: WorkerConfig) -> int:
+    """:func:`run` on an event loop: uvloop for a vLLM stage where it is installed (vLLM's
+    own server runs on it; vLLM depends on it), unless ``OMNISTAGE_UVLOOP=0``."""
+    if config.backend == "vllm" and os.environ.get("OMNISTAGE_UVLOOP", "1") != "0":
+        try:
+            import uvloop  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            pass
+        else:
+            log.info("event loop: uvloop")
+            code: int = uvloop.run(run(config))
+            return code
+    return asyncio.run(run(config))
+
+
 async def run(config: WorkerConfig) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully; the exit code."""
     from omnistage_worker.server import WorkerServer
@@ -285,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.sleep_level,
     )
     try:
-        return asyncio.run(run(config))
+        return run_loop(config)
     except Exception as exc:
         log.exception("the worker could not start or failed")
         termination.write(config.termination_log, f"worker failed: {exc}")

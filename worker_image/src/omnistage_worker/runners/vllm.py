@@ -115,10 +115,16 @@ class VllmController:
     """
 
     def __init__(
-        self, engine: Any, bridge: LoopBridge, weights_bytes: int, wake_bytes: int = 0
+        self,
+        engine: Any,
+        bridge: LoopBridge,
+        weights_bytes: int,
+        wake_bytes: int = 0,
+        lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None,
     ) -> None:
         self._engine = engine
         self._bridge = bridge
+        self._lifespan = lifespan
         self._level = 0
         self._weights_bytes = weights_bytes
         self.flat_bytes = wake_bytes or weights_bytes
@@ -177,7 +183,11 @@ class VllmController:
         return VllmStats(self._weights_bytes, time.monotonic() - started, False)
 
     def close(self) -> None:
-        """Stop the engine core (its memory goes with it)."""
+        """End the app's lifespan, stop the engine core (its memory goes with it)."""
+        if self._lifespan is not None:
+            lifespan, self._lifespan = self._lifespan, None
+            with contextlib.suppress(Exception):
+                self._bridge.call(lifespan.__aexit__(None, None, None), ENGINE_CALL_TIMEOUT_S)
         self._engine.shutdown()
 
     def device_bytes(self) -> int:
@@ -200,6 +210,7 @@ class VllmRunner(ModelRunner):
         self.engine: Any = None
         self.serve_args: Any = None
         self.app: Any = None  # vLLM's OpenAI app, once the engine is up
+        self._lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None
         self.vocab_size = 0
         self.tokenizer = has_tokenizer(config.model)
         self.bridge = LoopBridge()
@@ -240,7 +251,7 @@ class VllmRunner(ModelRunner):
         if tree is not None:
             tree.adopt_engine(listed)
         self.vocab_size = vocab_size(self.model_dir)
-        self.app = self.bridge.call(build_openai_app(self.engine, self.serve_args))
+        self.app, self._lifespan = self.bridge.call(build_openai_app(self.engine, self.serve_args))
         log.info("vLLM loaded %s in %.2fs", self.model_dir, time.monotonic() - started)
         self._calibrate(probe)
 
@@ -267,7 +278,9 @@ class VllmRunner(ModelRunner):
 
     def build_controller(self) -> SleepController:
         weights = sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
-        return VllmController(self.engine, self.bridge, weights, self._wake_bytes)
+        return VllmController(
+            self.engine, self.bridge, weights, self._wake_bytes, lifespan=self._lifespan
+        )
 
     def validate(self, request: inference_service_pb2.GenerateRequest) -> None:
         super().validate(request)

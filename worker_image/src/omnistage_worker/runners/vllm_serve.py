@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -85,14 +86,20 @@ def start_engine(args: argparse.Namespace) -> Any:
     )
 
 
-async def build_openai_app(engine: Any, args: argparse.Namespace) -> Any:
-    """vLLM's OpenAI app over ``engine``, its state initialised (``vllm serve``'s own steps)."""
+async def build_openai_app(
+    engine: Any, args: argparse.Namespace
+) -> tuple[Any, contextlib.AbstractAsyncContextManager[Any]]:
+    """vLLM's OpenAI app over ``engine``, its state initialised and its lifespan entered
+    (``vllm serve``'s own steps: the lifespan freezes the startup heap out of the garbage
+    collector's way); the app and the lifespan to exit at shutdown."""
     from vllm.entrypoints.openai.api_server import build_app, init_app_state
 
     tasks = await engine.get_supported_tasks()
     app = build_app(args, tasks, engine.model_config)
     await init_app_state(engine, app.state, args, tasks)
-    return app
+    lifespan: contextlib.AbstractAsyncContextManager[Any] = app.router.lifespan_context(app)
+    await lifespan.__aenter__()
+    return app, lifespan
 
 
 class LoopBridge:
