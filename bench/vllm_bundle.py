@@ -5,8 +5,9 @@ importing ``vllm.LLM`` needs some forty packages the host's image lacks. This bu
 folders that the device tool carries in consecutive calls (a warm machine keeps ``/tmp``):
 
 - ``.vllm1/kernels.part.aa``: the first part of ``vllm/_C_stable_libtorch.abi3.so`` (xz);
-- ``.vllm2/``: the rest of it, the Python part of vLLM (``vllm.tar.xz``) and its missing
-  dependencies installed for the host's Python (``deps.tar.xz``).
+- ``.vllm2/``: the rest of it and the Python part of vLLM (``vllm.tar.xz``);
+- ``.vllmdeps/deps.tar.xz``: its missing dependencies, with what vLLM's OpenAI server and the
+  worker need (fastapi, uvicorn, grpcio, ...), installed for the host's Python.
 
 ``bench/vllm_host_setup.sh`` (tracked, so it travels with the tree) joins them into
 ``/tmp/vsite``. The wheel is slimmed of what an H100 run of a dense model does not use: the
@@ -18,6 +19,7 @@ loads, sleeps at levels 1 and 2 and generates the same token ids after each wake
     python -m bench.vllm_bundle [--work /work/vllmstage] [--out /work/main]
     # then, on the device, one call after the other:
     #   carry [".vllm1"]: mkdir -p /tmp/vs && cp .vllm1/* /tmp/vs/
+    #   carry [".vllmdeps"]: cp .vllmdeps/* /tmp/vs/
     #   carry [".vllm2"]: source bench/vllm_host_setup.sh && python3 bench/vllm_stage.py ...
 """
 
@@ -92,16 +94,26 @@ HOST_DEPS = [
     "typing_inspection==0.4.5",
     "watchfiles==1.3.0",
     "xgrammar==0.2.3",
+    # vLLM's OpenAI server in the worker (vllm.entrypoints.openai.api_server's routers) and the
+    # worker itself (gRPC stubs need grpcio >= 1.85.1, protobuf >= 7.35.1; its HTTP server)
+    "model_hosting_container_standards==0.1.16",
+    "jmespath==1.0.1",
+    "uvicorn==0.54.0",
+    "grpcio==1.85.1",
+    "grpcio_health_checking==1.85.1",
+    "grpcio_reflection==1.85.1",
+    "protobuf==7.36.2",
 ]
 # a static library the bindings do not load at run time (65 MB)
 DEPS_DROPPED = ("xgrammar/lib",)
 PART = 60_000_000
+# glibc tags the host (glibc 2.39) also takes: llguidance 1.7.6 is manylinux_2_31 only
+EXTRA_PLATFORMS = ("manylinux_2_31_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64")
 
 
 def download(what: list[str], dest: Path) -> None:
     """cp312 manylinux wheels (``--no-deps``: every need is named)."""
-    platforms = [a for p in (*PLATFORMS, "manylinux_2_31_x86_64", "manylinux_2_24_x86_64",
-                             "manylinux_2_26_x86_64") for a in ("--platform", p)]  # fmt: skip
+    platforms = [a for p in (*PLATFORMS, *EXTRA_PLATFORMS) for a in ("--platform", p)]
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
          "--python-version", "3.12", "--implementation", "cp", *platforms, "--platform", "any",
@@ -146,7 +158,9 @@ def build(work: Path, out: Path) -> None:
     for name in SLIMMED:
         target = tree / name
         shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-    kernels = tar_xz(tree, [KERNELS], work / "kernels.tar.xz")
+    kernels = work / "kernels.tar.xz"
+    if not kernels.exists() or kernels.stat().st_mtime < wheel.stat().st_mtime:
+        kernels = tar_xz(tree, [KERNELS], kernels)  # minutes: reused when the wheel is the same
     (tree / KERNELS).unlink()
     python_part = tar_xz(tree, sorted(p.name for p in tree.iterdir()), work / "vllm.tar.xz")
     deps = work / "deps"
@@ -154,7 +168,7 @@ def build(work: Path, out: Path) -> None:
     download(HOST_DEPS, deps)
     site = work / "deps-site"
     shutil.rmtree(site, ignore_errors=True)
-    platforms = [a for p in PLATFORMS for a in ("--platform", p)]
+    platforms = [a for p in (*PLATFORMS, *EXTRA_PLATFORMS) for a in ("--platform", p)]
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
          "--target", str(site), "--python-version", "3.12", "--implementation", "cp",
@@ -165,13 +179,14 @@ def build(work: Path, out: Path) -> None:
     for name in DEPS_DROPPED:
         shutil.rmtree(site / name, ignore_errors=True)
     deps_part = tar_xz(site, sorted(p.name for p in site.iterdir()), work / "deps.tar.xz", 6)
-    first, second = out / ".vllm1", out / ".vllm2"
-    for folder in (first, second):
+    first, second, third = out / ".vllm1", out / ".vllm2", out / ".vllmdeps"
+    for folder in (first, second, third):
         shutil.rmtree(folder, ignore_errors=True)
     split(kernels, [first, second])
     shutil.copy2(python_part, second / "vllm.tar.xz")
-    shutil.copy2(deps_part, second / "deps.tar.xz")
-    for folder in (first, second):
+    third.mkdir(parents=True)
+    shutil.copy2(deps_part, third / "deps.tar.xz")
+    for folder in (first, second, third):
         size = sum(f.stat().st_size for f in folder.iterdir())
         print(f"{folder}: {size / 2**20:.1f} MiB")
 

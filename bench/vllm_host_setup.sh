@@ -1,12 +1,14 @@
 # Source on the GPU host: joins the slimmed vLLM staged by bench/vllm_bundle.py into /tmp/vsite
 # (once per warm machine) and sets the environment a run of it needs.
-# The call before this one carried .vllm1 and copied it to /tmp/vs; this one carries .vllm2.
+# The calls before this one carried .vllm1 and .vllmdeps and copied them to /tmp/vs; this one
+# carries .vllm2.
 S=/tmp/vsite
 if [ ! -f $S/.ok ]; then
   mkdir -p $S
   cat /tmp/vs/kernels.part.aa .vllm2/kernels.part.ab | xz -dc | tar x -C $S || return 1
   xz -dc .vllm2/vllm.tar.xz | tar x -C $S || return 1
-  xz -dc .vllm2/deps.tar.xz | tar x -C $S || return 1
+  D=.vllm2/deps.tar.xz; [ -f $D ] || D=/tmp/vs/deps.tar.xz  # older bundles kept it in .vllm2
+  xz -dc $D | tar x -C $S || return 1
   touch $S/.ok
 fi
 # The slimmed wheel has no FlashAttention libraries: the package reports them unavailable

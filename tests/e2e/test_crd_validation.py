@@ -320,6 +320,31 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
         ("spec.vllm.maxModelLen", "greater than or equal to 1"),
     ),
     (
+        "vllm-max-num-seqs-zero",
+        _vllm({"maxNumSeqs": 0}),
+        ("spec.vllm.maxNumSeqs", "greater than or equal to 1"),
+    ),
+    (
+        "vllm-kv-cache-dtype-unknown",
+        _vllm({"kvCacheDtype": "int3"}),
+        ("spec.vllm.kvCacheDtype", "Unsupported value"),
+    ),
+    (
+        "vllm-prefix-caching-not-bool",
+        _vllm({"enablePrefixCaching": "yes"}),
+        ("spec.vllm.enablePrefixCaching", "boolean"),
+    ),
+    (
+        "vllm-tensor-parallel-size-not-gpus",
+        _vllm({"tensorParallelSize": 2}),
+        ("spec.vllm.tensorParallelSize", "must equal spec.gpus"),
+    ),
+    (
+        "vllm-no-flag-in-worker-args",
+        _set("spec.worker.args", ["--no-vllm-enable-prefix-caching"]),
+        ("spec.worker.args", "--vllm-*"),
+    ),
+    (
         "vllm-unknown-engine-arg",
         _vllm({"swapSpace": 4}),
         ('unknown field "spec.vllm.swapSpace"',),
@@ -411,7 +436,9 @@ def test_vllm_engine_args_are_accepted_and_reach_the_worker(
     cluster: ControlPlane, namespace: str
 ) -> None:
     manifest = good("llm")
-    _vllm({"maxModelLen": 2048, "gpuMemoryUtilization": 0.3})(manifest)
+    _vllm({"maxModelLen": 2048, "gpuMemoryUtilization": 0.3, "maxNumSeqs": 128,
+           "kvCacheDtype": "fp8", "enablePrefixCaching": False, "enableChunkedPrefill": True,
+           "tensorParallelSize": 2})(manifest)  # fmt: skip
     manifest["spec"]["gpus"] = 2
     apply(cluster, namespace, manifest)
     stored = get(cluster, namespace, "llm")
@@ -422,6 +449,9 @@ def test_vllm_engine_args_are_accepted_and_reach_the_worker(
     assert args[args.index("--initial-state") + 1] == "active"  # vLLM starts once admitted
     assert args[args.index("--vllm-tensor-parallel-size") + 1] == "2"
     assert args[args.index("--vllm-gpu-memory-utilization") + 1] == "0.3"
+    assert args[args.index("--vllm-max-num-seqs") + 1] == "128"
+    assert args[args.index("--vllm-kv-cache-dtype") + 1] == "fp8"
+    assert "--no-vllm-enable-prefix-caching" in args and "--vllm-enable-chunked-prefill" in args
 
 
 def _example_docs() -> list[dict[str, Any]]:

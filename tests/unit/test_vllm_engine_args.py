@@ -126,3 +126,52 @@ def test_engine_flags_need_the_vllm_backend(tmp_path: Path) -> None:
     argv = ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
     with pytest.raises(ConfigError, match="need --backend vllm"):
         config_from_args(build_parser({}).parse_args([*argv, "--vllm-enforce-eager"]))
+
+
+def test_engine_options_people_set_reach_the_worker_and_vllm_serve_flags(tmp_path: Path) -> None:
+    """spec.vllm's batching and cache options become --vllm-* flags, then vLLM's serve flags."""
+    from omnistage_worker.runners.vllm_serve import serve_argv
+
+    manifest = body(vllm={
+        "maxNumSeqs": 64, "kvCacheDtype": "fp8", "enablePrefixCaching": False,
+        "enableChunkedPrefill": True, "tensorParallelSize": 2,
+    })  # fmt: skip
+    settings = parse_stage(manifest).vllm
+    assert (settings.max_num_seqs, settings.kv_cache_dtype) == (64, "fp8")
+    assert (settings.enable_prefix_caching, settings.enable_chunked_prefill) == (False, True)
+    args = args_of(manifest)
+    assert args[args.index("--vllm-max-num-seqs") + 1] == "64"
+    assert args[args.index("--vllm-kv-cache-dtype") + 1] == "fp8"
+    assert "--no-vllm-enable-prefix-caching" in args and "--vllm-enable-chunked-prefill" in args
+    local = [a for a in args if not a.startswith("--host=")]
+    local[local.index("--model") + 1] = str(tmp_path)
+    local = [a for a in local if a not in {"--token-file", "/var/run/secrets/omnistage/token"}]
+    config = config_from_args(build_parser({}).parse_args(local))
+    engine = config.vllm
+    assert (engine.max_num_seqs, engine.kv_cache_dtype, engine.tensor_parallel_size) == (
+        64,
+        "fp8",
+        2,
+    )
+    assert (engine.enable_prefix_caching, engine.enable_chunked_prefill) == (False, True)
+    argv = serve_argv(config, 0.5, tokenizer=True)
+    assert argv[argv.index("--max-num-seqs") + 1] == "64"
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--no-enable-prefix-caching" in argv and "--enable-chunked-prefill" in argv
+    assert "--enable-sleep-mode" in argv and "--skip-tokenizer-init" not in argv
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--vllm-max-num-seqs", "0"], "--vllm-max-num-seqs"),
+        (["--vllm-kv-cache-dtype", "int3"], "--vllm-kv-cache-dtype"),
+        (["--vllm-tensor-parallel-size", "2"], "--vllm-tensor-parallel-size"),  # --gpus is 1
+    ],
+)
+def test_worker_refuses_bad_batching_flags(tmp_path: Path, flags: list[str], flag: str) -> None:
+    base = ["--runner", "ar", "--backend", "vllm", "--model", str(tmp_path), "--device", "cuda"]
+    with pytest.raises(ConfigError) as info:
+        config_from_args(build_parser({}).parse_args([*base, *flags]))
+    assert info.value.flag == flag

@@ -1,61 +1,80 @@
 """The vLLM controller's call sequence and the NVML probe's engine pids (no vLLM, no GPU here).
 
-The physics of a vLLM stage are tested against the stand-in engine in test_vllm_standin.py;
-here a recording ``vllm.LLM`` shows which vLLM calls the worker makes, in which order.
+The physics of a vLLM stage are tested against the stand-in engine in test_vllm_standin.py and
+test_vllm_serving.py; here a recording async engine shows which calls of vLLM's ``AsyncLLM``
+the worker makes, in which order, on the event loop, from the transition lane's thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from typing import Any
 
 import pytest
 
 from omnistage_worker.memory import NvmlProbe
 from omnistage_worker.runners.vllm import VllmController
+from omnistage_worker.runners.vllm_serve import LoopBridge
 
 
-class RecordingLLM:
+class RecordingEngine:
+    """Records each call and that it ran on the event loop's thread."""
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.loop_thread = threading.get_ident()
 
-    def sleep(self, level: int) -> None:
-        self.calls.append(("sleep", level))
+    def _note(self, call: tuple[str, Any]) -> None:
+        assert threading.get_ident() == self.loop_thread, "an engine call off the loop"
+        self.calls.append(call)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.calls.append(("wake_up", tags))
+    async def sleep(self, level: int) -> None:
+        self._note(("sleep", level))
 
-    def collective_rpc(self, method: str) -> None:
-        self.calls.append(("collective_rpc", method))
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._note(("wake_up", tags))
+
+    async def collective_rpc(self, method: str) -> None:
+        self._note(("collective_rpc", method))
+
+    async def reset_prefix_cache(self) -> bool:
+        self._note(("reset_prefix_cache", None))
+        return True
 
 
-def test_level1_cycle() -> None:
-    llm = RecordingLLM()
-    ctl = VllmController(llm, weights_bytes=10)
-    assert ctl.sleep(1).noop is False and ctl.level == 1
+async def controller() -> tuple[VllmController, RecordingEngine]:
+    engine = RecordingEngine()
+    return VllmController(engine, LoopBridge(), weights_bytes=10), engine
+
+
+async def test_level1_cycle() -> None:
+    ctl, engine = await controller()
+    assert (await asyncio.to_thread(ctl.sleep, 1)).noop is False and ctl.level == 1
     assert ctl.host_bytes() == 10
-    assert ctl.sleep(1).noop
-    ctl.wake()
-    assert llm.calls == [("sleep", 1), ("wake_up", None)]  # no reload for level 1
+    assert (await asyncio.to_thread(ctl.sleep, 1)).noop
+    await asyncio.to_thread(ctl.wake)
+    assert engine.calls == [("sleep", 1), ("wake_up", None)]  # no reload for level 1
     assert ctl.level == 0 and ctl.wake().noop
 
 
-def test_level2_wake_reloads_weights() -> None:
-    llm = RecordingLLM()
-    ctl = VllmController(llm, weights_bytes=10)
-    ctl.sleep(2)
-    ctl.wake()
-    assert llm.calls == [
+async def test_level2_wake_reloads_weights_and_resets_the_prefix_cache() -> None:
+    ctl, engine = await controller()
+    await asyncio.to_thread(ctl.sleep, 2)
+    await asyncio.to_thread(ctl.wake)
+    assert engine.calls == [
         ("sleep", 2),
         ("wake_up", ["weights"]),
         ("collective_rpc", "reload_weights"),
         ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache", None),
     ]
 
 
-def test_no_deepening_and_no_asleep_start() -> None:
-    ctl = VllmController(RecordingLLM(), weights_bytes=10)
-    ctl.sleep(1)
+async def test_no_deepening_and_no_asleep_start() -> None:
+    ctl, _ = await controller()
+    await asyncio.to_thread(ctl.sleep, 1)
     with pytest.raises(RuntimeError, match="without waking"):
         ctl.sleep(2)
     with pytest.raises(RuntimeError, match="cannot start asleep"):

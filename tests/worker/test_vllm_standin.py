@@ -27,6 +27,7 @@ import pytest
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker.config import DeviceSpec, VllmArgs
 from omnistage_worker.runners.vllm import VllmController
+from omnistage_worker.runners.vllm_serve import LoopBridge, parse_serve_args, start_engine
 from tests.fakegpu import model
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device
@@ -42,7 +43,7 @@ BUDGET = 1_600_000  # the stage's memory: gpu_memory_utilization 0.4
 
 
 def build_model(directory: Path) -> Path:
-    return build_standin_model(directory, WEIGHTS)
+    return build_standin_model(directory, WEIGHTS, vocab=256, tokenizer=False)
 
 
 @pytest.fixture
@@ -149,43 +150,43 @@ async def test_wake_that_does_not_fit_is_refused_with_the_need(
     assert ack.ok, ack.error
 
 
-def test_out_of_memory_wake_leaves_the_engine_asleep(gpu: FakeGpu, tmp_path: Path) -> None:
-    """The controller puts a half-woken engine back to sleep (weights mapped, KV OOM)."""
-    from vllm import LLM  # the stand-in (tests/fakevllm on sys.path)
+def _engine(model_dir: Path, utilization: float, enforce_eager: bool = False) -> Any:
+    """The stand-in's AsyncLLM built the way the worker builds it (vLLM's serve flags)."""
+    argv = ["--model", str(model_dir), "--enable-sleep-mode", "--skip-tokenizer-init",
+            "--gpu-memory-utilization", str(utilization)]  # fmt: skip
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    return start_engine(parse_serve_args(argv))
 
+
+async def test_out_of_memory_wake_leaves_the_engine_asleep(gpu: FakeGpu, tmp_path: Path) -> None:
+    """The controller puts a half-woken engine back to sleep (weights mapped, KV OOM)."""
     model_dir = build_model(tmp_path / "m")
-    llm = LLM(
-        str(model_dir), enable_sleep_mode=True, gpu_memory_utilization=BUDGET / TOTAL,
-        skip_tokenizer_init=True, enforce_eager=True,
-    )  # fmt: skip
+    engine = _engine(model_dir, BUDGET / TOTAL, enforce_eager=True)
     try:
-        ctl = VllmController(llm, weights_bytes(model_dir))
-        ctl.sleep(1)
+        ctl = VllmController(engine, LoopBridge(), weights_bytes(model_dir))
+        await asyncio.to_thread(ctl.sleep, 1)
         room = gpu.snapshot().free - weights_bytes(model_dir) - 1000  # weights fit, KV not
         with hog(gpu, room):
             with pytest.raises(Exception, match="OutOfMemory"):
-                ctl.wake()
+                await asyncio.to_thread(ctl.wake)
             assert ctl.level == 1
-            engine = gpu.live()[llm.engine_pid]
-            assert engine.weights == 0 and engine.pool == 0  # back asleep: nothing mapped
-        ctl.wake()
-        assert gpu.live()[llm.engine_pid].weights > 0
+            state = gpu.live()[engine.engine_pid]
+            assert state.weights == 0 and state.pool == 0  # back asleep: nothing mapped
+        await asyncio.to_thread(ctl.wake)
+        assert gpu.live()[engine.engine_pid].weights > 0
     finally:
-        llm.shutdown()
+        engine.shutdown()
 
 
 def test_standin_refuses_a_start_the_free_memory_does_not_cover(
     gpu: FakeGpu, tmp_path: Path
 ) -> None:
     """vLLM takes its memory while it starts: a second engine of 60% does not start."""
-    from vllm import LLM
-
     model_dir = build_model(tmp_path / "m")
-    first = LLM(str(model_dir), enable_sleep_mode=True, gpu_memory_utilization=0.6,
-                skip_tokenizer_init=True)  # fmt: skip
+    first = _engine(model_dir, 0.6)
     try:
         with pytest.raises(Exception, match="less than desired GPU memory utilization"):
-            LLM(str(model_dir), enable_sleep_mode=True, gpu_memory_utilization=0.6,
-                skip_tokenizer_init=True)  # fmt: skip
+            _engine(model_dir, 0.6)
     finally:
         first.shutdown()

@@ -245,6 +245,16 @@ def vllm_args(stage: StageSpec) -> list[str]:
         args += ["--vllm-memory-bytes", str(stage.vram_request_bytes)]
     if engine.enforce_eager:
         args.append("--vllm-enforce-eager")
+    if engine.max_num_seqs is not None:
+        args += ["--vllm-max-num-seqs", str(engine.max_num_seqs)]
+    if engine.kv_cache_dtype is not None:
+        args += ["--vllm-kv-cache-dtype", engine.kv_cache_dtype]
+    for flag, value in (
+        ("enable-prefix-caching", engine.enable_prefix_caching),
+        ("enable-chunked-prefill", engine.enable_chunked_prefill),
+    ):
+        if value is not None:
+            args.append(f"--vllm-{flag}" if value else f"--no-vllm-{flag}")
     return args
 
 

@@ -25,7 +25,9 @@ Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``
 Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     ``ModelSpec(path, mount_path, volume)``, ``Colocation(group, priority)``,
     ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype)``,
-    ``VllmSettings(max_model_len, gpu_memory_utilization, enforce_eager)`` (``spec.vllm``),
+    ``VllmSettings(max_model_len, gpu_memory_utilization, enforce_eager, max_num_seqs,
+    kv_cache_dtype, enable_prefix_caching, enable_chunked_prefill, tensor_parallel_size)``
+    (``spec.vllm``),
     ``TemplateOverrides(resources, env, volumes, volume_mounts, node_selector, tolerations,
     annotations, labels, service_account_name, priority_class_name)``,
     ``StageSpec(name, namespace, uid, generation, runner, backend, model, image, state,
@@ -272,6 +274,11 @@ class VllmSettings:
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
+    max_num_seqs: int | None = None
+    kv_cache_dtype: str | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    tensor_parallel_size: int | None = None  # when given, equal to spec.gpus (the CRD's rule)
 
 
 @dataclass(frozen=True)
@@ -501,10 +508,26 @@ def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
     eager = vllm.get("enforceEager", False)
     if not isinstance(eager, bool):
         raise SpecError("spec.vllm.enforceEager", f"must be true or false, got {eager!r}")
+    flags: dict[str, bool | None] = {}
+    for key in ("enablePrefixCaching", "enableChunkedPrefill"):
+        value = vllm.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise SpecError(f"spec.vllm.{key}", f"must be true or false, got {value!r}")
+        flags[key] = value
+    dtype = vllm.get("kvCacheDtype")
+    if dtype is not None and not isinstance(dtype, str):
+        raise SpecError("spec.vllm.kvCacheDtype", f"must be a string, got {dtype!r}")
+    seqs = vllm.get("maxNumSeqs")
+    tp = vllm.get("tensorParallelSize")
     return VllmSettings(
         max_model_len=None if length is None else _int(length, "spec.vllm.maxModelLen", 0),
         gpu_memory_utilization=None if util is None else float(util),
         enforce_eager=eager,
+        max_num_seqs=None if seqs is None else _int(seqs, "spec.vllm.maxNumSeqs", 0),
+        kv_cache_dtype=dtype,
+        enable_prefix_caching=flags["enablePrefixCaching"],
+        enable_chunked_prefill=flags["enableChunkedPrefill"],
+        tensor_parallel_size=None if tp is None else _int(tp, "spec.vllm.tensorParallelSize", 0),
     )
 
 

@@ -1,51 +1,52 @@
-"""STAND-IN for vLLM 0.24's ``LLM`` and ``SamplingParams`` (CI only; see ``tests/fakevllm``).
+"""STAND-IN for vLLM 0.24 (CI only; see ``tests/fakevllm``): the part the worker uses.
 
-Same call surface as the real ones for what the worker uses; anything else raises TypeError
-(an unknown engine argument) or NotImplementedError. The engine runs in a child process
-(:mod:`.engine_core`) with real physics on the simulated GPU named by ``OMNISTAGE_FAKE_GPU``.
+Modules mirror vLLM's: ``vllm.engine.arg_utils.AsyncEngineArgs``,
+``vllm.v1.engine.async_llm.AsyncLLM`` (its engine core is a child process with real physics on
+the simulated GPU named by ``OMNISTAGE_FAKE_GPU``: :mod:`.engine_core`),
+``vllm.entrypoints.openai.cli_args`` (``make_arg_parser``, ``validate_parsed_serve_args``) and
+``vllm.entrypoints.openai.api_server`` (``build_app``, ``init_app_state``: the OpenAI routes the
+stand-in serves, in vLLM's shapes). Anything else raises (an unknown flag is an argparse
+error, an unsupported request field a 400 that says the stand-in lacks it).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import threading
 from dataclasses import dataclass, field
-from pathlib import Path
+from enum import Enum
 from typing import Any
 
 __version__ = "0.24.0+standin"
 STAND_IN = True
 
-_ENGINE_ARGS = frozenset(
-    {
-        "enable_sleep_mode",
-        "gpu_memory_utilization",
-        "tensor_parallel_size",
-        "enforce_eager",
-        "skip_tokenizer_init",
-        "seed",
-        "max_model_len",
-        "dtype",
-        "attention_backend",
-    }
-)
 
-
-class EngineError(RuntimeError):
-    """An error the engine core raised (its type name and message)."""
+class RequestOutputKind(Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
 class SamplingParams:
-    """The sampling fields the worker sets (greedy only in the stand-in)."""
+    """vLLM's sampling parameters (those the stand-in honours; others are refused)."""
 
-    max_tokens: int = 16
+    n: int = 1
     temperature: float = 1.0
+    top_p: float = 1.0
     seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None:
+            raise NotImplementedError("the stand-in engine computes no logprobs")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
 
 
 @dataclass
@@ -53,115 +54,21 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
 class RequestOutput:
     request_id: str
+    prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: Any = None
     outputs: list[CompletionOutput] = field(default_factory=list)
-
-
-class LLM:
-    """``vllm.LLM`` with sleep mode, on the simulated GPU."""
-
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        unknown = set(kwargs) - _ENGINE_ARGS
-        if unknown:
-            raise TypeError(f"EngineArgs.__init__() got unexpected arguments {sorted(unknown)}")
-        if int(kwargs.get("tensor_parallel_size", 1)) != 1:
-            raise NotImplementedError("the stand-in engine runs on one simulated device")
-        self.model = Path(model)
-        self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
-        self.skip_tokenizer_init = bool(kwargs.get("skip_tokenizer_init", False))
-        if not self.skip_tokenizer_init:
-            raise NotImplementedError("the stand-in has no tokenizer: use skip_tokenizer_init")
-        self.max_model_len = kwargs.get("max_model_len")
-        self._lock = threading.Lock()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.engine_core"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        init = {
-            "model": model,
-            "gpu_memory_utilization": float(kwargs.get("gpu_memory_utilization", 0.9)),
-            "enforce_eager": bool(kwargs.get("enforce_eager", False)),
-        }
-        try:
-            self.engine = self._call(init)
-        except EngineError:
-            self._proc.wait(10)
-            raise
-
-    def _call(self, request: dict[str, Any]) -> Any:
-        with self._lock:
-            assert self._proc.stdin is not None and self._proc.stdout is not None
-            self._proc.stdin.write(json.dumps(request) + "\n")
-            self._proc.stdin.flush()
-            line = self._proc.stdout.readline()
-        if not line:
-            raise EngineError(f"engine core died (exit {self._proc.poll()})")
-        answer = json.loads(line)
-        if not answer["ok"]:
-            raise EngineError(f"{answer['type']}: {answer['error']}")
-        return answer["result"]
-
-    @property
-    def engine_pid(self) -> int:
-        return int(self._proc.pid)
-
-    def sleep(self, level: int = 1) -> None:
-        if not self.sleep_mode:
-            raise ValueError("Sleep mode is not enabled (enable_sleep_mode=True)")
-        self._call({"op": "sleep", "level": level})
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self._call({"op": "wake_up", "tags": tags})
-
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        if method != "reload_weights" or args:
-            raise NotImplementedError("the stand-in knows collective_rpc('reload_weights') only")
-        return [self._call({"op": "reload_weights"})]
-
-    def generate(
-        self,
-        prompts: list[Any],
-        sampling_params: SamplingParams | None = None,
-        *,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        params = sampling_params or SamplingParams()
-        ids: list[list[int]] = []
-        for prompt in prompts:
-            if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-                raise ValueError("the stand-in takes {'prompt_token_ids': [...]} prompts only")
-            tokens = [int(t) for t in prompt["prompt_token_ids"]]
-            if self.max_model_len is not None and len(tokens) + params.max_tokens > int(
-                self.max_model_len
-            ):
-                raise ValueError(
-                    f"prompt ({len(tokens)} tokens) plus max_tokens ({params.max_tokens}) is "
-                    f"longer than max_model_len ({self.max_model_len})"
-                )
-            ids.append(tokens)
-        outs = self._call({"op": "generate", "prompts": ids, "max_tokens": params.max_tokens})
-        return [
-            RequestOutput(str(i), prompt, [CompletionOutput(0, "", list(out))])
-            for i, (prompt, out) in enumerate(zip(ids, outs, strict=True))
-        ]
-
-    def shutdown(self) -> None:
-        """Stop the engine core (its memory goes with it)."""
-        if self._proc.poll() is None:
-            assert self._proc.stdin is not None
-            self._proc.stdin.close()
-            self._proc.wait(10)
-
-    def __del__(self) -> None:
-        proc = getattr(self, "_proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+    finished: bool = False
+    num_cached_tokens: int | None = 0

@@ -205,6 +205,20 @@ def _vllm_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vllm-enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--vllm-tensor-parallel-size", type=int, default=1)
     g.add_argument("--vllm-attention-backend", help="e.g. TRITON_ATTN (vLLM's attention_backend)")
+    g.add_argument(
+        "--vllm-max-num-seqs", type=int, help="most sequences in one batch (max_num_seqs)"
+    )
+    g.add_argument("--vllm-kv-cache-dtype", help="KV cache dtype (kv_cache_dtype: auto, fp8, ...)")
+    g.add_argument(
+        "--vllm-enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        help="prefix caching (default: vLLM's)",
+    )
+    g.add_argument(
+        "--vllm-enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        help="chunked prefill (default: vLLM's)",
+    )
 
 
 def vllm_args(args: argparse.Namespace) -> VllmArgs:
@@ -217,6 +231,10 @@ def vllm_args(args: argparse.Namespace) -> VllmArgs:
         enforce_eager=args.vllm_enforce_eager,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
         attention_backend=args.vllm_attention_backend,
+        max_num_seqs=args.vllm_max_num_seqs,
+        kv_cache_dtype=args.vllm_kv_cache_dtype,
+        enable_prefix_caching=args.vllm_enable_prefix_caching,
+        enable_chunked_prefill=args.vllm_enable_chunked_prefill,
     )
 
 
@@ -278,6 +296,21 @@ def setup_logging(level: str) -> None:
     )
 
 
+def run_loop(config: WorkerConfig) -> int:
+    """:func:`run` on an event loop: uvloop for a vLLM stage where it is installed (vLLM's
+    own server runs on it; vLLM depends on it), unless ``OMNISTAGE_UVLOOP=0``."""
+    if config.backend == "vllm" and os.environ.get("OMNISTAGE_UVLOOP", "1") != "0":
+        try:
+            import uvloop  # type: ignore[import-not-found,unused-ignore]
+        except ImportError:
+            pass
+        else:
+            log.info("event loop: uvloop")
+            code: int = uvloop.run(run(config))
+            return code
+    return asyncio.run(run(config))
+
+
 async def run(config: WorkerConfig) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully; the exit code."""
     from omnistage_worker.server import WorkerServer
@@ -319,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.sleep_level,
     )
     try:
-        return asyncio.run(run(config))
+        return run_loop(config)
     except Exception as exc:
         log.exception("the worker could not start or failed")
         termination.write(config.termination_log, f"worker failed: {exc}")

@@ -103,6 +103,11 @@ class Identity:
     pid: int = field(default_factory=os.getpid)
 
 
+# vLLM 0.24's ``--kv-cache-dtype`` choices that run on the GPUs stages use.
+KV_CACHE_DTYPES: Final = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+MAX_NUM_SEQS: Final = 65536
+
+
 @dataclass(frozen=True)
 class VllmArgs:
     """vLLM engine arguments (``--vllm-*`` flags; the operator writes them from ``spec.vllm``).
@@ -119,6 +124,10 @@ class VllmArgs:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
+    max_num_seqs: int | None = None
+    kv_cache_dtype: str | None = None
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
 
     def utilization(self, total: int, free: int) -> float:
         """The ``gpu_memory_utilization`` for a device of ``total`` bytes, ``free`` now.
@@ -267,6 +276,12 @@ def _check_vllm(config: WorkerConfig) -> None:
             "asleep is not supported with --backend vllm: vLLM takes device memory "
             "while it loads, so it cannot start without touching the GPU",
         )
+    if config.vllm.tensor_parallel_size != config.gpus:
+        raise ConfigError(
+            "--vllm-tensor-parallel-size",
+            f"{config.vllm.tensor_parallel_size} differs from --gpus {config.gpus} "
+            "(vLLM shards the model over all of the stage's GPUs)",
+        )
     _check_vllm_args(config.vllm)
 
 
@@ -285,6 +300,13 @@ def _check_vllm_args(args: VllmArgs) -> None:
         raise ConfigError("--vllm-max-model-len", f"{args.max_model_len} (at least 1)")
     if not 1 <= args.tensor_parallel_size <= 8:
         raise ConfigError("--vllm-tensor-parallel-size", f"{args.tensor_parallel_size} (1 to 8)")
+    if args.max_num_seqs is not None and not 1 <= args.max_num_seqs <= MAX_NUM_SEQS:
+        raise ConfigError("--vllm-max-num-seqs", f"{args.max_num_seqs} (1 to {MAX_NUM_SEQS})")
+    dtype = args.kv_cache_dtype
+    if dtype is not None and dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            "--vllm-kv-cache-dtype", f"{dtype!r} (one of {', '.join(KV_CACHE_DTYPES)})"
+        )
     backend = args.attention_backend
     if backend is not None and not re.fullmatch(r"[A-Z][A-Z0-9_]{0,63}", backend):
         raise ConfigError(

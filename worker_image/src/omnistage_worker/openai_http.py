@@ -351,8 +351,11 @@ class HttpServer:
     """Runs :class:`OpenAIApp` on ``host:port`` in the current event loop."""
 
     def __init__(self, worker: Worker, host: str, port: int, grace: float = 30.0) -> None:
+        # A runner whose engine serves its own API (vLLM) brings its app behind the worker's gate.
+        front = getattr(worker.runner, "http_front", None)
+        app = front(worker) if callable(front) else OpenAIApp(worker).asgi
         config = uvicorn.Config(
-            OpenAIApp(worker).asgi,
+            app,
             host=host,
             port=port,
             log_level="warning",

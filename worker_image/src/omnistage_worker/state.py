@@ -281,6 +281,7 @@ class Worker:
 
         probe = self.probe
         sink = _thread_safe(_chunk_receiver(on_chunk, on_text_chunk))
+        serve_async = getattr(self.runner, "agenerate", None)  # an engine with its own batching
 
         def serve() -> inference_service_pb2.GenerateResponse | None:
             if not ticket.start():
@@ -291,6 +292,13 @@ class Worker:
 
         async def run() -> inference_service_pb2.GenerateResponse | None:
             try:
+                if serve_async is not None:
+                    if not ticket.start():
+                        return None  # it left the queue (client gone, or answered at shutdown)
+                    response: inference_service_pb2.GenerateResponse = await serve_async(
+                        request, on_chunk
+                    )
+                    return response
                 return await self._generate_lane.run(serve)
             finally:
                 self.queued.done(ticket)
@@ -329,6 +337,27 @@ class Worker:
         log.info("shutting down: %d held or queued requests answered (retry elsewhere)", answered)
         self.demand.changed()
         return answered
+
+    async def admit(self) -> None:
+        """Hold (OnDemand, asleep or in a transition) or refuse like :meth:`generate`, then count
+        one request in flight; the caller ends it with :meth:`finished`. For a runner whose
+        engine serves its own API (vLLM): the worker gates it without running it."""
+        self.demand.touch()
+        deadline = time.monotonic() + self.demand.hold_timeout
+        while (refusal := generate_refusal(self.current)) is not None:
+            if not (self.demand.on_demand and holdable(self.current)):
+                raise refusal
+            await self.demand.hold(deadline)
+        self._inflight += 1
+        self.idle.clear()
+        self.demand.changed()
+
+    def finished(self) -> None:
+        """One admitted request is over (a draining sleep goes on once none is left)."""
+        self._inflight -= 1
+        if self._inflight == 0:
+            self.idle.set()
+        self.demand.touch()
 
     async def aclose(self, within: float = 30.0) -> None:
         """Free the engine's buffers, leave the device, end the worker threads.

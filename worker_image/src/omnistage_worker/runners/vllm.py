@@ -1,49 +1,81 @@
-"""vLLM runner: vLLM's own sleep mode, driven through its public Python API (vLLM 0.24).
+"""vLLM runner: vLLM's own OpenAI server over its async engine, in the worker (vLLM 0.24).
+
+Design. The stage's HTTP API is vLLM's OpenAI app (``build_app`` + ``init_app_state``, as
+``vllm serve`` builds it, :mod:`.vllm_serve`) over vLLM's ``AsyncLLM`` engine client, served
+by the worker's uvicorn on the stage's HTTP port behind a thin ASGI front of ours
+(:mod:`omnistage_worker.vllm_front`): continuous batching, paged KV, usage, logprobs, n, stop,
+seed, tools and structured output are vLLM's own, with no extra hop per token. The front keeps
+what only the worker does: it holds requests while the stage sleeps or wakes (OnDemand; 409
+for a Manual stage that is not Active), never lets one into a sleeping engine, counts them in
+flight so a sleep drains them first, and answers ``/health``. The alternative, ``vllm serve``
+as a child process behind a proxy, would add a hop to every streamed token and a second
+process whose sleep state could drift from the worker's; in-process, the gRPC SleepService
+stays the one authority over the engine. gRPC Generate goes through the same engine
+(:meth:`VllmRunner.agenerate`), so it batches with the HTTP traffic.
 
 vLLM owns the weights, so the worker's weight engine is not used; vLLM is imported only when
-this runner is chosen. CI runs it against the stand-in engine in ``tests/fakevllm`` (same call
-surface, real memory physics on the simulated GPU); ``bench/vllm_stage.py`` runs real vLLM.
+this runner is chosen. CI runs it against the stand-in in ``tests/fakevllm`` (same call
+surface, real batching and memory physics on the simulated GPU); ``bench/vllm_stage.py`` and
+``bench/serving_vllm.py`` run real vLLM.
 
 - The worker process takes no CUDA context of its own (``owns_device_context = False``): vLLM's
   engine core runs in a child process, and the probe measures that process tree with NVML
   (recognising host pids where the driver reports them: ``EngineTreeProbe.adopt_engine``).
+  The stage's footprint is the engine's (weights + KV pool) as measured at start.
 - ``gpu_memory_utilization`` comes from ``--vllm-*`` (``config.VllmArgs.utilization``): given,
   or the stage's memory over the device's total, or the free memory at start.
 - The residual bound is derived from what the engine holds asleep, measured once at start:
   one level-1 sleep and wake right after loading (context, CUDA graphs, NCCL buffers stay).
-- level 1: ``llm.sleep(level=1)`` offloads weights to host memory and drops the KV cache;
-  ``llm.wake_up()`` brings them back.
-- level 2: ``llm.sleep(level=2)`` drops the weights too; the wake maps the weight memory
+- level 1: ``engine.sleep(1)`` offloads weights to host memory and drops the KV cache;
+  ``engine.wake_up()`` brings them back.
+- level 2: ``engine.sleep(2)`` drops the weights too; the wake maps the weight memory
   (``wake_up(tags=["weights"])``), reloads the weights from the model directory
-  (``collective_rpc("reload_weights")``), then maps the KV cache (``wake_up(tags=["kv_cache"])``).
+  (``collective_rpc("reload_weights")``), maps the KV cache (``wake_up(tags=["kv_cache"])``)
+  and resets the prefix cache.
+- The engine's coroutines run on the worker's event loop; Sleep and WakeUp call them from the
+  transition lane through :class:`~.vllm_serve.LoopBridge`.
 - 1 -> 2 while asleep is refused (``can_deepen = False``): vLLM cannot drop its host copy
   without first taking the device memory back, which could overrun another stage.
 - A wake that fails (e.g. out of memory) puts the engine back to sleep at its level.
 - Prompts: text when the model directory has a tokenizer; otherwise vLLM starts with
-  ``skip_tokenizer_init`` and a prompt's UTF-8 bytes are its token ids (the response carries
-  token ids only).
+  ``skip_tokenizer_init`` and a gRPC prompt's UTF-8 bytes are its token ids (the response
+  carries token ids only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.memory import EngineTreeProbe, MemoryProbe
-from omnistage_worker.runners.base import InvalidRequest, ModelRunner, SleepController
+from omnistage_worker.runners.base import ChunkSink, ModelRunner, SleepController
+from omnistage_worker.runners.vllm_requests import response_of, sampling_kwargs
+from omnistage_worker.runners.vllm_serve import (
+    LoopBridge,
+    build_openai_app,
+    parse_serve_args,
+    serve_argv,
+    start_engine,
+)
+
+if TYPE_CHECKING:
+    from omnistage_worker.state import Worker
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_NEW_TOKENS = 32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: Bound on one engine call made from the transition lane (sleep, wake, reload).
+ENGINE_CALL_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -76,14 +108,23 @@ def has_tokenizer(model_dir: Path) -> bool:
 
 
 class VllmController:
-    """Sleeps and wakes a ``vllm.LLM`` built with ``enable_sleep_mode=True``.
+    """Sleeps and wakes vLLM's async engine (``enable_sleep_mode``) from the transition lane.
 
     ``flat_bytes``: what a wake takes on the device (weights and KV cache), measured at start;
     an accounted device refuses a wake ahead of time when it does not fit.
     """
 
-    def __init__(self, llm: Any, weights_bytes: int, wake_bytes: int = 0) -> None:
-        self._llm = llm
+    def __init__(
+        self,
+        engine: Any,
+        bridge: LoopBridge,
+        weights_bytes: int,
+        wake_bytes: int = 0,
+        lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._bridge = bridge
+        self._lifespan = lifespan
         self._level = 0
         self._weights_bytes = weights_bytes
         self.flat_bytes = wake_bytes or weights_bytes
@@ -95,6 +136,9 @@ class VllmController:
     @property
     def weights_bytes(self) -> int:
         return self._weights_bytes
+
+    def _run(self, call: Callable[[], Any]) -> Any:
+        return self._bridge.call(call(), ENGINE_CALL_TIMEOUT_S)
 
     def activate(self) -> VllmStats:
         return VllmStats(0, 0.0, True)  # vLLM loads onto the device when it is built
@@ -109,7 +153,8 @@ class VllmController:
             # vLLM has no 1 -> 2 step that does not first take the device memory back.
             raise RuntimeError("vLLM cannot go from level 1 to level 2 without waking")
         started = time.monotonic()
-        self._llm.sleep(level=level)
+        # The worker drained its requests first; nothing is left for the engine to abort.
+        self._run(lambda: self._engine.sleep(level))
         self._level = level
         moved = self._weights_bytes if level == 1 else 0
         return VllmStats(moved, time.monotonic() - started, False)
@@ -118,21 +163,32 @@ class VllmController:
         if self._level == 0:
             return VllmStats(0, 0.0, True)
         started = time.monotonic()
+        engine = self._engine
         try:
             if self._level == 2:
-                self._llm.wake_up(tags=["weights"])
-                self._llm.collective_rpc("reload_weights")
-                self._llm.wake_up(tags=["kv_cache"])
+                self._run(lambda: engine.wake_up(tags=["weights"]))
+                self._run(lambda: engine.collective_rpc("reload_weights"))
+                self._run(lambda: engine.wake_up(tags=["kv_cache"]))
+                self._run(engine.reset_prefix_cache)
             else:
-                self._llm.wake_up()
+                self._run(engine.wake_up)
         except Exception:
             # Part of the memory may be mapped again: give it back before reporting.
             log.warning("vLLM wake from level %d failed; back to sleep", self._level)
+            level = self._level
             with contextlib.suppress(Exception):
-                self._llm.sleep(level=self._level)
+                self._run(lambda: engine.sleep(level))
             raise
         self._level = 0
         return VllmStats(self._weights_bytes, time.monotonic() - started, False)
+
+    def close(self) -> None:
+        """End the app's lifespan, stop the engine core (its memory goes with it)."""
+        if self._lifespan is not None:
+            lifespan, self._lifespan = self._lifespan, None
+            with contextlib.suppress(Exception):
+                self._bridge.call(lifespan.__aexit__(None, None, None), ENGINE_CALL_TIMEOUT_S)
+        self._engine.shutdown()
 
     def device_bytes(self) -> int:
         return 0  # the engine's memory is measured on the device, never accounted here
@@ -142,7 +198,7 @@ class VllmController:
 
 
 class VllmRunner(ModelRunner):
-    """A causal LM served by vLLM."""
+    """A causal LM served by vLLM's async engine and its OpenAI app."""
 
     runner_kind = types_pb2.RUNNER_AR
     backend_kind = types_pb2.BACKEND_VLLM
@@ -151,54 +207,51 @@ class VllmRunner(ModelRunner):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self.llm: Any = None
+        self.engine: Any = None
+        self.serve_args: Any = None
+        self.app: Any = None  # vLLM's OpenAI app, once the engine is up
+        self._lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None
         self.vocab_size = 0
         self.tokenizer = has_tokenizer(config.model)
+        self.bridge = LoopBridge()
         self._baseline: int | None = None
         self._wake_bytes = 0
+        self._ids = itertools.count()
+        self._running = 0  # gRPC requests in the engine now
 
     def _probe(self) -> MemoryProbe:
         if self.probe is None:
             raise RuntimeError("the vLLM runner measures with the worker's probe: none is set")
         return self.probe
 
-    def engine_kwargs(self, total: int, free: int) -> dict[str, Any]:
-        """``vllm.LLM``'s arguments for a device of ``total`` bytes with ``free`` now."""
-        engine = self.config.vllm
-        kwargs: dict[str, Any] = {
-            "model": str(self.model_dir),
-            "enable_sleep_mode": True,
-            "gpu_memory_utilization": engine.utilization(total, free),
-            "tensor_parallel_size": engine.tensor_parallel_size,
-            "enforce_eager": engine.enforce_eager,
-            "skip_tokenizer_init": not self.tokenizer,
-            "seed": 0,
-        }
-        if engine.max_model_len is not None:
-            kwargs["max_model_len"] = engine.max_model_len
-        if self.config.dtype != "auto":
-            kwargs["dtype"] = self.config.dtype
-        if engine.attention_backend is not None:
-            kwargs["attention_backend"] = engine.attention_backend
-        return kwargs
+    def http_front(self, worker: Worker) -> Any:
+        """The stage's HTTP app: vLLM's OpenAI app behind the worker's front."""
+        from omnistage_worker.vllm_front import VllmFront
+
+        return VllmFront(worker, lambda: self.app)
+
+    def serve_argv(self, total: int, free: int) -> list[str]:
+        """The ``vllm serve`` flags for a device of ``total`` bytes with ``free`` now."""
+        utilization = self.config.vllm.utilization(total, free)
+        return serve_argv(self.config, utilization, self.tokenizer)
 
     def load(self) -> None:
         # vLLM forks its engine core by default; this process runs gRPC threads, which must
         # not be forked: spawn it (the worker's entry points are import-safe).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        from vllm import LLM
-
         probe = self._probe()
         device = min(probe.read().devices, key=lambda d: d.free)
         tree = probe if isinstance(probe, EngineTreeProbe) else None
         listed = tree.listed_pids() if tree is not None else set()
-        kwargs = self.engine_kwargs(device.total, device.free)
+        argv = self.serve_argv(device.total, device.free)
         started = time.monotonic()
-        log.info("starting vLLM: %s", kwargs)
-        self.llm = LLM(**kwargs)
+        log.info("starting vLLM's engine: vllm serve %s", " ".join(argv))
+        self.serve_args = parse_serve_args(argv)
+        self.engine = start_engine(self.serve_args)
         if tree is not None:
             tree.adopt_engine(listed)
         self.vocab_size = vocab_size(self.model_dir)
+        self.app, self._lifespan = self.bridge.call(build_openai_app(self.engine, self.serve_args))
         log.info("vLLM loaded %s in %.2fs", self.model_dir, time.monotonic() - started)
         self._calibrate(probe)
 
@@ -207,13 +260,14 @@ class VllmRunner(ModelRunner):
         sleep and wake before the worker serves (the pod was admitted with this memory)."""
         active = probe.read().used
         started = time.monotonic()
-        self.llm.sleep(level=1)
+        self.bridge.call(self.engine.sleep(1), ENGINE_CALL_TIMEOUT_S)
         asleep = probe.read().used
-        self.llm.wake_up()
+        self.bridge.call(self.engine.wake_up(), ENGINE_CALL_TIMEOUT_S)
         self._baseline = asleep
         self._wake_bytes = max(0, active - asleep)
         log.info(
-            "vLLM holds %d bytes active, %d asleep (the residual baseline); calibrated in %.2fs",
+            "vLLM holds %d bytes active (weights + KV pool + context), %d asleep (the residual "
+            "baseline); calibrated in %.2fs",
             active,
             asleep,
             time.monotonic() - started,
@@ -224,58 +278,53 @@ class VllmRunner(ModelRunner):
 
     def build_controller(self) -> SleepController:
         weights = sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
-        return VllmController(self.llm, weights, self._wake_bytes)
+        return VllmController(
+            self.engine, self.bridge, weights, self._wake_bytes, lifespan=self._lifespan
+        )
 
     def validate(self, request: inference_service_pb2.GenerateRequest) -> None:
-        """Refuse what ``LLM.generate`` is not given here (until the stage serves through
-        vLLM's own server): stop strings, a sampling temperature or top_p, log probabilities."""
         super().validate(request)
-        if request.stop:
-            raise InvalidRequest("stop", "not supported by this vLLM stage")
-        if request.HasField("temperature") and request.temperature != 0:
-            raise InvalidRequest("temperature", "only 0 (greedy) on this vLLM stage")
-        for name in ("top_p", "top_logprobs"):
-            if request.HasField(name):
-                raise InvalidRequest(name, "not supported by this vLLM stage")
+        sampling_kwargs(request, self.tokenizer)
 
     def _prompt(self, text: str) -> Any:
         if self.tokenizer:
             return text
         return {"prompt_token_ids": prompt_token_ids(text, self.vocab_size)}
 
+    async def agenerate(
+        self, request: inference_service_pb2.GenerateRequest, sink: ChunkSink | None = None
+    ) -> inference_service_pb2.GenerateResponse:
+        """Run ``request`` through the async engine (batched with everything else in it)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(**sampling_kwargs(request, self.tokenizer))
+        started = time.monotonic()
+        request_id = f"grpc-{request.request_id or next(self._ids)}-{next(self._ids)}"
+        self._running += 1
+        batch = self._running
+        final: Any = None
+        sent_ids, sent_text = 0, 0
+        try:
+            async for output in self.engine.generate(self._prompt(request.prompt), params,
+                                                     request_id):  # fmt: skip
+                final = output
+                batch = max(batch, self._running)
+                completion = output.outputs[0]
+                if sink is not None:
+                    ids = [int(t) for t in completion.token_ids[sent_ids:]]
+                    text = (completion.text or "")[sent_text:]
+                    if ids or text:
+                        sink(ids, text)
+                    sent_ids, sent_text = len(completion.token_ids), len(completion.text or "")
+        finally:
+            self._running -= 1
+        if final is None:
+            raise RuntimeError(f"vLLM returned no output for request {request_id}")
+        response = response_of(request, final, batch)
+        response.duration.FromNanoseconds(int((time.monotonic() - started) * 1e9))
+        return response
+
     def _generate(
         self, request: inference_service_pb2.GenerateRequest
     ) -> inference_service_pb2.GenerateResponse:
-        from vllm import SamplingParams
-
-        started = time.monotonic()
-        params = SamplingParams(
-            max_tokens=request.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-            temperature=1.0 if request.do_sample else 0.0,
-            seed=request.seed if request.do_sample else None,
-            detokenize=self.tokenizer,
-        )
-        outputs = self.llm.generate([self._prompt(request.prompt)], params, use_tqdm=False)
-        completion = outputs[0].outputs[0]
-        reason = {
-            "stop": inference_service_pb2.FINISH_REASON_STOP,
-            "length": inference_service_pb2.FINISH_REASON_LENGTH,
-        }.get(
-            getattr(completion, "finish_reason", None) or "",
-            inference_service_pb2.FINISH_REASON_UNSPECIFIED,
-        )
-        response = inference_service_pb2.GenerateResponse(
-            request_id=request.request_id,
-            text=inference_service_pb2.TextOutput(
-                token_ids=[int(t) for t in completion.token_ids],
-                text=completion.text or "",
-                finish_reason=reason,
-            ),
-            usage=inference_service_pb2.Usage(
-                prompt_tokens=len(outputs[0].prompt_token_ids or ()),
-                completion_tokens=len(completion.token_ids),
-            ),
-            batch_size=1,
-        )
-        response.duration.FromNanoseconds(int((time.monotonic() - started) * 1e9))
-        return response
+        raise RuntimeError("a vLLM stage serves through its async engine (agenerate)")

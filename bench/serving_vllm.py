@@ -1,0 +1,498 @@
+"""A vLLM stage against bare ``vllm serve``: same vLLM, model, flags and GPU, 64 clients.
+
+Run on the lent GPU machine with vLLM 0.24.0 staged (``bench/vllm_bundle.py``,
+``bench/vllm_host_setup.sh``; see bench/results/serving_vllm.md). It builds a random-weight
+Llama (~8 GiB bf16, from a config) with a byte-level tokenizer made locally with the
+``tokenizers`` library (``bench/vllm_tokenizer.py``), then, one after the other on the GPU:
+
+1. bare: vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``) with the
+   flags the stage gives its engine (``runners.vllm_serve.serve_argv``: the same list);
+2. stage: the omnistage worker (this tree) of a vLLM stage, its HTTP port (vLLM's app behind
+   the worker's gate) under the same load;
+3. swaps: the stage (OnDemand) under the same load while a Sleep(1)+WakeUp over gRPC runs
+   every ``--swap-every`` seconds for ``--swap-seconds``: every request must be answered in
+   full; throughput between swaps is compared with the steady figure of step 2.
+
+The load: ``--clients`` concurrent clients, each sending streamed completions back to back
+from a fixed mix of prompt/output lengths (prompts as token ids, ``ignore_eos``, so every
+length is exact); tokens counted from ``usage`` (``stream_options.include_usage``), TTFT is the
+time to the first streamed text. ``--smoke`` runs the same code on CPU with the stand-in
+engine (tests/fakevllm) on a simulated GPU.
+
+    python3 bench/serving_vllm.py --workdir /tmp/vllmserve --out bench/results/serving_vllm.json
+    python bench/serving_vllm.py --smoke --workdir /tmp/vllmserve-smoke --out /tmp/s.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "worker_image/src"), str(REPO / "protos/gen/python"), str(REPO)]
+
+Json = dict[str, Any]
+STANDIN = REPO / "tests" / "fakevllm"
+# (prompt tokens, output tokens): a fixed mix, cycled per request
+MIX = ((128, 128), (512, 64), (64, 256), (256, 128))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+
+def build_model(workdir: Path, smoke: bool) -> Json:
+    """The model directory (reused when already built there)."""
+    from bench.vllm_tokenizer import SIZE, save_byte_tokenizer
+
+    model = workdir / "llm"
+    done = workdir / "built.json"
+    if done.exists():
+        built: Json = json.loads(done.read_text())
+        if built.get("smoke") == smoke:
+            return built
+    if smoke:
+        from tests.fakevllm.models import build_standin_model
+
+        build_standin_model(model, weights=400_000, max_position_embeddings=4096)
+        built = {"dir": str(model), "bytes": (model / "model.safetensors").stat().st_size}
+    else:
+        from bench.vllm_stage import LLM_CONFIG, write_llama
+
+        # The vocabulary is the tokenizer's (every generated id decodes); the layers make ~8 GiB.
+        built = write_llama(model, {**LLM_CONFIG, "vocab_size": SIZE, "bos_token_id": 256,
+                                    "eos_token_id": 257})  # fmt: skip
+        save_byte_tokenizer(model, 4096)
+    built["smoke"] = smoke
+    done.write_text(json.dumps(built))
+    return built
+
+
+# ---- servers --------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    port: int
+    grpc_port: int = 0
+    started: float = field(default_factory=time.monotonic)
+    ready_s: float = 0.0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def env_for(smoke: bool, fake_dir: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(REPO / "worker_image/src"), str(REPO / "protos/gen/python"), str(REPO)]
+    if smoke:
+        paths.insert(0, str(STANDIN))
+    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if fake_dir is not None:
+        env["OMNISTAGE_MEMORY_PROBE"] = "tests.fakegpu.probe:from_env"
+        env["OMNISTAGE_FAKE_GPU"] = str(fake_dir)
+    return env
+
+
+def worker_config(a: argparse.Namespace, model: Path) -> Any:
+    """The stage's worker configuration (the flags the operator would give its pod)."""
+    from omnistage_worker.cli import build_parser, config_from_args
+
+    return config_from_args(build_parser({}).parse_args(worker_flags(a, model)))
+
+
+def worker_flags(a: argparse.Namespace, model: Path) -> list[str]:
+    flags = [
+        "--runner=ar", "--backend=vllm", f"--model={model}", "--device=cuda",
+        "--initial-state=active", "--served-model-name=llm",
+        f"--vllm-gpu-memory-utilization={a.utilization}",
+        f"--vllm-max-model-len={a.max_model_len}", f"--vllm-max-num-seqs={a.max_num_seqs}",
+        f"--residual-slack={a.residual_slack}",
+    ]  # fmt: skip
+    if a.enforce_eager:
+        flags.append("--vllm-enforce-eager")
+    if a.attention_backend:
+        flags.append(f"--vllm-attention-backend={a.attention_backend}")
+    return flags
+
+
+async def wait_http(server: Server, path: str, within: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + within
+    async with httpx.AsyncClient() as client:
+        while True:
+            if server.proc.poll() is not None:
+                raise RuntimeError(f"{server.name} exited with {server.proc.returncode}")
+            try:
+                reply = await client.get(f"http://127.0.0.1:{server.port}{path}", timeout=5)
+                if reply.status_code == 200 and (path != "/health" or _active(reply.json())):
+                    server.ready_s = time.monotonic() - server.started
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                server.proc.kill()
+                raise TimeoutError(f"{server.name} not ready in {within}s")
+            await asyncio.sleep(0.5)
+
+
+def _active(body: Any) -> bool:
+    """The worker's /health says Active (vLLM's own answers no JSON body)."""
+    return not isinstance(body, dict) or body.get("state") == "WORKER_STATE_ACTIVE"
+
+
+def start_bare(a: argparse.Namespace, model: Path, env: dict[str, str], log: Path) -> Server:
+    """vLLM's own OpenAI server with the stage's engine flags."""
+    from omnistage_worker.runners.vllm_serve import serve_argv
+
+    argv = serve_argv(worker_config(a, model), a.utilization, tokenizer=True)
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *argv,
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Server("bare", proc, port)
+
+
+def start_stage(
+    a: argparse.Namespace, model: Path, env: dict[str, str], log: Path, activation: str
+) -> Server:
+    port, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "omnistage_worker", "--host=127.0.0.1",
+           f"--port={grpc_port}", f"--http-port={port}", f"--activation={activation}",
+           *worker_flags(a, model)]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Server(f"stage-{activation}", proc, port, grpc_port)
+
+
+# ---- load -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    ok: bool
+    started: float
+    ended: float
+    ttft: float
+    tokens: int
+    wanted: int
+    error: str = ""
+    chunks: list[float] = field(default_factory=list)  # when each streamed token arrived
+
+
+async def one_request(client: Any, port: int, n: int) -> Result:
+    prompt_len, out_len = MIX[n % len(MIX)]
+    prompt = [(n * 7919 + i * 31) % 250 for i in range(prompt_len)]  # byte tokens, no specials
+    body = {"model": "llm", "prompt": prompt, "max_tokens": out_len, "ignore_eos": True,
+            "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    started = time.monotonic()
+    ttft = -1.0
+    tokens = 0
+    chunks: list[float] = []
+    try:
+        async with client.stream(
+            "POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600
+        ) as reply:
+            if reply.status_code != 200:
+                text = (await reply.aread()).decode(errors="replace")
+                return Result(False, started, time.monotonic(), -1, 0, out_len,
+                              f"{reply.status_code} {text[:200]}")  # fmt: skip
+            # SSE events end with a blank line; JSON escapes newlines, so b"\n" only separates
+            # (text lines would also split at U+2028 and the like, which random text holds).
+            buffer = b""
+            async for data in reply.aiter_bytes():
+                buffer += data
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices"):
+                            now = time.monotonic()
+                            chunks.append(now)
+                            if ttft < 0:
+                                ttft = now - started
+                        if chunk.get("usage"):
+                            tokens = int(chunk["usage"]["completion_tokens"])
+    except Exception as exc:
+        return Result(False, started, time.monotonic(), -1, 0, out_len, repr(exc)[:200])
+    ended = time.monotonic()
+    return Result(tokens == out_len, started, ended, ttft, tokens, out_len,
+                  "" if tokens == out_len else f"{tokens} of {out_len} tokens", chunks)  # fmt: skip
+
+
+async def load(
+    port: int, clients: int, per_client: int | None, seconds: float | None
+) -> list[Result]:
+    """``clients`` concurrent clients, each ``per_client`` requests (or until ``seconds``)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients * 2, max_keepalive_connections=clients * 2)
+    results: list[Result] = []
+    counter = iter(range(10**9))
+    stop_at = time.monotonic() + seconds if seconds is not None else None
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+
+        async def run_client() -> None:
+            done = 0
+            while (per_client is None or done < per_client) and (
+                stop_at is None or time.monotonic() < stop_at
+            ):
+                results.append(await one_request(client, port, next(counter)))
+                done += 1
+
+        await asyncio.gather(*(run_client() for _ in range(clients)))
+    return results
+
+
+def token_rate(results: list[Result], lo: float, hi: float) -> float:
+    """Tokens per second streamed in [lo, hi) (each chunk weighs its request's tokens per
+    chunk: vLLM streams one chunk per engine step, one token each)."""
+    tokens = 0.0
+    for r in results:
+        if r.ok and r.chunks:
+            weight = r.tokens / len(r.chunks)
+            tokens += weight * sum(1 for t in r.chunks if lo <= t < hi)
+    return tokens / (hi - lo) if hi > lo else 0.0
+
+
+def figures(results: list[Result]) -> Json:
+    ok = [r for r in results if r.ok]
+    if not ok:
+        return {"requests": len(results), "ok": 0, "errors": [r.error for r in results[:5]]}
+    t0 = min(r.started for r in results)
+    t1 = max(r.ended for r in results)
+    tokens = sum(r.tokens for r in ok)
+    ttfts = sorted(r.ttft for r in ok if r.ttft >= 0)
+    return {
+        "requests": len(results), "ok": len(ok), "failed": len(results) - len(ok),
+        "errors": [r.error for r in results if not r.ok][:5],
+        "seconds": round(t1 - t0, 3), "output_tokens": tokens,
+        "tokens_per_s": round(tokens / (t1 - t0), 1),
+        "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+        "ttft_p95_ms": round(1000 * ttfts[int(0.95 * (len(ttfts) - 1))], 1),
+        # the middle 60% of the run, away from the start and the tail as clients finish
+        "steady_tokens_per_s": round(token_rate(ok, t0 + 0.2 * (t1 - t0), t1 - 0.2 * (t1 - t0)), 1),
+    }  # fmt: skip
+
+
+# ---- swaps ----------------------------------------------------------------------------------
+
+
+def swapper(grpc_port: int, every: float, until: float, out: list[Json]) -> threading.Thread:
+    """A thread: Sleep(1) then WakeUp over gRPC every ``every`` seconds until ``until``."""
+    import grpc
+
+    from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
+
+    LEVEL_1 = types_pb2.SleepLevel.ValueType(1)
+
+    def run() -> None:
+        stub = sleep_service_pb2_grpc.SleepServiceStub(
+            grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        )
+        next_at = time.monotonic() + every
+        while next_at < until:
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            began = time.monotonic()
+            request = sleep_service_pb2.SleepRequest(task_id=uuid.uuid4().hex, level=LEVEL_1)
+            slept = stub.Sleep(request, timeout=600).ack
+            asleep = time.monotonic()
+            woke = stub.WakeUp(sleep_service_pb2.WakeUpRequest(task_id=uuid.uuid4().hex),
+                               timeout=600).ack  # fmt: skip
+            ended = time.monotonic()
+            out.append({
+                "began": began, "asleep": asleep, "ended": ended,
+                "sleep_ok": slept.ok, "wake_ok": woke.ok, "error": slept.error or woke.error,
+                "drain_s": slept.drain_duration.ToTimedelta().total_seconds(),
+                "sleep_s": asleep - began, "wake_s": ended - asleep,
+                "freed_bytes": slept.freed_bytes, "used_after_sleep": slept.used_after_bytes,
+            })  # fmt: skip
+            next_at += every
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def between_swaps(results: list[Result], swaps: list[Json], settle: float) -> list[Json]:
+    """Tokens per second streamed in each window between swaps (from ``settle`` after a wake
+    to the next swap's start)."""
+    windows = []
+    edges = [(min(r.started for r in results), swaps[0]["began"])] if swaps else []
+    for a, b in itertools.pairwise(swaps):
+        edges.append((a["ended"] + settle, b["began"]))
+    for lo, hi in edges:
+        if hi - lo < 1.0:
+            continue
+        rate = token_rate(results, lo, hi)
+        windows.append({"from": lo, "to": hi, "tokens_per_s": round(rate, 1)})
+    return windows
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+async def run(a: argparse.Namespace) -> Json:
+    """The phases asked for (``--phases``), added to the report kept under ``--workdir`` (so
+    they can run in consecutive device calls); the summary once all are there."""
+    work: Path = a.workdir
+    saved = work / "report.json"
+    report: Json = json.loads(saved.read_text()) if saved.exists() else {}
+    report.setdefault("commands", []).append(" ".join(sys.argv))
+    report |= {"smoke": a.smoke, "machine": machine(a.smoke), "mix": MIX, "clients": a.clients}
+    report["model"] = build_model(work, a.smoke)
+    model = Path(report["model"]["dir"])
+    fake_dir: Path | None = None
+    if a.smoke:
+        from tests.fakegpu.device import FakeGpu
+        from tests.fakegpu.model import Device
+
+        fake_dir = work / "fakegpu"
+        if not fake_dir.exists():
+            FakeGpu.create(fake_dir, Device(uuid="GPU-smoke", total=400_000_000))
+    env = env_for(a.smoke, fake_dir)
+    from omnistage_worker.runners.vllm_serve import serve_argv
+
+    report["engine_flags"] = serve_argv(worker_config(a, model), a.utilization, tokenizer=True)
+    if "bare" in a.phases:
+        report["bare"] = await steady(a, start_bare(a, model, env, work / "bare.log"), "/v1/models")
+    if "stage" in a.phases:
+        # OnDemand, so requests that arrive during a swap are held (a Manual stage answers 409).
+        server = start_stage(a, model, env, work / "stage.log", "ondemand")
+        try:
+            report["stage"] = await steady(a, server, "/health", stop=False)
+            report["swaps"] = await swapping(a, server, report["stage"])
+        finally:
+            server.stop()
+    saved.write_text(json.dumps(report))
+    if all(k in report for k in ("bare", "stage", "swaps")):
+        report["summary"] = summarize(report)
+    return report
+
+
+async def steady(a: argparse.Namespace, server: Server, ready: str, stop: bool = True) -> Json:
+    """The steady load: ``--clients`` clients, ``--per-client`` requests each."""
+    try:
+        await wait_http(server, ready, a.start_timeout)
+        await load(server.port, 4, 1, None)  # warm-up
+        results = await load(server.port, a.clients, a.per_client, None)
+        out = figures(results) | {"ready_s": round(server.ready_s, 1)}
+        print(server.name, out, flush=True)
+        return out
+    finally:
+        if stop:
+            server.stop()
+
+
+async def swapping(a: argparse.Namespace, server: Server, steady_figures: Json) -> Json:
+    """The same load while the stage sleeps and wakes every ``--swap-every`` seconds."""
+    swaps: list[Json] = []
+    until = time.monotonic() + a.swap_seconds
+    thread = swapper(server.grpc_port, a.swap_every, until, swaps)
+    results = await load(server.port, a.clients, None, a.swap_seconds)
+    thread.join(600)
+    windows = between_swaps(results, swaps, a.settle)
+    return figures(results) | {
+        "swaps": swaps, "windows": windows, "settle_s": a.settle,
+        "all_acks_ok": all(s["sleep_ok"] and s["wake_ok"] for s in swaps),
+    }  # fmt: skip
+
+
+def summarize(report: Json) -> Json:
+    bare, stage, swaps = report["bare"], report["stage"], report["swaps"]
+    steady = stage["steady_tokens_per_s"]
+    rates = [w["tokens_per_s"] for w in swaps["windows"]]
+    between = statistics.median(rates) if rates else 0.0
+    return {
+        "vllm_64_clients_of_bare_serve": round(stage["tokens_per_s"] / bare["tokens_per_s"], 3),
+        "ttft_p50_of_bare": round(stage["ttft_p50_ms"] / bare["ttft_p50_ms"], 3),
+        "throughput_goal_met": stage["tokens_per_s"] >= 0.95 * bare["tokens_per_s"],
+        "ttft_goal_met": stage["ttft_p50_ms"] <= 1.10 * bare["ttft_p50_ms"],
+        "swaps": len(swaps["swaps"]),
+        "swap_requests_lost": swaps["requests"] - swaps["ok"],
+        "steady_tokens_per_s": steady,
+        # the whole swap run (drains, sleeps and wakes included) against the steady run
+        "swap_run_of_steady_run": round(swaps["tokens_per_s"] / stage["tokens_per_s"], 3),
+        "between_swaps_tokens_per_s_median": round(between, 1),
+        "between_swaps_of_steady": round(between / steady, 3) if steady else 0.0,
+        "between_swaps_goal_met": bool(steady) and abs(between / steady - 1) <= 0.05,
+        "nothing_lost": swaps["requests"] == swaps["ok"] and swaps["all_acks_ok"],
+    }  # fmt: skip
+
+
+def machine(smoke: bool) -> Json:
+    info: Json = {"host": platform.node(), "python": platform.python_version(),
+                  "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}  # fmt: skip
+    if not smoke:
+        import torch
+        import vllm
+
+        info |= {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                 "vllm": vllm.__version__}  # fmt: skip
+    return info
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/vllmserve"))
+    p.add_argument("--out", type=Path)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny, stand-in engine")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--per-client", type=int, default=4, help="requests per client (steps 1, 2)")
+    p.add_argument("--swap-every", type=float, default=10.0)
+    p.add_argument("--swap-seconds", type=float, default=120.0)
+    p.add_argument("--settle", type=float, default=1.0, help="after a wake, not counted (s)")
+    p.add_argument("--utilization", type=float, default=0.5)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--attention-backend", default="TRITON_ATTN")
+    p.add_argument("--residual-slack", default="512Mi")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--phases", nargs="+", choices=("bare", "stage"), default=["bare", "stage"])
+    a = p.parse_args()
+    if a.smoke:
+        a.attention_backend = None
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    report = asyncio.run(run(a))
+    text = json.dumps(report, indent=1)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text)
+    print(json.dumps(report.get("summary", {}), indent=1))
+
+
+if __name__ == "__main__":
+    main()
