@@ -1,5 +1,6 @@
-"""The vLLM stage (LLM.generate, against the stand-in engine) answers with usage and refuses the
-sampling fields it is not given, naming them, until it serves through vLLM's own server."""
+"""The vLLM stage's gRPC Generate (through the async engine, against the stand-in) answers with
+usage and honours the sampling fields on vLLM's terms; what it cannot honour is refused naming
+the field."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.worker.test_vllm_standin import build_model, gpu, start
 __all__ = ["gpu"]  # the fixture, used here
 
 
-async def test_usage_and_refused_fields(
+async def test_usage_sampling_and_refused_fields(
     start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
 ) -> None:
     worker = await start(start_worker, build_model(tmp_path / "m"))
@@ -23,11 +24,18 @@ async def test_usage_and_refused_fields(
     assert answer.usage.prompt_tokens > 0
     greedy = await worker.generate(prompt="hello there", max_new_tokens=5, temperature=0.0)
     assert list(greedy.text.token_ids) == list(answer.text.token_ids)
+    # A sampling temperature and top_p are honoured, seeded per request.
+    sampled = [
+        await worker.generate(
+            prompt="hello there", max_new_tokens=5, temperature=0.7, top_p=0.9, seed=3
+        )
+        for _ in range(2)
+    ]
+    assert list(sampled[0].text.token_ids) == list(sampled[1].text.token_ids)
     for field, value in (
-        ("stop", ["x"]),
-        ("temperature", 0.7),
-        ("top_p", 0.9),
-        ("top_logprobs", 2),
+        ("stop", ["x"]),  # this model has no tokenizer: stop strings cannot be matched
+        ("top_p", 1.5),
+        ("top_logprobs", 50),
     ):
         error = await rpc_error(worker.generate(prompt="hello", **{field: value}))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
