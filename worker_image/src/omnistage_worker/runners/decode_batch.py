@@ -280,7 +280,13 @@ class DecodeBatcher:
             chunk = inference_service_pb2.TextChunk(token_ids=[token], text=delta)
             if logprob is not None:
                 chunk.logprobs.append(logprob)
-            job.sink(chunk)
+            try:
+                job.sink(chunk)
+            except Exception:  # a receiver gone (its loop closed) must not fail the batch
+                log.exception(
+                    "request %r: its stream failed; it goes on unstreamed", job.request.request_id
+                )
+                job.sink = None
 
     def _drop_finished(
         self,
