@@ -28,7 +28,6 @@ it, else the word count of the word-level tokenizer's text).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import platform
@@ -38,8 +37,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +49,8 @@ for extra in ("worker_image/src", "protos/gen/python", "."):
 import grpc  # noqa: E402
 
 from bench.reporting import emit  # noqa: E402
+from bench.serving_clients import Answer, Clients, prompt, tokens_in  # noqa: E402
+from bench.serving_models import build_sd_like, llm_config  # noqa: E402
 from bench.worker_grpc import ensure_tokenizer, free_port  # noqa: E402
 from omnistage.worker.v1 import (  # noqa: E402
     inference_service_pb2,
@@ -62,7 +62,6 @@ from omnistage.worker.v1 import (  # noqa: E402
 
 Json = dict[str, Any]
 GiB = 1024**3
-PROMPT_WORDS = 16
 
 
 @dataclass(frozen=True)
@@ -92,34 +91,6 @@ SMOKE = Plan("cpu", "float32", 8, (1, 4, 8), (1, 4, 8), 2.0, 0.5, 3.0, 1.0, 8,
 
 
 # -- models -----------------------------------------------------------------------------------
-
-
-def llm_config(smoke: bool) -> Any:
-    from transformers import LlamaConfig
-
-    if smoke:
-        return LlamaConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    return LlamaConfig(  # the 16.6 GiB shape of bench/worker_sleep.py
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    )
-
-
-def prompt(index: int) -> str:
-    return " ".join(f"w{10 + (index * 31 + j * 7) % 400}" for j in range(PROMPT_WORDS))
 
 
 def build_llm_and_measure_generate(work: Path, plan: Plan, smoke: bool) -> Json:
@@ -249,93 +220,6 @@ def sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
-def build_sd_like(directory: Path, smoke: bool) -> Path:
-    """An SD-like pipeline (UNet, VAE, CLIP text encoder, DDIM) with random weights."""
-    if (directory / "model_index.json").exists():
-        return directory
-    if smoke:
-        from tests.worker.tiny_models import build_diffusion_pipeline
-
-        return build_diffusion_pipeline(directory)
-    import torch
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    from tests.worker.tiny_models import write_clip_tokenizer
-
-    torch.manual_seed(0)
-    tok_dir = directory.parent / (directory.name + "-tokenizer-src")
-    write_clip_tokenizer(tok_dir)
-    tokenizer = CLIPTokenizer.from_pretrained(str(tok_dir))
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=512,
-            intermediate_size=2048,
-            num_hidden_layers=6,
-            num_attention_heads=8,
-            max_position_embeddings=16,
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=2,
-        )
-    )
-    unet = UNet2DConditionModel(  # type: ignore[no-untyped-call]
-        sample_size=64,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(160, 320, 640, 640),
-        layers_per_block=2,
-        down_block_types=(
-            "CrossAttnDownBlock2D",
-            "CrossAttnDownBlock2D",
-            "CrossAttnDownBlock2D",
-            "DownBlock2D",
-        ),
-        up_block_types=(
-            "UpBlock2D",
-            "CrossAttnUpBlock2D",
-            "CrossAttnUpBlock2D",
-            "CrossAttnUpBlock2D",
-        ),
-        cross_attention_dim=512,
-        attention_head_dim=8,
-    )
-    vae = AutoencoderKL(  # type: ignore[no-untyped-call]
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(64, 128, 256, 256),
-        layers_per_block=2,
-        latent_channels=4,
-    )
-    scheduler = DDIMScheduler(  # type: ignore[no-untyped-call]
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        clip_sample=False,
-        set_alpha_to_one=False,
-    )
-    pipe: Any = StableDiffusionPipeline(  # type: ignore[no-untyped-call]
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    pipe.save_pretrained(str(directory), safe_serialization=True)
-    return directory
-
-
 # -- the worker -------------------------------------------------------------------------------
 
 
@@ -405,104 +289,6 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 # -- HTTP clients -----------------------------------------------------------------------------
-
-
-@dataclass
-class Answer:
-    """One HTTP request as a client saw it."""
-
-    start: float
-    end: float
-    status: int
-    tokens: int
-
-
-@dataclass
-class Clients:
-    """Closed-loop HTTP clients: each sends its next request when its answer comes."""
-
-    port: int
-    count: int
-    new_tokens: int
-    rounds: int | None = None
-    """Requests per client (None: until :meth:`finish`)."""
-    stop: threading.Event = field(default_factory=threading.Event)
-    answers: list[Answer] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> None:
-        for index in range(self.count):
-            thread = threading.Thread(target=self._loop, args=(index,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def finish(self) -> None:
-        if self.rounds is None:
-            self.stop.set()
-        for thread in self._threads:
-            thread.join(600)
-
-    def _loop(self, index: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        turn = 0
-        while not self.stop.is_set() and (self.rounds is None or turn < self.rounds):
-            body = json.dumps(
-                {
-                    "model": "bench",
-                    "prompt": prompt(index * 1000 + turn),
-                    "max_tokens": self.new_tokens,
-                    "temperature": 0,
-                }
-            )
-            began = time.monotonic()
-            try:
-                conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
-                reply = conn.getresponse()
-                data = json.loads(reply.read())
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                self.errors.append(f"client {index}: {exc!r}")
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-                continue
-            ended = time.monotonic()
-            tokens = completion_tokens(data, self.new_tokens)
-            if reply.status != 200:
-                self.errors.append(f"client {index}: {reply.status} {str(data)[:200]}")
-            self.answers.append(Answer(began, ended, reply.status, tokens))
-            turn += 1
-        conn.close()
-
-
-def completion_tokens(data: Any, asked: int) -> int:
-    """Tokens of a completions answer: ``usage`` when given; else ``asked`` when it finished
-    for length (the worker counts its tokens for that), else the word count (every token of
-    the bench's word-level tokenizer decodes to one word)."""
-    if not isinstance(data, dict):
-        return -1
-    usage = data.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        return int(usage["completion_tokens"])
-    choice = (data.get("choices") or [{}])[0]
-    if choice.get("finish_reason") == "length":
-        return asked
-    return len(str(choice.get("text", "")).split())
-
-
-def tokens_in(answers: Sequence[Answer], a: float, b: float,
-              resumed: Callable[[float], float] = lambda end: 0.0) -> float:  # fmt: skip
-    """Tokens generated within [a, b]: each answer's tokens spread over its generating time
-    (from its start, or from ``resumed(end)`` when it was held until a wake)."""
-    total = 0.0
-    for ans in answers:
-        start = max(ans.start, resumed(ans.end))
-        span = ans.end - start
-        if span <= 0:
-            continue
-        overlap = min(b, ans.end) - max(a, start)
-        if overlap > 0:
-            total += ans.tokens * overlap / span
-    return total
 
 
 def run_clients(worker: Worker, count: int, plan: Plan) -> Json:

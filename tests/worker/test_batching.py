@@ -275,3 +275,38 @@ async def test_batch_kv_cache_is_counted_and_gone_after_sleep(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_a_failing_stream_does_not_fail_the_batch(lm_dir: Path) -> None:
+    """A receiver that raises (its event loop closed) loses its stream, not its answer, and
+    the other requests of the batch go on."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from omnistage_worker.runners.decode_batch import DecodeBatcher, Job
+    from omnistage_worker.runners.sampling import Sampling
+
+    model: Any = AutoModelForCausalLM.from_pretrained(lm_dir)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir)
+    batcher = DecodeBatcher(
+        model, tokenizer=tokenizer, device=torch.device("cpu"), max_batch=4, eos_ids=set(), pad_id=3
+    )
+    calls: list[int] = []
+
+    def broken(chunk: inference_service_pb2.TextChunk) -> None:
+        calls.append(len(chunk.token_ids))
+        raise RuntimeError("Event loop is closed")
+
+    ids = [int(t) for t in tokenizer("the cat sat")["input_ids"]]
+    jobs = [
+        Job(inference_service_pb2.GenerateRequest(), ids, 6, Sampling(greedy=True), sink)
+        for sink in (broken, None)
+    ]
+    try:
+        answers = [batcher.submit(job).result(timeout=60) for job in jobs]
+    finally:
+        batcher.close()
+    assert calls == [1]  # called once, then dropped
+    assert [len(a.text.token_ids) for a in answers] == [6, 6]
+    assert answers[0].text.token_ids == answers[1].text.token_ids

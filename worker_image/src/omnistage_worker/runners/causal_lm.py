@@ -112,7 +112,7 @@ class CausalLMRunner(TorchRunner):
     def submit(
         self, request: inference_service_pb2.GenerateRequest, sink: TextChunkSink | None = None
     ) -> concurrent.futures.Future[inference_service_pb2.GenerateResponse]:
-        """Queue ``request``; it joins the running batch at the next step."""
+        """Queue ``request``; it joins the running batch within a few steps."""
         prompt_ids = [int(t) for t in self.tokenizer(request.prompt)["input_ids"]]
         job = Job(
             request=request,

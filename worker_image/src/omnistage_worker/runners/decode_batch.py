@@ -1,5 +1,5 @@
 """Continuous batching for a transformers causal LM: requests that arrive while others decode
-join the running batch at the next step, each with its own sampling, stops and stream.
+join the running batch within a few steps, each with its own sampling, stops and stream.
 
 Why not transformers' own continuous batching (``init_continuous_batching`` /
 ``generate_batch``): its sampler draws every row from one generator, so a request's sampled
@@ -12,9 +12,11 @@ Here the running batch is one ``DynamicCache`` of shape ``[rows, heads, slots, d
 ``[rows, slots]`` attention mask: every step feeds each running row its pending token and each
 joining row its whole prompt, left-padded to the longest feed, in one forward pass (a joining
 row's past is all padding; a running row gets masked holes when prompts join). Positions are
-per row, so a row sees exactly the tokens it would see alone. Finished rows are dropped from
-the cache at once and columns no row uses any more are trimmed, so when the last request ends
-the cache is gone: nothing of a batch stays on the device for a sleep to find.
+per row, so a row sees exactly the tokens it would see alone. Joins are gathered (at most every
+``JOIN_EVERY`` steps while rows run) and the holes they leave are compacted away once they
+outnumber the longest row. Finished rows are dropped from the cache at once and columns no row
+uses any more are trimmed, so when the last request ends the cache is gone: nothing of a batch
+stays on the device for a sleep to find.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class DecodeBatcher:
     # -- callers' side ----------------------------------------------------------------------
 
     def submit(self, job: Job) -> concurrent.futures.Future[Response]:
-        """Queue ``job``; it joins the running batch at the next step."""
+        """Queue ``job``; it joins the running batch within a few steps."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
@@ -280,7 +282,13 @@ class DecodeBatcher:
             chunk = inference_service_pb2.TextChunk(token_ids=[token], text=delta)
             if logprob is not None:
                 chunk.logprobs.append(logprob)
-            job.sink(chunk)
+            try:
+                job.sink(chunk)
+            except Exception:  # a receiver gone (its loop closed) must not fail the batch
+                log.exception(
+                    "request %r: its stream failed; it goes on unstreamed", job.request.request_id
+                )
+                job.sink = None
 
     def _drop_finished(
         self,
