@@ -387,7 +387,10 @@ async def run(a: argparse.Namespace) -> Json:
 
     report["engine_flags"] = serve_argv(worker_config(a, model), a.utilization, tokenizer=True)
     if "bare" in a.phases:
-        report["bare"] = await steady(a, start_bare(a, model, env, work / "bare.log"), "/v1/models")
+        bare_env = {**env, "VLLM_SERVER_DEV_MODE": "1"} if a.bare_sleep_first else env
+        bare = start_bare(a, model, bare_env, work / "bare.log")
+        report["bare"] = await steady(a, bare, "/v1/models", sleep_first=a.bare_sleep_first)
+        report["bare"]["slept_first"] = a.bare_sleep_first
     if "stage" in a.phases:
         # OnDemand, so requests that arrive during a swap are held (a Manual stage answers 409).
         server = start_stage(a, model, env, work / "stage.log", "ondemand")
@@ -402,10 +405,21 @@ async def run(a: argparse.Namespace) -> Json:
     return report
 
 
-async def steady(a: argparse.Namespace, server: Server, ready: str, stop: bool = True) -> Json:
-    """The steady load: ``--clients`` clients, ``--per-client`` requests each."""
+async def steady(
+    a: argparse.Namespace, server: Server, ready: str, stop: bool = True, sleep_first: bool = False
+) -> Json:
+    """The steady load: ``--clients`` clients, ``--per-client`` requests each. ``sleep_first``:
+    one level-1 sleep and wake through vLLM's dev routes first (what the stage's worker does
+    once at start to measure what its engine holds asleep)."""
     try:
         await wait_http(server, ready, a.start_timeout)
+        if sleep_first:
+            import httpx
+
+            async with httpx.AsyncClient(timeout=600) as client:
+                for path in ("/sleep?level=1", "/wake_up"):
+                    reply = await client.post(f"http://127.0.0.1:{server.port}{path}")
+                    reply.raise_for_status()
         await load(server.port, 4, 1, None)  # warm-up
         results = await load(server.port, a.clients, a.per_client, None)
         out = figures(results) | {"ready_s": round(server.ready_s, 1)}
@@ -482,6 +496,11 @@ def main() -> None:
     p.add_argument("--residual-slack", default="512Mi")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--phases", nargs="+", choices=("bare", "stage"), default=["bare", "stage"])
+    p.add_argument(
+        "--bare-sleep-first",
+        action="store_true",
+        help="sleep and wake bare vLLM once before its load, as the stage's calibration does",
+    )
     a = p.parse_args()
     if a.smoke:
         a.attention_backend = None
