@@ -341,7 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         parser.error(str(exc))
     setup_logging(args.log_level)
-    fix_mmap_threshold()
+    if config.backend != "vllm":
+        # For the weight engine's host copies; vLLM's weights live in its engine process, so a
+        # vLLM stage's worker keeps glibc's defaults, as vLLM's own server does.
+        fix_mmap_threshold()
     log.info(
         "starting: runner=%s backend=%s model=%s device=%s initial-state=%s sleep-level=%d",
         config.runner,
