@@ -71,7 +71,11 @@ def test_waiting_stage_names_its_blockers() -> None:
     assert st["state"] == "Waiting"
     assert st["waitingFor"] == ["b", "c"]
     assert parse_timestamp(st["requestedActiveAt"]) == 1.7e9
-    assert _cond(st, "Admitted")["status"] == "True"
+    # First in the group's order, but not woken: Admitted says why (not "admitted").
+    admitted = _cond(st, "Admitted")
+    assert (admitted["status"], admitted["reason"]) == ("False", "WaitingForAcks")
+    assert "no ok sleep ACK from b" in admitted["message"]
+    assert st["waitReason"] == "WaitingForAcks"
 
 
 def test_active_and_fenced_and_lost() -> None:
