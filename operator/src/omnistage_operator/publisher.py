@@ -222,6 +222,7 @@ class StatusPublisher:
                 stage_problem=self.stage_problems.get(key),
                 starts_when_admitted=not can_start_asleep(spec),
                 peaks=peaks_to_status(self.peaks.get(key)),
+                ack_contradicted=fact.ack_contradicted,
             )
             previous = self.published.get(key) or body.get("status") or {}
             status = build_status(obs, previous, now)

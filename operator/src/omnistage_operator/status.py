@@ -24,7 +24,7 @@ from omnistage_operator.components import (
     component_status,
     components_verdict,
 )
-from omnistage_operator.facts import AckFacts, WorkerReport, ack_contradiction
+from omnistage_operator.facts import AckFacts, WorkerReport
 from omnistage_operator.quantities import format_bytes
 
 __all__ = [
@@ -113,6 +113,8 @@ class StageObservation:
     starts_when_admitted: bool = False
     # Per device UUID, the most it was measured holding while Active (``peaks.StagePeaks``).
     peaks: Mapping[str, int] | None = None
+    # Why its worker's last ok sleep ACK is not trusted (``StageFacts.ack_contradicted``).
+    ack_contradicted: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,20 @@ def persisted_facts(status: Mapping[str, Any] | None) -> PersistedFacts:
     )
 
 
+def _contradicted(o: StageObservation) -> str | None:
+    """The contradiction of its last ok sleep ACK, while it stands: the asleep worker that sent
+    it, or no new worker reached since its fence."""
+    if o.ack_contradicted is not None:
+        return o.ack_contradicted
+    gone = o.phase in (WorkerPhase.ABSENT, WorkerPhase.STARTING, WorkerPhase.UNREACHABLE)
+    if gone and o.sleep_problem is not None and o.sleep_problem[0] == cond.Reason.ACK_CONTRADICTED:
+        return o.sleep_problem[1]
+    return None
+
+
 def _state(o: StageObservation) -> Phase:
+    if _contradicted(o) is not None:
+        return Phase.FAILED  # fenced like any failed sleeper, until a new worker reports
     match o.phase:
         case WorkerPhase.ACTIVE:
             return Phase.ACTIVE
@@ -347,19 +362,14 @@ def _memory_released(o: StageObservation, ready_reason: str) -> _Verdict:
     """MemoryReleased: a pending fence, a fence, a contradicted ACK and a failed sleep first;
     then what the worker measured."""
     r = o.report
+    contradicted = _contradicted(o)
+    if contradicted is not None:
+        return False, cond.Reason.ACK_CONTRADICTED, contradicted
     if o.fence_pending is not None and o.phase is not WorkerPhase.ABSENT:
         message = f"fence started, pod not confirmed gone: {o.fence_pending}"
         return False, cond.Reason.FENCE_PENDING, message
     if o.fenced_reason is not None:
         return True, cond.Reason.FENCED, o.fenced_reason
-    asleep = r is not None and r.phase is WorkerPhase.ASLEEP
-    contradicted = (
-        ack_contradiction(r.last_ack)
-        if r is not None and r.last_ack is not None and asleep
-        else None
-    )
-    if contradicted is not None:
-        return False, cond.Reason.ACK_CONTRADICTED, contradicted
     if o.sleep_problem is not None and o.phase is not WorkerPhase.ABSENT:
         return False, o.sleep_problem[0], o.sleep_problem[1]
     if o.phase is WorkerPhase.ASLEEP and r is not None:
