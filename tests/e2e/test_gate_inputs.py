@@ -192,3 +192,44 @@ def test_a_pipeline_split_unevenly_over_two_gpus_waits_where_its_heavy_side_does
         tenant.terminate()
         tenant.wait(30)
     wait_for("pipe Active once the room is back", lambda: cluster.state("pipe") == "Active", 60)
+
+
+def test_a_pipeline_never_measured_waits_by_its_loaders_byte_map(
+    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path],
+    make_local_nodes: Any, tmp_path: Path,
+) -> None:  # fmt: skip
+    # Created asleep and never Active: no figure of it was measured. Its worker reports the
+    # bytes its device map places on each device; the heavy one must have room.
+    nodes: LocalNodes = make_local_nodes(nodes=1, gpus=2, gpu_memory=1_600_000)
+    node = nodes.node_names[0]
+    manifest = stage_manifest("pipe", "sd", tiny_models, node, state="Asleep",
+                              worker_args=["--cpu-threads=1"])  # fmt: skip
+    manifest["spec"]["gpus"] = 2
+    cluster.apply(manifest)
+    wait_for("pipe Asleep", lambda: cluster.state("pipe") == "Asleep", 240)
+    rep = cluster.worker_status("pipe")
+    assert rep is not None and rep.peak_active_bytes == 0  # never measured Active
+    planned = {d.uuid: d.weights for d in rep.devices}
+    heavy, light = sorted(planned, key=lambda u: -planned[u])
+    assert planned[heavy] > 3 * planned[light] > 0
+    # Room on the heavy device for half the weights, not for its side of the map.
+    room = (sum(planned.values()) // 2 + planned[heavy]) // 2 + WAKE_MARGIN
+    fake = nodes.fake_gpu(node, heavy)
+    snap = fake.snapshot()
+    tenant = start_tenant(fake.dir, snap.free - snap.device.context - room, tmp_path / "ready")
+    try:
+        cluster.patch_state("pipe", "Active")
+
+        def says_why() -> dict[str, Any] | None:
+            st = cluster.status("pipe")
+            return st if st.get("waitReason") == "InsufficientMemory" else None
+
+        status = wait_for("pipe waits for its heavy side's room", says_why, 60)
+        assert any(f"on {heavy} (free " in e for e in status["waitingFor"]), status
+        time.sleep(3)
+        after = cluster.worker_status("pipe")
+        assert after is not None and after.last_ack is None  # no WakeUp was sent
+    finally:
+        tenant.terminate()
+        tenant.wait(30)
+    wait_for("pipe Active once the room is back", lambda: cluster.state("pipe") == "Active", 60)

@@ -266,6 +266,7 @@ def _device(d: types_pb2.DeviceMemory) -> DeviceFigures:
         used_after=d.used_after_bytes,
         free_before=d.free_before_bytes,
         free_after=d.free_after_bytes,
+        weights=d.weights_bytes,
     )
 
 
