@@ -4,9 +4,9 @@ Pure logic used by :mod:`.arbiter` (no I/O, no clock). A stage on several GPUs i
 evenly (a diffusion pipeline is dealt out by whole components), so admission and the wake gate
 charge each device what the stage's worker reported for it:
 
-- ``measured``: per device, the most of (the per-device peak kept across wakes and persisted in
-  status, what the worker holds there now while Active, the weights its loader's device map
-  places there plus its context's share): the figures a worker reports per device;
+- ``measured``: per device, the most of the per-device peak kept across wakes and persisted in
+  status and what the worker holds there now while Active; for a stage never measured, the
+  weights its loader's device map places there plus its context's share;
 - total figures (``vram.request``, a learned need, the summed peak) are spread over the devices in
   proportion to those per-device figures, or evenly when the stage was never measured and its
   worker does not report its placement (then every device is charged ``total / gpus``);
@@ -56,19 +56,20 @@ def measured_per_device(
     fact: StageFacts, devices: Sequence[str], gpus: int
 ) -> dict[str, int] | None:
     """The stage's own per-device figures on ``devices`` (None when it reports none): the kept
-    peak, what it holds now while Active, and its planned weights plus its context's share."""
-    context = (fact.context_bytes or 0) // max(1, gpus)
-    out: dict[str, int] = {}
+    peak and what it holds now while Active; for a stage never measured, the weights its
+    loader's device map places on each device plus its context's share (a stage measured with
+    components asleep is charged what it was measured holding, not all its weights)."""
     active = str(fact.phase) == "Active"
+    out: dict[str, int] = {}
     for d in devices:
-        known = [
-            fact.device_peaks.get(d, 0),
-            fact.device_used.get(d, 0) if active else 0,
-            fact.device_weights.get(d, 0) + context if d in fact.device_weights else 0,
-        ]
-        if any(known):
-            out[d] = max(known)
-    return out or None
+        seen = max(fact.device_peaks.get(d, 0), fact.device_used.get(d, 0) if active else 0)
+        if seen:
+            out[d] = seen
+    if out:
+        return out
+    context = (fact.context_bytes or 0) // max(1, gpus)
+    planned = {d: fact.device_weights[d] + context for d in devices if fact.device_weights.get(d)}
+    return planned or None
 
 
 def device_need(
