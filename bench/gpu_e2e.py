@@ -202,8 +202,9 @@ def _s(v: str | bytes) -> str:
 # ---- 2. models (child process, on the GPU) ---------------------------------------------------
 
 
-def build_models(models: Path, tiny: bool) -> Json:
-    """The LLM and the SD3-style pipeline, random bf16 weights, built on the device, saved."""
+def build_models(models: Path, tiny: bool, small_sd: bool = False) -> Json:
+    """The LLM and the SD3-style pipeline, random bf16 weights, built on the device, saved
+    (``small_sd``: the pipeline in its tiny configuration, for runs about the LLM alone)."""
     import torch
 
     from bench.worker_sleep import llm_config
@@ -232,7 +233,7 @@ def build_models(models: Path, tiny: bool) -> Json:
     sd = models / "sd"
     if not (sd / ".done").exists():
         start = time.monotonic()
-        build_sd3(sd, dev, tiny)
+        build_sd3(sd, dev, tiny or small_sd)
         (sd / ".done").write_text("")
         out["sd_build_seconds"] = round(time.monotonic() - start, 1)
     if dev.type == "cuda":
@@ -641,7 +642,10 @@ def run(args: argparse.Namespace) -> Json:
     if not args.tiny:
         log("building the models (kept in --work)")
     report["models"] = run_child(
-        ["build-models", str(work / "models")] + (["--tiny"] if args.tiny else []), 1200
+        ["build-models", str(work / "models")]
+        + (["--tiny"] if args.tiny else [])
+        + (["--small-sd"] if args.small_sd else []),
+        1200,
     )
     log(f"models: {report['models']}")
     report["limits"] = None if args.tiny else run_child(["limits"])
@@ -1015,7 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
 def child_main(argv: list[str]) -> int:
     kind, rest = argv[0], argv[1:]
     if kind == "build-models":
-        print(json.dumps(build_models(Path(rest[0]), "--tiny" in rest)))
+        print(json.dumps(build_models(Path(rest[0]), "--tiny" in rest, "--small-sd" in rest)))
     elif kind == "limits":
         print(json.dumps(child_limits()))
     elif kind == "ballast":
