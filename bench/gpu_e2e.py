@@ -995,6 +995,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU rehearsal with tiny models")
     p.add_argument(
+        "--small-sd",
+        action="store_true",
+        help="the diffusion stage in its tiny configuration (less disk and time)",
+    )
+    p.add_argument(
         "--squeeze",
         action="store_true",
         help="after the switches: a tenant squeezes the device, llm is patched Active",
