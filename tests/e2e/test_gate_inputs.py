@@ -110,7 +110,7 @@ def test_an_ok_sleep_ack_the_device_contradicts_fails_and_fences_the_stage(  # n
     gpu = Gpu(nodes, nodes.node_names[0])
     op = _operator(cluster, namespace, tmp_path, "--sleep-timeout", "20", "--fence-timeout", "60")
     try:
-        _pair(cluster, models, gpu.node)
+        _pair(cluster, models, gpu.node, sd_vram="700Mi")  # both do not fit: a hand-over
         # The operator has seen ar hold its weights while Active (its kept per-device peak).
         wait_for("ar's peak in status", lambda: (cluster.status("ar").get("memory") or {})
                  .get("peak"), 60)  # fmt: skip
