@@ -24,7 +24,7 @@ from tests.e2e.conftest import (
     wait_for,
 )
 from tests.e2e.test_handover import _worker_pid
-from tests.e2e.test_physics import PodWatch, _operator, _pair, _wake_started
+from tests.e2e.test_physics import PodWatch, _generate, _operator, _pair, _wake_started
 from tests.fakegpu.tenant import start_tenant
 from tests.worker.tiny_models import build_causal_lm
 
@@ -47,6 +47,15 @@ def test_a_stage_squeezed_by_another_tenant_says_why_and_wakes_once_it_leaves(
     tmp_path: Path,
 ) -> None:  # fmt: skip
     _pair(cluster, tiny_models, gpu.node)
+    _generate(cluster, "ar")  # serving takes activations: ar's peak exceeds its weights
+    uuid = gpu.snapshot().device.uuid
+
+    def peak_under_load() -> int | None:
+        st = cluster.status("ar")
+        peak = ((st.get("memory") or {}).get("peak") or {}).get(uuid, 0)
+        return peak if peak > st["memory"]["usedBytes"] else None
+
+    peak = wait_for("ar's peak under load in status", peak_under_load, 30)
     cluster.patch_state("ar", "Asleep")  # both asleep
     wait_for("ar Asleep", lambda: cluster.state("ar") == "Asleep", 120)
     slept = _last_ack_id(cluster, "ar")
@@ -68,7 +77,6 @@ def test_a_stage_squeezed_by_another_tenant_says_why_and_wakes_once_it_leaves(
 
         status = wait_for("ar says why it waits", says_why, 60)
         assert status["state"] == "Waiting"
-        uuid = snap.device.uuid
         tenants = next(e for e in status["waitingFor"] if e.startswith("other tenants: "))
         assert f"on {uuid} (free " in tenants and ", needed " in tenants, tenants
         admitted = _condition(cluster, "ar", "Admitted")
@@ -90,6 +98,11 @@ def test_a_stage_squeezed_by_another_tenant_says_why_and_wakes_once_it_leaves(
     st = cluster.status("ar")
     assert not st.get("waitReason") and not st.get("waitingFor")
     assert _condition(cluster, "ar", "Admitted")["status"] == "True"
+    # The wake reset the worker's own peak toward its weights; the stage's peak under load is
+    # kept (what admission charges), per device.
+    rep = cluster.worker_status("ar")
+    assert rep is not None and rep.peak_active_bytes < peak
+    assert st["memory"]["peak"][uuid] >= peak
 
 
 @pytest.mark.parametrize("lie", ["freed-0-memory-kept", "claims-all-freed"])

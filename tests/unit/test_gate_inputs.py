@@ -90,12 +90,23 @@ def test_real_noise_within_the_tolerance_is_trusted() -> None:
     )
 
 
-def test_an_asleep_worker_facts_carry_the_contradiction_with_what_was_seen() -> None:
-    ack = _sleep(_dev("GPU-a", 0, 0, 20 * GI, 20 * GI))
-    rep = WorkerReport(WorkerPhase.ASLEEP, level=1, last_ack=ack, context_bytes=600 * MI)
-    assert rep.stage_facts().ack_contradicted is None  # nothing seen: the ACK alone is fine
-    facts = rep.stage_facts(device_held={"GPU-a": 12 * GI})
-    assert facts.ack_contradicted is not None
+def test_what_was_seen_held_goes_with_the_sleep_order_not_into_later_acks() -> None:
+    active = WorkerReport(
+        WorkerPhase.ACTIVE, used_bytes=12 * GI, context_bytes=600 * MI,
+        devices=(DeviceFigures("GPU-a", 0, 80 * GI, 12 * GI, 12 * GI, 20 * GI, 20 * GI),),
+    )  # fmt: skip
+    peaks = StagePeaks().seen(active, "uid-1")
+    facts = active.stage_facts(device_held=peaks.since_wake)
+    d = plan({"a": StageIntent("a", False)}, {"a": facts}, GroupMemory(80 * GI, 20 * GI))
+    (order,) = d.sleep
+    assert order.held == {"GPU-a": 12 * GI} and order.context_bytes == 600 * MI
+    # Asleep, its later 1->2 deepening frees no device memory: what it held before its sleep
+    # is not asked of that ACK (the sleep's own ACK was judged when it came).
+    deeper = _sleep(_dev("GPU-a", 600 * MI, 600 * MI, 32 * GI, 32 * GI))
+    asleep = WorkerReport(WorkerPhase.ASLEEP, level=2, last_ack=deeper, context_bytes=600 * MI)
+    assert asleep.stage_facts(device_held=peaks.since_wake).ack_contradicted is None
+    # A new pod of the stage starts what it was seen holding anew.
+    assert StagePeaks().seen(active, "uid-1").seen(asleep, "uid-2").since_wake == {}
 
 
 # -- 3. per-device footprints ---------------------------------------------------------------

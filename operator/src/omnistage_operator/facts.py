@@ -150,7 +150,9 @@ class WorkerReport:
         """The arbiter's view of this report, with what the operator persisted (``status``):
         a fence started and not confirmed, the need learned from a refused wake, the per-device
         peaks kept across wakes (``peaks.StagePeaks.kept``) and what the worker was seen
-        holding per device since its last wake (``held``: an ok sleep ACK must free it).
+        holding per device since its last wake (``held``: the next sleep order carries it, and
+        its ok ACK must show it leaving the device; not judged for a sequential pipeline, whose
+        components come and go inside requests).
 
         An asleep worker whose last ok sleep ACK the device contradicted is marked
         (``ack_contradiction``): it is fenced, even by an operator that restarted since.
@@ -158,7 +160,9 @@ class WorkerReport:
         held = None if self.sequential else device_held
         contradicted = None
         if self.phase is WorkerPhase.ASLEEP and self.last_ack is not None:
-            contradicted = ack_contradiction(self.last_ack, held, self.context_bytes or None)
+            # Judged on its own figures here: what was seen held since the wake is judged
+            # when the ACK arrives (``SleepOrder.held``), not against a later deepening's ACK.
+            contradicted = ack_contradiction(self.last_ack, None, self.context_bytes or None)
         return StageFacts(
             phase=self.phase,
             level=self.level,

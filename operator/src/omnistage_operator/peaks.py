@@ -53,17 +53,20 @@ class StagePeaks:
 
     kept: Mapping[str, int] = field(default_factory=dict)
     since_wake: Mapping[str, int] = field(default_factory=dict)
+    pod_uid: str = ""  # the pod ``since_wake`` was seen on
 
-    def seen(self, report: WorkerReport) -> StagePeaks:
-        """Count a GetStatus answer: per-device figures of an Active worker, and its peak."""
+    def seen(self, report: WorkerReport, pod_uid: str = "") -> StagePeaks:
+        """Count a GetStatus answer of the worker in pod ``pod_uid``: per-device figures of an
+        Active worker, and its peak (a new pod starts ``since_wake`` anew)."""
+        base = self if pod_uid == self.pod_uid else replace(self, since_wake={}, pod_uid=pod_uid)
         if str(report.phase) != "Active":
-            return self
+            return base
         now = {d.uuid: d.used_after for d in report.devices if d.uuid}
         peak = _spread(report.peak_active_bytes, now)
         return replace(
-            self,
-            kept=_merge(_merge(self.kept, now), peak),
-            since_wake=_merge(self.since_wake, now),
+            base,
+            kept=_merge(_merge(base.kept, now), peak),
+            since_wake=_merge(base.since_wake, now),
         )
 
     def acked(self, ack: AckFacts) -> StagePeaks:
@@ -83,7 +86,7 @@ class StagePeaks:
             kept = dict(after)  # components asleep: the footprint is what stays resident
         elif ack.op == "wake" and ack.ok:
             kept = _merge(kept, after)
-        return StagePeaks(kept=kept, since_wake=since)
+        return StagePeaks(kept=kept, since_wake=since, pod_uid=self.pod_uid)
 
 
 def to_status(peaks: StagePeaks | None) -> dict[str, int] | None:

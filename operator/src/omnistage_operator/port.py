@@ -182,7 +182,7 @@ class KubeGroupPort:
             # A fence was started and the API has not confirmed the pod gone: whatever the
             # pod or its worker says, it may hold memory, and the gate stays closed.
             if rep is not None:
-                kept, held = self._peaks(key, rep)
+                kept, held = self._peaks(key, rep, uid)
                 return rep.stage_facts(
                     fence_pending=True, learned_need=learned, device_peaks=kept, device_held=held
                 )
@@ -191,7 +191,7 @@ class KubeGroupPort:
             return StageFacts(WorkerPhase.ABSENT)  # the kubelet reported its containers ended
         if rep is not None:
             self.r.reached.add(uid)
-            kept, held = self._peaks(key, rep)
+            kept, held = self._peaks(key, rep, uid)
             return rep.stage_facts(learned_need=learned, device_peaks=kept, device_held=held)
         if phase == "Pending" and not container_started(pod):
             return StageFacts(WorkerPhase.STARTING)
@@ -199,9 +199,12 @@ class KubeGroupPort:
             return StageFacts(WorkerPhase.STARTING)
         return StageFacts(WorkerPhase.UNREACHABLE)
 
-    def _peaks(self, key: StageKey, rep: WorkerReport) -> tuple[dict[str, int], dict[str, int]]:
-        """Count the report into the stage's per-device peaks: (kept, held since its wake)."""
-        peaks = self.r.peaks.get(key, StagePeaks()).seen(rep)
+    def _peaks(
+        self, key: StageKey, rep: WorkerReport, uid: str
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Count the report of the worker in pod ``uid`` into the stage's per-device peaks:
+        (kept, held since its wake)."""
+        peaks = self.r.peaks.get(key, StagePeaks()).seen(rep, uid)
         self.r.peaks[key] = peaks
         return dict(peaks.kept), dict(peaks.since_wake)
 
