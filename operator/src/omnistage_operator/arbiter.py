@@ -51,10 +51,17 @@ Rules (the operator's promise rests on them):
   stage of the group is woken or started (its memory is not measured yet).
 - Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
   admitted without charge and neither gate nor are gated by the GPU's memory.
-- Per device: a stage on N GPUs holds ``footprint / N`` on each of ITS devices (the ones its
-  worker reports; unknown: every device of the group, a safe overcharge). Admission and the wake
+- Per device: a stage holds, on each of ITS devices (the ones its worker reports; unknown:
+  every device of the group, a safe overcharge), what its worker's per-device figures say
+  (``footprints.device_need``: the per-device peak kept across wakes, what it holds there now,
+  or, never measured, the bytes its device map places there; total figures spread in
+  proportion; ``footprint / N`` only when nothing per device is known). Admission and the wake
   gate check each of those devices and charge only them: 1-GPU stages on different devices
-  never charge each other, and a 2-GPU stage fits only where both its devices do.
+  never charge each other, and a 2-GPU stage split unevenly fits only where each side does.
+- Every refusal says why with the figures: a wake refused for lack of free memory names the
+  device, its measured free memory, the need there and who holds the rest (``Blocker.holders``:
+  the group's stages, and ``footprints.OTHER_TENANTS`` for the device's used memory the group's
+  workers do not report).
 - A stage that needs more GPUs than the group's claim holds (the claim is sized for the largest
   stage when the group starts, and is never resized under running pods) is not admitted:
   ``ClaimTooSmall``.
