@@ -69,10 +69,11 @@ Rules (the operator's promise rests on them):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from omnistage_operator.blockers import Blocker, BlockReason
 from omnistage_operator.footprints import (
     DeviceNeed,
     device_holders,
@@ -80,6 +81,7 @@ from omnistage_operator.footprints import (
     device_used,
 )
 from omnistage_operator.quantities import format_bytes
+from omnistage_operator.wakegate import WakeGate
 
 __all__ = [
     "DEFAULT_CONTEXT_BYTES",
@@ -240,45 +242,6 @@ class Handover:
     def outstanding(self) -> frozenset[str]:
         """Sleepers with neither an ok ACK nor a confirmed fence."""
         return self.sleepers - self.acked - self.fenced
-
-
-class BlockReason(StrEnum):
-    """Why a stage that wants Active is not woken now (CamelCase: usable as condition reasons)."""
-
-    MEMORY_CLAIMED = "MemoryClaimed"  # admitted stages before it take the memory
-    TOO_LARGE = "LargerThanDevice"  # its footprint exceeds the whole capacity
-    MUST_SLEEP = "HoldsMemory"  # a stage outside the admitted set still holds memory
-    AWAITING_ACK = "AwaitingSleepAck"  # a sleeper of this hand-over has no ok ACK yet
-    UNREACHABLE = "Unreachable"  # a holder does not answer; it is fenced before any wake
-    FREE_TOO_LOW = "MeasuredFreeTooLow"  # measured free memory does not cover the footprint
-    SELF_BUSY = "Transitioning"  # its own worker is starting, loading, sleeping or failed
-    NOT_MEASURED = "MemoryNotMeasured"  # no measured free memory: the gate stays closed
-    FENCE_PENDING = "FencePending"  # a fence was started and its pod is not confirmed gone
-    ACK_CONTRADICTED = "AckContradicted"  # an ok sleep ACK the device's figures contradict
-    WORKER_FAILED = "WorkerFailed"  # a FAILED worker holds memory until fenced
-    PODS_STARTING = "PodsStarting"  # pods started in this round: contexts not measured yet
-    DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
-    CLAIM_TOO_SMALL = "ClaimTooSmall"  # the stage needs more GPUs than the group's claim has
-    NO_ROOM = "NoRoomForComponents"  # waking its asleep components would not fit the group
-    UNKNOWN_COMPONENTS = "UnknownComponents"  # spec names components its worker does not have
-
-
-@dataclass(frozen=True)
-class Blocker:
-    """One reason a stage waits; ``stage`` names the stage in the way, if any.
-
-    A memory blocker carries its figures: the ``device`` (UUID, ``""`` for a host-accounting
-    group), the measured ``free`` memory there, what the stage ``needed`` there, and who holds
-    the rest (``holders``: the group's stages by name, and ``footprints.OTHER_TENANTS``).
-    """
-
-    reason: BlockReason
-    message: str
-    stage: str | None = None
-    device: str | None = None
-    free: int | None = None
-    needed: int | None = None
-    holders: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -731,7 +694,7 @@ def plan(
     starting = [
         n for n in intents if n not in off_device and facts[n].phase is WorkerPhase.STARTING
     ]
-    gate = _WakeGate(memory, margin_bytes, context_charge(facts, memory.gpu), starting)
+    gate = WakeGate(memory, margin_bytes, context_charge(facts, memory.gpu), starting)
     gate.holders = group_holders(intents, facts, memory)
     parts = _components(intents, facts, memory, needs, admitted, off_device)
     sleeps.extend(parts.sleeps)
@@ -959,68 +922,3 @@ def _common_blockers(
             msg = f"{name} is {fact.phase.value} and must sleep first"
             common.append(Blocker(BlockReason.MUST_SLEEP, msg, name))
     return common
-
-
-class _WakeGate:
-    """The measured free memory per device, less what this round's wakes take: a wake passes
-    only if it covers the stage's footprint on that device plus the margin, less starting
-    pods' contexts. A refusal names the device, its free memory, the need and who holds the
-    rest (``holders``)."""
-
-    def __init__(
-        self, memory: GroupMemory, margin_bytes: int, context: int, starting: list[str]
-    ) -> None:
-        self.capacity = memory.capacity
-        self.totals = {d.uuid: d.total for d in memory.devices}
-        self.margin = margin_bytes
-        self.context = context
-        self.starting = starting
-        self.holders: Mapping[str, tuple[tuple[str, int], ...]] = {}
-        self.free_left: dict[str, int] | None = None
-        if memory.free is not None:
-            self.free_left = (
-                {d.uuid: d.free for d in memory.devices} if memory.devices else {"": memory.free}
-            )
-
-    def blockers(self, name: str, need: DeviceNeed | None, devices: Sequence[str]) -> list[Blocker]:
-        """Why ``name`` may not wake now for lack of measured free memory on one of its
-        ``devices`` (empty: it may)."""
-        if self.free_left is None:
-            msg = "the group's free device memory is not measured; no wake on a guess"
-            return [Blocker(BlockReason.NOT_MEASURED, msg)]
-        charge = self.context * sum(1 for n in self.starting if n != name)
-        for uuid, free in sorted(self.free_left.items()):
-            if uuid not in devices:
-                continue
-            cap = self.totals.get(uuid, self.capacity if self.capacity is not None else free)
-            mine = None if need is None else need.get(uuid, 0)
-            required = self.margin if mine is None else min(mine + self.margin, cap)
-            if free - charge < required or (mine is None and free - charge <= 0):
-                return [self._short(name, uuid, free, charge, required, mine)]
-        return []
-
-    def _short(  # noqa: PLR0917 - the figures of one refusal
-        self, name: str, uuid: str, free: int, charge: int, required: int, mine: int | None
-    ) -> Blocker:
-        holders = tuple((n, b) for n, b in self.holders.get(uuid, ()) if n != name)
-        where = f" on {uuid}" if uuid else ""
-        held = ", ".join(f"{n} {_fmt(b)}" for n, b in holders)
-        msg = (
-            f"measured free {_fmt(free)}{where}"
-            + (f" less {_fmt(charge)} of starting contexts" if charge else "")
-            + f" < needed {_fmt(required)} (footprint {_fmt(mine)} + margin)"
-            + (f"; held by {held}" if held else "")
-        )
-        return Blocker(
-            BlockReason.FREE_TOO_LOW, msg, device=uuid, free=free - charge, needed=required,
-            holders=holders,
-        )  # fmt: skip
-
-    def take(self, need: DeviceNeed | None, devices: Sequence[str]) -> None:
-        """A wake goes out: its footprint (the whole device when unknown) is no longer free on
-        its ``devices``."""
-        if self.free_left is not None:
-            for uuid in devices:
-                if uuid in self.free_left:
-                    took = self.free_left[uuid] if need is None else need.get(uuid, 0)
-                    self.free_left[uuid] -= took
