@@ -49,17 +49,10 @@ def test_a_stage_squeezed_by_another_tenant_says_why_and_wakes_once_it_leaves(
     _pair(cluster, tiny_models, gpu.node)
     _generate(cluster, "ar")  # serving takes activations: ar's peak exceeds its weights
     uuid = gpu.snapshot().device.uuid
-
     rep = cluster.worker_status("ar")
     assert rep is not None
-    resting = rep.weights_bytes + rep.context_bytes  # what a wake leaves: weights, context
-
-    def peak_under_load() -> int | None:
-        st = cluster.status("ar")
-        peak = ((st.get("memory") or {}).get("peak") or {}).get(uuid, 0)
-        return peak if peak > resting else None
-
-    peak = wait_for("ar's peak under load in status", peak_under_load, 30)
+    loaded = rep.peak_active_bytes  # weights, context and the request's activations
+    assert loaded > rep.weights_bytes + rep.context_bytes
     cluster.patch_state("ar", "Asleep")  # both asleep
     wait_for("ar Asleep", lambda: cluster.state("ar") == "Asleep", 120)
     slept = _last_ack_id(cluster, "ar")
@@ -105,8 +98,8 @@ def test_a_stage_squeezed_by_another_tenant_says_why_and_wakes_once_it_leaves(
     # The wake reset the worker's own peak toward its weights; the stage's peak under load is
     # kept (what admission charges), per device.
     woken = cluster.worker_status("ar")
-    assert woken is not None and woken.peak_active_bytes < peak
-    assert st["memory"]["peak"][uuid] >= peak
+    assert woken is not None and woken.peak_active_bytes < loaded
+    assert st["memory"]["peak"][uuid] >= loaded
 
 
 @pytest.mark.parametrize("lie", ["freed-0-memory-kept", "claims-all-freed"])
