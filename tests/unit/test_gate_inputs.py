@@ -231,3 +231,23 @@ def test_a_wait_for_memory_names_the_device_the_figures_and_the_other_tenants() 
     # The Event key moves with the cause, not with the figures.
     moved = dict(status, waitingFor=[e.replace("7Gi", "6.9Gi") for e in status["waitingFor"]])
     assert wait_cause(moved) == wait_cause(status) == ("InsufficientMemory", OTHER_TENANTS, "sd")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    weights=st.integers(0, 30 * GI),
+    context=st.integers(300 * MI, 700 * MI),
+    noise=st.integers(-int(0.02 * 80 * GI), int(0.02 * 80 * GI)),
+    hidden=st.integers(0, 30 * GI),
+)
+def test_an_ack_is_contradicted_exactly_when_the_device_misses_more_than_the_tolerance(
+    weights: int, context: int, noise: int, hidden: int
+) -> None:
+    """Per device: what left by the ACK's figures, less what the device's free memory gained
+    (noise from other processes, ``hidden`` bytes a liar kept), beyond max(2%, 256 MiB)."""
+    tolerance = max(int(0.02 * 80 * GI), 256 * MI)
+    kept = min(hidden, weights)
+    gain = weights - kept + noise
+    ack = _sleep(_dev("GPU-a", context + weights, context, 10 * GI, 10 * GI + gain))
+    why = ack_contradiction(ack, context_bytes=context)
+    assert (why is not None) == (kept - noise > tolerance)
