@@ -202,8 +202,9 @@ def _s(v: str | bytes) -> str:
 # ---- 2. models (child process, on the GPU) ---------------------------------------------------
 
 
-def build_models(models: Path, tiny: bool) -> Json:
-    """The LLM and the SD3-style pipeline, random bf16 weights, built on the device, saved."""
+def build_models(models: Path, tiny: bool, small_sd: bool = False) -> Json:
+    """The LLM and the SD3-style pipeline, random bf16 weights, built on the device, saved
+    (``small_sd``: the pipeline in its tiny configuration, for runs about the LLM alone)."""
     import torch
 
     from bench.worker_sleep import llm_config
@@ -232,7 +233,7 @@ def build_models(models: Path, tiny: bool) -> Json:
     sd = models / "sd"
     if not (sd / ".done").exists():
         start = time.monotonic()
-        build_sd3(sd, dev, tiny)
+        build_sd3(sd, dev, tiny or small_sd)
         (sd / ".done").write_text("")
         out["sd_build_seconds"] = round(time.monotonic() - start, 1)
     if dev.type == "cuda":
@@ -641,7 +642,10 @@ def run(args: argparse.Namespace) -> Json:
     if not args.tiny:
         log("building the models (kept in --work)")
     report["models"] = run_child(
-        ["build-models", str(work / "models")] + (["--tiny"] if args.tiny else []), 1200
+        ["build-models", str(work / "models")]
+        + (["--tiny"] if args.tiny else [])
+        + (["--small-sd"] if args.small_sd else []),
+        1200,
     )
     log(f"models: {report['models']}")
     report["limits"] = None if args.tiny else run_child(["limits"])
@@ -743,6 +747,8 @@ def cluster_run(
                         log(_switch_line(i, r))
                         time.sleep(0.5)  # the loser's Waiting status settles
                     out["final_status"] = {s: stage_status(cp, ns, s) for s in ("llm", "sd")}
+                    if args.squeeze and not args.tiny:
+                        out["squeeze"] = squeeze(cp, ns, work, args)
                 except BaseException:
                     log("FAILED; operator log tail:\n" + op.tail(120))
                     for s in ("llm", "sd"):
@@ -763,6 +769,80 @@ def cluster_run(
             sampler.wait(30)
     out["runs"] = runs
     out.update(summarize(runs, sampler_file if sampler else None, out.get("room"), args))
+    return out
+
+
+def _patch_state(cp: Any, ns: str, stage: str, state: str) -> None:
+    cp.kubectl("patch", "omnistage", stage, "-n", ns, "--type=merge",
+               "-p", json.dumps({"spec": {"state": state}}))  # fmt: skip
+
+
+def _free_bytes(index: int = 0) -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free)
+
+
+def squeeze(cp: Any, ns: str, work: Path, args: argparse.Namespace) -> Json:
+    """Both stages asleep, another tenant takes the device until ``--squeeze-free`` bytes are
+    free, then ``llm`` (larger than that) is patched Active: it must get no WakeUp, and its
+    status must say why with the figures (device, free, needed, other tenants) within one
+    round; once the tenant leaves it wakes."""
+    out: Json = {"target_free_bytes": args.squeeze_free}
+    _patch_state(cp, ns, "llm", "Asleep")
+    wait_states(cp, ns, {"llm": "Asleep", "sd": "Asleep"}, 120)
+    before = stage_status(cp, ns, "llm").get("lastAck") or {}
+    tenant_bytes = _free_bytes() - args.squeeze_free - 640 * MiB  # its own context
+    ready = work / "tenant.ready"
+    ready.unlink(missing_ok=True)
+    tenant = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "ballast",
+                               str(tenant_bytes), str(ready)])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if tenant.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the tenant did not start")
+            time.sleep(0.1)
+        time.sleep(0.5)
+        out["tenant_bytes"] = tenant_bytes
+        out["free_with_tenant_bytes"] = _free_bytes()
+        t0 = time.monotonic()
+        _patch_state(cp, ns, "llm", "Active")
+        seen: Json = {}
+        while time.monotonic() - t0 < args.squeeze_hold:
+            st = stage_status(cp, ns, "llm")
+            if (
+                "reason_s" not in out
+                and st.get("waitReason")
+                and any("other tenants" in e for e in st.get("waitingFor") or ())
+            ):
+                out["reason_s"] = round(time.monotonic() - t0, 3)
+                seen = st
+            time.sleep(0.1)
+        held = stage_status(cp, ns, "llm")
+        ack = held.get("lastAck") or {}
+        out["no_wake_while_squeezed"] = ack.get("taskId") == before.get("taskId")
+        out["state_while_squeezed"] = held.get("state")
+        out["status_when_reason_seen"] = {
+            k: seen.get(k) for k in ("state", "waitReason", "waitingFor", "conditions")
+        }
+        events = cp.get_json("events", namespace=ns)
+        out["waiting_events"] = [
+            e.get("message") for e in events.get("items", [])
+            if e.get("reason") == "Waiting" and e["involvedObject"].get("name") == "llm"
+        ]  # fmt: skip
+    finally:
+        tenant.terminate()
+        tenant.wait(30)
+    t1 = time.monotonic()
+    wait_states(cp, ns, {"llm": "Active"}, 120)
+    out["active_after_tenant_left_s"] = round(time.monotonic() - t1, 3)
+    woke = stage_status(cp, ns, "llm").get("lastAck") or {}
+    out["woke_ok"] = bool(woke.get("op") == "wake" and woke.get("ok"))
+    out["ok"] = bool(out.get("reason_s") is not None and out["no_wake_while_squeezed"]
+                     and out["woke_ok"])  # fmt: skip
+    log(f"squeeze: {out}")
     return out
 
 
@@ -914,6 +994,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-generate", dest="generate", action="store_false")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU rehearsal with tiny models")
+    p.add_argument(
+        "--small-sd",
+        action="store_true",
+        help="the diffusion stage in its tiny configuration (less disk and time)",
+    )
+    p.add_argument(
+        "--squeeze",
+        action="store_true",
+        help="after the switches: a tenant squeezes the device, llm is patched Active",
+    )
+    p.add_argument(
+        "--squeeze-free",
+        type=int,
+        default=int(7.7 * GiB),
+        help="free bytes the tenant leaves (below llm's footprint)",
+    )
+    p.add_argument(
+        "--squeeze-hold", type=float, default=10.0, help="seconds llm is watched while squeezed"
+    )
     args = p.parse_args(argv)
     report = run(args)
     from bench.reporting import emit
@@ -925,7 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
 def child_main(argv: list[str]) -> int:
     kind, rest = argv[0], argv[1:]
     if kind == "build-models":
-        print(json.dumps(build_models(Path(rest[0]), "--tiny" in rest)))
+        print(json.dumps(build_models(Path(rest[0]), "--tiny" in rest, "--small-sd" in rest)))
     elif kind == "limits":
         print(json.dumps(child_limits()))
     elif kind == "ballast":

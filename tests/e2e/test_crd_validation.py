@@ -533,13 +533,19 @@ def test_printer_columns_and_status(cluster: ControlPlane, namespace: str) -> No
         apply(cluster, namespace, good(name))
     patch_status(cluster, namespace, "alpha", _status("Active", "3.2Gi", "-3.2Gi"))
     patch_status(cluster, namespace, "beta", _status("Asleep", "0", "3.1Gi"))
+    waiting = {
+        "waitReason": "InsufficientMemory",
+        "waitingFor": ["other tenants: 71Gi on GPU-1 (free 7.7Gi, needed 17Gi)"],
+    }
+    patch_status(cluster, namespace, "beta", {"status": waiting})  # fmt: skip
 
     out = cluster.kubectl("get", "omnistages", "-n", namespace).stdout
     lines = [line.split() for line in out.strip().splitlines()]
-    assert lines[0] == ["NAME", "STATE", "LEVEL", "GROUP", "USED", "FREED", "NODE", "AGE"]
+    header = ["NAME", "STATE", "LEVEL", "GROUP", "USED", "FREED", "NODE", "WAITING", "AGE"]
+    assert lines[0] == header
     rows = {row[0]: row for row in lines[1:]}
     assert rows["alpha"][1:7] == ["Active", "1", "g1", "3.2Gi", "-3.2Gi", "node-1"]
-    assert rows["beta"][1:7] == ["Asleep", "1", "g1", "0", "3.1Gi", "node-1"]
+    assert rows["beta"][1:8] == ["Asleep", "1", "g1", "0", "3.1Gi", "node-1", "InsufficientMemory"]
 
     short = cluster.kubectl("get", "ost", "-n", namespace, "-o", "name").stdout.split()
     assert sorted(short) == ["omnistage.omnistage.io/alpha", "omnistage.omnistage.io/beta"]
@@ -547,7 +553,7 @@ def test_printer_columns_and_status(cluster: ControlPlane, namespace: str) -> No
     assert category.split() == ["omnistages.omnistage.io"]
 
     wide = cluster.kubectl("get", "ost", "-n", namespace, "-o", "wide").stdout.splitlines()[0]
-    assert wide.split()[-4:] == ["DESIRED", "PRIORITY", "WAITING-FOR", "AGE"]
+    assert wide.split()[-5:] == ["DESIRED", "PRIORITY", "WAITING", "WAITING-FOR", "AGE"]
 
     selected = cluster.kubectl(
         "get", "ost", "-n", namespace, "--field-selector", "spec.colocation.group=g1", "-o", "name"

@@ -16,7 +16,9 @@ observe through a worker's figures:
   (a dead process's charge vanishes, as the driver frees a killed process's memory);
 - faults switched at run time in ``faults.json`` (per pid or ``"*"``): ``leak_on_sleep``
   (a sleep leaves bytes behind, in the process's own figure), ``lie`` (the leaked bytes stay
-  on the device but the process's figure omits them), ``slow_serving_s`` (a slow drain).
+  on the device but the process's figure omits them), ``slow_serving_s`` (a slow drain),
+  ``unlisted`` (NVML no longer lists the process: its own figure reads 0);
+- other tenants: :mod:`.tenant` runs a process outside every stage that holds device memory.
 
 A worker uses it through the product's probe seam:
 ``OMNISTAGE_MEMORY_PROBE=tests.fakegpu.probe:from_env OMNISTAGE_FAKE_GPU=<dir>``.

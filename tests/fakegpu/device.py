@@ -9,7 +9,8 @@ Layout of ``<dir>``:
   running, or running with another create time, or a zombie) is not counted, as the driver
   frees a killed process's memory;
 - ``faults.json``: fault switches, ``{"*": {...}, "<pid>": {...}}`` with keys
-  ``leak_on_sleep`` (bytes, or ``"all"``), ``lie`` (bool), ``slow_serving_s`` (seconds); read
+  ``leak_on_sleep`` (bytes, or ``"all"``), ``lie`` (bool), ``slow_serving_s`` (seconds),
+  ``unlisted`` (bool: the process's own figure reads 0, the device still charges it); read
   on every probe call, so a test may switch them at run time;
 - ``lock``: serialises allocations between processes (an allocation checks free memory and
   publishes its record under the lock, as the driver allocates atomically).
@@ -104,7 +105,7 @@ class FakeGpu:
             key = "*" if pid is None else str(pid)
             entry = dict(table.get(key) or {})
             for name, value in switches.items():
-                if name not in ("leak_on_sleep", "lie", "slow_serving_s"):
+                if name not in ("leak_on_sleep", "lie", "slow_serving_s", "unlisted"):
                     raise TypeError(f"unknown fault {name!r}")
                 if value is None:
                     entry.pop(name, None)

@@ -114,11 +114,14 @@ class Device:
 
 @dataclass(frozen=True)
 class Faults:
-    """Fault switches of one process. ``leak_on_sleep``: bytes, or -1 for all a sleep frees."""
+    """Fault switches of one process. ``leak_on_sleep``: bytes, or -1 for all a sleep frees;
+    ``unlisted``: NVML stops listing the process (a pid it cannot resolve), so the process's
+    own figure reads 0 while the device still charges everything it holds."""
 
     leak_on_sleep: int = 0
     lie: bool = False
     slow_serving_s: float = 0.0
+    unlisted: bool = False  # NVML no longer lists the process: its own figure reads 0
 
     @classmethod
     def for_pid(cls, table: Mapping[str, Any], pid: int) -> Faults:
@@ -133,6 +136,7 @@ class Faults:
             leak_on_sleep=-1 if leak == "all" else int(leak or 0),
             lie=bool(merged.get("lie", False)),
             slow_serving_s=float(merged.get("slow_serving_s", 0.0) or 0.0),
+            unlisted=bool(merged.get("unlisted", False)),
         )
 
 

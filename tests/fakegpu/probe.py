@@ -111,11 +111,12 @@ class FakeGpuProbe(AccountingProbe):
             self._sync_weights()
             me = self._me
         procs = [me, *self._others()]
+        unlisted = self.gpu.faults(self.pid).unlisted  # NVML does not list this pid
         device = DeviceReading(
             device=f"cuda:{self.ordinal}",
             index=self.device.index,
             uuid=self.device.uuid,
-            used=me.used,
+            used=0 if unlisted else me.used,
             free=model.free(self.device, procs),
             total=self.device.total,
         )

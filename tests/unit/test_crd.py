@@ -78,6 +78,7 @@ def test_printer_columns(version: dict[str, Any]) -> None:
         ("USED", ".status.memory.used"),
         ("FREED", ".status.lastAck.freed"),
         ("NODE", ".status.node"),
+        ("WAITING", ".status.waitReason"),  # why a stage that wants Active is not woken
         ("AGE", ".metadata.creationTimestamp"),
     ]
 

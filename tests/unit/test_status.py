@@ -71,7 +71,11 @@ def test_waiting_stage_names_its_blockers() -> None:
     assert st["state"] == "Waiting"
     assert st["waitingFor"] == ["b", "c"]
     assert parse_timestamp(st["requestedActiveAt"]) == 1.7e9
-    assert _cond(st, "Admitted")["status"] == "True"
+    # First in the group's order, but not woken: Admitted says why (not "admitted").
+    admitted = _cond(st, "Admitted")
+    assert (admitted["status"], admitted["reason"]) == ("False", "WaitingForAcks")
+    assert "no ok sleep ACK from b" in admitted["message"]
+    assert st["waitReason"] == "WaitingForAcks"
 
 
 def test_active_and_fenced_and_lost() -> None:
@@ -112,11 +116,14 @@ def test_lying_ack_is_not_memory_released() -> None:
         devices=(dev,), free_before_bytes=10 * GI, free_after_bytes=10 * GI,
     )  # fmt: skip
     rep = WorkerReport(WorkerPhase.ASLEEP, level=1, total_bytes=80 * GI, last_ack=ack)
-    st = build_status(StageObservation(1, False, WorkerPhase.ASLEEP, report=rep, last_ack=ack),
-                      None, NOW)  # fmt: skip
+    why = rep.stage_facts().ack_contradicted  # the arbiter's facts say it; status shows it
+    obs = StageObservation(1, False, WorkerPhase.ASLEEP, report=rep, last_ack=ack,
+                           ack_contradicted=why)  # fmt: skip
+    st = build_status(obs, None, NOW)
     mr = _cond(st, "MemoryReleased")
     assert (mr["status"], mr["reason"]) == ("False", "AckContradicted")
-    assert "gained 0" in mr["message"]
+    assert "gained 0" in mr["message"] and "GPU-0" in mr["message"]
+    assert st["state"] == "Failed"  # fenced like any failed sleeper
 
 
 def test_pending_fence_and_learned_need_persist_and_read_back() -> None:

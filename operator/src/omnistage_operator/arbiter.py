@@ -51,10 +51,17 @@ Rules (the operator's promise rests on them):
   stage of the group is woken or started (its memory is not measured yet).
 - Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
   admitted without charge and neither gate nor are gated by the GPU's memory.
-- Per device: a stage on N GPUs holds ``footprint / N`` on each of ITS devices (the ones its
-  worker reports; unknown: every device of the group, a safe overcharge). Admission and the wake
+- Per device: a stage holds, on each of ITS devices (the ones its worker reports; unknown:
+  every device of the group, a safe overcharge), what its worker's per-device figures say
+  (``footprints.device_need``: the per-device peak kept across wakes, what it holds there now,
+  or, never measured, the bytes its device map places there; total figures spread in
+  proportion; ``footprint / N`` only when nothing per device is known). Admission and the wake
   gate check each of those devices and charge only them: 1-GPU stages on different devices
-  never charge each other, and a 2-GPU stage fits only where both its devices do.
+  never charge each other, and a 2-GPU stage split unevenly fits only where each side does.
+- Every refusal says why with the figures: a wake refused for lack of free memory names the
+  device, its measured free memory, the need there and who holds the rest (``Blocker.holders``:
+  the group's stages, and ``footprints.OTHER_TENANTS`` for the device's used memory the group's
+  workers do not report).
 - A stage that needs more GPUs than the group's claim holds (the claim is sized for the largest
   stage when the group starts, and is never resized under running pods) is not admitted:
   ``ClaimTooSmall``.
@@ -62,11 +69,19 @@ Rules (the operator's promise rests on them):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from omnistage_operator.blockers import Blocker, BlockReason
+from omnistage_operator.footprints import (
+    DeviceNeed,
+    device_holders,
+    device_need,
+    device_used,
+)
 from omnistage_operator.quantities import format_bytes
+from omnistage_operator.wakegate import WakeGate
 
 __all__ = [
     "DEFAULT_CONTEXT_BYTES",
@@ -87,6 +102,7 @@ __all__ = [
     "context_charge",
     "device_mismatches",
     "footprint",
+    "group_holders",
     "may_hold_memory",
     "plan",
     "stage_devices",
@@ -169,6 +185,14 @@ class StageFacts:
     inflight_requests: int = 0
     device_uuids: tuple[str, ...] = ()  # GPU devices the worker sees (empty: none or CPU)
     components: tuple[ComponentFacts, ...] = ()  # per pipeline component (empty: undivided)
+    # Per device UUID: what the worker holds there now, its peak while Active kept across wakes
+    # (persisted in status.memory.peak), and the weights its loader's device map places there.
+    device_used: Mapping[str, int] = field(default_factory=dict)
+    device_peaks: Mapping[str, int] = field(default_factory=dict)
+    device_weights: Mapping[str, int] = field(default_factory=dict)
+    # Per device, the most the worker was seen holding since its last wake (not persisted): an
+    # ok sleep ACK of it must show that leaving the device (``facts.ack_contradiction``).
+    device_held: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def asleep_components(self) -> frozenset[str]:
@@ -220,36 +244,6 @@ class Handover:
         return self.sleepers - self.acked - self.fenced
 
 
-class BlockReason(StrEnum):
-    """Why a stage that wants Active is not woken now (CamelCase: usable as condition reasons)."""
-
-    MEMORY_CLAIMED = "MemoryClaimed"  # admitted stages before it take the memory
-    TOO_LARGE = "LargerThanDevice"  # its footprint exceeds the whole capacity
-    MUST_SLEEP = "HoldsMemory"  # a stage outside the admitted set still holds memory
-    AWAITING_ACK = "AwaitingSleepAck"  # a sleeper of this hand-over has no ok ACK yet
-    UNREACHABLE = "Unreachable"  # a holder does not answer; it is fenced before any wake
-    FREE_TOO_LOW = "MeasuredFreeTooLow"  # measured free memory does not cover the footprint
-    SELF_BUSY = "Transitioning"  # its own worker is starting, loading, sleeping or failed
-    NOT_MEASURED = "MemoryNotMeasured"  # no measured free memory: the gate stays closed
-    FENCE_PENDING = "FencePending"  # a fence was started and its pod is not confirmed gone
-    ACK_CONTRADICTED = "AckContradicted"  # an ok sleep ACK the device's figures contradict
-    WORKER_FAILED = "WorkerFailed"  # a FAILED worker holds memory until fenced
-    PODS_STARTING = "PodsStarting"  # pods started in this round: contexts not measured yet
-    DEVICE_MISMATCH = "DeviceMismatch"  # a worker sees other devices than the group's claim
-    CLAIM_TOO_SMALL = "ClaimTooSmall"  # the stage needs more GPUs than the group's claim has
-    NO_ROOM = "NoRoomForComponents"  # waking its asleep components would not fit the group
-    UNKNOWN_COMPONENTS = "UnknownComponents"  # spec names components its worker does not have
-
-
-@dataclass(frozen=True)
-class Blocker:
-    """One reason a stage waits; ``stage`` names the stage in the way, if any."""
-
-    reason: BlockReason
-    message: str
-    stage: str | None = None
-
-
 @dataclass(frozen=True)
 class SleepOrder:
     """Put ``stage`` to sleep at ``level``; ``releases_memory`` is False for a 1->2 deepening.
@@ -264,6 +258,10 @@ class SleepOrder:
     drain_timeout_s: float | None = None
     inflight_requests: int = 0
     components: tuple[str, ...] = ()  # only these (the worker stays Active); empty: the model
+    # What the stage was seen holding per device since its last wake, and its context: its ok
+    # ACK must show them leaving the device (``facts.ack_contradiction``); not compared.
+    held: Mapping[str, int] = field(default_factory=dict, compare=False)
+    context_bytes: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -440,7 +438,8 @@ def _usable_by_device(
     intents: Mapping[str, StageIntent], facts: Mapping[str, StageFacts], memory: GroupMemory
 ) -> dict[str, int] | None:
     """Per device, :func:`usable_memory`: its free memory plus what the group's reached
-    workers hold on it beyond their contexts (None when it cannot be measured)."""
+    workers hold on it beyond their contexts, from their per-device reports (None when it
+    cannot be measured)."""
     if usable_memory(intents, facts, memory) is None:
         return None
     if not memory.devices:
@@ -457,10 +456,39 @@ def _usable_by_device(
             continue
         devices = stage_devices(fact, memory)
         gpus = max(1, intent.gpus if intent is not None else 1)
-        context = fact.context_bytes or charge
-        for device in devices:
-            usable[device] += max(0, fact.used_bytes - context) // gpus
+        context = (fact.context_bytes or charge) // gpus
+        for device, used in device_used(fact, devices, gpus).items():
+            usable[device] += max(0, used - context)
     return usable
+
+
+def group_holders(
+    intents: Mapping[str, StageIntent], facts: Mapping[str, StageFacts], memory: GroupMemory
+) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Per device, who holds its memory now (``footprints.device_holders``): the group's
+    reached stages by name, and the rest of the device's used memory as other tenants."""
+    out: dict[str, tuple[tuple[str, int], ...]] = {}
+    if memory.free is None:
+        return out
+    rows = (
+        [(d.uuid, d.total, d.free) for d in memory.devices]
+        if memory.devices
+        else [("", memory.capacity or memory.free, memory.free)]
+    )
+    per_device: dict[str, dict[str, int]] = {uuid: {} for uuid, _, _ in rows}
+    for name, fact in sorted(facts.items()):
+        intent = intents.get(name)
+        if fact.phase is WorkerPhase.ABSENT or (
+            intent is not None and memory.gpu and intent.gpus == 0
+        ):
+            continue
+        gpus = max(1, intent.gpus if intent is not None else 1)
+        for device, used in device_used(fact, stage_devices(fact, memory), gpus).items():
+            if device in per_device:
+                per_device[device][name] = used
+    for uuid, total, free in rows:
+        out[uuid] = device_holders(uuid, total, free, per_device[uuid])
+    return out
 
 
 def claim_too_small(intent: StageIntent, memory: GroupMemory) -> Blocker | None:
@@ -486,19 +514,31 @@ def _with_share(fp: int | None, intent: StageIntent, memory: GroupMemory) -> int
     return max(fp or 0, share)
 
 
-def _per_device(fp: int | None, intent: StageIntent) -> int | None:
-    """A stage's footprint on each of its devices (its figures are sums over them)."""
-    if fp is None:
-        return None
-    gpus = max(1, intent.gpus)
-    return -(-fp // gpus)
+def _needs(
+    intents: Mapping[str, StageIntent],
+    facts: Mapping[str, StageFacts],
+    memory: GroupMemory,
+    fps: Mapping[str, int | None],
+) -> dict[str, DeviceNeed | None]:
+    """Every stage's need per device (``footprints.device_need``; None: unknown)."""
+    return {
+        name: device_need(
+            intents[name], facts[name], memory, stage_devices(facts[name], memory), fps[name]
+        )
+        for name in intents
+    }
+
+
+def _largest(need: DeviceNeed | None) -> int | None:
+    """A need's largest per-device figure (None: unknown)."""
+    return None if need is None else max(need.values(), default=0)
 
 
 def _admit(  # noqa: PLR0917 - private helper of plan
     intents: Mapping[str, StageIntent],
     facts: Mapping[str, StageFacts],
     memory: GroupMemory,
-    needs: Mapping[str, int | None],
+    needs: Mapping[str, DeviceNeed | None],
     off_device: frozenset[str],
     waiting: dict[str, list[Blocker]],
 ) -> list[str]:
@@ -507,6 +547,7 @@ def _admit(  # noqa: PLR0917 - private helper of plan
     capacity = memory.capacity
     usable = _usable_by_device(intents, facts, memory)
     left: dict[str, int] | None = None
+    caps: dict[str, int] = {}
     if capacity is not None:
         caps = {d.uuid: d.total for d in memory.devices} or {"": capacity}
         left = {k: cap if usable is None else min(cap, usable[k]) for k, cap in caps.items()}
@@ -548,12 +589,18 @@ def _admit(  # noqa: PLR0917 - private helper of plan
                 admitted.append(name)
                 charged.append(name)
             continue
-        if need is not None and need > capacity:
+        over = [d for d, n in (need or {}).items() if n > caps.get(d, capacity)]
+        if over:
+            d = over[0]
+            assert need is not None
+            where = f" on {d}" if d else ""
             waiting[name].append(
                 Blocker(
                     BlockReason.TOO_LARGE,
-                    f"footprint {_fmt(need)} per device exceeds the device capacity "
-                    f"{_fmt(capacity)}",
+                    f"footprint {_fmt(need[d])}{where} exceeds the device capacity "
+                    f"{_fmt(caps.get(d, capacity))}",
+                    device=d,
+                    needed=need[d],
                 )
             )
             continue
@@ -562,23 +609,29 @@ def _admit(  # noqa: PLR0917 - private helper of plan
         # the measured free memory, and the stages after it sleep). Each of the stage's devices
         # must fit; only they are charged.
         devices = stage_devices(fact, memory)
-        if not charged or (need is not None and all(need <= left[d] for d in devices)):
+        if not charged or (need is not None and all(need[d] <= left[d] for d in devices)):
             admitted.append(name)
             charged.append(name)
             for d in devices:
-                left[d] = max(0, left[d] - (left[d] if need is None else need))
+                left[d] = max(0, left[d] - (left[d] if need is None else need[d]))
             continue
-        tightest = min(devices, key=lambda d: left[d])
+        # The device where the stage falls shortest (need - left), named with its figures.
+        tightest = max(devices, key=lambda d: (need[d] if need else left[d] + 1) - left[d])
         where = f" on {tightest}" if len(left) > 1 else ""
+        needed = None if need is None else need[tightest]
         for other in charged:
+            held = (needs[other] or {}).get(tightest) if needs[other] is not None else None
             waiting[name].append(
                 Blocker(
                     BlockReason.MEMORY_CLAIMED,
                     f"{other} (priority {intents[other].priority}) claims "
-                    f"{_fmt(needs[other])}; "
-                    + ("footprint unknown (the whole device)" if need is None else _fmt(need))
+                    f"{_fmt(held)}{where}; "
+                    + ("footprint unknown (the whole device)" if need is None else _fmt(needed))
                     + f" needed, {_fmt(left[tightest])} left{where}",
                     other,
+                    device=tightest,
+                    free=left[tightest],
+                    needed=needed,
                 )
             )
     return admitted
@@ -620,7 +673,7 @@ def plan(
     off_device = frozenset(n for n in intents if memory.gpu and intents[n].gpus == 0)
     fps = {name: _with_share(footprint(intents[name], facts[name]), intents[name], memory)
            for name in intents}  # fmt: skip
-    needs = {name: _per_device(fps[name], intents[name]) for name in intents}
+    needs = _needs(intents, facts, memory, fps)
     waiting: dict[str, list[Blocker]] = {name: [] for name in intents}
     admitted = _admit(intents, facts, memory, needs, off_device, waiting)
     for name, intent in intents.items():  # not loaded yet (no pod: none is started) too
@@ -641,18 +694,20 @@ def plan(
     starting = [
         n for n in intents if n not in off_device and facts[n].phase is WorkerPhase.STARTING
     ]
-    gate = _WakeGate(memory, margin_bytes, context_charge(facts, memory.gpu), starting)
+    gate = WakeGate(memory, margin_bytes, context_charge(facts, memory.gpu), starting)
+    gate.holders = group_holders(intents, facts, memory)
     parts = _components(intents, facts, memory, needs, admitted, off_device)
     sleeps.extend(parts.sleeps)
     component_wakes: list[str] = []
     for name, growth in parts.wakes.items():
         on = stage_devices(facts[name], memory)
-        blockers = [b for b in common if b.stage != name] or gate.blockers(name, growth, on)
+        grows = dict.fromkeys(on, -(-growth // max(1, len(on))))
+        blockers = [b for b in common if b.stage != name] or gate.blockers(name, grows, on)
         if blockers:
             parts.waiting.setdefault(name, []).extend(blockers)
             continue
         component_wakes.append(name)
-        gate.take(growth, on)
+        gate.take(grows, on)
     wakes: list[str] = []
     starts: list[str] = []
     for name in admitted:
@@ -708,7 +763,7 @@ def _components(  # noqa: PLR0917 - private helper of plan
     intents: Mapping[str, StageIntent],
     facts: Mapping[str, StageFacts],
     memory: GroupMemory,
-    needs: Mapping[str, int | None],
+    needs: Mapping[str, DeviceNeed | None],
     admitted: list[str],
     off_device: frozenset[str],
 ) -> _Parts:
@@ -764,7 +819,7 @@ def _room(  # noqa: PLR0917 - private helper of plan
     intents: Mapping[str, StageIntent],
     facts: Mapping[str, StageFacts],
     memory: GroupMemory,
-    needs: Mapping[str, int | None],
+    needs: Mapping[str, DeviceNeed | None],
     admitted: list[str],
     off_device: frozenset[str],
 ) -> int | None:
@@ -778,7 +833,7 @@ def _room(  # noqa: PLR0917 - private helper of plan
     for name in admitted:
         if name in off_device:
             continue
-        need = needs[name]
+        need = _largest(needs[name])
         if need is None:
             return 0
         left -= need
@@ -811,6 +866,8 @@ def _sleeps_and_fences(
                         releases_memory=name not in off_device,
                         drain_timeout_s=intent.drain_timeout_s,
                         inflight_requests=fact.inflight_requests,
+                        held=fact.device_held,
+                        context_bytes=fact.context_bytes,
                     )
                 )
         elif (
@@ -865,50 +922,3 @@ def _common_blockers(
             msg = f"{name} is {fact.phase.value} and must sleep first"
             common.append(Blocker(BlockReason.MUST_SLEEP, msg, name))
     return common
-
-
-class _WakeGate:
-    """The measured free memory per device, less what this round's wakes take: a wake passes
-    only if it covers the stage's footprint plus the margin, less starting pods' contexts."""
-
-    def __init__(
-        self, memory: GroupMemory, margin_bytes: int, context: int, starting: list[str]
-    ) -> None:
-        self.capacity = memory.capacity
-        self.margin = margin_bytes
-        self.context = context
-        self.starting = starting
-        self.free_left: dict[str, int] | None = None
-        if memory.free is not None:
-            self.free_left = (
-                {d.uuid: d.free for d in memory.devices} if memory.devices else {"": memory.free}
-            )
-
-    def blockers(self, name: str, need: int | None, devices: Sequence[str]) -> list[Blocker]:
-        """Why ``name`` may not wake now for lack of measured free memory on one of its
-        ``devices`` (empty: it may)."""
-        if self.free_left is None:
-            msg = "the group's free device memory is not measured; no wake on a guess"
-            return [Blocker(BlockReason.NOT_MEASURED, msg)]
-        charge = self.context * sum(1 for n in self.starting if n != name)
-        for uuid, free in sorted(self.free_left.items()):
-            if uuid not in devices:
-                continue
-            cap = self.capacity if self.capacity is not None else free
-            required = self.margin if need is None else min(need + self.margin, cap)
-            if free - charge < required or (need is None and free - charge <= 0):
-                where = f" on {uuid}" if uuid else ""
-                msg = (
-                    f"measured free {_fmt(free)}{where}"
-                    + (f" less {_fmt(charge)} of starting contexts" if charge else "")
-                    + f" < needed {_fmt(required)} (footprint {_fmt(need)} + margin)"
-                )
-                return [Blocker(BlockReason.FREE_TOO_LOW, msg)]
-        return []
-
-    def take(self, need: int | None, devices: Sequence[str]) -> None:
-        """A wake goes out: its footprint (the whole device when unknown) is no longer free on
-        its ``devices``."""
-        if self.free_left is not None:
-            for uuid in devices:
-                self.free_left[uuid] -= need if need is not None else self.free_left[uuid]

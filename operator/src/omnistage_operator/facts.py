@@ -7,6 +7,7 @@ figures prove (``ack_contradiction``, ``memory_need``); no network, no clock.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
@@ -24,8 +25,9 @@ __all__ = [
     "report_from_proto",
 ]
 
-# An ok sleep ACK is contradicted when the bytes it claims freed exceed what the devices' own
-# free memory gained by more than max(2% of their total, 256 MiB) (issue 14's tolerance).
+# An ok sleep ACK is contradicted when, on one of its devices, the bytes that left by its
+# figures exceed what that device's own free memory gained by more than max(2% of the
+# device's total, 256 MiB) (issue 14's tolerance, now per device).
 CONTRADICTION_SHARE = 0.02
 CONTRADICTION_FLOOR_BYTES = 256 << 20
 _NEED = re.compile(r"need (\d+) bytes")
@@ -57,6 +59,7 @@ class DeviceFigures:
     used_after: int = 0
     free_before: int = 0
     free_after: int = 0
+    weights: int = 0  # the stage's weights its device map places here (resident or not)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class WorkerReport:
     epoch: int = 0
     drain_timeout_s: float | None = None
     components: tuple[ComponentFacts, ...] = ()  # per pipeline component (empty: undivided)
+    sequential: bool = False  # one component resident at a time, inside requests
 
     @property
     def device_uuids(self) -> tuple[str, ...]:
@@ -136,17 +140,29 @@ class WorkerReport:
         return tuple(sorted(d.uuid for d in self.devices if d.uuid))
 
     def stage_facts(
-        self, *, fence_pending: bool = False, learned_need: int | None = None
+        self,
+        *,
+        fence_pending: bool = False,
+        learned_need: int | None = None,
+        device_peaks: Mapping[str, int] | None = None,
+        device_held: Mapping[str, int] | None = None,
     ) -> StageFacts:
         """The arbiter's view of this report, with what the operator persisted (``status``):
-        a fence started and not confirmed, and the need learned from a refused wake.
+        a fence started and not confirmed, the need learned from a refused wake, the per-device
+        peaks kept across wakes (``peaks.StagePeaks.kept``) and what the worker was seen
+        holding per device since its last wake (``held``: the next sleep order carries it, and
+        its ok ACK must show it leaving the device; not judged for a sequential pipeline, whose
+        components come and go inside requests).
 
         An asleep worker whose last ok sleep ACK the device contradicted is marked
         (``ack_contradiction``): it is fenced, even by an operator that restarted since.
         """
+        held = None if self.sequential else device_held
         contradicted = None
         if self.phase is WorkerPhase.ASLEEP and self.last_ack is not None:
-            contradicted = ack_contradiction(self.last_ack)
+            # Judged on its own figures here: what was seen held since the wake is judged
+            # when the ACK arrives (``SleepOrder.held``), not against a later deepening's ACK.
+            contradicted = ack_contradiction(self.last_ack, None, self.context_bytes or None)
         return StageFacts(
             phase=self.phase,
             level=self.level,
@@ -160,29 +176,77 @@ class WorkerReport:
             inflight_requests=self.inflight_requests,
             device_uuids=self.device_uuids,
             components=self.components,
+            device_used={d.uuid: d.used_after for d in self.devices if d.uuid},
+            device_peaks=dict(device_peaks or {}),
+            device_weights={d.uuid: d.weights for d in self.devices if d.uuid and d.weights},
+            device_held=dict(held or {}),
         )
 
 
-def ack_contradiction(ack: AckFacts) -> str | None:
+def ack_contradiction(
+    ack: AckFacts,
+    held: Mapping[str, int] | None = None,
+    context_bytes: int | None = None,
+) -> str | None:
     """Why an ok sleep ACK is not to be trusted, or None.
 
-    The ACK's claimed freed bytes must show in the devices' own free memory (sum over devices
-    of free_after - free_before) within max(2% of the total, 256 MiB). An ACK without device
-    figures, not ok, replayed-noop or of a wake is not judged here.
+    Judged per device (never summed across devices, also when the ACK claims 0 freed), against
+    the device's own free memory in the worker's after-reading, within a tolerance of
+    max(2% of that device's total, 256 MiB) (issue 14's bound: allocator slack, a context,
+    another process's small allocation meanwhile; the worker's own residual slack is 128 MiB):
+
+    - what left the device by the ACK's figures (its "before", or more when the operator saw
+      the worker hold more on that device since its last wake: ``held``, by device UUID, of a
+      worker that went to sleep whole) less its "after" must show as a gain of the device's
+      free memory (free after - free before);
+    - a worker asleep whole must hold no more than its context (``context_bytes``, the sum over
+      its devices, measured at its start) on each device.
+
+    An ACK that is not ok, of a wake, or without per-device figures (its sums are judged then)
+    is not judged per device here.
     """
-    if not ack.ok or ack.op != "sleep" or ack.freed_bytes <= 0:
+    if not ack.ok or ack.op != "sleep":
         return None
-    gain = ack.device_free_gain
-    if gain is None:
+    whole = str(ack.state) == "Asleep"
+    measured = [d for d in ack.devices if d.total > 0]
+    problems: list[str] = []
+    if not measured:
+        gain = ack.device_free_gain
+        if gain is None or ack.freed_bytes <= 0:
+            return None
+        tolerance = max(int(CONTRADICTION_SHARE * ack.total_bytes), CONTRADICTION_FLOOR_BYTES)
+        if ack.freed_bytes - gain > tolerance:
+            problems.append(
+                f"claims {ack.freed_bytes} bytes freed but the device's free memory gained "
+                f"{gain} bytes (tolerance {tolerance})"
+            )
+    seen = held if whole and held else {}
+    context = (context_bytes or 0) // max(1, len(measured)) if context_bytes else None
+    for d in measured:
+        name = d.uuid or f"device {d.index}"
+        tolerance = max(int(CONTRADICTION_SHARE * d.total), CONTRADICTION_FLOOR_BYTES)
+        before = max(d.used_before, seen.get(d.uuid, 0))
+        left = before - d.used_after
+        gain = d.free_after - d.free_before
+        if left - gain > tolerance:
+            was = (
+                f"held {before} bytes (seen by the operator; the ACK says {d.used_before})"
+                if before > d.used_before
+                else f"held {before} bytes"
+            )
+            problems.append(
+                f"on {name} the worker {was} and {d.used_after} after, so {left} bytes must "
+                f"have left the device (the ACK claims {d.used_before - d.used_after} freed), "
+                f"but its free memory gained {gain} bytes (tolerance {tolerance})"
+            )
+        if whole and context is not None and d.used_after - context > tolerance:
+            problems.append(
+                f"on {name} the worker still holds {d.used_after} bytes asleep, more than its "
+                f"context {context} (tolerance {tolerance})"
+            )
+    if not problems:
         return None
-    total = sum(d.total for d in ack.devices) or ack.total_bytes
-    tolerance = max(int(CONTRADICTION_SHARE * total), CONTRADICTION_FLOOR_BYTES)
-    if ack.freed_bytes - gain <= tolerance:
-        return None
-    return (
-        f"ACK {ack.task_id} claims {ack.freed_bytes} bytes freed but the device's free memory "
-        f"gained {gain} bytes (tolerance {tolerance})"
-    )
+    return f"ACK {ack.task_id} " + "; ".join(problems)
 
 
 def memory_need(message: str) -> int | None:
@@ -206,6 +270,7 @@ def _device(d: types_pb2.DeviceMemory) -> DeviceFigures:
         used_after=d.used_after_bytes,
         free_before=d.free_before_bytes,
         free_after=d.free_after_bytes,
+        weights=d.weights_bytes,
     )
 
 
@@ -283,4 +348,5 @@ def report_from_proto(status: sleep_service_pb2.GetStatusResponse) -> WorkerRepo
             else None
         ),
         components=tuple(_component(c) for c in status.components),
+        sequential=status.sequential,
     )

@@ -392,7 +392,7 @@ async def _sleep_or_fence(
                     continue
         else:
             if ack.ok:
-                why = ack_contradiction(ack)
+                why = ack_contradiction(ack, order.held, order.context_bytes)
                 if why is None:
                     return result()
                 contradiction = why

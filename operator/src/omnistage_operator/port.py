@@ -48,6 +48,8 @@ from omnistage_operator.labels import (
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.memory import group_memory
 from omnistage_operator.ondemand import DemandView
+from omnistage_operator.peaks import StagePeaks
+from omnistage_operator.peaks import from_status as peaks_from_status
 from omnistage_operator.pods import (
     RESET_AFTER_S,
     TERMINAL_PHASES,
@@ -180,18 +182,37 @@ class KubeGroupPort:
             # A fence was started and the API has not confirmed the pod gone: whatever the
             # pod or its worker says, it may hold memory, and the gate stays closed.
             if rep is not None:
-                return rep.stage_facts(fence_pending=True, learned_need=learned)
+                kept, held = self._peaks(key, rep, uid)
+                return rep.stage_facts(
+                    fence_pending=True, learned_need=learned, device_peaks=kept, device_held=held
+                )
             return StageFacts(WorkerPhase.UNREACHABLE, fence_pending=True, learned_need=learned)
         if phase in _TERMINAL:
             return StageFacts(WorkerPhase.ABSENT)  # the kubelet reported its containers ended
         if rep is not None:
             self.r.reached.add(uid)
-            return rep.stage_facts(learned_need=learned)
+            kept, held = self._peaks(key, rep, uid)
+            return rep.stage_facts(learned_need=learned, device_peaks=kept, device_held=held)
         if phase == "Pending" and not container_started(pod):
             return StageFacts(WorkerPhase.STARTING)
         if uid in self.r.created and uid not in self.r.reached:
             return StageFacts(WorkerPhase.STARTING)
         return StageFacts(WorkerPhase.UNREACHABLE)
+
+    def _peaks(
+        self, key: StageKey, rep: WorkerReport, uid: str
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Count the report of the worker in pod ``uid`` into the stage's per-device peaks:
+        (kept, held since its wake)."""
+        peaks = self.r.peaks.get(key, StagePeaks()).seen(rep, uid)
+        self.r.peaks[key] = peaks
+        return dict(peaks.kept), dict(peaks.since_wake)
+
+    def _acked(self, stage: str, ack: AckFacts) -> None:
+        """Keep an ACK for status, and count it into the stage's per-device peaks."""
+        key = (self.ns, stage)
+        self.r.last_acks[key] = ack
+        self.r.peaks[key] = self.r.peaks.get(key, StagePeaks()).acked(ack)
 
     async def observe(self) -> GroupObservation:
         """Read the group's specs, pods and every worker's GetStatus.
@@ -251,6 +272,10 @@ class KubeGroupPort:
                 self.r.fence_pending[key] = reason
             if persisted.learned_need is not None and key not in self.r.learned:
                 self.r.learned[key] = persisted.learned_need
+            if key not in self.r.peaks:
+                kept = peaks_from_status(self.bodies[name].get("status"))
+                if kept is not None:
+                    self.r.peaks[key] = kept
             if key in self.r.fence_pending and name not in self.pods:
                 await self.r.fence_confirmed(self.ns, name, self.bodies[name])
 
@@ -340,6 +365,7 @@ class KubeGroupPort:
         self.r.emit(body, "PodOutdated", f"pod {meta['name']} predates the spec; replacing it")
         # What was learned about the old pod (its need, its crashes) is about the old spec.
         self.r.learned[(self.ns, stage)] = 0
+        self.r.peaks[(self.ns, stage)] = StagePeaks()  # the new spec's pod is measured anew
         self.r.backoffs.pop((self.ns, stage), None)
         await self._delete_confirmed(pod, f"outdated pod {meta['name']} not confirmed gone")
         self.r.emit(body, "PodReplaced", f"outdated pod {meta['name']} deleted and confirmed gone")
@@ -456,7 +482,7 @@ class KubeGroupPort:
             components=components,
         )  # fmt: skip
         metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
-        self.r.last_acks[(self.ns, stage)] = ack
+        self._acked(stage, ack)
         result = "ok" if ack.ok else "not_ok"
         metrics.TRANSITIONS.labels(self.ns, self.group, "sleep", result).inc()
         if ack.ok and ack.freed_bytes > 0 and not ack.replayed:
@@ -472,7 +498,7 @@ class KubeGroupPort:
             task_id, self.r.settings.wake_timeout_s, epoch=self.r.leadership.epoch
         )
         metrics.ACK_SECONDS.labels("wake").observe(time.monotonic() - t0)
-        self.r.last_acks[(self.ns, stage)] = ack
+        self._acked(stage, ack)
         result = "ok" if ack.ok else "not_ok"
         metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
         return ack

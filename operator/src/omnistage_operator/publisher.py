@@ -32,6 +32,8 @@ from omnistage_operator.kube import (
     Kube,
     KubeError,
 )
+from omnistage_operator.peaks import StagePeaks
+from omnistage_operator.peaks import to_status as peaks_to_status
 from omnistage_operator.pods import (
     CrashBackoff,
 )
@@ -40,6 +42,7 @@ from omnistage_operator.status import (
     StageObservation,
     build_status,
     format_timestamp,
+    wait_cause,
 )
 
 if TYPE_CHECKING:
@@ -78,6 +81,7 @@ class StatusPublisher:
     auth_errors: dict[StageKey, str]
     fence_pending: dict[StageKey, str]
     learned: dict[StageKey, int]
+    peaks: dict[StageKey, StagePeaks]
     backoffs: dict[StageKey, CrashBackoff]
     sleep_problems: dict[StageKey, tuple[str, str]]
     wake_problems: dict[StageKey, tuple[str, str]]
@@ -217,11 +221,14 @@ class StatusPublisher:
                 component_problem=self.component_problems.get(key),
                 stage_problem=self.stage_problems.get(key),
                 starts_when_admitted=not can_start_asleep(spec),
+                peaks=peaks_to_status(self.peaks.get(key)),
+                ack_contradicted=fact.ack_contradicted,
             )
             previous = self.published.get(key) or body.get("status") or {}
             status = build_status(obs, previous, now)
             self._extend_status(status, port, name, now)
             self._condition_events(body, previous, status)
+            self._wait_event(body, previous, status)
             if _same(status, self.published.get(key)):
                 continue
             old_state = previous.get("state")
@@ -284,6 +291,19 @@ class StatusPublisher:
                 status.get("conditions"), cond.READY, False, "WorkerExited", msg,
                 port.specs[name].generation, now,
             )  # fmt: skip
+
+    def _wait_event(
+        self, body: Mapping[str, Any], previous: Mapping[str, Any], status: Mapping[str, Any]
+    ) -> None:
+        """A ``Waiting`` Event when what the stage waits for changes (its reason or who is in
+        the way), with the figures; not every round the figures move."""
+        cause = wait_cause(status)
+        if cause is None or cause == wait_cause(previous):
+            return
+        entries = "; ".join(status.get("waitingFor") or ())
+        admitted = cond.get_condition(status.get("conditions"), cond.ADMITTED) or {}
+        message = str(admitted.get("message") or entries)
+        self.emit(body, "Waiting", f"{cause[0]}: {message}")
 
     def _condition_events(
         self, body: Mapping[str, Any], previous: Mapping[str, Any], status: Mapping[str, Any]

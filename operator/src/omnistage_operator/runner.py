@@ -48,6 +48,7 @@ from omnistage_operator.kube import (
     tallied,
 )
 from omnistage_operator.leadership import Leadership, LeadershipLost, SoleWriter
+from omnistage_operator.peaks import StagePeaks
 from omnistage_operator.pods import (
     TERMINAL_PHASES,
     CrashBackoff,
@@ -122,6 +123,7 @@ class GroupRunner(StatusPublisher):
         self.fence_pending: dict[StageKey, str] = {}  # fences started, pod not confirmed gone
         self.fences_cleared: set[StageKey] = set()  # confirmed by this process (status may lag)
         self.learned: dict[StageKey, int] = {}  # needs learned from refused wakes (0: forgotten)
+        self.peaks: dict[StageKey, StagePeaks] = {}  # per-device peaks (status.memory.peak)
         self.backoffs: dict[StageKey, CrashBackoff] = {}
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
@@ -318,6 +320,7 @@ class GroupRunner(StatusPublisher):
         self.fence_pending.pop(key, None)
         self.fences_cleared.discard(key)
         self.learned.pop(key, None)
+        self.peaks.pop(key, None)
         self.backoffs.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)

@@ -24,7 +24,7 @@ from omnistage_operator.components import (
     component_status,
     components_verdict,
 )
-from omnistage_operator.facts import AckFacts, WorkerReport, ack_contradiction
+from omnistage_operator.facts import AckFacts, WorkerReport
 from omnistage_operator.quantities import format_bytes
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "format_timestamp",
     "parse_timestamp",
     "persisted_facts",
+    "wait_cause",
+    "waiting_for",
 ]
 
 
@@ -109,6 +111,10 @@ class StageObservation:
     stage_problem: tuple[str, str] | None = None
     # Its pod is created only once admitted (vLLM takes its memory while it starts).
     starts_when_admitted: bool = False
+    # Per device UUID, the most it was measured holding while Active (``peaks.StagePeaks``).
+    peaks: Mapping[str, int] | None = None
+    # Why its worker's last ok sleep ACK is not trusted (``StageFacts.ack_contradicted``).
+    ack_contradicted: str | None = None
 
 
 @dataclass(frozen=True)
@@ -132,7 +138,20 @@ def persisted_facts(status: Mapping[str, Any] | None) -> PersistedFacts:
     )
 
 
+def _contradicted(o: StageObservation) -> str | None:
+    """The contradiction of its last ok sleep ACK, while it stands: the asleep worker that sent
+    it, or no new worker reached since its fence."""
+    if o.ack_contradicted is not None:
+        return o.ack_contradicted
+    gone = o.phase in (WorkerPhase.ABSENT, WorkerPhase.STARTING, WorkerPhase.UNREACHABLE)
+    if gone and o.sleep_problem is not None and o.sleep_problem[0] == cond.Reason.ACK_CONTRADICTED:
+        return o.sleep_problem[1]
+    return None
+
+
 def _state(o: StageObservation) -> Phase:
+    if _contradicted(o) is not None:
+        return Phase.FAILED  # fenced like any failed sleeper, until a new worker reports
     match o.phase:
         case WorkerPhase.ACTIVE:
             return Phase.ACTIVE
@@ -183,7 +202,19 @@ _BLOCK_REASONS = {  # in order of precedence
     BlockReason.NOT_MEASURED: cond.Reason.MEMORY_NOT_MEASURED,
     BlockReason.PODS_STARTING: cond.Reason.PODS_STARTING,
     BlockReason.FREE_TOO_LOW: cond.Reason.INSUFFICIENT_MEMORY,
+    BlockReason.UNREACHABLE: cond.Reason.WAITING_FOR_STAGE,
+    BlockReason.MUST_SLEEP: cond.Reason.WAITING_FOR_STAGE,
 }
+
+
+def wait_cause(status: Mapping[str, Any]) -> tuple[str, ...] | None:
+    """What a status says a stage waits for, without the figures (reason and who): an Event
+    is due when this changes, not when the figures move."""
+    reason = status.get("waitReason")
+    if not reason:
+        return None
+    names = [str(e).split(":", 1)[0].split(" (", 1)[0] for e in status.get("waitingFor") or ()]
+    return (str(reason), *names)
 
 
 def _waiting_reason(blockers: Sequence[Blocker]) -> cond.Reason:
@@ -205,6 +236,7 @@ def build_status(
     status = _fields(o, state)
     if o.report is not None:
         status["memory"] = _memory(o.report, o.last_ack)
+        status["memory"]["peak"] = dict(o.peaks) if o.peaks else None
     if o.last_ack is not None:
         status["lastAck"] = _ack_status(o.last_ack)
     ready = _ready(o, state)
@@ -244,13 +276,16 @@ _Verdict = tuple[bool, str, str]  # a condition's status, reason and message
 def _fields(o: StageObservation, state: Phase) -> dict[str, Any]:
     """The plain fields: state, level, pod, node, who blocks a wake, the persisted facts."""
     r = o.report
+    blockers = _wait_blockers(o)
+    waits = bool(blockers) and o.wants_active and not o.waking and state is not Phase.ACTIVE
     return {
         "observedGeneration": o.generation,
         "state": state.value,
         "sleepLevel": (r.level if r is not None and r.phase is WorkerPhase.ASLEEP else None),
         "pod": o.pod,
         "node": o.node or (r.node if r is not None and r.node else None),
-        "waitingFor": sorted({b.stage for b in o.waiting if b.stage}) or None,
+        "waitingFor": waiting_for(blockers) if waits else None,
+        "waitReason": _waiting_reason(blockers).value if waits else None,
         "requestedActiveAt": (
             format_timestamp(o.requested_active_at) if o.requested_active_at else None
         ),
@@ -327,19 +362,14 @@ def _memory_released(o: StageObservation, ready_reason: str) -> _Verdict:
     """MemoryReleased: a pending fence, a fence, a contradicted ACK and a failed sleep first;
     then what the worker measured."""
     r = o.report
+    contradicted = _contradicted(o)
+    if contradicted is not None:
+        return False, cond.Reason.ACK_CONTRADICTED, contradicted
     if o.fence_pending is not None and o.phase is not WorkerPhase.ABSENT:
         message = f"fence started, pod not confirmed gone: {o.fence_pending}"
         return False, cond.Reason.FENCE_PENDING, message
     if o.fenced_reason is not None:
         return True, cond.Reason.FENCED, o.fenced_reason
-    asleep = r is not None and r.phase is WorkerPhase.ASLEEP
-    contradicted = (
-        ack_contradiction(r.last_ack)
-        if r is not None and r.last_ack is not None and asleep
-        else None
-    )
-    if contradicted is not None:
-        return False, cond.Reason.ACK_CONTRADICTED, contradicted
     if o.sleep_problem is not None and o.phase is not WorkerPhase.ABSENT:
         return False, o.sleep_problem[0], o.sleep_problem[1]
     if o.phase is WorkerPhase.ASLEEP and r is not None:
@@ -362,10 +392,51 @@ def _asleep_memory(r: WorkerReport, ack: AckFacts | None) -> _Verdict:
 
 
 def _admitted(o: StageObservation) -> _Verdict:
-    """Admitted: to the group's memory; else asleep by spec, or what blocks it."""
-    if o.admitted:
-        return True, cond.Reason.ADMITTED, "admitted to the group's memory"
-    if not o.wants_active:
+    """Admitted: to the group's memory and nothing stops its wake; else asleep by spec, or what
+    blocks it (a stage first in order whose wake the gate refuses is not admitted yet: the
+    reason says why, with the figures)."""
+    if not o.wants_active and not o.admitted:
         return False, cond.Reason.DESIRED_ASLEEP, "spec.state is Asleep"
-    message = "; ".join(b.message for b in o.waiting) or "waiting"
-    return False, _waiting_reason(o.waiting), message
+    blockers = _wait_blockers(o)
+    if o.admitted and (not blockers or o.phase is WorkerPhase.ACTIVE or o.waking):
+        return True, cond.Reason.ADMITTED, "admitted to the group's memory"
+    message = "; ".join(b.message for b in blockers) or "waiting"
+    if o.admitted:
+        message = f"first in the group's order, not woken: {message}"
+    return False, _waiting_reason(blockers), message
+
+
+def _wait_blockers(o: StageObservation) -> tuple[Blocker, ...]:
+    """The blockers that make the stage wait on something (its own transition is not one)."""
+    return tuple(b for b in o.waiting if b.reason is not BlockReason.SELF_BUSY)
+
+
+def waiting_for(blockers: Sequence[Blocker]) -> list[str]:
+    """``status.waitingFor``: what a stage waits for, each entry naming one cause.
+
+    A stage in the way is named alone (``sd``); a device short of memory is named by who holds
+    it, with the figures: ``sd: 13.1 GiB on GPU-1 (free 7.7 GiB, needed 16.6 GiB)`` and
+    ``other tenants: ...`` for processes outside the group (the device's used memory less what
+    the group's workers report); a blocker with neither is named by its reason.
+    """
+    out: list[str] = []
+    for b in blockers:
+        if b.stage:
+            entry = b.stage
+        elif b.holders:
+            where = f" on {b.device}" if b.device else ""
+            figures = f"free {format_bytes(b.free or 0)}, needed {format_bytes(b.needed or 0)}"
+            for holder, nbytes in b.holders:
+                entry = f"{holder}: {format_bytes(nbytes)}{where} ({figures})"
+                if entry not in out:
+                    out.append(entry)
+            continue
+        elif b.device is not None and b.needed is not None:
+            where = f" on {b.device}" if b.device else ""
+            free = f"free {format_bytes(b.free)}, " if b.free is not None else ""
+            entry = f"memory{where} ({free}needed {format_bytes(b.needed)})"
+        else:
+            entry = str(b.reason.value)
+        if entry not in out:
+            out.append(entry)
+    return out

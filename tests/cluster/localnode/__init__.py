@@ -259,12 +259,14 @@ class LocalNodes:
         leak_on_sleep: int | str | None = None,
         lie: bool | None = None,
         slow_serving_s: float | None = None,
+        unlisted: bool | None = None,
     ) -> None:
         """Switch faults of a simulated GPU, for process ``pid`` (None: every process).
 
         ``leak_on_sleep``: bytes a sleep leaves behind (``"all"``: everything it freed);
         ``lie``: those bytes stay on the device but the process's own figure omits them;
-        ``slow_serving_s``: extra seconds per request. Arguments left None are unchanged;
+        ``slow_serving_s``: extra seconds per request; ``unlisted``: the process's own figure
+        reads 0 (NVML does not list it). Arguments left None are unchanged;
         read by the workers on their next probe call.
         """
         switches: dict[str, object] = {}
@@ -274,6 +276,8 @@ class LocalNodes:
             switches["lie"] = lie
         if slow_serving_s is not None:
             switches["slow_serving_s"] = slow_serving_s
+        if unlisted is not None:
+            switches["unlisted"] = unlisted
         self.fake_gpu(node, device).set_faults(pid, **switches)
 
     def clear_device_faults(self, node: str | int = 0, device: str = "gpu-0") -> None:

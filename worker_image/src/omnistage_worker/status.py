@@ -12,6 +12,19 @@ if TYPE_CHECKING:
     from omnistage_worker.state import Worker
 
 
+def planned_weights(worker: Worker) -> list[int]:
+    """The weight bytes the device map places on each device, in the order the worker measures
+    its devices (one engine per device, in device order), resident or asleep."""
+    from omnistage_worker.engine.sharded import ShardedEngine
+
+    controller = worker.controller
+    if controller is None:
+        return []
+    if isinstance(controller, ShardedEngine):
+        return [shard.weights_bytes for shard in controller.shards]
+    return [int(controller.weights_bytes)]
+
+
 def build_status(worker: Worker) -> sleep_service_pb2.GetStatusResponse:
     """The GetStatus answer: state, model, measured memory (fresh when idle), last Ack."""
     config = worker.config
@@ -38,6 +51,8 @@ def build_status(worker: Worker) -> sleep_service_pb2.GetStatusResponse:
         response.source = reading.source
         # Per device, "before" and "after" are both now (nothing moved, nothing freed).
         response.devices.extend(device_figures(reading, reading))
+        for figures, weights in zip(response.devices, planned_weights(worker), strict=False):
+            figures.weights_bytes = weights
     response.drain_timeout.FromNanoseconds(int(config.drain_timeout_s * 1e9))
     if worker.last_ack is not None:
         response.last_ack.CopyFrom(worker.last_ack)

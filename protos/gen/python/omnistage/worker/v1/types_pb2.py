@@ -26,31 +26,31 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fomnistage/worker/v1/types.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n\x0eWorkerIdentity\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0b\n\x03pod\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x03\"\xcf\x01\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\x19\n\x11used_before_bytes\x18\x04 \x01(\x03\x12\x18\n\x10used_after_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x06 \x01(\x03\x12\x18\n\x10\x66ree_after_bytes\x18\x07 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x03\x12\x19\n\x11\x66ree_before_bytes\x18\t \x01(\x03\"\x89\x07\n\x03\x41\x63k\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x31\n\toperation\x18\x04 \x01(\x0e\x32\x1e.omnistage.worker.v1.Operation\x12.\n\x05level\x18\x05 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12/\n\x05state\x18\x06 \x01(\x0e\x32 .omnistage.worker.v1.WorkerState\x12\x13\n\x0b\x66reed_bytes\x18\x07 \x01(\x03\x12\x19\n\x11used_before_bytes\x18\x08 \x01(\x03\x12\x18\n\x10used_after_bytes\x18\t \x01(\x03\x12\x18\n\x10\x66ree_after_bytes\x18\n \x01(\x03\x12\x32\n\x07\x64\x65vices\x18\x0b \x03(\x0b\x32!.omnistage.worker.v1.DeviceMemory\x12\x31\n\x06source\x18\x0c \x01(\x0e\x32!.omnistage.worker.v1.MemorySource\x12+\n\x08\x64uration\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\nstarted_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x06worker\x18\x10 \x01(\x0b\x32#.omnistage.worker.v1.WorkerIdentity\x12\x10\n\x08replayed\x18\x11 \x01(\x08\x12\x0c\n\x04noop\x18\x12 \x01(\x08\x12\x1c\n\x14residual_bound_bytes\x18\x13 \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x14 \x01(\x03\x12\x34\n\x10\x64rain_started_at\x18\x15 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0e\x64rain_duration\x18\x16 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05\x65poch\x18\x17 \x01(\x03\x12\x19\n\x11peak_active_bytes\x18\x18 \x01(\x03\x12\x38\n\ncomponents\x18\x1e \x03(\x0b\x32$.omnistage.worker.v1.ComponentMemory\x12\x14\n\x0cneeded_bytes\x18\x1f \x01(\x03\"|\n\x0f\x43omponentMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rweights_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x64\x65vice_bytes\x18\x03 \x01(\x03\x12.\n\x05level\x18\x04 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel*[\n\nSleepLevel\x12\x1b\n\x17SLEEP_LEVEL_UNSPECIFIED\x10\x00\x12\x17\n\x13SLEEP_LEVEL_OFFLOAD\x10\x01\x12\x17\n\x13SLEEP_LEVEL_DISCARD\x10\x02*\xc4\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_LOADING\x10\x01\x12\x17\n\x13WORKER_STATE_ACTIVE\x10\x02\x12\x19\n\x15WORKER_STATE_SLEEPING\x10\x03\x12\x17\n\x13WORKER_STATE_ASLEEP\x10\x04\x12\x17\n\x13WORKER_STATE_WAKING\x10\x05\x12\x17\n\x13WORKER_STATE_FAILED\x10\x06*R\n\tOperation\x12\x19\n\x15OPERATION_UNSPECIFIED\x10\x00\x12\x13\n\x0fOPERATION_SLEEP\x10\x01\x12\x15\n\x11OPERATION_WAKE_UP\x10\x02*c\n\x0cMemorySource\x12\x1d\n\x19MEMORY_SOURCE_UNSPECIFIED\x10\x00\x12\x16\n\x12MEMORY_SOURCE_NVML\x10\x01\x12\x1c\n\x18MEMORY_SOURCE_ACCOUNTING\x10\x02*E\n\x06Runner\x12\x16\n\x12RUNNER_UNSPECIFIED\x10\x00\x12\x14\n\x10RUNNER_DIFFUSION\x10\x01\x12\r\n\tRUNNER_AR\x10\x02*e\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42\x41\x43KEND_DIFFUSERS\x10\x01\x12\x18\n\x14\x42\x41\x43KEND_TRANSFORMERS\x10\x02\x12\x10\n\x0c\x42\x41\x43KEND_VLLM\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fomnistage/worker/v1/types.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"h\n\x0eWorkerIdentity\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0b\n\x03pod\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12\x0c\n\x04node\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x03\"\xe6\x01\n\x0c\x44\x65viceMemory\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04uuid\x18\x03 \x01(\t\x12\x19\n\x11used_before_bytes\x18\x04 \x01(\x03\x12\x18\n\x10used_after_bytes\x18\x05 \x01(\x03\x12\x13\n\x0b\x66reed_bytes\x18\x06 \x01(\x03\x12\x18\n\x10\x66ree_after_bytes\x18\x07 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x03\x12\x19\n\x11\x66ree_before_bytes\x18\t \x01(\x03\x12\x15\n\rweights_bytes\x18\n \x01(\x03\"\x89\x07\n\x03\x41\x63k\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x31\n\toperation\x18\x04 \x01(\x0e\x32\x1e.omnistage.worker.v1.Operation\x12.\n\x05level\x18\x05 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12/\n\x05state\x18\x06 \x01(\x0e\x32 .omnistage.worker.v1.WorkerState\x12\x13\n\x0b\x66reed_bytes\x18\x07 \x01(\x03\x12\x19\n\x11used_before_bytes\x18\x08 \x01(\x03\x12\x18\n\x10used_after_bytes\x18\t \x01(\x03\x12\x18\n\x10\x66ree_after_bytes\x18\n \x01(\x03\x12\x32\n\x07\x64\x65vices\x18\x0b \x03(\x0b\x32!.omnistage.worker.v1.DeviceMemory\x12\x31\n\x06source\x18\x0c \x01(\x0e\x32!.omnistage.worker.v1.MemorySource\x12+\n\x08\x64uration\x18\r \x01(\x0b\x32\x19.google.protobuf.Duration\x12.\n\nstarted_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x06worker\x18\x10 \x01(\x0b\x32#.omnistage.worker.v1.WorkerIdentity\x12\x10\n\x08replayed\x18\x11 \x01(\x08\x12\x0c\n\x04noop\x18\x12 \x01(\x08\x12\x1c\n\x14residual_bound_bytes\x18\x13 \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x14 \x01(\x03\x12\x34\n\x10\x64rain_started_at\x18\x15 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\x0e\x64rain_duration\x18\x16 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05\x65poch\x18\x17 \x01(\x03\x12\x19\n\x11peak_active_bytes\x18\x18 \x01(\x03\x12\x38\n\ncomponents\x18\x1e \x03(\x0b\x32$.omnistage.worker.v1.ComponentMemory\x12\x14\n\x0cneeded_bytes\x18\x1f \x01(\x03\"|\n\x0f\x43omponentMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rweights_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x64\x65vice_bytes\x18\x03 \x01(\x03\x12.\n\x05level\x18\x04 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel*[\n\nSleepLevel\x12\x1b\n\x17SLEEP_LEVEL_UNSPECIFIED\x10\x00\x12\x17\n\x13SLEEP_LEVEL_OFFLOAD\x10\x01\x12\x17\n\x13SLEEP_LEVEL_DISCARD\x10\x02*\xc4\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_LOADING\x10\x01\x12\x17\n\x13WORKER_STATE_ACTIVE\x10\x02\x12\x19\n\x15WORKER_STATE_SLEEPING\x10\x03\x12\x17\n\x13WORKER_STATE_ASLEEP\x10\x04\x12\x17\n\x13WORKER_STATE_WAKING\x10\x05\x12\x17\n\x13WORKER_STATE_FAILED\x10\x06*R\n\tOperation\x12\x19\n\x15OPERATION_UNSPECIFIED\x10\x00\x12\x13\n\x0fOPERATION_SLEEP\x10\x01\x12\x15\n\x11OPERATION_WAKE_UP\x10\x02*c\n\x0cMemorySource\x12\x1d\n\x19MEMORY_SOURCE_UNSPECIFIED\x10\x00\x12\x16\n\x12MEMORY_SOURCE_NVML\x10\x01\x12\x1c\n\x18MEMORY_SOURCE_ACCOUNTING\x10\x02*E\n\x06Runner\x12\x16\n\x12RUNNER_UNSPECIFIED\x10\x00\x12\x14\n\x10RUNNER_DIFFUSION\x10\x01\x12\r\n\tRUNNER_AR\x10\x02*e\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42\x41\x43KEND_DIFFUSERS\x10\x01\x12\x18\n\x14\x42\x41\x43KEND_TRANSFORMERS\x10\x02\x12\x10\n\x0c\x42\x41\x43KEND_VLLM\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.worker.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SLEEPLEVEL']._serialized_start=1471
-  _globals['_SLEEPLEVEL']._serialized_end=1562
-  _globals['_WORKERSTATE']._serialized_start=1565
-  _globals['_WORKERSTATE']._serialized_end=1761
-  _globals['_OPERATION']._serialized_start=1763
-  _globals['_OPERATION']._serialized_end=1845
-  _globals['_MEMORYSOURCE']._serialized_start=1847
-  _globals['_MEMORYSOURCE']._serialized_end=1946
-  _globals['_RUNNER']._serialized_start=1948
-  _globals['_RUNNER']._serialized_end=2017
-  _globals['_BACKEND']._serialized_start=2019
-  _globals['_BACKEND']._serialized_end=2120
+  _globals['_SLEEPLEVEL']._serialized_start=1494
+  _globals['_SLEEPLEVEL']._serialized_end=1585
+  _globals['_WORKERSTATE']._serialized_start=1588
+  _globals['_WORKERSTATE']._serialized_end=1784
+  _globals['_OPERATION']._serialized_start=1786
+  _globals['_OPERATION']._serialized_end=1868
+  _globals['_MEMORYSOURCE']._serialized_start=1870
+  _globals['_MEMORYSOURCE']._serialized_end=1969
+  _globals['_RUNNER']._serialized_start=1971
+  _globals['_RUNNER']._serialized_end=2040
+  _globals['_BACKEND']._serialized_start=2042
+  _globals['_BACKEND']._serialized_end=2143
   _globals['_WORKERIDENTITY']._serialized_start=121
   _globals['_WORKERIDENTITY']._serialized_end=225
   _globals['_DEVICEMEMORY']._serialized_start=228
-  _globals['_DEVICEMEMORY']._serialized_end=435
-  _globals['_ACK']._serialized_start=438
-  _globals['_ACK']._serialized_end=1343
-  _globals['_COMPONENTMEMORY']._serialized_start=1345
-  _globals['_COMPONENTMEMORY']._serialized_end=1469
+  _globals['_DEVICEMEMORY']._serialized_end=458
+  _globals['_ACK']._serialized_start=461
+  _globals['_ACK']._serialized_end=1366
+  _globals['_COMPONENTMEMORY']._serialized_start=1368
+  _globals['_COMPONENTMEMORY']._serialized_end=1492
 # @@protoc_insertion_point(module_scope)

@@ -242,6 +242,7 @@ class DeviceMemory(_message.Message):
     FREE_AFTER_BYTES_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     FREE_BEFORE_BYTES_FIELD_NUMBER: _builtins.int
+    WEIGHTS_BYTES_FIELD_NUMBER: _builtins.int
     device: _builtins.str
     """device names the device as the framework does, for example "cuda:0" or "cpu"."""
     index: _builtins.int
@@ -262,6 +263,12 @@ class DeviceMemory(_message.Message):
     """free_before_bytes is the device's free memory before the operation (all processes). With
     free_after_bytes it shows what the device itself gained, whatever the process claims.
     """
+    weights_bytes: _builtins.int
+    """weights_bytes is the model's weight bytes the worker's device map places on this device,
+    whether they are resident now or asleep: the byte map its loader places (GetStatus; 0 when
+    unknown). An operator charges a stage never measured on this device this much (plus its
+    context) rather than an even share of its total.
+    """
     def __init__(
         self,
         *,
@@ -274,10 +281,11 @@ class DeviceMemory(_message.Message):
         free_after_bytes: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
         free_before_bytes: _builtins.int = ...,
+        weights_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_after_bytes", b"free_after_bytes", "free_before_bytes", b"free_before_bytes", "freed_bytes", b"freed_bytes", "index", b"index", "total_bytes", b"total_bytes", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "free_after_bytes", b"free_after_bytes", "free_before_bytes", b"free_before_bytes", "freed_bytes", b"freed_bytes", "index", b"index", "total_bytes", b"total_bytes", "used_after_bytes", b"used_after_bytes", "used_before_bytes", b"used_before_bytes", "uuid", b"uuid", "weights_bytes", b"weights_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
