@@ -179,6 +179,8 @@ class WorkerConfig:
     activation: str = "manual"
     hold_timeout_s: float = DEFAULT_HOLD_TIMEOUT_S
     max_held: int = DEFAULT_MAX_HELD
+    # The leadership epoch the worker starts having obeyed (``--epoch``; 0: none).
+    epoch: int = 0
 
     @property
     def model_name(self) -> str:
@@ -310,6 +312,8 @@ def _check_limits(config: WorkerConfig) -> None:
         raise ConfigError("--drain-timeout", "must not be negative")
     if config.cpu_threads is not None and config.cpu_threads < 1:
         raise ConfigError("--cpu-threads", "must be at least 1")
+    if config.epoch < 0:
+        raise ConfigError("--epoch", "must not be negative")
     if config.ack_cache_size < 1:
         raise ConfigError("--ack-cache-size", "must be at least 1")
     if not 1 <= config.gpus <= MAX_GPUS:
