@@ -54,9 +54,11 @@ class ScriptedPort:
     calls: list[tuple[str, str, str]] = field(default_factory=list)
     timeouts: list[float | None] = field(default_factory=list)
     probe_phase: WorkerPhase | None = None
+    tenant: int = 0  # bytes another process (outside the group) holds
 
     def _free(self) -> int:
-        return TOTAL - GI - (self.a_holds if self.a_pod else 0)  # 1 GiB: reserve + contexts
+        # 1 GiB: reserve + contexts
+        return TOTAL - GI - (self.a_holds if self.a_pod else 0) - self.tenant
 
     async def observe(self) -> GroupObservation:
         intents = {
@@ -277,6 +279,47 @@ async def test_wake_not_ok_for_memory_learns_the_need_too() -> None:
     port.wake = wake  # type: ignore[method-assign]
     out = await run_round(port, POLICY, lambda: "h1")
     assert out.learned_needs == {"b": 20 * GI}
+
+
+async def test_wake_out_of_memory_mid_copy_is_charged_and_not_sent_again() -> None:
+    """The gate let b's wake through; another tenant took 10 GiB before the copy, which ran
+    out: the worker is back asleep and says it needed 3 GiB more than the 5 GiB free. b is now
+    charged at least that (it was never measured: no footprint before), so the next round does
+    not wake it into the same room; once the tenant has gone it is woken."""
+    port = ScriptedPort(_ok, a=WorkerPhase.ASLEEP, a_holds=0, b_request=None)
+    context, weights = GI // 2, 8 * GI
+    wakes: list[AckFacts] = []
+
+    async def wake(stage: str, task_id: str) -> AckFacts:
+        port.calls.append(("wake", stage, task_id))
+        if not wakes:  # between the gate and the copy, the tenant arrives
+            port.tenant = 10 * GI
+        free = port._free()
+        if weights <= free:
+            wakes.append(AckFacts(task_id, True, "wake", WorkerPhase.ACTIVE))
+            return wakes[-1]
+        dev = DeviceFigures("GPU-0", 0, TOTAL, context, context, free, free)
+        wakes.append(
+            AckFacts(task_id, False, "wake", WorkerPhase.ASLEEP, level=1,
+                     error="wake from level 1 failed: CUDA out of memory. (needed ...)",
+                     used_after_bytes=context, free_after_bytes=free, devices=(dev,),
+                     needed_bytes=weights - free)
+        )  # fmt: skip
+        return wakes[-1]
+
+    port.wake = wake  # type: ignore[method-assign]
+    out = await run_round(port, POLICY, lambda: "h1")
+    assert _ops(port) == [("wake", "b")]
+    assert set(out.wake_oom) == {"b"} and out.wake_oom["b"].needed_bytes == 3 * GI
+    assert out.learned_needs == {"b": context + 5 * GI + 3 * GI}
+    port.learned.update(out.learned_needs)  # what the kube side persists in status
+    port.calls.clear()
+    out = await run_round(port, POLICY, lambda: "h2")
+    assert _ops(port) == []  # not re-sent into the room the tenant holds
+    assert out.decision is not None and out.decision.waiting["b"]
+    port.tenant = 0  # the tenant leaves
+    out = await run_round(port, POLICY, lambda: "h3")
+    assert _ops(port) == [("wake", "b")] and out.wakes["b"].ok
 
 
 async def test_unconfirmed_fence_stays_pending_and_keeps_the_gate_closed() -> None:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from omnistage_operator import metrics
@@ -88,6 +89,7 @@ class KubeGroupPort:
         self.facts: dict[str, StageFacts] = {}
         self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
         self.held_back: dict[str, float] = {}  # stages in crash back-off: seconds left
+        self.wake_held: dict[str, float] = {}  # stages backing off after a wake out of memory
         self.demand = DemandView({}, {}, frozenset(), None)  # shaped by the last observe
         # Stages that asked for Active for held requests in this round: (held, oldest hold).
         self.demand_asked: dict[str, tuple[int, float | None]] = {}
@@ -230,11 +232,27 @@ class KubeGroupPort:
         }
         # OnDemand stages: their workers' demand is a fact the arbiter sees as intents.
         self.demand = self.r.demand.shape(self, intents)
+        intents = self._hold_wakes(self.demand.intents)
         for name in self.demand.demand_asks:  # kept for the round's Events (held until woken)
             self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
         self.demand_idle |= self.demand.idle
         facts = {n: self.facts[n] for n in arbitrated}
-        return GroupObservation(self.demand.intents, facts, memory)
+        return GroupObservation(intents, facts, memory)
+
+    def _hold_wakes(self, intents: Mapping[str, StageIntent]) -> dict[str, StageIntent]:
+        """A stage whose last wake ran out of device memory does not ask for memory again
+        before its back-off ends (then the gate waits for measured free memory that covers its
+        learned need); an Active one keeps its admission."""
+        now = time.time()
+        held = dict(intents)
+        self.wake_held.clear()
+        for name, intent in intents.items():
+            backoff = self.r.wake_backoffs.get((self.ns, name))
+            left = backoff.left(now) if backoff is not None else 0.0
+            if intent.want_active and left > 0 and self.facts[name].phase is not WorkerPhase.ACTIVE:
+                self.wake_held[name] = left
+                held[name] = replace(intent, want_active=False)
+        return held
 
     async def _adopt_persisted(self, names: list[str]) -> None:
         """Facts a previous operator process persisted in status (a pending fence, a learned

@@ -61,6 +61,8 @@ from omnistage_operator.status import (
     format_timestamp,
 )
 from omnistage_operator.views import GroupViews, group_of
+from omnistage_operator.wake_backoff import REASON as WAKE_OOM
+from omnistage_operator.wake_backoff import WakeBackoff, oom_message
 from omnistage_operator.worker_client import WorkerClient
 
 __all__ = ["GroupRunner"]
@@ -123,6 +125,7 @@ class GroupRunner(StatusPublisher):
         self.fences_cleared: set[StageKey] = set()  # confirmed by this process (status may lag)
         self.learned: dict[StageKey, int] = {}  # needs learned from refused wakes (0: forgotten)
         self.backoffs: dict[StageKey, CrashBackoff] = {}
+        self.wake_backoffs: dict[StageKey, WakeBackoff] = {}  # after wakes out of memory
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
@@ -319,6 +322,7 @@ class GroupRunner(StatusPublisher):
         self.fences_cleared.discard(key)
         self.learned.pop(key, None)
         self.backoffs.pop(key, None)
+        self.wake_backoffs.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
         self.wake_problems.pop(key, None)
@@ -399,8 +403,10 @@ class GroupRunner(StatusPublisher):
             )  # fmt: skip
         metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
         self._remember(namespace, outcome)
-        if port.held_back:
-            self._retry_in[(namespace, group)] = min(port.held_back.values())
+        self._note_wake_oom(port, outcome)
+        waits = [*port.held_back.values(), *port.wake_held.values()]
+        if waits:
+            self._retry_in[(namespace, group)] = min(waits)
         if not self.leadership.leading():  # lost while the round ran: the new leader writes
             log.warning("group %s/%s: leadership lost; status not written", namespace, group)
             return False
@@ -444,6 +450,23 @@ class GroupRunner(StatusPublisher):
                 self.component_problems if name in outcome.component_wakes else self.wake_problems
             )
             into[(namespace, name)] = (reason.value, err)
+
+    def _note_wake_oom(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+        """Wakes that ran out of device memory: back off (doubling), say so with the figures
+        (the stage's Ready condition and an Event); a wake that went through ends it."""
+        now = time.time()
+        for name, ack in outcome.wakes.items():
+            if ack.ok:
+                self.wake_backoffs.pop((port.ns, name), None)
+        for name, ack in outcome.wake_oom.items():
+            key = (port.ns, name)
+            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now)
+            self.wake_backoffs[key] = backoff
+            message = oom_message(ack, self.learned.get(key, 0), backoff, now)
+            self.wake_problems[key] = (WAKE_OOM, message)
+            log.warning("%s/%s: %s", port.ns, name, message)
+            if name in port.bodies:
+                self.emit(port.bodies[name], WAKE_OOM, message, warning=True)
 
     async def cleanup_stage(self, body: Mapping[str, Any]) -> None:
         """Delete a stage's pod (until confirmed gone), Service, and the claim of an empty group."""
