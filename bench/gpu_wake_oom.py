@@ -44,7 +44,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SRC_PATHS = [ROOT / "operator" / "src", ROOT / "worker_image" / "src", ROOT / "protos" / "gen" / "python", ROOT]
+SRC_PATHS = [
+    ROOT / "operator" / "src",
+    ROOT / "worker_image" / "src",
+    ROOT / "protos" / "gen" / "python",
+    ROOT,
+]
 Json = dict[str, Any]
 MiB = 1 << 20
 GiB = 1 << 30
@@ -67,7 +72,9 @@ def setup_paths(site: Path | None, work: Path) -> None:
         paths.insert(0, str(dest))
     for p in reversed(paths):
         sys.path.insert(0, p)
-    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [*paths, *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
 
 
 def build_model(directory: Path, layers: int, tiny: bool) -> int:
@@ -140,7 +147,10 @@ class Worker:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         device = "cpu" if tiny else "cuda"
         if gpu_dir is not None:
-            env.update(OMNISTAGE_MEMORY_PROBE="tests.fakegpu.probe:from_env", OMNISTAGE_FAKE_GPU=str(gpu_dir))
+            env.update(
+                OMNISTAGE_MEMORY_PROBE="tests.fakegpu.probe:from_env",
+                OMNISTAGE_FAKE_GPU=str(gpu_dir),
+            )
         self.argv = [
             sys.executable, "-m", "omnistage_worker", "--runner", "ar", "--backend", "transformers",
             "--model", str(model), "--device", device, "--host", "127.0.0.1", "--port", "0",
@@ -148,7 +158,7 @@ class Worker:
         self.log_path = work / "worker.log"
         self._fh = self.log_path.open("w")
         self.proc = subprocess.Popen(self.argv, stdout=self._fh, stderr=subprocess.STDOUT, env=env)
-        port = self._wait(lambda: self._port(), 300, "the worker to listen")
+        port = self._wait(self._port, 300, "the worker to listen")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         self.sleep_stub = sleep_service_pb2_grpc.SleepServiceStub(self.channel)
         self.infer = inference_service_pb2_grpc.InferenceServiceStub(self.channel)
@@ -176,7 +186,9 @@ class Worker:
         return self.sleep_stub.GetStatus(sleep_service_pb2.GetStatusRequest(), timeout=30)
 
     def wait_state(self, state: int, timeout: float = 300) -> Any:
-        return self._wait(lambda: self.status() if self.status().state == state else None, timeout, "the state")
+        return self._wait(
+            lambda: self.status() if self.status().state == state else None, timeout, "the state"
+        )
 
     def sleep(self) -> Any:
         from omnistage.worker.v1 import sleep_service_pb2
@@ -211,6 +223,14 @@ def ack_json(ack: Any) -> Json:
     from google.protobuf.json_format import MessageToDict
 
     return MessageToDict(ack, preserving_proto_field_name=True)
+
+
+def outside(nvml: Nvml | None, gpu: Any, pid: int) -> tuple[int, int]:
+    """An outside reading: ``pid``'s used memory and the device's free memory."""
+    if nvml is not None:
+        return nvml.used_by(pid), nvml.free()
+    snap = gpu.snapshot()
+    return snap.procs[pid].used, snap.free
 
 
 def run(args: argparse.Namespace) -> Json:
@@ -252,7 +272,7 @@ def run(args: argparse.Namespace) -> Json:
         out["awake_used_bytes"] = awake.used_bytes
         out["asleep_used_bytes"] = context
         # The gate: the wake fits now.
-        free_at_gate = gpu.snapshot().free if gpu is not None else nvml.free()  # type: ignore[union-attr]
+        free_at_gate = outside(nvml, gpu, worker.proc.pid)[1]
         out["free_at_gate_bytes"] = free_at_gate
         assert free_at_gate > flat, (free_at_gate, flat)
         take = free_at_gate - int(flat * args.leave)
@@ -262,15 +282,16 @@ def run(args: argparse.Namespace) -> Json:
         else:
             ready = work / "tenant.ready"
             ready.unlink(missing_ok=True)
-            tenant = subprocess.Popen([sys.executable, __file__, "--child-tenant", str(take), str(ready)])
+            tenant = subprocess.Popen(
+                [sys.executable, __file__, "--child-tenant", str(take), str(ready)]
+            )
             worker._wait(ready.exists, 120, "the tenant to take its memory")
         log(f"tenant holds {take / GiB:.2f} GiB; the wake needs {flat / GiB:.2f} GiB")
         t0 = time.monotonic()
         failed = worker.wake()
         out["oom_wake_seconds"] = round(time.monotonic() - t0, 3)
         status = worker.status()
-        outside_used = nvml.used_by(worker.proc.pid) if nvml is not None else gpu.snapshot().procs[worker.proc.pid].used  # type: ignore[union-attr]
-        outside_free = nvml.free() if nvml is not None else gpu.snapshot().free  # type: ignore[union-attr]
+        outside_used, outside_free = outside(nvml, gpu, worker.proc.pid)
         out["oom_ack"] = ack_json(failed)
         # What the wake allocates: the OOM's own "Tried to allocate" (PyTorch prints it to
         # 0.01 GiB) on a GPU; the flat buffer measured awake on the simulated one.
@@ -335,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, sort_keys=True))
-    print(json.dumps({k: v for k, v in report.items() if k != "worker_log_tail"}, indent=2, sort_keys=True))
+    print(
+        json.dumps(
+            {k: v for k, v in report.items() if k != "worker_log_tail"}, indent=2, sort_keys=True
+        )
+    )
     return 0 if report.get("ok") else 1
 
 

@@ -73,6 +73,7 @@ __all__ = [
     "MIN_PRIORITY",
     "PLURAL",
     "RESERVED_ARGS",
+    "RESERVED_ARG_PREFIXES",
     "RESERVED_ENV",
     "RESERVED_VOLUMES",
     "TOKEN_MOUNT_DIR",
@@ -112,7 +113,10 @@ MIN_PORT, MAX_PORT = 1024, 65535
 # "<stage>-worker" names a Service, which must be a DNS-1035 label of at most 63 characters.
 MAX_STAGE_NAME_LENGTH = 56
 
-# Environment variables and worker flags the operator sets itself; overrides may not touch them.
+# Environment variables and worker flags the operator sets itself (or that would let a pod
+# bypass the memory gate); overrides may not touch them. The CRD refuses each flag, any prefix
+# of it (argparse would take "--gpu" for "--gpus"; the worker refuses abbreviations too) and
+# every flag starting with one of RESERVED_ARG_PREFIXES, in spec.worker.args.
 RESERVED_ENV = frozenset(
     {
         "POD_IP",
@@ -121,6 +125,12 @@ RESERVED_ENV = frozenset(
         "NODE_NAME",
         "OMNISTAGE_STAGE",
         "NVIDIA_VISIBLE_DEVICES",
+        "CUDA_VISIBLE_DEVICES",
+        "OMNISTAGE_GPUS",
+        "OMNISTAGE_RANK",
+        "OMNISTAGE_DRAIN_TIMEOUT",
+        "OMNISTAGE_MEMORY_PROBE",
+        "OMNISTAGE_FAKE_GPU",
     }
 )
 RESERVED_ARGS = frozenset(
@@ -134,13 +144,22 @@ RESERVED_ARGS = frozenset(
         "--sleep-level",
         "--token-file",
         "--device",
+        "--gpus",
         "--dtype",
         "--drain-timeout",
         "--activation",
         "--hold-timeout",
         "--http-port",
+        "--residual-slack",
+        "--epoch",
+        "--stage",
+        "--pod",
+        "--namespace",
+        "--node",
+        "--rank",
     }
 )
+RESERVED_ARG_PREFIXES = frozenset({"--vllm-"})
 # Names the builders use for their own volumes and mount points.
 RESERVED_VOLUMES = frozenset({"omnistage-token", "model"})
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"
