@@ -32,6 +32,7 @@ from omnistage_operator.builders import (
     owner_reference,
     pod_spec_hash,
 )
+from omnistage_operator.conditions import Reason
 from omnistage_operator.facts import AckFacts, WorkerReport
 from omnistage_operator.handover import (
     FenceFailed,
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
     from omnistage_operator.runner import GroupRunner
 
 __all__ = ["KubeGroupPort", "group_of"]
+
+DEVICE_MISMATCH = Reason.DEVICE_MISMATCH.value
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +235,39 @@ class KubeGroupPort:
         }
         # OnDemand stages: their workers' demand is a fact the arbiter sees as intents.
         self.demand = self.r.demand.shape(self, intents)
-        intents = self._hold_wakes(self.demand.intents)
+        intents = self._refuse_mismatched(self._hold_wakes(self.demand.intents))
         for name in self.demand.demand_asks:  # kept for the round's Events (held until woken)
             self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
         self.demand_idle |= self.demand.idle
         facts = {n: self.facts[n] for n in arbitrated}
         return GroupObservation(intents, facts, memory)
+
+    def _refuse_mismatched(self, intents: Mapping[str, StageIntent]) -> dict[str, StageIntent]:
+        """A worker that reports another number of devices than ``spec.gpus`` measures other
+        memory than the arbiter charges: it is never admitted (an Active one is put to sleep),
+        with a ``DeviceMismatch`` reason (on Ready: the publisher's Warning Event follows)."""
+        out = dict(intents)
+        for name, intent in intents.items():
+            key = (self.ns, name)
+            rep = self.reports.get(name)
+            expected = max(1, self.specs[name].gpus)
+            if rep is None or not rep.devices or len(rep.devices) == expected:
+                if key in self.r.device_mismatch and rep is not None:
+                    del self.r.device_mismatch[key]
+                    self.r.stage_problems.pop(key, None)
+                continue
+            message = (
+                f"the worker reports {len(rep.devices)} device(s) "
+                f"({', '.join(d.uuid or str(d.index) for d in rep.devices)}) but spec.gpus is "
+                f"{self.specs[name].gpus}: its figures do not cover the stage's devices, so it is "
+                "never admitted (replace its pod)"
+            )
+            if self.r.device_mismatch.get(key) != message:  # the Event: the Ready condition's
+                log.warning("%s/%s: %s", self.ns, name, message)
+            self.r.device_mismatch[key] = message
+            self.r.stage_problems[key] = (DEVICE_MISMATCH, message)
+            out[name] = replace(intent, want_active=False)
+        return out
 
     def _hold_wakes(self, intents: Mapping[str, StageIntent]) -> dict[str, StageIntent]:
         """A stage whose last wake ran out of device memory does not ask for memory again

@@ -126,6 +126,7 @@ class GroupRunner(StatusPublisher):
         self.learned: dict[StageKey, int] = {}  # needs learned from refused wakes (0: forgotten)
         self.backoffs: dict[StageKey, CrashBackoff] = {}
         self.wake_backoffs: dict[StageKey, WakeBackoff] = {}  # after wakes out of memory
+        self.device_mismatch: dict[StageKey, str] = {}  # workers with another device count
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
@@ -323,6 +324,7 @@ class GroupRunner(StatusPublisher):
         self.learned.pop(key, None)
         self.backoffs.pop(key, None)
         self.wake_backoffs.pop(key, None)
+        self.device_mismatch.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
         self.wake_problems.pop(key, None)

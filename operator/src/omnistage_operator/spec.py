@@ -131,6 +131,7 @@ RESERVED_ENV = frozenset(
         "OMNISTAGE_DRAIN_TIMEOUT",
         "OMNISTAGE_MEMORY_PROBE",
         "OMNISTAGE_FAKE_GPU",
+        "OMNISTAGE_RESIDUAL_SLACK",
     }
 )
 RESERVED_ARGS = frozenset(

@@ -93,8 +93,9 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--tls-key", type=Path)
     p.add_argument(
         "--residual-slack",
-        default=str(DEFAULT_RESIDUAL_SLACK),
-        help="bytes allowed above the baseline after a sleep (default 128Mi)",
+        default=env.get("OMNISTAGE_RESIDUAL_SLACK") or str(DEFAULT_RESIDUAL_SLACK),
+        help="bytes allowed above the baseline after a sleep (default $OMNISTAGE_RESIDUAL_SLACK, "
+        "else 128Mi)",
     )
     p.add_argument("--stage", default=env.get("OMNISTAGE_STAGE", ""))
     p.add_argument("--pod", default=env.get("POD_NAME", ""))
