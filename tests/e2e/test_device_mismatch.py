@@ -11,7 +11,6 @@ group's memory is free.
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import build_worker_pod, pod_claim_name
+from omnistage_operator.builders import build_worker_pod, owner_reference, pod_claim_name
 from omnistage_operator.spec import DesiredState, parse_stage
 from tests.cluster.localnode import LocalNodes
 from tests.e2e.conftest import Cluster, OperatorProcess, stage_manifest, wait_for
@@ -46,19 +45,23 @@ def test_a_worker_on_fewer_devices_than_its_spec_is_refused(
     cluster.apply(_two_gpus("ok", tiny_models, node, "Asleep"))
     wait_for("ok Asleep", lambda: cluster.state("ok") == "Asleep", 240)
 
+    # The operator is stopped while the stage and its foreign pod appear (a running operator
+    # would create the stage's own pod first, or fence a pod whose stage it does not know).
+    operator.stop()
     manifest = _two_gpus("odd", tiny_models, node, "Active")
-    body = copy.deepcopy(manifest)
-    body["metadata"].update(namespace=cluster.namespace, uid="not-yet", generation=1)
+    cluster.apply(manifest)
+    body = cluster.stage("odd")
     spec = parse_stage(body)
-    owner = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniStage", "name": "odd", "uid": "x"}
     pod = build_worker_pod(
-        spec, initial_state=DesiredState.ASLEEP, owner=owner, claim_name=pod_claim_name(spec)
+        spec,
+        initial_state=DesiredState.ASLEEP,
+        owner=owner_reference(body),
+        claim_name=pod_claim_name(spec),
     )
-    pod["metadata"].pop("ownerReferences", None)
     pod["spec"]["containers"][0]["args"] += ["--gpus", "1"]  # the last --gpus wins
     cluster.cp.kubectl("apply", "-n", cluster.namespace, "-f", "-", input=json.dumps(pod))
     wait_for("the foreign pod's worker", lambda: cluster.worker_status("odd") is not None, 240)
-    cluster.apply(manifest)
+    operator.start()
 
     def mismatch() -> dict[str, Any] | None:
         ready = _conditions(cluster, "odd").get("Ready") or {}

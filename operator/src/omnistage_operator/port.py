@@ -113,6 +113,11 @@ class KubeGroupPort:
         # and keeps its admission while its engine starts and loads.
         ready = fact.phase not in _NOT_LOADED or starts_active
         key = (self.ns, spec.name)
+        if self.r.spec_active.get(key) and not spec.wants_active:
+            self.r.asleep_asked[key] = time.time()  # patched Asleep: now, not when idle
+        elif spec.wants_active:
+            self.r.asleep_asked.pop(key, None)
+        self.r.spec_active[key] = spec.wants_active
         asked = self.r.asks.get(key)
         if want and asked is None:
             status = body.get("status") or {}

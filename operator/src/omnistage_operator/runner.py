@@ -127,6 +127,10 @@ class GroupRunner(StatusPublisher):
         self.backoffs: dict[StageKey, CrashBackoff] = {}
         self.wake_backoffs: dict[StageKey, WakeBackoff] = {}  # after wakes out of memory
         self.device_mismatch: dict[StageKey, str] = {}  # workers with another device count
+        # spec.state as last seen (wants Active?), and when it turned Asleep (an OnDemand
+        # stage patched Asleep sleeps now, not when idle).
+        self.spec_active: dict[StageKey, bool] = {}
+        self.asleep_asked: dict[StageKey, float] = {}
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
@@ -325,6 +329,8 @@ class GroupRunner(StatusPublisher):
         self.backoffs.pop(key, None)
         self.wake_backoffs.pop(key, None)
         self.device_mismatch.pop(key, None)
+        self.spec_active.pop(key, None)
+        self.asleep_asked.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
         self.wake_problems.pop(key, None)

@@ -292,7 +292,11 @@ class SleepWake:
         """ASLEEP at ``level`` when the measured residual is within the bound; otherwise FAILED
         (the memory may still be held, so the worker never reads as asleep). The Ack's error."""
         worker = self.worker
-        if len(after.devices) > 1 and len(worker.baselines) == len(after.devices):
+        unverified = str(getattr(worker.probe, "unverified", "") or "")
+        if unverified:
+            # Figures that read 0 would make an ok Ack claim memory freed without proof.
+            error = f"the sleep cannot be verified: {unverified}"
+        elif len(after.devices) > 1 and len(worker.baselines) == len(after.devices):
             slack = worker.config.residual_slack
             error = device_residual_error(after, worker.baselines, slack)
         else:

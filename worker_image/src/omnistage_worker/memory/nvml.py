@@ -100,6 +100,10 @@ class NvmlProbe:
         self.include_children = include_children
         self.own_context = own_context
         self.engine_pids: set[int] = set()  # host pids of the engine, when adopted
+        # Why this probe's per-process figures cannot be trusted ("" when they can): NVML
+        # lists no pid it could recognise as this process (or its engine), so they read 0 and
+        # a sleep ACK built on them would claim memory freed without proof.
+        self.unverified = ""
         self._handle = self._find_handle(torch_index)
         self.index = int(pynvml.nvmlDeviceGetIndex(self._handle))
         self.uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
@@ -174,12 +178,11 @@ class NvmlProbe:
             self.pid = found[0]
             self.include_children = False  # descendants' host pids are unknown
             return
-        log.error(
-            "NVML does not list this process (pid %d) and it could not be recognised by "
-            "growth (candidates %s): its figures will read 0, and sleep Acks cannot be trusted",
-            self.pid,
-            found,
+        self.unverified = (
+            f"NVML does not list this process (pid {self.pid}) and it could not be recognised "
+            f"by growth (candidates {found}): its own figures read 0"
         )
+        log.error("%s; every sleep Ack will be not ok", self.unverified)
 
     def listed_pids(self) -> set[int]:
         """The pids NVML lists on the device now (take it before the engine starts)."""
@@ -200,7 +203,8 @@ class NvmlProbe:
             )
             self.engine_pids = appeared
         else:
-            log.error("NVML lists no process of the engine: its figures will read 0")
+            self.unverified = "NVML lists no process of the engine: its figures read 0"
+            log.error("%s; every sleep Ack will be not ok", self.unverified)
 
     def _process_used(self) -> int:
         pids = process_tree(self.pid) if self.include_children else {self.pid}
