@@ -375,3 +375,15 @@ async def test_no_pod_for_a_stage_wider_than_the_claim() -> None:
     assert out.decision is not None
     (blocker,) = out.decision.waiting["wide"]
     assert blocker.reason is BlockReason.CLAIM_TOO_SMALL
+
+
+def test_a_refused_deepening_is_not_ordered_again() -> None:
+    """Issue 19: a 1->2 deepening the worker refuses (its backend cannot drop the host copy
+    without waking) used to be ordered again every round."""
+    from omnistage_operator.port import deepen_level
+
+    asleep_1 = StageFacts(WorkerPhase.ASLEEP, level=1)
+    assert deepen_level(2, asleep_1, None) == 2  # not refused yet: ordered
+    assert deepen_level(2, asleep_1, 2) == 1  # refused: asked for the level it is at
+    assert deepen_level(2, StageFacts(WorkerPhase.ACTIVE), 2) == 2  # woke: the spec again
+    assert deepen_level(1, asleep_1, 2) == 1  # the spec changed

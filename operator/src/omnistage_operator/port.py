@@ -129,7 +129,7 @@ class KubeGroupPort:
             want_active=want and ready,
             priority=spec.priority,
             requested_active_at=asked or 0.0 if want else 0.0,
-            sleep_level=spec.sleep_level,
+            sleep_level=self._sleep_level(spec, fact),
             vram_request=spec.vram_request_bytes,
             gpus=spec.gpus,
             drain_timeout_s=float(spec.drain_timeout_s),
@@ -137,6 +137,16 @@ class KubeGroupPort:
             starts_active=starts_active,
             memory_share=spec.vllm.gpu_memory_utilization if starts_active else None,
         )
+
+    def _sleep_level(self, spec: StageSpec, fact: StageFacts) -> int:
+        """The spec's sleep level; while the worker refused to deepen to it (1->2 without
+        waking), the level it is at: no order again every round, until the spec changes or
+        the stage wakes."""
+        key = (self.ns, spec.name)
+        level = deepen_level(spec.sleep_level, fact, self.r.deepen_refused.get(key))
+        if level == spec.sleep_level:
+            self.r.deepen_refused.pop(key, None)
+        return level
 
     def _asleep_components(self, spec: StageSpec, fact: StageFacts) -> frozenset[str]:
         """The spec's asleepComponents; while the worker refused to sleep exactly those (an
@@ -571,6 +581,16 @@ class KubeGroupPort:
             # its stage backs off before a new pod, with the worker's own reason in status.
             why = f"worker failed: {rep.error}" if rep.error else "worker failed"
             self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time(), spec_hash)
+
+
+def deepen_level(wanted: int, fact: StageFacts, refused: int | None) -> int:
+    """The level to ask an asleep worker for: ``wanted``, unless the worker refused exactly
+    that deepening and is still asleep below it (then its own level)."""
+    if refused is None or refused != wanted or fact.phase is not WorkerPhase.ASLEEP:
+        return wanted
+    if fact.level is None or fact.level >= wanted:
+        return wanted
+    return fact.level
 
 
 def _built_from(pod: Mapping[str, Any], spec_hash: str) -> bool:

@@ -130,6 +130,9 @@ class GroupRunner(StatusPublisher):
         # spec.state as last seen (wants Active?), and when it turned Asleep (an OnDemand
         # stage patched Asleep sleeps now, not when idle).
         self.spec_active: dict[StageKey, bool] = {}
+        # A 1->2 deepening the worker refused (its backend cannot without waking): the level
+        # refused; not ordered again until spec.sleepLevel changes or the stage wakes.
+        self.deepen_refused: dict[StageKey, int] = {}
         self.asleep_asked: dict[StageKey, float] = {}
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
@@ -331,6 +334,7 @@ class GroupRunner(StatusPublisher):
         self.device_mismatch.pop(key, None)
         self.spec_active.pop(key, None)
         self.asleep_asked.pop(key, None)
+        self.deepen_refused.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
         self.wake_problems.pop(key, None)
@@ -442,6 +446,9 @@ class GroupRunner(StatusPublisher):
                 problems[key] = (s.reason.value, s.message)
             if s.order.components and s.refusal is not None and not s.refusal.worker_failed:
                 self.component_refused[key] = s.order.components
+            deepening = not s.order.releases_memory and not s.order.components
+            if deepening and s.refusal is not None and not s.refusal.worker_failed:
+                self.deepen_refused[key] = s.order.level
         for name in outcome.wakes:
             if name not in outcome.wake_errors:
                 self.wake_problems.pop((namespace, name), None)
