@@ -387,3 +387,23 @@ def test_a_refused_deepening_is_not_ordered_again() -> None:
     assert deepen_level(2, asleep_1, 2) == 1  # refused: asked for the level it is at
     assert deepen_level(2, StageFacts(WorkerPhase.ACTIVE), 2) == 2  # woke: the spec again
     assert deepen_level(1, asleep_1, 2) == 1  # the spec changed
+
+
+def test_a_stage_loading_asleep_does_not_hold_up_the_groups_wakes() -> None:
+    """Issue 19: a worker loading in a pod created asleep (weights into host memory, only its
+    context on the device) blocked every wake of its group for its whole load."""
+    from omnistage_operator.arbiter import plan
+    from omnistage_operator.port import loading_asleep
+
+    intents = {"a": StageIntent("a", False), "b": StageIntent("b", True, vram_request=4 * GI)}
+    free = TOTAL - 2 * GI
+    memory = GroupMemory(TOTAL, free, (DeviceMemory("GPU-0", TOTAL, free),))
+    b = StageFacts(WorkerPhase.ASLEEP, level=1, used_bytes=GI // 2, context_bytes=GI // 2)
+    loading = StageFacts(WorkerPhase.LOADING, used_bytes=GI // 2)
+    assert plan(intents, {"a": loading, "b": b}, memory).wake == ()  # the hole
+    asleep_pod = {"metadata": {"annotations": {"omnistage.io/initial-state": "Asleep"}}}
+    seen = loading_asleep(loading, asleep_pod)
+    assert seen.phase is WorkerPhase.STARTING
+    assert plan(intents, {"a": seen, "b": b}, memory).wake == ("b",)
+    active_pod = {"metadata": {"annotations": {"omnistage.io/initial-state": "Active"}}}
+    assert loading_asleep(loading, active_pod) is loading  # vLLM takes memory while it loads

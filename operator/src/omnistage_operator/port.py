@@ -24,6 +24,7 @@ from omnistage_operator.arbiter import (
     WorkerPhase,
 )
 from omnistage_operator.builders import (
+    INITIAL_STATE_ANNOTATION,
     POD_SPEC_HASH_ANNOTATION,
     build_group_claim,
     build_service,
@@ -254,7 +255,7 @@ class KubeGroupPort:
         for name in self.demand.demand_asks:  # kept for the round's Events (held until woken)
             self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
         self.demand_idle |= self.demand.idle
-        facts = {n: self.facts[n] for n in arbitrated}
+        facts = {n: loading_asleep(self.facts[n], self.pods.get(n)) for n in arbitrated}
         return GroupObservation(intents, facts, memory)
 
     def _refuse_mismatched(self, intents: Mapping[str, StageIntent]) -> dict[str, StageIntent]:
@@ -581,6 +582,19 @@ class KubeGroupPort:
             # its stage backs off before a new pod, with the worker's own reason in status.
             why = f"worker failed: {rep.error}" if rep.error else "worker failed"
             self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time(), spec_hash)
+
+
+def loading_asleep(fact: StageFacts, pod: Mapping[str, Any] | None) -> StageFacts:
+    """The arbiter's view of a worker still loading in a pod created asleep: it loads into
+    host memory and holds only its context on the device, like a pod whose worker is not
+    reached yet (``STARTING``: charged a context), so it does not hold up every wake of its
+    group for its whole load (issue 19). A pod created Active (vLLM) stays ``LOADING``."""
+    if fact.phase is not WorkerPhase.LOADING or pod is None:
+        return fact
+    created = (pod["metadata"].get("annotations") or {}).get(INITIAL_STATE_ANNOTATION)
+    if created != DesiredState.ASLEEP.value:
+        return fact
+    return replace(fact, phase=WorkerPhase.STARTING)
 
 
 def deepen_level(wanted: int, fact: StageFacts, refused: int | None) -> int:
