@@ -117,7 +117,8 @@ def test_patched_asleep_after_it_woke_sleeps_now_and_demand_wakes_it_again() -> 
         assert kept.intents["a"].want_active  # without the patch: kept awake
         patched = DemandInput(activation, A, busy, awake_since=95.0, asleep_asked_at=99.5)
         view = shape_intents(intents, {"a": patched}, now=100.0)
-        assert not view.intents["a"].want_active and view.idle == {"a"}
+        assert not view.intents["a"].want_active and "a" not in view.reasons
+        assert view.idle == frozenset()  # not idle (no IdleSleep): asked to sleep
     # A request held after the patch wakes it again, and the woken stage keeps its usual rules.
     held = DemandInput(ON, S, Demand(held=1, oldest_hold_start=101.0), asleep_asked_at=99.5)
     assert shape_intents(intents, {"a": held}, now=102.0).intents["a"].want_active

@@ -121,8 +121,7 @@ def shape_intents(
             continue
         patched = inp.asleep_asked_at
         if patched is not None and (inp.awake_since or 0.0) <= patched:
-            idle.add(name)  # patched Asleep after it woke: put to sleep now
-            continue
+            continue  # patched Asleep after it woke: asks nothing, put to sleep now
         idle_at = _idle_at(inp)
         if idle_at is not None and now >= idle_at:
             idle.add(name)  # it asks for nothing and is put to sleep at its level

@@ -116,8 +116,8 @@ class KubeGroupPort:
         key = (self.ns, spec.name)
         if self.r.spec_active.get(key) and not spec.wants_active:
             self.r.asleep_asked[key] = time.time()  # patched Asleep: now, not when idle
-        elif spec.wants_active:
-            self.r.asleep_asked.pop(key, None)
+        elif spec.wants_active or fact.phase is WorkerPhase.ASLEEP:
+            self.r.asleep_asked.pop(key, None)  # done (asleep), or asked Active again
         self.r.spec_active[key] = spec.wants_active
         asked = self.r.asks.get(key)
         if want and asked is None:
