@@ -179,7 +179,7 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
     (
         "reserved-worker-flag",
         _set("spec.worker.args", ["--port=1"]),
-        ("spec.worker.args", "must not set --runner"),
+        ("spec.worker.args", "must not set, or abbreviate, a flag the operator"),
     ),
     (
         "reserved-env",
@@ -219,12 +219,12 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
     (
         "reserved-drain-timeout-flag",
         _set("spec.worker.args", ["--drain-timeout=5"]),
-        ("spec.worker.args", "--drain-timeout, --activation, --hold-timeout or --http-port"),
+        ("spec.worker.args", "--drain-timeout, --activation, --hold-timeout, --http-port"),
     ),
     (
         "reserved-activation-flag",
         _set("spec.worker.args", ["--activation=ondemand"]),
-        ("spec.worker.args", "--http-port: the operator sets them"),
+        ("spec.worker.args", "sets from the spec"),
     ),
     ("args-not-a-list", _set("spec.worker.args", "--x"), ("spec.worker.args", "array")),
     (
@@ -354,6 +354,47 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
         _set("spec.worker.args", ["--vllm-max-model-len=9"]),
         ("spec.worker.args", "--vllm-*"),
     ),
+    # Issue 19: every flag that could bypass the gate, exact or abbreviated (argparse would take
+    # "--gpu 1" for "--gpus 1"), with or without "=value", and the variables that choose the
+    # worker's devices or its memory probe.
+    *[
+        (
+            f"gate-flag-{i}",
+            _set("spec.worker.args", ["--sequential", *args]),
+            ("spec.worker.args", "must not set, or abbreviate", "--gpus", "--residual-slack"),
+        )
+        for i, args in enumerate(
+            [
+                ["--gpus", "1"],
+                ["--gpu", "1"],
+                ["--gpus=2"],
+                ["--g=2"],
+                ["--residual-slack=1Ti"],
+                ["--resid", "1Ti"],
+                ["--initial-state=active"],
+                ["--init=active"],
+                ["--epoch=0"],
+                ["--rank", "1"],
+                ["--vllm-gpu-memory-utilization=0.9"],
+                ["--vl=1"],
+                ["--", "--gpus", "1"],
+            ]
+        )
+    ],
+    *[
+        (
+            f"gate-env-{name.lower().replace('_', '-')}",
+            _set("spec.template.env", [{"name": "HF_HOME", "value": "/x"}, {"name": name}]),
+            ("spec.template.env[1].name", "must not set a variable the operator sets"),
+        )
+        for name in (
+            "CUDA_VISIBLE_DEVICES",
+            "OMNISTAGE_GPUS",
+            "OMNISTAGE_MEMORY_PROBE",
+            "OMNISTAGE_DRAIN_TIMEOUT",
+            "OMNISTAGE_RANK",
+        )
+    ],
     (
         "duplicate-volume",
         _set("spec.template.volumes", [{"name": "a", "emptyDir": {}}, {"name": "a"}]),
@@ -375,6 +416,20 @@ def test_bad_manifest_is_refused_naming_the_field(
     name = manifest["metadata"]["name"]
     gone = cluster.kubectl("get", "omnistage", name, "-n", namespace, check=False)
     assert gone.returncode != 0 and "NotFound" in gone.stderr
+
+
+def test_worker_flags_that_leave_the_gate_alone_are_accepted(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    """The reserved-flag rule refuses by prefix, not everything: the user's own worker flags
+    (and values that merely look like flags) still pass."""
+    manifest = good("user-flags")
+    args = ["--sequential", "--served-model-name=m", "--cpu-threads", "2", "--log-level=debug",
+            "--max-held", "8", "--components=unet,vae", "--variant=fp16", "-v"]  # fmt: skip
+    manifest["spec"]["worker"] = {"args": args}
+    manifest["spec"]["template"] = {"env": [{"name": "OMNISTAGE_CPU_THREADS", "value": "2"}]}
+    apply(cluster, namespace, manifest)
+    assert get(cluster, namespace, "user-flags")["spec"]["worker"]["args"] == args
 
 
 def test_defaults_are_applied(cluster: ControlPlane, namespace: str) -> None:

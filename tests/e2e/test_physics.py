@@ -213,8 +213,8 @@ def test_leaking_sleep_is_retried_under_a_new_task_id_then_fenced(
 ) -> None:
     op = _operator(cluster, namespace, tmp_path, "--fence-timeout", "60")
     try:
-        # A residual slack below the leak, so the worker's own check sees it on a tiny device.
-        _pair(cluster, tiny_models, gpu.node, worker_args=["--residual-slack", "1Ki"])
+        # localnode scales the residual slack to the tiny device: the leak is above it.
+        _pair(cluster, tiny_models, gpu.node)
         pid = _worker_pid(cluster, "ar")
         pod = cluster.pod("ar")
         assert pod is not None
@@ -239,7 +239,7 @@ def test_unconfirmed_fence_keeps_the_gate_closed_across_an_operator_restart(
     args = ("--fence-timeout", "3")
     op = _operator(cluster, namespace, tmp_path, *args)
     try:
-        _pair(cluster, tiny_models, gpu.node, worker_args=["--residual-slack", "1Ki"])
+        _pair(cluster, tiny_models, gpu.node)
         pid = _worker_pid(cluster, "ar")
         gpu.nodes.device_faults(gpu.node, gpu.device, pid=pid, leak_on_sleep=64 * 1024)
         gpu.nodes.hold_deletions("ar-worker", namespace)  # the kubelet never confirms

@@ -10,8 +10,9 @@ Layout of ``<dir>``:
   frees a killed process's memory;
 - ``faults.json``: fault switches, ``{"*": {...}, "<pid>": {...}}`` with keys
   ``leak_on_sleep`` (bytes, or ``"all"``), ``lie`` (bool), ``slow_serving_s`` (seconds),
-  ``unlisted`` (bool: the process's own figure reads 0, the device still charges it); read
-  on every probe call, so a test may switch them at run time;
+  ``unlisted`` (bool: the process's own figure reads 0, the device still charges it);
+  ``tenant_on_copy`` ([pid, bytes], one shot); read on every probe call, so a test may switch
+  them at run time;
 - ``lock``: serialises allocations between processes (an allocation checks free memory and
   publishes its record under the lock, as the driver allocates atomically).
 """
@@ -105,7 +106,13 @@ class FakeGpu:
             key = "*" if pid is None else str(pid)
             entry = dict(table.get(key) or {})
             for name, value in switches.items():
-                if name not in ("leak_on_sleep", "lie", "slow_serving_s", "unlisted"):
+                if name not in (
+                    "leak_on_sleep",
+                    "lie",
+                    "slow_serving_s",
+                    "unlisted",
+                    "tenant_on_copy",
+                ):
                     raise TypeError(f"unknown fault {name!r}")
                 if value is None:
                     entry.pop(name, None)
@@ -113,6 +120,18 @@ class FakeGpu:
                     entry[name] = value
             table[key] = entry
             _write_json(self.dir / "faults.json", table)
+
+    def take_tenant_fault(self, pid: int) -> tuple[int, int] | None:
+        """Clear ``pid``'s (or everyone's) ``tenant_on_copy`` switch and return it (call with
+        the lock held: the tenant is published under the same lock as the copy it precedes)."""
+        table = self.faults_table()
+        for key in (str(pid), "*"):
+            entry = table.get(key)
+            if isinstance(entry, dict) and entry.get("tenant_on_copy"):
+                tenant = entry.pop("tenant_on_copy")
+                _write_json(self.dir / "faults.json", table)
+                return int(tenant[0]), int(tenant[1])
+        return None
 
     def clear_faults(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -11,6 +11,10 @@ Each process is charged:
 - ``leaked``: bytes a sleep left behind (fault ``leak_on_sleep``), in its own figure;
 - ``hidden``: leaked bytes its own figure omits (fault ``lie``): the device still holds them.
 
+Weights that grow (a wake's or a load's copy) are an allocation like any other: when they do
+not fit, :func:`copy_weights` raises the OOM (fault ``tenant_on_copy`` makes another process
+take the room right before the copy: a wake the gate let through that runs out mid-copy).
+
 ``free = total - reserve - sum(charged of live processes)``; ``used`` of one process is what
 NVML lists for it (``charged - hidden``). Allocations that do not fit raise :class:`OutOfMemory`
 with CUDA's wording. Nothing here does I/O.
@@ -116,12 +120,19 @@ class Device:
 class Faults:
     """Fault switches of one process. ``leak_on_sleep``: bytes, or -1 for all a sleep frees;
     ``unlisted``: NVML stops listing the process (a pid it cannot resolve), so the process's
-    own figure reads 0 while the device still charges everything it holds."""
+    own figure reads 0 while the device still charges everything it holds.
+
+    ``tenant_on_copy``: ``(pid, bytes)``: when this process next copies weights onto the device
+    (a wake or a load: its weights grow), the live process ``pid`` takes ``bytes`` first, as
+    another tenant would between the operator's gate and the copy (one shot: the switch is
+    cleared once applied; the tenant keeps the bytes until its record is withdrawn or it dies).
+    """
 
     leak_on_sleep: int = 0
     lie: bool = False
     slow_serving_s: float = 0.0
     unlisted: bool = False  # NVML no longer lists the process: its own figure reads 0
+    tenant_on_copy: tuple[int, int] | None = None
 
     @classmethod
     def for_pid(cls, table: Mapping[str, Any], pid: int) -> Faults:
@@ -132,11 +143,13 @@ class Faults:
             if isinstance(entry, Mapping):
                 merged.update(entry)
         leak = merged.get("leak_on_sleep", 0)
+        tenant = merged.get("tenant_on_copy")
         return cls(
             leak_on_sleep=-1 if leak == "all" else int(leak or 0),
             lie=bool(merged.get("lie", False)),
             slow_serving_s=float(merged.get("slow_serving_s", 0.0) or 0.0),
             unlisted=bool(merged.get("unlisted", False)),
+            tenant_on_copy=(int(tenant[0]), int(tenant[1])) if tenant else None,
         )
 
 
@@ -214,6 +227,15 @@ def touch(device: Device, me: Proc, others: Iterable[Proc]) -> Proc:
 def with_weights(me: Proc, weights: int) -> Proc:
     """The process's engine now holds ``weights`` device bytes."""
     return replace(me, weights=weights)
+
+
+def copy_weights(device: Device, me: Proc, others: Iterable[Proc], weights: int) -> Proc:
+    """The engine's device bytes become ``weights``: growing them is an allocation (a wake's or
+    a load's copy) that raises :class:`OutOfMemory` when it does not fit, and then nothing of
+    it is charged (the caller frees what it had copied, as after a CUDA OOM)."""
+    if weights > me.weights:
+        grow(device, me, others, weights - me.weights)
+    return with_weights(me, weights)
 
 
 def serve_begin(device: Device, me: Proc, others: Iterable[Proc]) -> tuple[Proc, int]:

@@ -5,7 +5,9 @@ make a ``--device cpu`` worker measure a simulated GPU: its weights are the engi
 bytes (tensor accounting, as on CPU), and the device adds what a real GPU adds (driver reserve,
 context, activations while serving, faults). The figures' source stays ``accounting``: they
 are computed, not read from NVML, and the worker refuses a wake that would not fit ahead of
-time (``not enough free device memory``), where a real GPU would raise an OOM during it.
+time (``not enough free device memory``); a wake whose room is taken after that check (fault
+``tenant_on_copy``) runs out during the copy: the weights' growth is charged when the worker
+measures right after the copy, and raises a CUDA-worded OOM there, charging nothing.
 """
 
 from __future__ import annotations
@@ -68,11 +70,31 @@ class FakeGpuProbe(AccountingProbe):
             self.gpu.publish(me)
         self._me = me
 
-    def _sync_weights(self) -> None:
-        """Charge the engine's current device bytes (reading them at this instant)."""
+    def _sync_weights(self, *, locked: bool = False) -> None:
+        """Charge the engine's current device bytes (reading them at this instant). Growth is
+        an allocation: it raises the simulated OOM when it does not fit, charging nothing
+        (``locked``: the caller holds the device lock already)."""
         weights = self._used_fn()
-        if weights != self._me.weights:
+        if weights == self._me.weights:
+            return
+        if weights < self._me.weights:
             self._commit(model.with_weights(self._me, weights))
+            return
+        with contextlib.ExitStack() as stack:
+            if not locked:
+                stack.enter_context(self.gpu.locked())
+            self._tenant_arrives()
+            me = model.copy_weights(self.device, self._me, self._others(), weights)
+            self._commit(me)
+
+    def _tenant_arrives(self) -> None:
+        """Fault ``tenant_on_copy``: another process takes its bytes right before this copy."""
+        tenant = self.gpu.take_tenant_fault(self.pid)
+        if tenant is None:
+            return
+        pid, nbytes = tenant
+        record = model.Proc(pid, psutil.Process(pid).create_time(), context=nbytes)
+        self.gpu.publish(record)
 
     def touch(self) -> None:
         """Create the context: charged at once, visible to every process's ``free``."""
@@ -86,7 +108,7 @@ class FakeGpuProbe(AccountingProbe):
         """One request: its activations while it runs, then kept in the pool until a sleep."""
         faults = self.gpu.faults(self.pid)
         with self._lock, self.gpu.locked():
-            self._sync_weights()
+            self._sync_weights(locked=True)
             me, taken = model.serve_begin(self.device, self._me, self._others())
             self._commit(me)
         try:

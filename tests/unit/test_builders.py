@@ -130,6 +130,21 @@ def test_a_stage_on_several_gpus_tells_its_worker() -> None:
     assert args[args.index("--gpus") + 1] == "2"
 
 
+def test_a_new_pod_carries_its_leaders_epoch(tmp_path: Path) -> None:
+    """The epoch of the leader that makes the pod reaches the worker (``--epoch``), so it refuses
+    older leaders (and epoch 0) before its first order; it does not make the pod outdated."""
+    from omnistage_worker.cli import build_parser, config_from_args
+
+    stage, owner = make(model={"path": str(tmp_path)})
+    assert "--epoch" not in worker_args(stage, initial_state=DesiredState.ASLEEP)
+    pod = build_worker_pod(stage, initial_state=DesiredState.ASLEEP, owner=owner, epoch=9)
+    args = container(pod)["args"]
+    assert args[args.index("--epoch") + 1] == "9"
+    args = [a.replace("$(POD_IP)", "127.0.0.7") for a in args if a != "--token-file"]
+    args = [a for a in args if a != "/var/run/secrets/omnistage/token"]
+    assert config_from_args(build_parser({}).parse_args(args)).epoch == 9
+
+
 def test_diffusion_args() -> None:
     stage, _ = make(runner="Diffusion", backend="Diffusers", sleepLevel=2)
     args = worker_args(stage, initial_state=DesiredState.ACTIVE)

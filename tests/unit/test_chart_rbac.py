@@ -41,10 +41,12 @@ FRAMEWORK_RULES: set[Rule] = (
     | _grants("resource.k8s.io", "resourceslices", "list")
 )
 # Leader election, in the release namespace only: create (not limitable by name), read and
-# conditional writes of the one Lease, Events on it.
+# conditional writes of the one Lease and of the ConfigMap that keeps its last epoch, Events.
 LEASE_RULES: set[Rule] = (
     _grants("coordination.k8s.io", "leases", "create")
     | _grants("coordination.k8s.io", "leases", "get patch", FULLNAME)
+    | _grants("", "configmaps", "create")
+    | _grants("", "configmaps", "get patch", f"{FULLNAME}-epoch")
     | _grants("", "events", "create")
 )
 CLUSTER_PEERING: set[Rule] = _grants("kopf.dev", "clusterkopfpeerings", "get list watch patch")

@@ -205,6 +205,41 @@ def test_every_cel_rule_explains_itself(root: dict[str, Any]) -> None:
             }
 
 
+def test_reserved_names_in_the_cel_rules_are_the_operators() -> None:
+    """The CRD's lists of reserved worker flags and env names are spec.py's (and every worker
+    flag the operator writes is among them), so the two never drift apart."""
+    import re
+
+    from omnistage_operator.builders import worker_args
+    from omnistage_operator.spec import (
+        RESERVED_ARG_PREFIXES,
+        RESERVED_ARGS,
+        RESERVED_ENV,
+        DesiredState,
+        parse_stage,
+    )
+
+    text = CRD_PATH.read_text()
+    args_rule = text[text.index("self.all(a, !a.startsWith('--')") :]
+    args_rule = args_rule[: args_rule.index("message:")]
+    listed = set(re.findall(r"'(--[a-z-]+)'", args_rule))
+    assert listed == set(RESERVED_ARGS) | set(RESERVED_ARG_PREFIXES)
+    env_rule = text[text.index("!(self.name in ['POD_IP'") :]
+    env_rule = env_rule[: env_rule.index("message:")]
+    assert set(re.findall(r"'([A-Z_]+)'", env_rule)) == set(RESERVED_ENV)
+    body = {
+        "metadata": {"name": "s", "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": {
+            "runner": "AR", "backend": "Transformers", "image": "i", "gpus": 2,
+            "model": {"path": "/models/m"}, "colocation": {"group": "g"},
+            "activation": {"policy": "OnDemand"},
+        },
+    }  # fmt: skip
+    written = worker_args(parse_stage(body), initial_state=DesiredState.ASLEEP, epoch=3)
+    flags = {a.split("=")[0] for a in written if a.startswith("--")}
+    assert flags <= set(RESERVED_ARGS), flags - set(RESERVED_ARGS)
+
+
 # --- a small strict validator: enough of OpenAPI to check that the examples fit the schema ---
 
 

@@ -54,9 +54,11 @@ class ScriptedPort:
     calls: list[tuple[str, str, str]] = field(default_factory=list)
     timeouts: list[float | None] = field(default_factory=list)
     probe_phase: WorkerPhase | None = None
+    tenant: int = 0  # bytes another process (outside the group) holds
 
     def _free(self) -> int:
-        return TOTAL - GI - (self.a_holds if self.a_pod else 0)  # 1 GiB: reserve + contexts
+        # 1 GiB: reserve + contexts
+        return TOTAL - GI - (self.a_holds if self.a_pod else 0) - self.tenant
 
     async def observe(self) -> GroupObservation:
         intents = {
@@ -279,6 +281,47 @@ async def test_wake_not_ok_for_memory_learns_the_need_too() -> None:
     assert out.learned_needs == {"b": 20 * GI}
 
 
+async def test_wake_out_of_memory_mid_copy_is_charged_and_not_sent_again() -> None:
+    """The gate let b's wake through; another tenant took 10 GiB before the copy, which ran
+    out: the worker is back asleep and says it needed 3 GiB more than the 5 GiB free. b is now
+    charged at least that (it was never measured: no footprint before), so the next round does
+    not wake it into the same room; once the tenant has gone it is woken."""
+    port = ScriptedPort(_ok, a=WorkerPhase.ASLEEP, a_holds=0, b_request=None)
+    context, weights = GI // 2, 8 * GI
+    wakes: list[AckFacts] = []
+
+    async def wake(stage: str, task_id: str) -> AckFacts:
+        port.calls.append(("wake", stage, task_id))
+        if not wakes:  # between the gate and the copy, the tenant arrives
+            port.tenant = 10 * GI
+        free = port._free()
+        if weights <= free:
+            wakes.append(AckFacts(task_id, True, "wake", WorkerPhase.ACTIVE))
+            return wakes[-1]
+        dev = DeviceFigures("GPU-0", 0, TOTAL, context, context, free, free)
+        wakes.append(
+            AckFacts(task_id, False, "wake", WorkerPhase.ASLEEP, level=1,
+                     error="wake from level 1 failed: CUDA out of memory. (needed ...)",
+                     used_after_bytes=context, free_after_bytes=free, devices=(dev,),
+                     needed_bytes=weights - free)
+        )  # fmt: skip
+        return wakes[-1]
+
+    port.wake = wake  # type: ignore[method-assign]
+    out = await run_round(port, POLICY, lambda: "h1")
+    assert _ops(port) == [("wake", "b")]
+    assert set(out.wake_oom) == {"b"} and out.wake_oom["b"].needed_bytes == 3 * GI
+    assert out.learned_needs == {"b": context + 5 * GI + 3 * GI}
+    port.learned.update(out.learned_needs)  # what the kube side persists in status
+    port.calls.clear()
+    out = await run_round(port, POLICY, lambda: "h2")
+    assert _ops(port) == []  # not re-sent into the room the tenant holds
+    assert out.decision is not None and out.decision.waiting["b"]
+    port.tenant = 0  # the tenant leaves
+    out = await run_round(port, POLICY, lambda: "h3")
+    assert _ops(port) == [("wake", "b")] and out.wakes["b"].ok
+
+
 async def test_unconfirmed_fence_stays_pending_and_keeps_the_gate_closed() -> None:
     port = ScriptedPort(_refuse("FAILED_PRECONDITION", "worker failed: boom"), fence_works=False)
     out = await run_round(port, POLICY, lambda: "h1")
@@ -332,3 +375,35 @@ async def test_no_pod_for_a_stage_wider_than_the_claim() -> None:
     assert out.decision is not None
     (blocker,) = out.decision.waiting["wide"]
     assert blocker.reason is BlockReason.CLAIM_TOO_SMALL
+
+
+def test_a_refused_deepening_is_not_ordered_again() -> None:
+    """Issue 19: a 1->2 deepening the worker refuses (its backend cannot drop the host copy
+    without waking) used to be ordered again every round."""
+    from omnistage_operator.port import deepen_level
+
+    asleep_1 = StageFacts(WorkerPhase.ASLEEP, level=1)
+    assert deepen_level(2, asleep_1, None) == 2  # not refused yet: ordered
+    assert deepen_level(2, asleep_1, 2) == 1  # refused: asked for the level it is at
+    assert deepen_level(2, StageFacts(WorkerPhase.ACTIVE), 2) == 2  # woke: the spec again
+    assert deepen_level(1, asleep_1, 2) == 1  # the spec changed
+
+
+def test_a_stage_loading_asleep_does_not_hold_up_the_groups_wakes() -> None:
+    """Issue 19: a worker loading in a pod created asleep (weights into host memory, only its
+    context on the device) blocked every wake of its group for its whole load."""
+    from omnistage_operator.arbiter import plan
+    from omnistage_operator.port import loading_asleep
+
+    intents = {"a": StageIntent("a", False), "b": StageIntent("b", True, vram_request=4 * GI)}
+    free = TOTAL - 2 * GI
+    memory = GroupMemory(TOTAL, free, (DeviceMemory("GPU-0", TOTAL, free),))
+    b = StageFacts(WorkerPhase.ASLEEP, level=1, used_bytes=GI // 2, context_bytes=GI // 2)
+    loading = StageFacts(WorkerPhase.LOADING, used_bytes=GI // 2)
+    assert plan(intents, {"a": loading, "b": b}, memory).wake == ()  # the hole
+    asleep_pod = {"metadata": {"annotations": {"omnistage.io/initial-state": "Asleep"}}}
+    seen = loading_asleep(loading, asleep_pod)
+    assert seen.phase is WorkerPhase.STARTING
+    assert plan(intents, {"a": seen, "b": b}, memory).wake == ("b",)
+    active_pod = {"metadata": {"annotations": {"omnistage.io/initial-state": "Active"}}}
+    assert loading_asleep(loading, active_pod) is loading  # vLLM takes memory while it loads

@@ -112,6 +112,17 @@ def test_writes_and_epochs() -> None:
         write_for(Action.RENEW, "me", None, NOW, T)
 
 
+def test_a_recreated_or_taken_over_lease_continues_above_the_last_epoch() -> None:
+    """The last granted epoch kept outside the Lease (``floor``) is never gone back below."""
+    spec, epoch = write_for(Action.CREATE, "me", None, NOW, T, floor=7)
+    assert epoch == 8 and spec["leaseTransitions"] == 8
+    rec = LeaseRecord("9", "other", 15, 2)  # a Lease re-created by hand, then held once
+    spec, epoch = write_for(Action.TAKE_OVER, "me", rec, NOW, T, floor=7)
+    assert epoch == 8 and spec["leaseTransitions"] == 8
+    spec, epoch = write_for(Action.TAKE_OVER, "me", LeaseRecord("9", "o", 15, 9), NOW, T, floor=7)
+    assert epoch == 10
+
+
 def test_release_clears_the_holder() -> None:
     patch = release_patch(NOW)
     assert patch["holderIdentity"] is None and patch["leaseDurationSeconds"] == 1

@@ -52,6 +52,10 @@ class MemoryLeases:
         self.obj["spec"] = merged
         return dict(self.obj)
 
+    def delete(self) -> None:
+        """The Lease is deleted (by hand, or with its namespace)."""
+        self.obj = None
+
     async def get(self) -> dict[str, Any] | None:
         await self._net()
         return None if self.obj is None else dict(self.obj)
@@ -69,6 +73,22 @@ class MemoryLeases:
             return None
         self.writes.append(("patch", str(spec.get("holderIdentity"))))
         return self._bump(spec)
+
+
+class MemoryEpochs:
+    """The ConfigMap that keeps the last epoch; ``broken`` makes writes fail."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.broken = False
+
+    async def get(self) -> int:
+        return self.epoch
+
+    async def put(self, epoch: int) -> None:
+        if self.broken:
+            raise RuntimeError("configmaps is forbidden")
+        self.epoch = max(self.epoch, epoch)
 
 
 def _elector(store: MemoryLeases, name: str, clock: Clock, **kw: Any) -> Elector:
@@ -89,6 +109,39 @@ async def test_first_candidate_creates_with_epoch_one_and_renews() -> None:
     assert a.leading() and a.epoch == 1
     assert store.obj["spec"]["leaseTransitions"] == 1
     assert [w[0] for w in store.writes] == ["create", "patch"]
+
+
+async def test_a_deleted_lease_is_created_again_above_the_last_epoch() -> None:
+    """Deleting the Lease does not send the epoch back to 1: workers that obeyed epoch 2
+    would refuse every order of the new leader (and a stale one could sneak in)."""
+    store, clock, epochs = MemoryLeases(), Clock(), MemoryEpochs()
+    a = _elector(store, "a", clock, epochs=epochs)
+    await a.step()
+    b = _elector(store, "b", clock, epochs=epochs)
+    await a.release()
+    await b.step()
+    assert b.leading() and b.epoch == 2 and epochs.epoch == 2
+    store.delete()  # kubectl delete lease
+    c = _elector(store, "c", clock, epochs=epochs)
+    clock.t += 10  # b's lease ran out meanwhile
+    await c.step()
+    assert c.leading() and c.epoch == 3 and store.obj is not None
+    assert store.obj["spec"]["leaseTransitions"] == 3 and epochs.epoch == 3
+
+
+async def test_an_epoch_not_persisted_is_not_led_with() -> None:
+    """The epoch is written outside the Lease before any order carries it; until then the
+    holder does not lead (the next renew writes it again)."""
+    store, clock, epochs = MemoryLeases(), Clock(), MemoryEpochs()
+    epochs.broken = True
+    a = _elector(store, "a", clock, epochs=epochs)
+    with pytest.raises(RuntimeError):
+        await a.step()
+    assert not a.leading() and store.obj is not None  # the Lease names a, all the same
+    epochs.broken = False
+    clock.t += 0.5
+    await a.step()
+    assert a.leading() and a.epoch == 1 and epochs.epoch == 1
 
 
 async def test_standby_waits_a_full_lease_duration_after_the_last_renew() -> None:

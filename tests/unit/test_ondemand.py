@@ -104,3 +104,23 @@ def test_kept_over_a_lower_priority_demand_is_priority() -> None:
     )
     assert view.reasons["a"] is AwakeReason.PRIORITY
     assert admission_order(view.intents)[0] == "a"
+
+
+def test_patched_asleep_after_it_woke_sleeps_now_and_demand_wakes_it_again() -> None:
+    """Issue 19: an OnDemand stage patched to ``state: Asleep`` stayed Active for a minute and
+    more (busy enough never to be idle, or within its residency); it is put to sleep now."""
+    intents = {"a": intent("a")}
+    forever = Activation(ActivationPolicy.ON_DEMAND)  # no idleAfter: never idle by itself
+    busy = Demand(last_request=99.0)
+    for activation in (ON, forever):
+        kept = shape_intents(intents, {"a": DemandInput(activation, A, busy, 95.0)}, now=100.0)
+        assert kept.intents["a"].want_active  # without the patch: kept awake
+        patched = DemandInput(activation, A, busy, awake_since=95.0, asleep_asked_at=99.5)
+        view = shape_intents(intents, {"a": patched}, now=100.0)
+        assert not view.intents["a"].want_active and "a" not in view.reasons
+        assert view.idle == frozenset()  # not idle (no IdleSleep): asked to sleep
+    # A request held after the patch wakes it again, and the woken stage keeps its usual rules.
+    held = DemandInput(ON, S, Demand(held=1, oldest_hold_start=101.0), asleep_asked_at=99.5)
+    assert shape_intents(intents, {"a": held}, now=102.0).intents["a"].want_active
+    woke = DemandInput(ON, A, Demand(last_request=103.0), awake_since=103.0, asleep_asked_at=99.5)
+    assert shape_intents(intents, {"a": woke}, now=104.0).intents["a"].want_active

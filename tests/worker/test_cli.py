@@ -434,3 +434,28 @@ def test_max_batch_flag_environment_and_bounds(tmp_path: Path) -> None:
     for bad in ("0", "1025"):
         with pytest.raises(ConfigError, match="--max-batch"):
             config_from_args(build_parser({}).parse_args([*base, "--max-batch", bad]))
+
+
+@pytest.mark.parametrize(
+    "abbreviated",
+    [["--gpu", "1"], ["--gpus=1", "--resid", "1Gi"], ["--initial", "active"], ["--epo", "3"]],
+)
+def test_abbreviated_flags_are_refused(
+    tmp_path: Path, abbreviated: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--gpu 1`` must not stand for ``--gpus 1`` (argparse's default would accept it): an
+    abbreviation of a flag the operator owns is an unknown flag, refused naming it (exit 2)."""
+    base = ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
+    with pytest.raises(SystemExit) as exited:
+        build_parser({}).parse_args([*base, *abbreviated])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err and abbreviated[-2].split("=")[0] in err
+
+
+def test_epoch_flag(tmp_path: Path) -> None:
+    base = ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
+    assert config_from_args(build_parser({}).parse_args(base)).epoch == 0
+    assert config_from_args(build_parser({}).parse_args([*base, "--epoch", "7"])).epoch == 7
+    with pytest.raises(ConfigError, match="--epoch"):
+        config_from_args(build_parser({}).parse_args([*base, "--epoch", "-1"]))

@@ -35,13 +35,41 @@ async def test_older_epoch_is_refused_and_changes_nothing(lm_worker: WorkerHandl
     woke = await lm_worker.wake(task_id="w3", epoch=5)
     assert woke.ok and not woke.replayed and woke.epoch == 5 and woke.state == ACTIVE
 
-    # Epoch 0 (no election) is always obeyed and never lowers the remembered epoch.
-    plain = await lm_worker.sleep(1, epoch=0)
-    assert plain.ok and plain.epoch == 0
+    # Once an elected leader was obeyed, epoch 0 (no election) is refused too: an operator
+    # without election cannot order around the fence.
+    err = await rpc_error(lm_worker.sleep(1, task_id="zero", epoch=0))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == (
+        "order from epoch 0 (no leader election) refused: this worker has obeyed epoch 5"
+    )
+    assert (await lm_worker.status()).state == ACTIVE
     assert (await lm_worker.status()).epoch == 5
-    newer = await lm_worker.wake(epoch=7)
+    newer = await lm_worker.sleep(1, epoch=7)
     assert newer.ok and newer.epoch == 7
     assert (await lm_worker.status()).epoch == 7
+
+
+async def test_epoch_0_is_obeyed_while_no_epoch_was(lm_worker: WorkerHandle) -> None:
+    """Without election (epoch 0 everywhere) the worker obeys as before."""
+    assert (await lm_worker.sleep(1, epoch=0)).ok
+    assert (await lm_worker.wake(epoch=0)).ok
+    assert (await lm_worker.status()).epoch == 0
+
+
+async def test_a_new_pod_knows_the_groups_epoch_before_any_order(
+    start_worker: StartWorker, lm_dir: Path
+) -> None:
+    """``--epoch`` (the operator writes its epoch into the pod): the first order already has
+    to be from that epoch or newer; epoch 0 and an older leader are refused."""
+    worker = await start_worker(lm_dir, "ar", "transformers", epoch=4)
+    assert (await worker.status()).epoch == 4
+    for stale in (0, 3):
+        err = await rpc_error(worker.sleep(1, epoch=stale))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "obeyed epoch 4" in (err.details() or "")
+    assert (await worker.status()).state == ACTIVE
+    slept = await worker.sleep(1, epoch=4)
+    assert slept.ok and slept.epoch == 4
 
 
 async def test_stale_leader_cannot_replay_a_task_id(lm_worker: WorkerHandle) -> None:

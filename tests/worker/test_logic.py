@@ -80,7 +80,9 @@ def test_failed_residual_is_measured_again_never_woken() -> None:
 def test_epochs() -> None:
     check_epoch(5, 5)
     check_epoch(6, 5)
-    check_epoch(0, 5)  # no election: always obeyed
+    check_epoch(0, 0)  # no election, and none ever obeyed
+    with pytest.raises(Refused, match=r"epoch 0 .*obeyed epoch 5"):
+        check_epoch(0, 5)  # once an elected leader was obeyed, no election is refused
     with pytest.raises(Refused) as info:
         check_epoch(3, 5)
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -91,6 +91,7 @@ def test_engine_host_pids_are_adopted_when_nvml_lists_no_pid_of_the_tree() -> No
     probe.processes = lambda: dict(listed)  # type: ignore[method-assign]
     before = probe.listed_pids()
     listed.update({900001: 10 << 20, 900002: 1 << 20})  # the engine core and a helper
+    probe.own_device_users = lambda: {41, 42}  # type: ignore[method-assign]  # both of its tree
     probe.adopt_engine(before)
     assert probe.engine_pids == {900001, 900002}
     assert probe._process_used() == 11 << 20

@@ -94,6 +94,15 @@ writing (merge patches carrying the resourceVersion) is limited to the one Lease
   resources: ["leases"]
   resourceNames: [{{ include "omnistage.fullname" . | quote }}]
   verbs: ["get", "patch"]
+# Leader election: the last granted epoch outlives the Lease (a re-created Lease continues
+# above it), in one ConfigMap named after the Lease.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  resourceNames: [{{ printf "%s-epoch" (include "omnistage.fullname" .) | quote }}]
+  verbs: ["get", "patch"]
 # Leader election: LeaderElected/LeaderLost Events on the Lease.
 - apiGroups: [""]
   resources: ["events"]

@@ -191,9 +191,15 @@ def worker_device(stage: StageSpec) -> str:
 
 
 def worker_args(
-    stage: StageSpec, *, initial_state: DesiredState, sleep_level: int | None = None
+    stage: StageSpec,
+    *,
+    initial_state: DesiredState,
+    sleep_level: int | None = None,
+    epoch: int = 0,
 ) -> list[str]:
-    """The worker's command-line arguments, in the contract's order."""
+    """The worker's command-line arguments, in the contract's order. ``epoch``: the leadership
+    epoch of the operator that makes the pod (``--epoch``; the worker refuses older orders, and
+    epoch 0, from its start)."""
     level = stage.sleep_level if sleep_level is None else sleep_level
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 or 2, got {level}")
@@ -217,6 +223,8 @@ def worker_args(
     args += ["--device", worker_device(stage)]
     if stage.gpus > 1:  # the model spans the stage's devices (the first gpus the pod sees)
         args += ["--gpus", str(stage.gpus)]
+    if epoch > 0:
+        args += ["--epoch", str(epoch)]
     args += ["--drain-timeout", str(stage.drain_timeout_s)]
     args += ["--http-port", str(stage.worker.http_port)]
     if stage.activation.on_demand:
@@ -343,13 +351,15 @@ def build_worker_pod(
     claim_name: str | None = _NOT_GIVEN,
     token_secret_name: str = TOKEN_SECRET_NAME,
     sleep_level: int | None = None,
+    epoch: int = 0,
 ) -> dict[str, Any]:
     """The stage's worker Pod.
 
     ``initial_state`` is what the worker starts as (the arbiter decides: Asleep when others
     hold the group's memory). ``owner`` is an ``owner_reference``. ``claim_name`` defaults to
     ``pod_claim_name(stage)``; pass ``None`` for no DRA claim. ``sleep_level`` overrides the
-    spec's level for an asleep start.
+    spec's level for an asleep start. ``epoch``: the creating leader's epoch (``--epoch``); it
+    is not part of ``pod_spec_hash``, so a new leader does not replace running pods.
     """
     if not can_start_asleep(stage):
         initial_state = DesiredState.ACTIVE  # its pod exists only once admitted (arbiter)
@@ -357,7 +367,7 @@ def build_worker_pod(
     if stage.placement.mode is PlacementMode.EXPLICIT and claim is not None:
         raise ValueError("a stage with Explicit placement does not use a DRA claim")
     mounts, volumes = _pod_volumes(stage, token_secret_name)
-    container = _worker_container(stage, initial_state, sleep_level, claim, mounts)
+    container = _worker_container(stage, initial_state, sleep_level, claim, mounts, epoch=epoch)
     level = stage.sleep_level if sleep_level is None else sleep_level
     annotations = {
         **stage.template.annotations,
@@ -416,6 +426,8 @@ def _worker_container(
     sleep_level: int | None,
     claim: str | None,
     mounts: list[dict[str, Any]],
+    *,
+    epoch: int = 0,
 ) -> dict[str, Any]:
     """The worker container: command, args, env, gRPC probes, mounts and resources."""
     port = stage.worker.port
@@ -423,7 +435,9 @@ def _worker_container(
         "name": CONTAINER_NAME,
         "image": stage.image,
         "command": list(WORKER_COMMAND),
-        "args": worker_args(stage, initial_state=initial_state, sleep_level=sleep_level),
+        "args": worker_args(
+            stage, initial_state=initial_state, sleep_level=sleep_level, epoch=epoch
+        ),
         "env": _worker_env(stage),
         "ports": [
             {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},

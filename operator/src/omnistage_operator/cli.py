@@ -18,7 +18,7 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from omnistage_operator.leader import Elector, KrLeaseStore, new_identity
+from omnistage_operator.leader import Elector, KrEpochStore, KrLeaseStore, new_identity
 from omnistage_operator.leadership import Leadership, SoleWriter
 from omnistage_operator.settings import Settings, SettingsError, parse_settings
 
@@ -67,6 +67,7 @@ async def _elector(settings: Settings) -> Elector:
         settings.election_timing(),
         on_acquired=handlers.on_acquired,
         event=event,
+        epochs=KrEpochStore(api, namespace, f"{settings.lease_name}-epoch"),
     )
 
 

@@ -136,6 +136,7 @@ class DemandWatcher:
                 stream.report.demand if stream is not None and stream.report else None,
                 stream.awake_since if stream is not None else None,
                 deleting=bool(port.bodies[name]["metadata"].get("deletionTimestamp")),
+                asleep_asked_at=port.r.asleep_asked.get(key),
             )
         view = shape_intents(intents, inputs, now)
         self._schedule(port.ns, port.group, view.recheck_at, now)

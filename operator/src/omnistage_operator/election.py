@@ -13,7 +13,11 @@ asks this module what to do. The rules, as in client-go's leaderelection:
   ``lease_duration - renew_deadline`` before anyone else may take the Lease over.
 - The epoch is ``spec.leaseTransitions`` after this holder acquired the Lease. A Lease created
   by its first holder starts at 1 and every change of holder adds 1, so an elected epoch is
-  never 0 (0 is the epoch of an operator without election, which workers always accept).
+  never 0 (0 is the epoch of an operator without election, which a worker accepts only while
+  it has obeyed no elected leader).
+- Epochs never go back: the last granted epoch is also kept outside the Lease (``floor``, see
+  ``leader.KrEpochStore``), so a Lease deleted and created again continues above it (a
+  re-created Lease at 1 would be refused by every worker that obeyed a later epoch).
 - A holder that loses its deadline but finds the record still naming it, unchanged, renews it
   and leads again with the same epoch: the ``resourceVersion`` precondition proves nobody held
   the Lease in between.
@@ -165,11 +169,15 @@ def write_for(
     record: LeaseRecord | None,
     now_wall: datetime,
     timing: Timing,
+    *,
+    floor: int = 0,
 ) -> tuple[dict[str, Any], int]:
     """The Lease ``spec`` to write for ``action`` and the epoch it grants if the write succeeds.
 
-    For RENEW and TAKE_OVER the caller sends it with ``metadata.resourceVersion`` of ``record``
-    (the API server refuses it with 409 if the Lease changed since)."""
+    ``floor``: the last epoch ever granted (kept outside the Lease); a created or taken-over
+    Lease continues above it. For RENEW and TAKE_OVER the caller sends it with
+    ``metadata.resourceVersion`` of ``record`` (the API server refuses it with 409 if the
+    Lease changed since)."""
     stamp = _stamp(now_wall)
     base = {
         "holderIdentity": identity,
@@ -177,13 +185,14 @@ def write_for(
         "renewTime": stamp,
     }
     if action is Action.CREATE:
-        return {**base, "acquireTime": stamp, "leaseTransitions": 1}, 1
+        epoch = max(floor, 0) + 1
+        return {**base, "acquireTime": stamp, "leaseTransitions": epoch}, epoch
     if record is None:
         raise ValueError(f"{action.value} needs the observed record")
     if action is Action.RENEW:
         return base, record.transitions
     if action is Action.TAKE_OVER:
-        epoch = record.transitions + 1
+        epoch = max(record.transitions, floor) + 1
         return {**base, "acquireTime": stamp, "leaseTransitions": epoch}, epoch
     raise ValueError("nothing to write while waiting")
 

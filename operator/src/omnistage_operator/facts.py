@@ -98,6 +98,9 @@ class AckFacts:
     residual_bound_bytes: int = 0
     bytes_moved: int = 0
     components: tuple[ComponentFacts, ...] = ()  # per pipeline component, after it
+    # A wake that ran out of device memory: how much more it needed than the devices had
+    # (the worker is back asleep); 0 otherwise.
+    needed_bytes: int = 0
 
     @property
     def device_free_gain(self) -> int | None:
@@ -319,6 +322,7 @@ def ack_from_proto(ack: types_pb2.Ack) -> AckFacts:
         residual_bound_bytes=ack.residual_bound_bytes,
         bytes_moved=ack.bytes_moved,
         components=tuple(_component(c) for c in ack.components),
+        needed_bytes=ack.needed_bytes,
     )
 
 

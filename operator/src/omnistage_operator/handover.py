@@ -25,7 +25,10 @@ a simulated fleet in the property tests. One round:
    first), then wake what the arbiter now allows. A wake refused for lack of memory teaches the
    stage's need (``RoundOutcome.learned_needs``, persisted by the kube side and given back as
    ``StageFacts.learned_need``); it is not asked again until the memory is there, and never when
-   the need exceeds the device (``LargerThanDevice``).
+   the need exceeds the device (``LargerThanDevice``). A wake that ran out of memory during its
+   copy (the room taken after the gate; the worker is back asleep and says how much more it
+   needed: ``AckFacts.needed_bytes``) teaches the same, at least what the wake needed
+   (``oom_need``), and is listed in ``RoundOutcome.wake_oom`` (the kube side backs off).
 
 One stage's error never stops the others: an unexpected exception while starting, sleeping or
 waking one stage is recorded for that stage (``RoundOutcome.stage_errors``, shown on its own
@@ -304,6 +307,7 @@ class RoundOutcome:
     wake_errors: dict[str, str] = field(default_factory=dict)
     wake_refusals: dict[str, Refusal] = field(default_factory=dict)
     learned_needs: dict[str, int] = field(default_factory=dict)
+    wake_oom: dict[str, AckFacts] = field(default_factory=dict)  # wakes out of device memory
     component_wakes: set[str] = field(default_factory=set)  # wakes of asleep components
     started_active: list[str] = field(default_factory=list)  # pods created Active (vLLM)
     stage_errors: dict[str, str] = field(default_factory=dict)  # unexpected, per stage
@@ -319,6 +323,13 @@ class RoundOutcome:
             self.started or self.sleeps or self.fences or self.wakes or self.wake_errors
             or self.stage_errors
         )  # fmt: skip
+
+
+def oom_need(ack: AckFacts) -> int:
+    """What a wake that ran out of device memory needs, in the units of a footprint (the sum
+    over the stage's devices, its context included): what it holds asleep, plus the free
+    memory it found, plus how much more it needed."""
+    return ack.used_after_bytes + ack.free_after_bytes + ack.needed_bytes
 
 
 def _refusal_failed(refusal: Refusal | None) -> bool:
@@ -579,6 +590,9 @@ async def run_round(
                 if not result.ok:
                     out.wake_errors[name] = result.error or "wake ACK not ok"
                     need = memory_need(result.error)
+                    if result.needed_bytes > 0:
+                        out.wake_oom[name] = result
+                        need = max(need or 0, oom_need(result))
             if parts:
                 out.component_wakes.add(name)
             elif need is not None:

@@ -42,7 +42,15 @@ from omnistage_operator.election import (
     write_for,
 )
 
-__all__ = ["Elector", "KrLeaseStore", "LeaseStore", "new_identity"]
+__all__ = [
+    "EPOCH_KEY",
+    "Elector",
+    "EpochStore",
+    "KrEpochStore",
+    "KrLeaseStore",
+    "LeaseStore",
+    "new_identity",
+]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +133,82 @@ class KrLeaseStore:
         return dict(obj.raw.to_dict())
 
 
+EPOCH_KEY = "epoch"
+
+
+class EpochStore(Protocol):
+    """Where the last granted epoch outlives the Lease (a Lease deleted and created again
+    continues above it)."""
+
+    async def get(self) -> int:
+        """The last epoch persisted (0: none)."""
+        ...
+
+    async def put(self, epoch: int) -> None:
+        """Persist ``epoch`` (never lowers what is stored; raises when it cannot be written)."""
+        ...
+
+
+ConfigMap = new_class("ConfigMap", "v1", namespaced=True)
+
+
+class KrEpochStore:
+    """``EpochStore`` in a ConfigMap beside the Lease (``<lease name>-epoch``, key ``epoch``):
+    the last epoch a holder acquired, written before that holder orders anything."""
+
+    def __init__(self, api: Any, namespace: str, name: str) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+
+    def _obj(self, data: Mapping[str, str] | None = None) -> Any:
+        raw: dict[str, Any] = {"metadata": {"name": self.name, "namespace": self.namespace}}
+        if data is not None:
+            raw["data"] = dict(data)
+        return ConfigMap(raw, api=self.api)
+
+    async def _read(self) -> tuple[int, str] | None:
+        obj = self._obj()
+        try:
+            await obj.refresh()
+        except kr8s.NotFoundError:
+            return None
+        raw = obj.raw.to_dict()
+        text = str((raw.get("data") or {}).get(EPOCH_KEY) or "0")
+        version = str(raw["metadata"].get("resourceVersion", ""))
+        return (int(text) if text.isdigit() else 0), version
+
+    async def get(self) -> int:
+        """The stored epoch (0 when the ConfigMap does not exist)."""
+        found = await self._read()
+        return 0 if found is None else found[0]
+
+    async def put(self, epoch: int) -> None:
+        """Create the ConfigMap, or raise its epoch (a patch conditional on what was read: a
+        concurrent writer makes it read again; a higher stored epoch is left alone)."""
+        for _ in range(5):
+            found = await self._read()
+            if found is None:
+                try:
+                    await self._obj({EPOCH_KEY: str(epoch)}).create()
+                    return
+                except kr8s.ServerError as exc:
+                    if _code(exc) == 409:
+                        continue
+                    raise
+            stored, version = found
+            if stored >= epoch:
+                return
+            body = {"metadata": {"resourceVersion": version}, "data": {EPOCH_KEY: str(epoch)}}
+            try:
+                await self._obj().patch(body)
+                return
+            except kr8s.ServerError as exc:
+                if _code(exc) != 409:
+                    raise
+        raise RuntimeError(f"epoch {epoch} not persisted in {self.namespace}/{self.name}")
+
+
 EventSink = Callable[[Mapping[str, Any], str, str, bool], Coroutine[Any, Any, None]]
 
 
@@ -141,8 +225,13 @@ class Elector:
         on_acquired: Callable[[int], None] | None = None,
         on_lost: Callable[[], None] | None = None,
         event: EventSink | None = None,
+        epochs: EpochStore | None = None,
     ) -> None:
+        """``epochs``: where the last granted epoch outlives the Lease (None: only the Lease,
+        so a re-created Lease starts again at 1)."""
         self.store = store
+        self.epochs = epochs
+        self._persisted = 0  # the highest epoch this process wrote to ``epochs``
         self.identity = identity
         self.timing = timing
         self._clock = clock
@@ -204,6 +293,12 @@ class Elector:
     async def _call(self, coro: Awaitable[dict[str, Any] | None]) -> dict[str, Any] | None:
         return await asyncio.wait_for(coro, self._request_timeout)
 
+    async def _call_int(self, coro: Awaitable[int]) -> int:
+        return await asyncio.wait_for(coro, self._request_timeout)
+
+    async def _call_none(self, coro: Awaitable[None]) -> None:
+        await asyncio.wait_for(coro, self._request_timeout)
+
     async def step(self) -> None:
         """One try: read the Lease, then create, renew or take it over when ``decide`` says so."""
         raw = await self._call(self.store.get())
@@ -218,7 +313,12 @@ class Elector:
             self._tenure = None
             return
         record = self._obs.record if self._obs is not None else None
-        spec, epoch = write_for(action, self.identity, record, datetime.now(UTC), self.timing)
+        floor = 0
+        if action is not Action.RENEW and self.epochs is not None:
+            floor = await self._call_int(self.epochs.get())
+        spec, epoch = write_for(
+            action, self.identity, record, datetime.now(UTC), self.timing, floor=floor
+        )
         sent = self._clock()
         if action is Action.CREATE:
             written = await self._call(self.store.create(spec))
@@ -232,6 +332,11 @@ class Elector:
             return
         self._lease = written
         self._obs = observe(self._obs, parse_record(written), self._clock())
+        if self.epochs is not None and epoch > self._persisted:
+            # Durable before the first order carries it (a failure: not leading, and the
+            # next renew tries again).
+            await self._call_none(self.epochs.put(epoch))
+            self._persisted = epoch
         self._tenure = Tenure(epoch, sent)
         self._epoch = epoch
 

@@ -11,6 +11,9 @@ stages by priority, then the most recent ask first):
   or finished for ``idleAfter`` (unset: it stays until displaced); its ask ranks below every
   held ask of its priority, so a stage with held requests takes its turn (no starvation); an
   idle stage asks for nothing and the arbiter puts it to sleep at its level;
+- a stage whose ``spec.state`` turned Asleep after it woke (``asleep_asked_at``) is put to
+  sleep now, as an idle one is, whatever its idleAfter or minResidency (issue 19: it stayed
+  Active for a minute and more); a request held after that wakes it again;
 - within ``minResidency`` of its wake an awake stage asks as if just now (``Residency``), so an
   equal- or lower-priority stage's demand cannot displace it; a higher priority still does
   (the arbiter orders by priority first).
@@ -62,6 +65,7 @@ class DemandInput:
     demand: Demand | None = None  # None: no report yet (no request seen)
     awake_since: float | None = None  # when it was last seen becoming Active
     deleting: bool = False
+    asleep_asked_at: float | None = None  # when spec.state last turned Asleep (None: unseen)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,9 @@ def shape_intents(
             continue
         if not awake:
             continue
+        patched = inp.asleep_asked_at
+        if patched is not None and (inp.awake_since or 0.0) <= patched:
+            continue  # patched Asleep after it woke: asks nothing, put to sleep now
         idle_at = _idle_at(inp)
         if idle_at is not None and now >= idle_at:
             idle.add(name)  # it asks for nothing and is put to sleep at its level

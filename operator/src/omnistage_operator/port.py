@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from omnistage_operator import metrics
@@ -23,6 +24,7 @@ from omnistage_operator.arbiter import (
     WorkerPhase,
 )
 from omnistage_operator.builders import (
+    INITIAL_STATE_ANNOTATION,
     POD_SPEC_HASH_ANNOTATION,
     build_group_claim,
     build_service,
@@ -31,6 +33,7 @@ from omnistage_operator.builders import (
     owner_reference,
     pod_spec_hash,
 )
+from omnistage_operator.conditions import Reason
 from omnistage_operator.facts import AckFacts, WorkerReport
 from omnistage_operator.handover import (
     FenceFailed,
@@ -69,6 +72,8 @@ if TYPE_CHECKING:
 
 __all__ = ["KubeGroupPort", "group_of"]
 
+DEVICE_MISMATCH = Reason.DEVICE_MISMATCH.value
+
 log = logging.getLogger(__name__)
 
 StageKey = tuple[str, str]  # (namespace, stage)
@@ -90,6 +95,7 @@ class KubeGroupPort:
         self.facts: dict[str, StageFacts] = {}
         self.invalid: dict[str, tuple[dict[str, Any], SpecError]] = {}
         self.held_back: dict[str, float] = {}  # stages in crash back-off: seconds left
+        self.wake_held: dict[str, float] = {}  # stages backing off after a wake out of memory
         self.demand = DemandView({}, {}, frozenset(), None)  # shaped by the last observe
         # Stages that asked for Active for held requests in this round: (held, oldest hold).
         self.demand_asked: dict[str, tuple[int, float | None]] = {}
@@ -110,6 +116,11 @@ class KubeGroupPort:
         # and keeps its admission while its engine starts and loads.
         ready = fact.phase not in _NOT_LOADED or starts_active
         key = (self.ns, spec.name)
+        if self.r.spec_active.get(key) and not spec.wants_active:
+            self.r.asleep_asked[key] = time.time()  # patched Asleep: now, not when idle
+        elif spec.wants_active or fact.phase is WorkerPhase.ASLEEP:
+            self.r.asleep_asked.pop(key, None)  # done (asleep), or asked Active again
+        self.r.spec_active[key] = spec.wants_active
         asked = self.r.asks.get(key)
         if want and asked is None:
             status = body.get("status") or {}
@@ -121,7 +132,7 @@ class KubeGroupPort:
             want_active=want and ready,
             priority=spec.priority,
             requested_active_at=asked or 0.0 if want else 0.0,
-            sleep_level=spec.sleep_level,
+            sleep_level=self._sleep_level(spec, fact),
             vram_request=spec.vram_request_bytes,
             gpus=spec.gpus,
             drain_timeout_s=float(spec.drain_timeout_s),
@@ -129,6 +140,16 @@ class KubeGroupPort:
             starts_active=starts_active,
             memory_share=spec.vllm.gpu_memory_utilization if starts_active else None,
         )
+
+    def _sleep_level(self, spec: StageSpec, fact: StageFacts) -> int:
+        """The spec's sleep level; while the worker refused to deepen to it (1->2 without
+        waking), the level it is at: no order again every round, until the spec changes or
+        the stage wakes."""
+        key = (self.ns, spec.name)
+        level = deepen_level(spec.sleep_level, fact, self.r.deepen_refused.get(key))
+        if level == spec.sleep_level:
+            self.r.deepen_refused.pop(key, None)
+        return level
 
     def _asleep_components(self, spec: StageSpec, fact: StageFacts) -> frozenset[str]:
         """The spec's asleepComponents; while the worker refused to sleep exactly those (an
@@ -251,11 +272,54 @@ class KubeGroupPort:
         }
         # OnDemand stages: their workers' demand is a fact the arbiter sees as intents.
         self.demand = self.r.demand.shape(self, intents)
+        intents = self._refuse_mismatched(self._hold_wakes(self.demand.intents))
         for name in self.demand.demand_asks:  # kept for the round's Events (held until woken)
             self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
         self.demand_idle |= self.demand.idle
-        facts = {n: self.facts[n] for n in arbitrated}
-        return GroupObservation(self.demand.intents, facts, memory)
+        facts = {n: loading_asleep(self.facts[n], self.pods.get(n)) for n in arbitrated}
+        return GroupObservation(intents, facts, memory)
+
+    def _refuse_mismatched(self, intents: Mapping[str, StageIntent]) -> dict[str, StageIntent]:
+        """A worker that reports another number of devices than ``spec.gpus`` measures other
+        memory than the arbiter charges: it is never admitted (an Active one is put to sleep),
+        with a ``DeviceMismatch`` reason (on Ready: the publisher's Warning Event follows)."""
+        out = dict(intents)
+        for name, intent in intents.items():
+            key = (self.ns, name)
+            rep = self.reports.get(name)
+            expected = max(1, self.specs[name].gpus)
+            if rep is None or not rep.devices or len(rep.devices) == expected:
+                if key in self.r.device_mismatch and rep is not None:
+                    del self.r.device_mismatch[key]
+                    self.r.stage_problems.pop(key, None)
+                continue
+            message = (
+                f"the worker reports {len(rep.devices)} device(s) "
+                f"({', '.join(d.uuid or str(d.index) for d in rep.devices)}) but spec.gpus is "
+                f"{self.specs[name].gpus}: its figures do not cover the stage's devices, so it is "
+                "never admitted (replace its pod)"
+            )
+            if self.r.device_mismatch.get(key) != message:  # the Event: the Ready condition's
+                log.warning("%s/%s: %s", self.ns, name, message)
+            self.r.device_mismatch[key] = message
+            self.r.stage_problems[key] = (DEVICE_MISMATCH, message)
+            out[name] = replace(intent, want_active=False)
+        return out
+
+    def _hold_wakes(self, intents: Mapping[str, StageIntent]) -> dict[str, StageIntent]:
+        """A stage whose last wake ran out of device memory does not ask for memory again
+        before its back-off ends (then the gate waits for measured free memory that covers its
+        learned need); an Active one keeps its admission."""
+        now = time.time()
+        held = dict(intents)
+        self.wake_held.clear()
+        for name, intent in intents.items():
+            backoff = self.r.wake_backoffs.get((self.ns, name))
+            left = backoff.left(now) if backoff is not None else 0.0
+            if intent.want_active and left > 0 and self.facts[name].phase is not WorkerPhase.ACTIVE:
+                self.wake_held[name] = left
+                held[name] = replace(intent, want_active=False)
+        return held
 
     async def _adopt_persisted(self, names: list[str]) -> None:
         """Facts a previous operator process persisted in status (a pending fence, a learned
@@ -421,7 +485,10 @@ class KubeGroupPort:
             await self.r.kube.create(CLAIMS, self.ns, manifest)
         owner = owner_reference(body)
         state = DesiredState.ACTIVE if active else DesiredState.ASLEEP
-        pod = build_worker_pod(spec, initial_state=state, owner=owner, claim_name=claim)
+        pod = build_worker_pod(
+            spec, initial_state=state, owner=owner, claim_name=claim,
+            epoch=self.r.leadership.epoch,
+        )  # fmt: skip
         created = await self.r.kube.create_returning(PODS, self.ns, pod)
         if created is not None:
             self.r.created.add(created["metadata"]["uid"])
@@ -541,6 +608,29 @@ class KubeGroupPort:
             # its stage backs off before a new pod, with the worker's own reason in status.
             why = f"worker failed: {rep.error}" if rep.error else "worker failed"
             self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time(), spec_hash)
+
+
+def loading_asleep(fact: StageFacts, pod: Mapping[str, Any] | None) -> StageFacts:
+    """The arbiter's view of a worker still loading in a pod created asleep: it loads into
+    host memory and holds only its context on the device, like a pod whose worker is not
+    reached yet (``STARTING``: charged a context), so it does not hold up every wake of its
+    group for its whole load (issue 19). A pod created Active (vLLM) stays ``LOADING``."""
+    if fact.phase is not WorkerPhase.LOADING or pod is None:
+        return fact
+    created = (pod["metadata"].get("annotations") or {}).get(INITIAL_STATE_ANNOTATION)
+    if created != DesiredState.ASLEEP.value:
+        return fact
+    return replace(fact, phase=WorkerPhase.STARTING)
+
+
+def deepen_level(wanted: int, fact: StageFacts, refused: int | None) -> int:
+    """The level to ask an asleep worker for: ``wanted``, unless the worker refused exactly
+    that deepening and is still asleep below it (then its own level)."""
+    if refused is None or refused != wanted or fact.phase is not WorkerPhase.ASLEEP:
+        return wanted
+    if fact.level is None or fact.level >= wanted:
+        return wanted
+    return fact.level
 
 
 def _built_from(pod: Mapping[str, Any], spec_hash: str) -> bool:

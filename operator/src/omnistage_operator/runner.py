@@ -62,6 +62,8 @@ from omnistage_operator.status import (
     format_timestamp,
 )
 from omnistage_operator.views import GroupViews, group_of
+from omnistage_operator.wake_backoff import REASON as WAKE_OOM
+from omnistage_operator.wake_backoff import WakeBackoff, oom_message
 from omnistage_operator.worker_client import WorkerClient
 
 __all__ = ["GroupRunner"]
@@ -125,6 +127,15 @@ class GroupRunner(StatusPublisher):
         self.learned: dict[StageKey, int] = {}  # needs learned from refused wakes (0: forgotten)
         self.peaks: dict[StageKey, StagePeaks] = {}  # per-device peaks (status.memory.peak)
         self.backoffs: dict[StageKey, CrashBackoff] = {}
+        self.wake_backoffs: dict[StageKey, WakeBackoff] = {}  # after wakes out of memory
+        self.device_mismatch: dict[StageKey, str] = {}  # workers with another device count
+        # spec.state as last seen (wants Active?), and when it turned Asleep (an OnDemand
+        # stage patched Asleep sleeps now, not when idle).
+        self.spec_active: dict[StageKey, bool] = {}
+        # A 1->2 deepening the worker refused (its backend cannot without waking): the level
+        # refused; not ordered again until spec.sleepLevel changes or the stage wakes.
+        self.deepen_refused: dict[StageKey, int] = {}
+        self.asleep_asked: dict[StageKey, float] = {}
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
@@ -322,6 +333,11 @@ class GroupRunner(StatusPublisher):
         self.learned.pop(key, None)
         self.peaks.pop(key, None)
         self.backoffs.pop(key, None)
+        self.wake_backoffs.pop(key, None)
+        self.device_mismatch.pop(key, None)
+        self.spec_active.pop(key, None)
+        self.asleep_asked.pop(key, None)
+        self.deepen_refused.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
         self.wake_problems.pop(key, None)
@@ -402,8 +418,10 @@ class GroupRunner(StatusPublisher):
             )  # fmt: skip
         metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
         self._remember(namespace, outcome)
-        if port.held_back:
-            self._retry_in[(namespace, group)] = min(port.held_back.values())
+        self._note_wake_oom(port, outcome)
+        waits = [*port.held_back.values(), *port.wake_held.values()]
+        if waits:
+            self._retry_in[(namespace, group)] = min(waits)
         if not self.leadership.leading():  # lost while the round ran: the new leader writes
             log.warning("group %s/%s: leadership lost; status not written", namespace, group)
             return False
@@ -431,6 +449,9 @@ class GroupRunner(StatusPublisher):
                 problems[key] = (s.reason.value, s.message)
             if s.order.components and s.refusal is not None and not s.refusal.worker_failed:
                 self.component_refused[key] = s.order.components
+            deepening = not s.order.releases_memory and not s.order.components
+            if deepening and s.refusal is not None and not s.refusal.worker_failed:
+                self.deepen_refused[key] = s.order.level
         for name in outcome.wakes:
             if name not in outcome.wake_errors:
                 self.wake_problems.pop((namespace, name), None)
@@ -447,6 +468,23 @@ class GroupRunner(StatusPublisher):
                 self.component_problems if name in outcome.component_wakes else self.wake_problems
             )
             into[(namespace, name)] = (reason.value, err)
+
+    def _note_wake_oom(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+        """Wakes that ran out of device memory: back off (doubling), say so with the figures
+        (the stage's Ready condition and an Event); a wake that went through ends it."""
+        now = time.time()
+        for name, ack in outcome.wakes.items():
+            if ack.ok:
+                self.wake_backoffs.pop((port.ns, name), None)
+        for name, ack in outcome.wake_oom.items():
+            key = (port.ns, name)
+            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now)
+            self.wake_backoffs[key] = backoff
+            message = oom_message(ack, self.learned.get(key, 0), backoff, now)
+            self.wake_problems[key] = (WAKE_OOM, message)
+            log.warning("%s/%s: %s", port.ns, name, message)
+            if name in port.bodies:
+                self.emit(port.bodies[name], WAKE_OOM, message, warning=True)
 
     async def cleanup_stage(self, body: Mapping[str, Any]) -> None:
         """Delete a stage's pod (until confirmed gone), Service, and the claim of an empty group."""

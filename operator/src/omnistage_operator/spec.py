@@ -82,6 +82,7 @@ __all__ = [
     "MIN_PRIORITY",
     "PLURAL",
     "RESERVED_ARGS",
+    "RESERVED_ARG_PREFIXES",
     "RESERVED_ENV",
     "RESERVED_VOLUMES",
     "TOKEN_MOUNT_DIR",
@@ -121,7 +122,10 @@ MIN_PORT, MAX_PORT = 1024, 65535
 # "<stage>-worker" names a Service, which must be a DNS-1035 label of at most 63 characters.
 MAX_STAGE_NAME_LENGTH = 56
 
-# Environment variables and worker flags the operator sets itself; overrides may not touch them.
+# Environment variables and worker flags the operator sets itself (or that would let a pod
+# bypass the memory gate); overrides may not touch them. The CRD refuses each flag, any prefix
+# of it (argparse would take "--gpu" for "--gpus"; the worker refuses abbreviations too) and
+# every flag starting with one of RESERVED_ARG_PREFIXES, in spec.worker.args.
 RESERVED_ENV = frozenset(
     {
         "POD_IP",
@@ -130,6 +134,13 @@ RESERVED_ENV = frozenset(
         "NODE_NAME",
         "OMNISTAGE_STAGE",
         "NVIDIA_VISIBLE_DEVICES",
+        "CUDA_VISIBLE_DEVICES",
+        "OMNISTAGE_GPUS",
+        "OMNISTAGE_RANK",
+        "OMNISTAGE_DRAIN_TIMEOUT",
+        "OMNISTAGE_MEMORY_PROBE",
+        "OMNISTAGE_FAKE_GPU",
+        "OMNISTAGE_RESIDUAL_SLACK",
     }
 )
 RESERVED_ARGS = frozenset(
@@ -143,15 +154,24 @@ RESERVED_ARGS = frozenset(
         "--sleep-level",
         "--token-file",
         "--device",
+        "--gpus",
         "--dtype",
         "--drain-timeout",
         "--activation",
         "--hold-timeout",
         "--http-port",
+        "--residual-slack",
+        "--epoch",
+        "--stage",
+        "--pod",
+        "--namespace",
+        "--node",
+        "--rank",
     }
 )
 # spec.limits and spec.http set these (omnistage_operator.serving).
 RESERVED_ARGS |= SERVING_ARGS
+RESERVED_ARG_PREFIXES = frozenset({"--vllm-", "--no-vllm-"})
 # Names the builders use for their own volumes and mount points.
 RESERVED_VOLUMES = frozenset({"omnistage-token", "model", HTTP_TOKEN_VOLUME})
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"

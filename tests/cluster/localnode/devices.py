@@ -342,7 +342,17 @@ GPU_ENV_KEYS = (
     "OMNISTAGE_FAKE_GPU",
     "OMNISTAGE_MEMORY_CAPACITY",
     "OMNISTAGE_MEMORY_LEDGER",
+    "OMNISTAGE_RESIDUAL_SLACK",
 )
+# The worker's residual slack (128 MiB on an 80 GiB device) scaled to a simulated device, as
+# the context charge is: a tiny device's test leak is then above the slack, as a real leak of
+# the same share would be on an H100 (the CRD reserves both the flag and the variable).
+SLACK_SHARE = (128 << 20) / (80 << 30)
+
+
+def residual_slack(total: int) -> int:
+    """The residual slack localnode gives a worker on a simulated device of ``total`` bytes."""
+    return max(1024, round(total * SLACK_SHARE))
 
 
 def gpu_env(node: NodeSpec, devices: list[str], state_dir: Path) -> dict[str, str]:
@@ -352,7 +362,7 @@ def gpu_env(node: NodeSpec, devices: list[str], state_dir: Path) -> dict[str, st
     UUIDs. Simulated GPUs: the same variables list the devices' UUIDs (the ResourceSlice's), and
     ``OMNISTAGE_MEMORY_PROBE``/``OMNISTAGE_FAKE_GPU`` plug the worker into the devices'
     directories, comma-separated in the same order (a ``--gpus N`` worker measures the first N,
-    each apart).
+    each apart), and ``OMNISTAGE_RESIDUAL_SLACK`` scales the worker's slack to the device.
     """
     if not devices:
         return {}
@@ -367,4 +377,5 @@ def gpu_env(node: NodeSpec, devices: list[str], state_dir: Path) -> dict[str, st
         "OMNISTAGE_FAKE_GPU": ",".join(
             str(fake_gpu_dir(state_dir, node.name, d.name)) for d in devs
         ),
+        "OMNISTAGE_RESIDUAL_SLACK": str(residual_slack(min(d.memory for d in devs))),
     }

@@ -35,6 +35,8 @@ class Outcome:
     # (started_at, finished_at and seconds cover the transition after that wait).
     drain_started_at: datetime | None = None
     drain_seconds: float = 0.0
+    # A wake that ran out of device memory: how much more it needed than the devices had.
+    needed_bytes: int = 0
 
 
 def identity_proto(identity: Identity) -> types_pb2.WorkerIdentity:
@@ -94,6 +96,7 @@ def build_ack(outcome: Outcome, identity: Identity) -> types_pb2.Ack:
         bytes_moved=outcome.bytes_moved,
         epoch=outcome.epoch,
         peak_active_bytes=outcome.peak_active,
+        needed_bytes=outcome.needed_bytes,
     )
     ack.duration.FromNanoseconds(int(outcome.seconds * 1e9))
     ack.started_at.FromDatetime(outcome.started_at)

@@ -65,6 +65,9 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p = Parser(
         prog="omnistage-worker",
         description="Serve one model stage over gRPC and sleep/wake it with measured ACKs.",
+        # No abbreviations: "--gpu 1" must not stand for --gpus (the operator owns that flag,
+        # and the CRD refuses it and its prefixes; an unknown flag is refused here).
+        allow_abbrev=False,
     )
     p.add_argument("--runner", required=True, choices=("diffusion", "ar"))
     p.add_argument("--backend", required=True, choices=BACKENDS)
@@ -98,13 +101,21 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--tls-key", type=Path)
     p.add_argument(
         "--residual-slack",
-        default=str(DEFAULT_RESIDUAL_SLACK),
-        help="bytes allowed above the baseline after a sleep (default 128Mi)",
+        default=env.get("OMNISTAGE_RESIDUAL_SLACK") or str(DEFAULT_RESIDUAL_SLACK),
+        help="bytes allowed above the baseline after a sleep (default $OMNISTAGE_RESIDUAL_SLACK, "
+        "else 128Mi)",
     )
     p.add_argument("--stage", default=env.get("OMNISTAGE_STAGE", ""))
     p.add_argument("--pod", default=env.get("POD_NAME", ""))
     p.add_argument("--namespace", default=env.get("POD_NAMESPACE", ""))
     p.add_argument("--node", default=env.get("NODE_NAME", ""))
+    p.add_argument(
+        "--epoch",
+        type=int,
+        default=0,
+        help="the group's leadership epoch when the pod was made: orders from older epochs, "
+        "and epoch 0 (no election) once this is above 0, are refused from the start",
+    )
     p.add_argument("--rank", type=int, default=int(env.get("OMNISTAGE_RANK", "0") or 0))
     p.add_argument(
         "--cpu-threads",
@@ -284,6 +295,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             if args.http_token_file is not None
             else None
         ),
+        epoch=args.epoch,
     )
 
 

@@ -197,6 +197,8 @@ class WorkerConfig:
     # Bounds on one request (spec.limits) and the HTTP API's bearer token (spec.http).
     limits: RequestLimits = field(default_factory=RequestLimits)
     http_token: str | None = None
+    # The leadership epoch the worker starts having obeyed (``--epoch``; 0: none).
+    epoch: int = 0
 
     @property
     def model_name(self) -> str:
@@ -341,6 +343,8 @@ def _check_limits(config: WorkerConfig) -> None:
         raise ConfigError("--drain-timeout", "must not be negative")
     if config.cpu_threads is not None and config.cpu_threads < 1:
         raise ConfigError("--cpu-threads", "must be at least 1")
+    if config.epoch < 0:
+        raise ConfigError("--epoch", "must not be negative")
     if config.ack_cache_size < 1:
         raise ConfigError("--ack-cache-size", "must be at least 1")
     if not 1 <= config.gpus <= MAX_GPUS:

@@ -32,6 +32,7 @@ from omnistage.worker.v1 import types_pb2
 from omnistage_worker.acks import AckCache, Outcome, TaskIdConflict, build_ack, replayed
 from omnistage_worker.component_sleep import asleep_components, component_memory, groups_to_sleep
 from omnistage_worker.memory import Reading
+from omnistage_worker.oom import is_out_of_memory, needed_bytes, wake_allocation
 from omnistage_worker.runners.base import SleepController, Stats
 from omnistage_worker.transitions import (
     Plan,
@@ -291,7 +292,11 @@ class SleepWake:
         """ASLEEP at ``level`` when the measured residual is within the bound; otherwise FAILED
         (the memory may still be held, so the worker never reads as asleep). The Ack's error."""
         worker = self.worker
-        if len(after.devices) > 1 and len(worker.baselines) == len(after.devices):
+        unverified = str(getattr(worker.probe, "unverified", "") or "")
+        if unverified:
+            # Figures that read 0 would make an ok Ack claim memory freed without proof.
+            error = f"the sleep cannot be verified: {unverified}"
+        elif len(after.devices) > 1 and len(worker.baselines) == len(after.devices):
             slack = worker.config.residual_slack
             error = device_residual_error(after, worker.baselines, slack)
         else:
@@ -389,23 +394,51 @@ class SleepWake:
             if plan is Plan.NOOP and not asleep_components(worker.controller):
                 return self._finish(outcome(before, noop=True))
             controller = worker.require_controller()
-            shortfall = _capacity_shortfall(before, controller)
+            shortfall, short_by = _capacity_shortfall(before, controller)
             if shortfall:
                 log.warning("wake refused: %s", shortfall)
-                return self._finish(outcome(before, error=shortfall))
+                return self._finish(outcome(before, error=shortfall, needed_bytes=short_by))
             asleep_level = worker.level
+            allocation = wake_allocation(controller)
             await worker.set_state(types_pb2.WORKER_STATE_WAKING, asleep_level)
+
+            def wake_and_measure() -> tuple[Stats, Reading]:
+                # Measured in the same step: an accounted (simulated) device charges the copy
+                # when it is measured, and refuses it there as a GPU refuses the allocation.
+                woke = controller.wake()
+                return woke, worker.measure()
+
             try:
-                stats: Stats = await worker.transition_lane.run(controller.wake)
+                stats, after = await worker.transition_lane.run(wake_and_measure)
             except Exception as exc:
-                log.exception("wake failed")
-                error = f"wake from level {asleep_level} failed: {exc}"
-                await self._back_to_sleep(controller, asleep_level, error)
-                return self._finish(outcome(worker.measure(), error=error))
-            after = worker.measure()
+                return await self._wake_failed(controller, asleep_level, exc, allocation, outcome)
             worker.active_footprint = worker.peak_active = after.used
             await worker.set_state(types_pb2.WORKER_STATE_ACTIVE, 0)
             return self._finish(outcome(after, bytes_moved=stats.bytes_moved, noop=stats.noop))
+
+    async def _wake_failed(
+        self,
+        controller: SleepController,
+        level: int,
+        exc: Exception,
+        allocation: list[int],
+        outcome: Callable[..., Outcome],
+    ) -> types_pb2.Ack:
+        """Back to sleep at ``level`` (everything the wake put on the device freed; at level 1
+        the host copy is still there) and a not-ok Ack; for an OOM (torch's, CUDA's wording,
+        one device of several) also how much more the wake needed than the devices had."""
+        error = f"wake from level {level} failed: {exc}"
+        oom = is_out_of_memory(exc)
+        if oom:
+            log.warning("wake ran out of device memory; going back to sleep: %s", exc)
+        else:
+            log.exception("wake failed")
+        await self._back_to_sleep(controller, level, error)
+        after = self.worker.measure()
+        needed = needed_bytes(allocation, after, str(exc)) if oom else 0
+        if oom:
+            error = f"{error} (needed {needed} bytes more than the device had)"
+        return self._finish(outcome(after, error=error, needed_bytes=needed))
 
     async def _back_to_sleep(self, controller: SleepController, level: int, error: str) -> None:
         """After a failed wake: put the weights back to sleep at ``level``; FAILED if not."""
@@ -478,27 +511,31 @@ class SleepWake:
         return ack
 
 
-def _capacity_shortfall(before: Reading, controller: SleepController) -> str:
-    """On an accounted device, refuse a wake that would not fit, as a GPU would OOM."""
+def _capacity_shortfall(before: Reading, controller: SleepController) -> tuple[str, int]:
+    """On an accounted device, refuse a wake that would not fit, as a GPU would OOM: the
+    reason and how many bytes more it needs ("" and 0 when it fits)."""
     if before.source != types_pb2.MEMORY_SOURCE_ACCOUNTING:
-        return ""
+        return "", 0
     # What the wake allocates: the engine's flat buffer (weights plus alignment padding).
     from omnistage_worker.engine.sharded import ShardedEngine
 
     if isinstance(controller, ShardedEngine) and len(before.devices) == len(controller.shards):
         short = []
+        more = 0
         for device, shard in zip(before.devices, controller.shards, strict=True):
             need = shard.flat_bytes - shard.device_bytes()
             if need > device.free:
                 short.append(f"{device.device} needs {need} bytes, {device.free} free")
+                more += need - device.free
         if not short:
-            return ""
-        return "not enough free device memory to wake: " + "; ".join(short) + " (accounting)"
+            return "", 0
+        reason = "not enough free device memory to wake: " + "; ".join(short) + " (accounting)"
+        return reason, more
     need = int(getattr(controller, "flat_bytes", controller.weights_bytes))
     need -= controller.device_bytes()
     if need <= before.free:
-        return ""
+        return "", 0
     return (
         f"not enough free device memory to wake: need {need} bytes, "
         f"{before.free} free of {before.total} (accounting)"
-    )
+    ), need - before.free

@@ -76,8 +76,8 @@ class Worker:
         self.active_footprint = 0
         # The most device memory measured while Active since the last wake or load.
         self.peak_active = 0
-        # The highest leadership epoch obeyed (0: none seen).
-        self.epoch = 0
+        # The highest leadership epoch obeyed (0: none seen); a pod starts at ``--epoch``.
+        self.epoch = config.epoch
         # FAILED because memory was still used after a sleep (a later Sleep re-checks).
         self._residual_failed = False
         self._last_reading: Reading | None = None

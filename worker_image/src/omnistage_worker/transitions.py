@@ -154,13 +154,21 @@ def require_epoch(epoch: int) -> None:
 def check_epoch(order: int, obeyed: int) -> None:
     """Refuse an order from an older leadership epoch than the highest this worker obeyed.
 
-    Epoch 0 means no leader election and is always accepted.
+    Epoch 0 means no leader election: accepted only while this worker has obeyed no epoch
+    (a worker that has obeyed an elected leader refuses it: an operator without election
+    beside an elected one would otherwise bypass the epoch fence).
     """
     require_epoch(order)
     if order and order < obeyed:
         raise Refused(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"order from epoch {order} refused: this worker has obeyed epoch {obeyed}",
+        )
+    if not order and obeyed:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"order from epoch 0 (no leader election) refused: this worker has obeyed "
+            f"epoch {obeyed}",
         )
 
 

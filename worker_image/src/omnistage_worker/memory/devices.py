@@ -22,6 +22,15 @@ class DeviceProbes:
         self.probes = list(probes)
         self.source: types_pb2.MemorySource.ValueType = probes[0].source
 
+    @property
+    def unverified(self) -> str:
+        """Why some device's per-process figures cannot be trusted ("" when all can)."""
+        return "; ".join(
+            f"{i}: {why}"
+            for i, p in enumerate(self.probes)
+            if (why := getattr(p, "unverified", ""))
+        )
+
     def touch(self) -> None:
         """Every device's context; the first device last, so it ends up the current one."""
         for probe in reversed(self.probes):

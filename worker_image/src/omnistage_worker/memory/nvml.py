@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -48,6 +49,7 @@ def nvml_target(torch_index: int, env: str | None) -> tuple[str, str]:
 
 
 PROBE_BYTES = 256 * 1024 * 1024
+_DEV_NVIDIA = re.compile(r"/dev/nvidia\d+")
 
 
 def pick_grown_pid(before: dict[int, int], after: dict[int, int], nbytes: int) -> int | None:
@@ -100,9 +102,16 @@ class NvmlProbe:
         self.include_children = include_children
         self.own_context = own_context
         self.engine_pids: set[int] = set()  # host pids of the engine, when adopted
+        # Why this probe's per-process figures cannot be trusted ("" when they can): NVML
+        # lists no pid it could recognise as this process (or its engine), so they read 0 and
+        # a sleep ACK built on them would claim memory freed without proof.
+        self.unverified = ""
         self._handle = self._find_handle(torch_index)
         self.index = int(pynvml.nvmlDeviceGetIndex(self._handle))
         self.uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
+        self.minor: int | None = None  # /dev/nvidia<minor>: how this tree's processes see it
+        with contextlib.suppress(Exception):
+            self.minor = int(pynvml.nvmlDeviceGetMinorNumber(self._handle))
         self._warned = False
         log.info("NVML: cuda:%d is NVML device %d (%s)", torch_index, self.index, self.uuid)
 
@@ -174,33 +183,66 @@ class NvmlProbe:
             self.pid = found[0]
             self.include_children = False  # descendants' host pids are unknown
             return
-        log.error(
-            "NVML does not list this process (pid %d) and it could not be recognised by "
-            "growth (candidates %s): its figures will read 0, and sleep Acks cannot be trusted",
-            self.pid,
-            found,
+        self.unverified = (
+            f"NVML does not list this process (pid {self.pid}) and it could not be recognised "
+            f"by growth (candidates {found}): its own figures read 0"
         )
+        log.error("%s; every sleep Ack will be not ok", self.unverified)
 
     def listed_pids(self) -> set[int]:
         """The pids NVML lists on the device now (take it before the engine starts)."""
         return set(self.processes())
 
+    def own_device_users(self) -> set[int]:
+        """Processes of this worker's own tree (itself excluded) that hold this device open
+        (``/dev/nvidia<minor>`` among their file descriptors): the engine's, by this
+        namespace's pids."""
+        minor = getattr(self, "minor", None)
+        names = {f"/dev/nvidia{minor}"} if minor is not None else None
+        users = set()
+        for pid in process_tree(self.pid) - {self.pid}:
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                        if (names is None and _DEV_NVIDIA.fullmatch(target)) or (
+                            names is not None and target in names
+                        ):
+                            users.add(pid)
+                            break
+        return users
+
     def adopt_engine(self, before: set[int]) -> None:
         """After the engine started: when NVML lists no pid of this process tree (host pids),
-        count the pids that appeared since ``before`` as the engine's."""
+        the pids that appeared on the device since ``before`` are the engine's only when they
+        are as many as the processes of this worker's own tree that hold the device open. More
+        (another tenant started meanwhile) or none: nothing is adopted, since a foreign
+        process's memory must never count as the engine's, and the figures are marked
+        unverified (every sleep Ack not ok)."""
         listed = self.processes()
         if process_tree(self.pid) & listed.keys():
             return
         appeared = new_pids(before, listed)
-        if appeared:
+        own = self.own_device_users()
+        if appeared and len(appeared) == len(own):
             log.info(
                 "NVML lists no pid of this process tree (a container PID namespace); the "
-                "engine is the pids that appeared while it started: %s",
+                "engine is the pids that appeared while it started: %s (its own tree holds "
+                "the device in %d processes)",
                 sorted(appeared),
+                len(own),
             )
             self.engine_pids = appeared
+            return
+        if appeared:
+            self.unverified = (
+                f"NVML lists no process of this engine's tree; {len(appeared)} pids appeared "
+                f"on the device while it started ({sorted(appeared)}) but {len(own)} processes "
+                "of its own tree hold the device: which are the engine's cannot be told"
+            )
         else:
-            log.error("NVML lists no process of the engine: its figures will read 0")
+            self.unverified = "NVML lists no process of the engine: its figures read 0"
+        log.error("%s; every sleep Ack will be not ok", self.unverified)
 
     def _process_used(self) -> int:
         pids = process_tree(self.pid) if self.include_children else {self.pid}
