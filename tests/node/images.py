@@ -316,7 +316,7 @@ def _record(spec: ImageSpec, seconds: float) -> BuildRecord:
         date=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
     print(
-        f"{spec.ref}: built in {record.seconds:.0f}s, {record.size_bytes / 1e9:.2f} GB "
+        f"{spec.ref}: built in {record.seconds:.0f}s, {record.size_bytes / 1e6:.0f} MB "
         f"(archive {archive})",
         flush=True,
     )
