@@ -273,7 +273,8 @@ class RealNode:
         """Load an OCI archive (``buildah push ... oci-archive:``) into the runtime."""
         if not archive.is_file():
             raise NodeError(f"{archive} is missing: run `make images`")
-        self.ctr("images", "import", "--no-unpack", str(archive))
+        # unpacked now (into the overlayfs snapshotter), not at the first container create
+        self.ctr("images", "import", str(archive))
 
     def images(self) -> list[str]:
         """The image references the runtime holds."""
