@@ -165,6 +165,7 @@ def kubelet_config(layout: NodeLayout, ca_file: Path, node_ip: str) -> dict[str,
         "maxPods": 20,
         "podPidsLimit": 4096,
         "containerLogMaxSize": "5Mi",
+        "podLogsDir": str(layout.state / "pods-logs"),
         "shutdownGracePeriod": "0s",
     }
 

@@ -58,6 +58,8 @@ from tests.node.nodeconfig import (
 )
 
 NETNS_DIR = Path("/run/netns")
+# the kubelet's fixed directory of symlinks to container logs (podLogsDir is configurable)
+CONTAINER_LOG_LINKS = Path("/var/log/containers")
 READY_TIMEOUT = 180.0
 
 
@@ -156,6 +158,7 @@ class RealNode:
         self._iptables_before = ""
         self._netns_before: set[str] = set()
         self._cgroups: list[Path] = []
+        self._log_links_existed = CONTAINER_LOG_LINKS.is_dir()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> RealNode:
@@ -311,6 +314,11 @@ class RealNode:
                 if entry.startswith("cni-"):
                     _sh("umount", "-l", str(NETNS_DIR / entry), check=False)
                     (NETNS_DIR / entry).unlink(missing_ok=True)
+        for link in self._log_links():
+            link.unlink(missing_ok=True)
+        if not self._log_links_existed:
+            with contextlib.suppress(OSError):
+                CONTAINER_LOG_LINKS.rmdir()
         _sh("ip", "link", "delete", self.layout.bridge, check=False)
         if self._iptables_before:
             for command in iptables_undo(self._iptables_before, _iptables_save()):
@@ -383,9 +391,17 @@ class RealNode:
             with contextlib.suppress(OSError):
                 cgroup.rmdir()
 
+    def _log_links(self) -> list[Path]:
+        """The kubelet's log symlinks that point into this node's state directory."""
+        if not CONTAINER_LOG_LINKS.is_dir():
+            return []
+        state = str(self.layout.state) + "/"
+        links = [p for p in CONTAINER_LOG_LINKS.iterdir() if p.is_symlink()]
+        return [p for p in links if os.readlink(p).startswith(state)]
+
     def leftovers(self) -> list[str]:
         """What of this node is still on the machine (empty after a clean teardown)."""
-        found = []
+        found = [f"log link {p}" for p in self._log_links()]
         if self.layout.state.exists():
             found.append(f"state dir {self.layout.state}")
         found += [f"mount {p}" for p in mounts_under(_mountinfo(), self.layout.state)]

@@ -31,6 +31,7 @@ from tests.worker.tiny_models import build_causal_lm
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.worker_image]
 WORKER = IMAGES["worker"]
 PORT = 50051
+INFERENCE_SERVICE = "omnistage.worker.v1.InferenceService"
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,11 @@ def _worker_pod(node: str, models: Path) -> dict[str, Any]:
                     ],
                     "env": [{"name": "OMNISTAGE_CPU_THREADS", "value": "1"}],
                     "ports": [{"name": "grpc", "containerPort": PORT}],
-                    "readinessProbe": {"grpc": {"port": PORT}, "periodSeconds": 1},
+                    # Ready once the inference service serves: the model is loaded and awake
+                    "readinessProbe": {
+                        "grpc": {"port": PORT, "service": INFERENCE_SERVICE},
+                        "periodSeconds": 1,
+                    },
                     "securityContext": {
                         "allowPrivilegeEscalation": False,
                         "readOnlyRootFilesystem": True,

@@ -193,6 +193,14 @@ def test_image_targets_run_as_non_root(name: str, stage: str) -> None:
     assert target.args("ENTRYPOINT"), f"{stage} has no ENTRYPOINT"
 
 
+@pytest.mark.parametrize("stage", ["worker", "vllm"])
+def test_worker_user_has_a_passwd_entry(stage: str) -> None:
+    """getpass.getuser() (torch asks it) fails without one: found running the image."""
+    runs = " ".join(_stage("worker", stage).args("RUN"))
+    assert "useradd --system --uid 65532 --gid 65532" in runs
+    assert "groupadd --system --gid 65532" in runs
+
+
 def test_default_worker_target_is_the_last_stage() -> None:
     stages = _stages("worker")
     assert stages[-1].name == "worker", "`docker build` without --target must give the worker"
