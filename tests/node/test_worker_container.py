@@ -128,4 +128,4 @@ def test_worker_image_serves_generate_behind_a_kubelet_grpc_probe(
 
     reply = asyncio.run(generate())
     assert len(reply.text.token_ids) == 3
-    assert reply.usage.completion_tokens == 3
+    assert reply.text.text.strip(), reply
