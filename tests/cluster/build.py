@@ -13,8 +13,13 @@ Everything lives under ``${OMNISTAGE_CACHE:-~/.cache/omnistage}``: ``go/mod`` (G
 own record of how long it took). The key names the versions and a hash of go.mod, go.sum and the
 link flags, so a change to any of them builds afresh.
 
+``python -m tests.cluster.build --node`` builds the node binaries the same way, apart: the
+kubelet of the same release from ``tests/cluster/kubeletbuild`` (the same replaces and
+dependency versions as ``k8sbuild``), cached in ``node-bin/<key>/`` under its own key, so the
+control-plane binaries' key (and cache) does not change with it.
+
 Other commands:
-  ``--print-bin NAME``  print one binary's path (fails if not built)
+  ``--print-bin NAME``  print one binary's path (fails if not built; ``kubelet`` too)
   ``--regen``           regenerate go.mod/go.sum/tools.go from the release's go.mod (network)
 
 Python API: ``ensure_binaries() -> Binaries`` builds if needed; ``find_binaries()`` never builds.
@@ -52,6 +57,7 @@ HELM_VERSION = "v3.21.4"
 HERE = Path(__file__).resolve().parent
 MODULE_DIR = HERE / "k8sbuild"
 HELM_MODULE_DIR = HERE / "helmbuild"
+KUBELET_MODULE_DIR = HERE / "kubeletbuild"
 
 # binary name -> Go package, per wrapper module (one `go build` each)
 K8S_PACKAGES: dict[str, str] = {
@@ -67,6 +73,8 @@ BUILDS: tuple[tuple[Path, dict[str, str]], ...] = (
     (MODULE_DIR, K8S_PACKAGES),
     (HELM_MODULE_DIR, HELM_PACKAGES),
 )
+NODE_PACKAGES: dict[str, str] = {"kubelet": "k8s.io/kubernetes/cmd/kubelet"}
+NODE_BUILDS: tuple[tuple[Path, dict[str, str]], ...] = ((KUBELET_MODULE_DIR, NODE_PACKAGES),)
 # the file name `go build -o DIR` gives each package's binary
 _GO_OUTPUT_NAME = {"etcd": "server"}
 
@@ -126,7 +134,7 @@ def ldflags(module_dir: Path, build_date: str = "2026-01-01T00:00:00Z") -> str:
     """Link flags: strip symbols and stamp the real versions into the module's binaries."""
     major, minor = K8S_VERSION[1:].split(".")[:2]
     flags = ["-s", "-w"]
-    if module_dir == MODULE_DIR:
+    if module_dir in (MODULE_DIR, KUBELET_MODULE_DIR):
         for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
             flags += [
                 f"-X {pkg}.gitVersion={K8S_VERSION}",
@@ -149,10 +157,10 @@ def ldflags(module_dir: Path, build_date: str = "2026-01-01T00:00:00Z") -> str:
     return " ".join(flags)
 
 
-def build_key() -> str:
+def build_key(builds: tuple[tuple[Path, dict[str, str]], ...] = BUILDS) -> str:
     """Cache key: the versions plus a hash of the module files and the link flags."""
     h = hashlib.sha256()
-    for module_dir, packages in BUILDS:
+    for module_dir, packages in builds:
         for name in ("go.mod", "go.sum"):
             path = module_dir / name
             if not path.is_file():
@@ -160,12 +168,30 @@ def build_key() -> str:
             h.update(path.read_bytes())
         h.update(ldflags(module_dir).encode())
         h.update(" ".join(packages.values()).encode())
+    if builds == NODE_BUILDS:
+        return f"k8s-{K8S_VERSION}_{h.hexdigest()[:12]}"
     return f"k8s-{K8S_VERSION}_etcd-{ETCD_VERSION}_helm-{HELM_VERSION}_{h.hexdigest()[:12]}"
 
 
 def bin_dir() -> Path:
     """Where this key's binaries live."""
     return cache_root() / "cluster-bin" / build_key()
+
+
+def node_bin_dir() -> Path:
+    """Where the node binaries (kubelet) of this key live."""
+    return cache_root() / "node-bin" / build_key(NODE_BUILDS)
+
+
+def find_kubelet() -> Path:
+    """The built kubelet, or BuildError saying how to build it."""
+    directory = node_bin_dir()
+    if not (directory / "build.json").is_file():
+        raise BuildError(
+            f"the kubelet is not built (looked in {directory}): "
+            "run `python -m tests.cluster.build --node`"
+        )
+    return directory / "kubelet"
 
 
 def binaries_in(directory: Path) -> Binaries:
@@ -232,9 +258,27 @@ def _run(cmd: list[str], cwd: Path, log: bool = True) -> subprocess.CompletedPro
 def ensure_binaries(quiet: bool = False) -> Binaries:
     """Build the binaries unless this key's are already in the cache; return their paths."""
     directory = bin_dir()
-    with _lock(cache_root() / "cluster-bin" / ".lock"):
+    _build_into(directory, BUILDS, PACKAGES, quiet)
+    return binaries_in(directory)
+
+
+def ensure_kubelet(quiet: bool = False) -> Path:
+    """Build the kubelet unless this key's is already in the cache; return its path."""
+    directory = node_bin_dir()
+    _build_into(directory, NODE_BUILDS, NODE_PACKAGES, quiet)
+    return directory / "kubelet"
+
+
+def _build_into(
+    directory: Path,
+    builds: tuple[tuple[Path, dict[str, str]], ...],
+    packages_built: dict[str, str],
+    quiet: bool,
+) -> None:
+    """One ``go build`` per wrapper module of ``builds`` into ``directory`` (with build.json)."""
+    with _lock(directory.parent / ".lock"):
         if (directory / "build.json").is_file():
-            return binaries_in(directory)
+            return
         root = cache_root()
         cold = _go_cache_is_cold(root / "go" / "build")
         go = go_binary()
@@ -243,10 +287,12 @@ def ensure_binaries(quiet: bool = False) -> Binaries:
         staging.mkdir(parents=True)
         start = time.monotonic()
         if not quiet:
-            print(f"building control-plane binaries into {directory} (cold={cold})", flush=True)
+            print(
+                f"building {', '.join(packages_built)} into {directory} (cold={cold})", flush=True
+            )
         date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         parts: dict[str, float] = {}
-        for module_dir, packages in BUILDS:
+        for module_dir, packages in builds:
             t0 = time.monotonic()
             flags = ldflags(module_dir, date)
             cmd = [go, "build", "-trimpath", "-p", "2", "-ldflags", flags, "-o", str(staging)]
@@ -255,9 +301,10 @@ def ensure_binaries(quiet: bool = False) -> Binaries:
             if not quiet:
                 print(f"{module_dir.name}: {parts[module_dir.name]:.0f}s", flush=True)
         for name, out in _GO_OUTPUT_NAME.items():
-            (staging / out).rename(staging / name)
+            if name in packages_built:
+                (staging / out).rename(staging / name)
         seconds = time.monotonic() - start
-        missing = [n for n in PACKAGES if not (staging / n).is_file()]
+        missing = [n for n in packages_built if not (staging / n).is_file()]
         if missing:
             raise BuildError(f"go build produced no {', '.join(missing)} in {staging}")
         record = {
@@ -278,7 +325,6 @@ def ensure_binaries(quiet: bool = False) -> Binaries:
         staging.rename(directory)
         if not quiet:
             print(f"built in {seconds:.0f}s ({'cold' if cold else 'warm'} Go cache)", flush=True)
-        return binaries_in(directory)
 
 
 def regenerate() -> None:
@@ -325,17 +371,24 @@ def regenerate() -> None:
         render_plain_gomod("omnistage.test/helmbuild", release.go, ((HELM_MODULE, HELM_VERSION),))
     )
     (HELM_MODULE_DIR / "tools.go").write_text(render_tools_go(tuple(HELM_PACKAGES.values())))
+    KUBELET_MODULE_DIR.mkdir(parents=True, exist_ok=True)
+    (KUBELET_MODULE_DIR / "go.sum").unlink(missing_ok=True)
+    (KUBELET_MODULE_DIR / "go.mod").write_text(
+        render_wrapper_gomod("omnistage.test/kubeletbuild", K8S_VERSION, release, tuple(published))
+    )
+    (KUBELET_MODULE_DIR / "tools.go").write_text(render_tools_go(tuple(NODE_PACKAGES.values())))
     env = go_env()
     env["GOFLAGS"] = "-mod=mod"
-    for module_dir, _ in BUILDS:
+    for module_dir, _ in (*BUILDS, *NODE_BUILDS):
         subprocess.run([go, "mod", "tidy"], cwd=module_dir, env=env, check=True)
-    _check_release_versions(info["GoMod"])
+    _check_release_versions(info["GoMod"], MODULE_DIR)
+    _check_release_versions(info["GoMod"], KUBELET_MODULE_DIR)
 
 
-def _check_release_versions(release_gomod: str) -> None:
+def _check_release_versions(release_gomod: str, module_dir: Path) -> None:
     """Fail if tidy moved any dependency of the Kubernetes binaries off the release's version."""
     pinned = requirements(Path(release_gomod).read_text())
-    ours = requirements((MODULE_DIR / "go.mod").read_text())
+    ours = requirements((module_dir / "go.mod").read_text())
     moved = [f"{m} {v} -> {ours[m]}" for m, v in pinned.items() if m in ours and ours[m] != v]
     moved = [line for line in moved if not line.startswith("k8s.io/")]
     if moved:
@@ -344,15 +397,28 @@ def _check_release_versions(release_gomod: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.cluster.build", description=__doc__)
-    parser.add_argument("--print-bin", metavar="NAME", choices=sorted(PACKAGES))
+    parser.add_argument("--print-bin", metavar="NAME", choices=sorted({*PACKAGES, *NODE_PACKAGES}))
+    parser.add_argument("--node", action="store_true", help="build the node binaries (kubelet)")
     parser.add_argument("--regen", action="store_true", help="regenerate the wrapper module")
     args = parser.parse_args(argv)
     try:
         if args.regen:
             regenerate()
             return 0
+        if args.print_bin == "kubelet":
+            print(find_kubelet())
+            return 0
         if args.print_bin:
             print(find_binaries().by_name(args.print_bin))
+            return 0
+        if args.node:
+            start = time.monotonic()
+            kubelet = ensure_kubelet()
+            record = json.loads((kubelet.parent / "build.json").read_text())
+            print(
+                f"kubelet ready: {kubelet} ({time.monotonic() - start:.1f}s now; recorded build: "
+                f"{record['seconds']}s, cold={record['cold']}, {record['date']})"
+            )
             return 0
         start = time.monotonic()
         bins = ensure_binaries()

@@ -1,0 +1,3 @@
+module omnistage.test/pause
+
+go 1.26.0

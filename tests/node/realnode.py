@@ -1,0 +1,440 @@
+"""A real Kubernetes node beside the local control plane: kubelet + containerd + runc + CNI.
+
+``RealNode(control_plane, kubelet=...)`` is a context manager. On entry it
+
+* makes the node's cgroup root (``/omnistage-<node>`` in every cgroup v1 hierarchy) and a
+  state directory holding everything else (containerd's root and state, the kubelet's root
+  dir, the CNI config, host-local's allocations, logs);
+* starts containerd (Debian's 1.6, CRI v1, runc through ``containerd-shim-runc-v2``, the
+  CNI plugins bridge, host-local, loopback and portmap, the locally built pause image as the
+  sandbox image) and imports the given OCI archives into its ``k8s.io`` namespace with
+  ``ctr images import`` (no registry);
+* issues the node a client certificate (``system:node:<name>`` in ``system:nodes``, signed by
+  the control plane's CA: the Node authorizer and NodeRestriction apply to it) and starts the
+  kubelet built from the same release (cgroupfs, ``failCgroupV1: false``), then waits for the
+  Node to be Ready.
+
+On exit it tears down completely: the node's pods are deleted (the kubelet stops their
+sandboxes, CNI DEL), the kubelet and containerd stop, then whatever is left is removed (shims
+and container processes of this node, mounts under the state directory, the netns mounts it
+created, the bridge, the iptables rules and chains added meanwhile, the cgroups, the Node
+object and the state directory). ``OMNISTAGE_KEEP_NODE=1`` keeps the state directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.kubeconfig import write_cert_kubeconfig
+from tests.cluster.procs import ManagedProcess, free_port, wait_for
+from tests.node.images import PAUSE
+from tests.node.nodeconfig import (
+    NodeLayout,
+    cgroup_mounts,
+    cni_conflist,
+    containerd_config,
+    dumps,
+    iptables_undo,
+    kubelet_config,
+    mounts_under,
+)
+
+NETNS_DIR = Path("/run/netns")
+# the kubelet's fixed directory of symlinks to container logs (podLogsDir is configurable)
+CONTAINER_LOG_LINKS = Path("/var/log/containers")
+READY_TIMEOUT = 180.0
+
+
+class NodeError(RuntimeError):
+    """The node could not start."""
+
+
+def _sh(*argv: str, check: bool = True, timeout: float = 600) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        raise NodeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def host_ip() -> str:
+    """The machine's first global IPv4 address (a node's InternalIP cannot be loopback)."""
+    for line in _sh("ip", "-4", "-o", "addr", "show", "scope", "global").splitlines():
+        fields = line.split()
+        if "inet" in fields:
+            return fields[fields.index("inet") + 1].split("/")[0]
+    raise NodeError("this machine has no global IPv4 address for the node")
+
+
+def _iptables_save() -> str:
+    return _sh("iptables-save", check=False) if shutil.which("iptables-save") else ""
+
+
+def _mountinfo() -> str:
+    return Path("/proc/self/mountinfo").read_text()
+
+
+def _issue_node_cert(ca_cert: Path, ca_key: Path, name: str, out: Path) -> tuple[Path, Path]:
+    """A client certificate for ``system:node:<name>`` (group ``system:nodes``)."""
+    ca = x509.load_pem_x509_certificate(ca_cert.read_bytes())
+    signer = serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
+    assert isinstance(signer, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
+            x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{name}"),
+        ]
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=7))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(signer, hashes.SHA256())
+    )
+    cert_path, key_path = out / "node.crt", out / "node.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    key_path.chmod(0o600)
+    return cert_path, key_path
+
+
+class RealNode:
+    """Context manager running one real node; see the module docstring."""
+
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        kubelet: Path,
+        archives: tuple[Path, ...] = (),
+        name: str | None = None,
+    ):
+        self.cp = control_plane
+        self.kubelet_bin = kubelet
+        self.archives = archives
+        suffix = secrets.token_hex(2)
+        self.name = name or f"realnode-{suffix}"
+        state = Path(tempfile.mkdtemp(prefix=f"omnistage-{self.name}-"))
+        self.layout = NodeLayout(
+            state=state,
+            name=self.name,
+            pause_image=PAUSE.ref,
+            subnet=f"10.{200 + int(suffix[:2], 16) % 50}.{int(suffix[2:], 16)}.0/24",
+            bridge=f"omni{suffix}",
+            cgroup_root=f"/omnistage-{self.name}",
+        )
+        self.timings: dict[str, float] = {}
+        self._procs: list[ManagedProcess] = []
+        self._iptables_before = ""
+        self._netns_before: set[str] = set()
+        self._cgroups: list[Path] = []
+        self._log_links_existed = CONTAINER_LOG_LINKS.is_dir()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> RealNode:
+        start = time.monotonic()
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["start"] = time.monotonic() - start
+        print(f"[realnode] {self.name} Ready in {self.timings['start']:.1f}s", flush=True)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr"):
+            if shutil.which(tool) is None:
+                raise NodeError(f"{tool} is missing: apt-get install containerd runc")
+        for plugin in ("bridge", "host-local", "loopback", "portmap"):
+            if not (Path("/usr/lib/cni") / plugin).is_file():
+                raise NodeError(
+                    f"CNI plugin {plugin} missing: apt-get install containernetworking-plugins"
+                )
+        layout = self.layout
+        (layout.state / "logs").mkdir(parents=True)
+        self._iptables_before = _iptables_save()
+        self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
+        self._make_cgroups()
+        layout.cni_conf_dir.mkdir(parents=True)
+        (layout.cni_conf_dir / "10-omnistage.conflist").write_text(dumps(cni_conflist(layout)))
+        layout.containerd_config.parent.mkdir(parents=True, exist_ok=True)
+        layout.containerd_config.write_text(containerd_config(layout))
+        t0 = time.monotonic()
+        containerd = self._spawn(
+            "containerd", ["containerd", "--config", str(layout.containerd_config)]
+        )
+        wait_for(
+            "containerd's socket",
+            lambda: self.ctr("version") != "",
+            60,
+            interval=0.2,
+            alive=containerd.died,
+        )
+        self.timings["containerd"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        for archive in self.archives:
+            self.import_archive(archive)
+        self.timings["import"] = time.monotonic() - t0
+        self._start_kubelet()
+
+    def _make_cgroups(self) -> None:
+        for hierarchy in cgroup_mounts(_mountinfo()):
+            if not hierarchy.is_dir():
+                continue
+            path = hierarchy / self.layout.cgroup_root.lstrip("/")
+            path.mkdir(exist_ok=True)
+            self._cgroups.append(path)
+            for knob in ("cpuset.cpus", "cpuset.mems"):
+                if (path / knob).is_file():
+                    (path / knob).write_text((hierarchy / knob).read_text())
+
+    def _start_kubelet(self) -> None:
+        layout = self.layout
+        pki = self.cp.workdir / "pki"
+        cert, key = _issue_node_cert(pki / "ca.crt", pki / "ca.key", self.name, layout.state)
+        write_cert_kubeconfig(
+            layout.kubeconfig, self.cp.server, pki / "ca.crt", cert, key, name=self.name
+        )
+        node_ip = host_ip()
+        config = kubelet_config(layout, pki / "ca.crt", "127.0.0.1")
+        config["port"] = free_port()
+        config["healthzPort"] = self.healthz_port = free_port()
+        layout.kubelet_config.write_text(dumps(config))
+        t0 = time.monotonic()
+        kubelet = self._spawn(
+            "kubelet",
+            [
+                str(self.kubelet_bin),
+                f"--config={layout.kubelet_config}",
+                f"--kubeconfig={layout.kubeconfig}",
+                f"--root-dir={layout.kubelet_dir}",
+                f"--cert-dir={layout.state / 'kubelet-pki'}",
+                f"--hostname-override={self.name}",
+                f"--node-ip={node_ip}",
+                "--v=2",
+            ],
+        )
+        wait_for(
+            f"Node {self.name} Ready",
+            self.node_ready,
+            READY_TIMEOUT,
+            interval=0.5,
+            alive=kubelet.died,
+        )
+        self.timings["kubelet"] = time.monotonic() - t0
+
+    def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, self.layout.state / "logs" / f"{name}.log")
+        self._procs.append(proc)
+        return proc
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def ctr(self, *args: str, check: bool = True) -> str:
+        """``ctr`` against this node's containerd, namespace ``k8s.io``."""
+        return _sh("ctr", "--address", str(self.layout.socket), "-n", "k8s.io", *args, check=check)
+
+    def import_archive(self, archive: Path) -> None:
+        """Load an OCI archive (``buildah push ... oci-archive:``) into the runtime."""
+        if not archive.is_file():
+            raise NodeError(f"{archive} is missing: run `make images`")
+        # unpacked now (into the overlayfs snapshotter), not at the first container create
+        self.ctr("images", "import", str(archive))
+
+    def images(self) -> list[str]:
+        """The image references the runtime holds."""
+        return self.ctr("images", "ls", "-q").split()
+
+    def node(self) -> dict[str, Any]:
+        """The Node object."""
+        return self.cp.get_json("node", self.name)
+
+    def node_ready(self) -> bool:
+        """Whether the Node reports Ready=True."""
+        conditions = self.node().get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    def log(self, component: str) -> Path:
+        """The log file of ``kubelet`` or ``containerd``."""
+        return self.layout.state / "logs" / f"{component}.log"
+
+    # ---- teardown --------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Tear everything down (idempotent); see the module docstring."""
+        start = time.monotonic()
+        kubelet_alive = any(p.name == "kubelet" and p.died() is None for p in self._procs)
+        if kubelet_alive:
+            self._drain()
+        for proc in reversed(self._procs):
+            proc.stop(grace=10.0)
+        self._procs.clear()
+        self._kill_leftovers()
+        for point in mounts_under(_mountinfo(), self.layout.state):
+            _sh("umount", "-l", str(point), check=False)
+        if NETNS_DIR.is_dir():
+            for entry in set(os.listdir(NETNS_DIR)) - self._netns_before:
+                if entry.startswith("cni-"):
+                    _sh("umount", "-l", str(NETNS_DIR / entry), check=False)
+                    (NETNS_DIR / entry).unlink(missing_ok=True)
+        for link in self._log_links():
+            link.unlink(missing_ok=True)
+        if not self._log_links_existed:
+            with contextlib.suppress(OSError):
+                CONTAINER_LOG_LINKS.rmdir()
+        _sh("ip", "link", "delete", self.layout.bridge, check=False)
+        if self._iptables_before:
+            for command in iptables_undo(self._iptables_before, _iptables_save()):
+                _sh("iptables", *command, check=False)
+        self._remove_cgroups()
+        with contextlib.suppress(Exception):
+            self.cp.kubectl("delete", "node", self.name, "--ignore-not-found", "--wait=false")
+        if not os.environ.get("OMNISTAGE_KEEP_NODE"):
+            shutil.rmtree(self.layout.state, ignore_errors=True)
+        self.timings["teardown"] = time.monotonic() - start
+        print(f"[realnode] {self.name} torn down in {self.timings['teardown']:.1f}s", flush=True)
+
+    def _drain(self, timeout: float = 60.0) -> None:
+        """Delete the node's pods and wait until the kubelet has removed them."""
+        selector = f"spec.nodeName={self.name}"
+
+        def pods() -> list[dict[str, Any]]:
+            items: list[dict[str, Any]] = self.cp.get_json(
+                "pods", "-A", "--field-selector", selector
+            )["items"]
+            return items
+
+        with contextlib.suppress(Exception):
+            for pod in pods():
+                meta = pod["metadata"]
+                self.cp.kubectl(
+                    "delete", "pod", meta["name"], "-n", meta["namespace"], "--wait=false"
+                )
+        with contextlib.suppress(Exception):
+            wait_for(f"the pods of {self.name} gone", lambda: not pods(), timeout, interval=0.5)
+        # the sandboxes stopped too (their CNI DEL runs as the kubelet stops them)
+        with contextlib.suppress(Exception):
+            wait_for(
+                "no task left running",
+                lambda: self.ctr("tasks", "ls", "-q").strip() == "",
+                30,
+                interval=0.5,
+            )
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL this node's shims (they name its socket) and its containers (its cgroups)."""
+        pids: set[int] = set()
+        for cgroup in self._cgroups:
+            for procs in cgroup.rglob("cgroup.procs"):
+                with contextlib.suppress(OSError):
+                    pids.update(int(p) for p in procs.read_text().split())
+        socket = str(self.layout.socket).encode()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if socket in (entry / "cmdline").read_bytes():
+                        pids.add(int(entry.name))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+            time.sleep(0.1)
+
+    def _remove_cgroups(self) -> None:
+        for cgroup in self._cgroups:
+            if not cgroup.is_dir():
+                continue
+            for directory in sorted(
+                (p for p in cgroup.rglob("*") if p.is_dir()),
+                key=lambda p: -len(p.parts),
+            ):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+            with contextlib.suppress(OSError):
+                cgroup.rmdir()
+
+    def _log_links(self) -> list[Path]:
+        """The kubelet's log symlinks that point into this node's state directory."""
+        if not CONTAINER_LOG_LINKS.is_dir():
+            return []
+        state = str(self.layout.state) + "/"
+        links = [p for p in CONTAINER_LOG_LINKS.iterdir() if p.is_symlink()]
+        return [p for p in links if os.readlink(p).startswith(state)]
+
+    def leftovers(self) -> list[str]:
+        """What of this node is still on the machine (empty after a clean teardown)."""
+        found = [f"log link {p}" for p in self._log_links()]
+        if self.layout.state.exists():
+            found.append(f"state dir {self.layout.state}")
+        found += [f"mount {p}" for p in mounts_under(_mountinfo(), self.layout.state)]
+        found += [f"cgroup {c}" for c in self._cgroups if c.exists()]
+        if Path(f"/sys/class/net/{self.layout.bridge}").exists():
+            found.append(f"bridge {self.layout.bridge}")
+        if self._iptables_before:
+            found += [
+                "iptables " + " ".join(c)
+                for c in iptables_undo(self._iptables_before, _iptables_save())
+            ]
+        socket = str(self.layout.socket).encode()
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if socket in (entry / "cmdline").read_bytes():
+                        found.append(f"process {entry.name}")
+        return found
+
+
+def main() -> int:
+    """``python -m tests.node.realnode``: start a node, print how to use it, wait for ^C."""
+    from tests.cluster.build import ensure_kubelet
+    from tests.node.images import IMAGES, archive_path
+
+    archives = tuple(archive_path(s) for s in (PAUSE, *IMAGES.values()))
+    with ControlPlane() as cp, RealNode(cp, ensure_kubelet(), archives) as node:
+        print(f"export KUBECONFIG={cp.kubeconfig}   # node {node.name}", flush=True)
+        print(json.dumps(node.timings), flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
