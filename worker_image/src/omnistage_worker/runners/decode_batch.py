@@ -24,7 +24,6 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 import logging
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from omnistage_worker.runners.sampling import (
     new_generator,
     token_logprobs,
 )
+from omnistage_worker.runners.serving_thread import ServingThread
 from omnistage_worker.runners.text_output import TextOutput
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class Row:
     )
 
 
-class DecodeBatcher:
+class DecodeBatcher(ServingThread):
     """Runs requests in one growing and shrinking batch on a daemon thread of its own."""
 
     def __init__(
@@ -108,13 +108,11 @@ class DecodeBatcher:
         self._eos = eos_ids
         self._pad = pad_id
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cond = threading.Condition()
+        super().__init__("omnistage-decode-batch")
         self._pending: deque[Job] = deque()
         self._rows: list[Row] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None
-        self._closed = False
-        self._thread: threading.Thread | None = None
         self.steps = 0
         self.compactions = 0
         self._joined_at = -JOIN_EVERY
@@ -123,26 +121,8 @@ class DecodeBatcher:
 
     def submit(self, job: Job) -> concurrent.futures.Future[Response]:
         """Queue ``job``; it joins the running batch within a few steps."""
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the batcher is closed")
-            self._pending.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._serve, daemon=True, name="omnistage-decode-batch"
-                )
-                self._thread.start()
-            self._cond.notify()
+        self._enqueue(lambda: self._pending.append(job))
         return job.future
-
-    def close(self, within: float = 30.0) -> None:
-        """Stop after the requests already queued have finished (bounded wait)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(within)
 
     def cache_bytes(self) -> int:
         """Bytes the running batch holds in its KV cache and mask (0 when idle)."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+from omnistage_worker.runners.serving_thread import ServingThread
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class _Waiting(Generic[Item, Result]):
     future: concurrent.futures.Future[Result] = field(default_factory=concurrent.futures.Future)
 
 
-class GroupBatcher(Generic[Item, Result]):
+class GroupBatcher(ServingThread, Generic[Item, Result]):
     """Runs ``run(items)`` (one result per item, in order) on a daemon thread of its own."""
 
     def __init__(
@@ -41,34 +42,15 @@ class GroupBatcher(Generic[Item, Result]):
         self._run = run
         self._key = key
         self.max_batch = max(1, max_batch)
-        self._name = name
-        self._cond = threading.Condition()
+        super().__init__(name)
         self._waiting: list[_Waiting[Item, Result]] = []
-        self._closed = False
-        self._thread: threading.Thread | None = None
         self.calls = 0
 
     def submit(self, item: Item) -> concurrent.futures.Future[Result]:
         """Queue ``item`` (its key is computed now); it runs with others of the same key."""
         waiting: _Waiting[Item, Result] = _Waiting(item, self._key(item))
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the batcher is closed")
-            self._waiting.append(waiting)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, daemon=True, name=self._name)
-                self._thread.start()
-            self._cond.notify()
+        self._enqueue(lambda: self._waiting.append(waiting))
         return waiting.future
-
-    def close(self, within: float = 30.0) -> None:
-        """Stop after the calls already queued have run (bounded wait)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(within)
 
     def _next_batch(self) -> list[_Waiting[Item, Result]] | None:
         with self._cond:
