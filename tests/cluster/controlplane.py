@@ -44,7 +44,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
@@ -52,6 +51,7 @@ import yaml
 
 from tests.cluster.build import Binaries, ensure_binaries, find_binaries
 from tests.cluster.kubeconfig import ssl_context, write_cert_kubeconfig, write_token_kubeconfig
+from tests.cluster.lifecycle import Lifecycle
 from tests.cluster.pki import Pki, create_pki
 from tests.cluster.procs import ManagedProcess, free_port, wait_for
 
@@ -65,7 +65,7 @@ class CommandError(subprocess.CalledProcessError):
         return f"{super().__str__()}\nstdout: {self.stdout}\nstderr: {self.stderr}"
 
 
-class ControlPlane:
+class ControlPlane(Lifecycle):
     """Context manager running a local control plane; see the module docstring."""
 
     def __init__(
@@ -91,24 +91,8 @@ class ControlPlane:
         self._pki: Pki | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def __enter__(self) -> ControlPlane:
-        start = time.monotonic()
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        self.timings["start"] = time.monotonic() - start
-        print(f"[control-plane] up in {self.timings['start']:.1f}s at {self.server}", flush=True)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+    def _started(self, seconds: float) -> str:
+        return f"[control-plane] up in {seconds:.1f}s at {self.server}"
 
     def _start(self) -> None:
         logs = self.workdir / "logs"

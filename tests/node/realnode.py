@@ -34,7 +34,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from cryptography import x509
@@ -44,6 +43,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubeconfig import write_cert_kubeconfig
+from tests.cluster.lifecycle import Lifecycle
 from tests.cluster.procs import ManagedProcess, free_port, wait_for
 from tests.node.images import PAUSE
 from tests.node.nodeconfig import (
@@ -129,7 +129,7 @@ def _issue_node_cert(ca_cert: Path, ca_key: Path, name: str, out: Path) -> tuple
     return cert_path, key_path
 
 
-class RealNode:
+class RealNode(Lifecycle):
     """Context manager running one real node; see the module docstring."""
 
     def __init__(
@@ -161,24 +161,8 @@ class RealNode:
         self._log_links_existed = CONTAINER_LOG_LINKS.is_dir()
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def __enter__(self) -> RealNode:
-        start = time.monotonic()
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        self.timings["start"] = time.monotonic() - start
-        print(f"[realnode] {self.name} Ready in {self.timings['start']:.1f}s", flush=True)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+    def _started(self, seconds: float) -> str:
+        return f"[realnode] {self.name} Ready in {seconds:.1f}s"
 
     def _start(self) -> None:
         for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr"):
