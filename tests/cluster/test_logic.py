@@ -17,6 +17,7 @@ from tests.cluster.localnode.devices import (
     node_status,
     parse_visible_devices,
     quantity,
+    residual_slack,
     resource_slice,
 )
 from tests.cluster.localnode.expand import expand, rewrite_path
@@ -86,6 +87,8 @@ def test_devices_slices_and_gpu_env(tmp_path: Path) -> None:
         "OMNISTAGE_MEMORY_PROBE": "tests.fakegpu.probe:from_env",
         "OMNISTAGE_FAKE_GPU": f"{tmp_path / 'fakegpu' / 'n0' / 'gpu-0'},"
         f"{tmp_path / 'fakegpu' / 'n0' / 'gpu-1'}",
+        # the worker's residual slack scaled to the (smallest) simulated device
+        "OMNISTAGE_RESIDUAL_SLACK": str(residual_slack(1024)),
     }
     assert node.device_uuid("gpu-0") != node.device_uuid("gpu-1")
     assert gpu_env(node, [], tmp_path) == {}
