@@ -253,10 +253,14 @@ def test_operator_is_granted_every_contract_verb(
 
 
 def _lease_rules(release: InstalledRelease) -> list[Rule]:
-    """LEASE_RULES with the release's Lease name (the unit tests render the default release)."""
+    """LEASE_RULES with the release's names (the unit tests render the default release): the
+    Lease and the epoch ConfigMap named after it."""
     from tests.unit.test_chart_support import FULLNAME
 
-    return sorted((g, r, v, release.fullname if n == FULLNAME else n) for g, r, v, n in LEASE_RULES)
+    def named(name: str) -> str:
+        return release.fullname + name[len(FULLNAME) :] if name.startswith(FULLNAME) else name
+
+    return sorted((g, r, v, named(n)) for g, r, v, n in LEASE_RULES)
 
 
 def test_operator_may_elect_a_leader_in_its_namespace_only(
