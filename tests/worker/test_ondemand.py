@@ -58,7 +58,9 @@ class DemandWatch:
 async def test_held_requests_are_streamed_and_served_in_arrival_order(
     start_worker: StartWorker, lm_dir: Path
 ) -> None:
-    worker = await on_demand(start_worker, lm_dir)
+    # One request at a time (--max-batch 1), so the order they finish in is the order the
+    # wake released them in (batched, they would finish together, in any order).
+    worker = await on_demand(start_worker, lm_dir, max_batch=1)
     watch = DemandWatch(worker)
     try:
         first = await watch.until("the first message", lambda m: True)
