@@ -279,3 +279,27 @@ async def test_footprint_is_the_engines_weights_and_kv_pool_as_measured(
     await asyncio.gather(*(complete(c, 5, f"p{i}") for i in range(8)))
     st = await w.status()
     assert st.peak_active_bytes == held  # batching takes nothing beyond the engine's pool
+
+
+async def test_a_going_worker_answers_what_it_held_as_unserved(
+    start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
+) -> None:
+    """At shutdown the held requests get 503 + Retry-After + ``x-omnistage-unserved`` (they
+    never reached the engine), so a router sends them to the stage's next pod."""
+    import httpx
+
+    from omnistage_worker.queued import UNSERVED_HEADER
+
+    w = await start(start_worker, tmp_path, activation="ondemand")
+    assert (await w.sleep(1)).ok
+    url = f"http://127.0.0.1:{w.server.http_port}/v1/completions"
+    body = {"model": "llm", "prompt": "hi", "max_tokens": 4}
+    async with httpx.AsyncClient() as http:
+        request = asyncio.ensure_future(http.post(url, json=body, timeout=60))
+        await wait_for(lambda: _held(w, 1), within=10, what="the request held")
+        stopping = asyncio.ensure_future(w.server.stop(30.0))
+        answer = await request
+        await asyncio.wait_for(stopping, 30)
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["retry-after"] == "1"
+    assert answer.headers[UNSERVED_HEADER] == "shutting-down"

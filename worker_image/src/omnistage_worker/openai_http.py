@@ -76,7 +76,9 @@ def _error(
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def _refused(exc: Refused, parsed: Parsed | None) -> JSONResponse:
+def refusal_response(exc: Refused, parsed: Parsed | None = None) -> JSONResponse:
+    """A worker refusal in the OpenAI error shape: its HTTP status, ``Retry-After``, and
+    ``x-omnistage-unserved`` when the request never reached a model (a router retries it)."""
     params = parsed.param if parsed is not None else str
     status, body = openai_api.refusal_status(exc.code, exc.message, params)
     unserved = {UNSERVED_HEADER: "shutting-down"} if isinstance(exc, ShuttingDown) else None
@@ -142,7 +144,7 @@ async def _answered(request: Request, limit: int, what: str, answer: Answer) -> 
     except BadRequest as exc:
         return _bad(exc)
     except Refused as exc:
-        return _refused(exc, call.parsed)
+        return refusal_response(exc, call.parsed)
     except Exception as exc:
         return _failed(what, exc)
 

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker import openai_api
-from omnistage_worker.demand import retry_after_header
+from omnistage_worker.openai_http import refusal_response
 from omnistage_worker.transitions import Refused
 
 if TYPE_CHECKING:
@@ -63,14 +63,6 @@ REFUSED = frozenset(
 )
 
 
-def _refusal(exc: Refused) -> Response:
-    status, body = openai_api.refusal_status(exc.code, exc.message)
-    headers = None
-    if exc.retry_after is not None:
-        headers = {"Retry-After": retry_after_header(exc.retry_after)}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 class VllmFront:
     """ASGI app: the worker's gate, then vLLM's app (``app()``: None until the engine is up)."""
 
@@ -99,7 +91,7 @@ class VllmFront:
         try:
             replay = await self._admit(receive)
         except Refused as exc:
-            await _refusal(exc)(scope, receive, send)
+            await refusal_response(exc)(scope, receive, send)
             return
         except _Disconnected:
             return  # it left the hold queue; nobody to answer
