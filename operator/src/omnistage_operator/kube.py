@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import Awaitable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -111,17 +112,44 @@ class Kube:
         """Connect with the in-cluster service account or $KUBECONFIG."""
         return cls(await kr8s.asyncio.api())
 
-    def _obj(
+    async def _call(
         self,
         kind: Kind,
+        method: str,
+        url: str,
+        *,
         namespace: str | None,
-        name: str = "",
-        raw: Mapping[str, Any] | None = None,
-    ) -> APIObject:
-        meta: dict[str, Any] = {"name": name}
-        if namespace is not None:
-            meta["namespace"] = namespace
-        return kind(dict(raw) if raw is not None else {"metadata": meta}, api=self.api)
+        absent: frozenset[int],
+        what: str,
+        read: bool = False,
+        **request: Any,
+    ) -> dict[str, Any] | None:
+        """One request through kr8s's client; the object the API answered with as plain JSON
+        (None on a status in ``absent``).
+
+        The answer is not wrapped in a kr8s object: turning each answer into a ``Box`` and back
+        cost more CPU than the rest of a hand-over (py-spy over ``bench/operator_switch.py``)."""
+        message = ""
+        try:
+            async with self.api.call_api(
+                method,
+                version=kind.version,
+                url=url,
+                namespace=namespace if kind.namespaced else None,
+                **request,
+            ) as resp:
+                body: dict[str, Any] = resp.json() if resp.content else {}
+        except kr8s.ServerError as exc:
+            code = exc.response.status_code if exc.response is not None else 0
+            status: Mapping[str, Any] = exc.status if isinstance(exc.status, Mapping) else {}
+            message = str(status.get("message", exc))
+        else:
+            self._count(body, read=read)
+            return body
+        self._count(None, read=read)
+        if code in absent:
+            return None
+        raise KubeError(f"{what}: HTTP {code}: {message}", code)
 
     @staticmethod
     def _count(body: Any, *, read: bool = False) -> None:
@@ -129,37 +157,13 @@ class Kube:
         if tally is not None:
             tally.count(body, read=read)
 
-    async def _send(
-        self,
-        what: str,
-        obj: APIObject,
-        call: Awaitable[Any],
-        absent: frozenset[int],
-        *,
-        read: bool = False,
-    ) -> dict[str, Any] | None:
-        """Await a kr8s call on ``obj``; the object it left (None on a status in ``absent``)."""
-        message = ""
-        try:
-            await call
-        except kr8s.NotFoundError:
-            code = 404
-        except kr8s.ServerError as exc:
-            code = exc.response.status_code if exc.response is not None else 0
-            status: Mapping[str, Any] = exc.status if isinstance(exc.status, Mapping) else {}
-            message = str(status.get("message", exc))
-        else:
-            self._count(obj.raw, read=read)
-            return dict(obj.raw.to_dict())
-        self._count(None, read=read)
-        if code in absent:
-            return None
-        raise KubeError(f"{what}: HTTP {code}: {message}", code)
-
     async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
-        obj = self._obj(kind, namespace, name)
-        return await self._send(f"get {kind.kind}/{name}", obj, obj.refresh(), _ABSENT, read=True)
+        url = f"{kind.endpoint}/{name}"
+        what = f"get {kind.kind}/{name}"
+        return await self._call(
+            kind, "GET", url, namespace=namespace, absent=_ABSENT, what=what, read=True
+        )
 
     async def list_cluster(
         self, kind: Kind, field_selector: str | None = None
@@ -184,9 +188,12 @@ class Kube:
     ) -> dict[str, Any] | None:
         """Create and return the stored object; None when it already exists."""
         raw = {**obj, "metadata": {**obj["metadata"], "namespace": namespace}}
-        new = self._obj(kind, namespace, raw=raw)
+        raw.setdefault("apiVersion", kind.version)
+        raw.setdefault("kind", kind.kind)
         what = f"create {kind.kind}/{obj['metadata'].get('name')}"
-        return await self._send(what, new, new.create(), _EXISTS)
+        return await self._call(
+            kind, "POST", kind.endpoint, namespace=namespace, absent=_EXISTS, what=what, json=raw
+        )
 
     async def delete(
         self,
@@ -206,17 +213,12 @@ class Kube:
             opts["preconditions"] = {"uid": uid}
         if grace_s is not None:
             opts["gracePeriodSeconds"] = grace_s
-        obj = self._obj(kind, namespace, name)
-
-        async def call() -> None:
-            url = f"{obj.endpoint}/{name}"
-            async with self.api.call_api(
-                "DELETE", version=obj.version, url=url, namespace=namespace, json=opts
-            ) as resp:
-                obj.raw = resp.json() if resp.content else {}
-
         what = f"delete {kind.kind}/{name}"
-        return await self._send(what, obj, call(), _GONE) is not None
+        url = f"{kind.endpoint}/{name}"
+        gone = await self._call(
+            kind, "DELETE", url, namespace=namespace, absent=_GONE, what=what, json=opts
+        )
+        return gone is not None
 
     async def merge_patch(
         self,
@@ -228,9 +230,17 @@ class Kube:
         status: bool = False,
     ) -> dict[str, Any] | None:
         """JSON merge patch (of the status subresource when ``status``); None when gone."""
-        obj = self._obj(kind, namespace, name)
-        call = obj.patch(dict(patch), subresource="status" if status else None, type="merge")
-        return await self._send(f"patch {kind.kind}/{name}", obj, call, _ABSENT)
+        url = f"{kind.endpoint}/{name}" + ("/status" if status else "")
+        return await self._call(
+            kind,
+            "PATCH",
+            url,
+            namespace=namespace,
+            absent=_ABSENT,
+            what=f"patch {kind.kind}/{name}",
+            content=json.dumps(patch),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
 
     async def wait_gone(
         self, kind: Kind, namespace: str, name: str, uid: str, timeout_s: float
