@@ -40,7 +40,7 @@ from omnistage_operator.facts import AckFacts, WorkerReport, report_from_proto
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubeconfig import auth_context, load_kubeconfig
 from tests.e2e.conftest import ROOT, TOKEN, WAKE_MARGIN, OperatorProcess, wait_for
-from tests.e2e.test_leader_faultpoint import STOP_BEFORE_WAKE
+from tests.e2e.test_leader_faultpoint import BUSY_BEFORE_WAKE, STOP_BEFORE_WAKE
 
 LEASE = "omnistage-operator"
 
@@ -133,12 +133,14 @@ class ElectedOperator(OperatorProcess):
         timing: tuple[float, float, float],
         *,
         stop_before_wake: Path | None = None,
+        busy_before_wake: Path | None = None,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.proxy = ApiProxy(int(cp.server.rsplit(":", 1)[1]))
         super().__init__(cp, namespace, workdir, proxied_kubeconfig(cp, self.proxy, workdir / "kc"))
         self.name = name
         self.stop_before_wake = stop_before_wake
+        self.busy_before_wake = busy_before_wake
         lease, renew, retry = timing
         self.extra = [
             f"--lease-duration={lease}",
@@ -156,8 +158,11 @@ class ElectedOperator(OperatorProcess):
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
         env.pop(STOP_BEFORE_WAKE, None)
+        env.pop(BUSY_BEFORE_WAKE, None)
         if self.stop_before_wake is not None:
             env[STOP_BEFORE_WAKE] = str(self.stop_before_wake)
+        if self.busy_before_wake is not None:
+            env[BUSY_BEFORE_WAKE] = str(self.busy_before_wake)
         argv = [
             sys.executable, "-m", "tests.e2e.test_leader_faultpoint",
             "--namespace", self.namespace,

@@ -1,6 +1,7 @@
 """``omnistage-operator``: the kopf operator with a liveness endpoint and Prometheus metrics.
 
-With leader election (the default) the process runs the ``leader.Elector`` beside kopf; every
+With leader election (the default) the process runs the ``leader.Elector`` beside kopf, on its
+own thread and API connection (``election_thread``: renewals do not wait behind rounds); every
 replica serves its liveness and metrics endpoints, only the Lease holder acts. On shutdown the
 holder steps down (the Lease's holder is cleared) after kopf stopped, so a standby takes over at
 its next try instead of waiting for the Lease to expire.
@@ -12,12 +13,13 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import kopf
 from prometheus_client import start_http_server
 
+from omnistage_operator.election_thread import ElectionThread
 from omnistage_operator.leader import Elector, KrEpochStore, KrLeaseStore, new_identity
 from omnistage_operator.leadership import Leadership, SoleWriter
 from omnistage_operator.settings import Settings, SettingsError, parse_settings
@@ -48,10 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-async def _elector(settings: Settings) -> Elector:
+async def _elector(settings: Settings, on_acquired: Callable[[int], None]) -> Elector:
+    """The elector, built on the election thread (its kr8s client is that thread's own)."""
     import kr8s.asyncio
 
-    from omnistage_operator import handlers
     from omnistage_operator.kube import Kube
 
     api = await kr8s.asyncio.api()
@@ -65,7 +67,7 @@ async def _elector(settings: Settings) -> Elector:
         KrLeaseStore(api, namespace, settings.lease_name),
         new_identity(),
         settings.election_timing(),
-        on_acquired=handlers.on_acquired,
+        on_acquired=on_acquired,
         event=event,
         epochs=KrEpochStore(api, namespace, f"{settings.lease_name}-epoch"),
     )
@@ -74,12 +76,17 @@ async def _elector(settings: Settings) -> Elector:
 async def _run(settings: Settings) -> None:
     from omnistage_operator import handlers
 
-    elector = await _elector(settings) if settings.leader_election else None
-    leadership: Leadership = elector if elector is not None else SoleWriter()
+    operator_loop = asyncio.get_running_loop()
+
+    def acquired(epoch: int) -> None:  # called on the election thread
+        operator_loop.call_soon_threadsafe(handlers.on_acquired, epoch)
+
+    election: ElectionThread | None = None
+    if settings.leader_election:
+        election = ElectionThread(lambda: _elector(settings, acquired))
+        await asyncio.to_thread(election.start)
+    leadership: Leadership = election if election is not None else SoleWriter()
     handlers.configure(settings, leadership)
-    tasks = []
-    if elector is not None:
-        tasks = [asyncio.create_task(elector.run()), asyncio.create_task(elector.watch_deadline())]
     try:
         await kopf.operator(
             clusterwide=not settings.namespaces,
@@ -89,11 +96,8 @@ async def _run(settings: Settings) -> None:
             liveness_endpoint=f"http://0.0.0.0:{settings.liveness_port}/healthz",
         )
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if elector is not None:
-            await elector.release()
+        if election is not None:
+            await election.stop()
 
 
 if __name__ == "__main__":
