@@ -48,7 +48,12 @@ sys.path.insert(0, str(ROOT))
 from omnistage_operator.kube import OMNISTAGE, PODS, Kube  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
-from tests.e2e.conftest import CAPACITY, OperatorProcess, stage_manifest  # noqa: E402
+from tests.e2e.conftest import (  # noqa: E402
+    CAPACITY,
+    OperatorProcess,
+    crd_established,
+    stage_manifest,
+)
 from tests.worker.tiny_models import build_causal_lm  # noqa: E402
 
 STAGES = ("a", "b")
@@ -289,7 +294,7 @@ def main() -> int:
     models = {"ar": build_causal_lm(work / "ar")}
     with ControlPlane() as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
-        cp.kubectl("wait", "--for=condition=Established", "crd/omnistages.omnistage.io")
+        crd_established(cp)
         ns = cp.create_namespace("bench")
         with LocalNodes(cp.kubeconfig, nodes=1, gpus=1, gpu_memory=CAPACITY,
                         name_prefix="bench-") as nodes:  # fmt: skip

@@ -61,12 +61,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def crd_established(cp: ControlPlane, name: str = "omnistages.omnistage.io") -> None:
+    """Wait for the CRD's Established condition. ``kubectl wait`` alone fails at once when it
+    reads the CRD before the API server wrote any condition (``.status.conditions accessor
+    error``), which a loaded machine hits: poll the condition instead."""
+
+    def established() -> bool:
+        crd = cp.get_json("crd", name)
+        conditions = (crd.get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    wait_for(f"CRD {name} Established", established, 60)
+
+
 @pytest.fixture(scope="session")
 def omnistage_crd(control_plane: ControlPlane) -> ControlPlane:
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    control_plane.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/omnistages.omnistage.io"
-    )
+    crd_established(control_plane)
     return control_plane
 
 

@@ -31,6 +31,7 @@ from omnistage_operator.conditions import MEMORY_RELEASED, READY, Reason, set_co
 from omnistage_operator.quantities import format_bytes
 from omnistage_operator.spec import DesiredState, PlacementMode, parse_stage
 from tests.cluster.controlplane import ControlPlane
+from tests.e2e.conftest import crd_established
 
 pytestmark = pytest.mark.cluster
 
@@ -59,9 +60,7 @@ def good(name: str = "stage") -> dict[str, Any]:
 def cluster(control_plane: ControlPlane) -> ControlPlane:
     """The control plane with the CRD applied and established."""
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    control_plane.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/omnistages.omnistage.io"
-    )
+    crd_established(control_plane)
     return control_plane
 
 

@@ -101,6 +101,10 @@ class KubeGroupPort:
         self.demand_asked: dict[str, tuple[int, float | None]] = {}
         self.demand_idle: set[str] = set()  # stages found idle in this round
         self._listed = False
+        # The claim's device UUIDs, read with the listing (a round reads them once, again only
+        # after it created or deleted a pod): not a GET on every observe of the hand-over path.
+        self._claim_uuids: tuple[str, ...] | None = None
+        self._claims_read = False
 
     # -- observing -------------------------------------------------------------------------
 
@@ -236,15 +240,16 @@ class KubeGroupPort:
         self.r.peaks[key] = self.r.peaks.get(key, StagePeaks()).acked(ack)
 
     async def observe(self) -> GroupObservation:
-        """Read the group's specs, pods and every worker's GetStatus.
+        """Read the group's specs, pods, claim and every worker's GetStatus.
 
-        Within one round, specs and pods are read again only after this port created or
-        deleted a pod; otherwise only the workers are asked again (a spec changed meanwhile
+        Within one round, specs, pods and the claim are read again only after this port created
+        or deleted a pod; otherwise only the workers are asked again (a spec changed meanwhile
         kicks another round).
         """
         if not self._listed:
             await self._list()
             self._listed = True
+            self._claims_read = False
         names = sorted(self.specs)
         await self._adopt_persisted(names)
         with_pod = [
@@ -261,7 +266,10 @@ class KubeGroupPort:
         # arbitration until the back-off ends: it is neither admitted nor started, so the
         # group's healthy stages are not put to sleep for it.
         arbitrated = [n for n in names if n not in self.held_back]
-        claim_uuids = await self.r.claim_uuids(self.ns, self.group, self.specs)
+        if not self._claims_read:
+            self._claim_uuids = await self.r.claim_uuids(self.ns, self.group, self.specs)
+            self._claims_read = True
+        claim_uuids = self._claim_uuids
         memory = group_memory(
             {n: r for n, r in self.reports.items() if n in arbitrated},
             {n: self.specs[n].gpus for n in arbitrated},
