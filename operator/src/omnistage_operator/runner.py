@@ -57,6 +57,7 @@ from omnistage_operator.pods import (
 from omnistage_operator.port import KubeGroupPort
 from omnistage_operator.publisher import StatusPublisher
 from omnistage_operator.settings import Settings
+from omnistage_operator.sleep_tasks import SleepTracker
 from omnistage_operator.spec import PlacementMode, SpecError, StageSpec, parse_stage
 from omnistage_operator.status import (
     format_timestamp,
@@ -149,6 +150,8 @@ class GroupRunner(StatusPublisher):
         self._retry_in: dict[GroupKey, float] = {}
         self.published: dict[StageKey, dict[str, Any]] = {}
         self._loops: dict[GroupKey, _Loop] = {}
+        # Per group: its sleeps in flight across rounds (a drain holds up no other transition).
+        self._sleeps: dict[GroupKey, SleepTracker] = {}
         self._clients: dict[str, WorkerClient] = {}
         self._secrets: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -302,6 +305,8 @@ class GroupRunner(StatusPublisher):
         for loop in self._loops.values():
             if loop.task is not None:
                 loop.task.cancel()
+        for tracker in self._sleeps.values():
+            tracker.cancel()
         await self.demand.close()
         for client in self._clients.values():
             await client.close()
@@ -402,8 +407,12 @@ class GroupRunner(StatusPublisher):
     async def _round(self, namespace: str, group: str) -> bool:
         port = KubeGroupPort(self, namespace, group)
         t0 = time.monotonic()
+        tracker = self._sleeps.get((namespace, group))
+        if tracker is None:
+            tracker = SleepTracker(lambda: self.kick(namespace, group))
+            self._sleeps[(namespace, group)] = tracker
         try:
-            outcome = await run_round(port, self.policy, self.new_id)
+            outcome = await run_round(port, self.policy, self.new_id, tracker)
         except LeadershipLost as exc:
             log.warning("group %s/%s: round ended: %s", namespace, group, exc)
             metrics.ROUNDS.labels(namespace, group, "leadership_lost").inc()
