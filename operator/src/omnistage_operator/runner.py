@@ -137,6 +137,10 @@ class GroupRunner(StatusPublisher):
         # refused; not ordered again until spec.sleepLevel changes or the stage wakes.
         self.deepen_refused: dict[StageKey, int] = {}
         self.asleep_asked: dict[StageKey, float] = {}
+        # Patched Asleep before this process saw the stage wake (read back from status): put
+        # to sleep whenever this process saw it become Active.
+        self.asleep_restored: set[StageKey] = set()
+        self.adopted: set[StageKey] = set()  # stages whose status this process has read back
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
@@ -342,6 +346,8 @@ class GroupRunner(StatusPublisher):
         self.device_mismatch.pop(key, None)
         self.spec_active.pop(key, None)
         self.asleep_asked.pop(key, None)
+        self.asleep_restored.discard(key)
+        self.adopted.discard(key)
         self.deepen_refused.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
@@ -487,7 +493,7 @@ class GroupRunner(StatusPublisher):
                 self.wake_backoffs.pop((port.ns, name), None)
         for name, ack in outcome.wake_oom.items():
             key = (port.ns, name)
-            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now)
+            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now, ack.needed_bytes)
             self.wake_backoffs[key] = backoff
             message = oom_message(ack, self.learned.get(key, 0), backoff, now)
             self.wake_problems[key] = (WAKE_OOM, message)
