@@ -174,3 +174,13 @@ async def test_without_a_tracker_a_round_waits_for_its_drains() -> None:
     port.release.set()
     out = await asyncio.wait_for(round_, 3.0)
     assert {s.order.stage for s in out.sleeps} == {"a", "c"} and list(out.wakes) == ["b"]
+
+
+async def test_a_stage_ordered_again_in_an_open_hand_over_gets_a_new_task_id() -> None:
+    """A worker replays its cached Ack for a task id it has seen: a second sleep order of one
+    stage in a hand-over that spans rounds must not reuse the first one's id."""
+    tracker = SleepTracker(lambda: None)
+    tracker.open("h1")
+    assert tracker.task_id("c", "h1-c-sleep1") == "h1-c-sleep1"
+    assert tracker.task_id("c", "h1-c-sleep1") == "h1-c-sleep1-o2"
+    assert tracker.task_id("a", "h1-a-sleep1") == "h1-a-sleep1"

@@ -318,6 +318,7 @@ class RoundOutcome:
     fence_pending: set[str] = field(default_factory=set)
     fence_confirmed: set[str] = field(default_factory=set)
     sleeps_running: frozenset[str] = frozenset()  # sleeps still out (draining) after the round
+    handover_began: float | None = None  # monotonic: the hand-over's first order (maybe rounds ago)
     decision: Decision | None = None
     observation: GroupObservation | None = None
 
@@ -562,7 +563,8 @@ async def run_round(
         out.handover_id = hid
         tracker.fences(fences)
         for order in sleeps:
-            tracker.launch(order, _guarded_sleep(port, order, _sleep_id(hid, order), policy))
+            task_id = tracker.task_id(order.stage, _sleep_id(hid, order))
+            tracker.launch(order, _guarded_sleep(port, order, task_id, policy))
         fenced = list(await asyncio.gather(*(_fence(port, order) for order in fences)))
         await tracker.settle(policy.round_wait_s)
         slept = done + tracker.collect()
@@ -573,7 +575,7 @@ async def run_round(
         out.fence_pending |= {r.order.stage for r in fenced if not r.fenced}
         out.fence_confirmed |= {r.order.stage for r in slept if r.fenced}
         out.fence_confirmed |= {r.order.stage for r in fenced if r.fenced}
-        out.sleeps_running = tracker.running
+        out.sleeps_running, out.handover_began = tracker.running, tracker.began
         handover = tracker.handover()
         obs = _remember(await port.observe(), out)
         decision = _plan(obs, handover, policy, started)

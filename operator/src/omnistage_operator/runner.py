@@ -424,7 +424,7 @@ class GroupRunner(StatusPublisher):
             metrics.ROUNDS.labels(namespace, group, "leadership_lost").inc()
             return False
         if outcome.sleeps or outcome.wakes:
-            took = time.monotonic() - t0
+            took = time.monotonic() - min(t0, outcome.handover_began or t0)
             metrics.HANDOVER_SECONDS.labels(namespace, group).observe(took)
             log.info(
                 "group %s/%s hand-over %s: slept %s, woke %s in %.3fs",

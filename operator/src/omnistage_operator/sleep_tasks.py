@@ -49,6 +49,7 @@ class _Open:
     sleepers: set[str] = field(default_factory=set)
     acked: set[str] = field(default_factory=set)
     fenced: set[str] = field(default_factory=set)
+    orders: dict[str, int] = field(default_factory=dict)  # sleep orders sent, per stage
 
 
 class SleepTracker:
@@ -95,6 +96,14 @@ class SleepTracker:
         if self._open is None:
             self._open = _Open(hid, time.monotonic())
         return self._open.id
+
+    def task_id(self, stage: str, base: str) -> str:
+        """A fresh task id for a sleep order of ``stage`` in the open hand-over: ``base`` for
+        its first, then ``base-oN`` (a worker replays its cached Ack for an id it has seen)."""
+        assert self._open is not None, "open() a hand-over first"
+        n = self._open.orders.get(stage, 0)
+        self._open.orders[stage] = n + 1
+        return base if n == 0 else f"{base}-o{n + 1}"
 
     def launch(self, order: SleepOrder, work: Coroutine[Any, Any, SleepResult]) -> None:
         """Run one sleep order as a task of the open hand-over."""
