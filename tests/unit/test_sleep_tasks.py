@@ -42,6 +42,7 @@ class DrainPort:
     holds: dict[str, int] = field(default_factory=lambda: {"a": 4 * GI, "b": 0, "c": 2 * GI})
     a_inflight: int = 1
     lie: bool = False
+    wants: dict[str, bool] = field(default_factory=lambda: {"a": False, "b": True, "c": False})
     fenced: set[str] = field(default_factory=set)
     calls: list[tuple[str, str]] = field(default_factory=list)
 
@@ -50,9 +51,9 @@ class DrainPort:
 
     async def observe(self) -> GroupObservation:
         intents = {
-            "a": StageIntent("a", False, drain_timeout_s=600.0),
-            "b": StageIntent("b", True, vram_request=12 * GI),
-            "c": StageIntent("c", False),
+            "a": StageIntent("a", self.wants["a"], drain_timeout_s=600.0, vram_request=4 * GI),
+            "b": StageIntent("b", self.wants["b"], vram_request=12 * GI),
+            "c": StageIntent("c", self.wants["c"]),
         }
         facts = {n: self._fact(n) for n in self.phase}
         free = self._free()
@@ -103,6 +104,10 @@ class DrainPort:
 
     async def wake(self, stage: str, task_id: str) -> AckFacts:
         self.calls.append(("wake", stage))
+        if stage == "a":
+            assert self.release.is_set(), "a woken before its own sleep's ACK was taken"
+            self.phase[stage], self.holds[stage] = WorkerPhase.ACTIVE, 4 * GI
+            return AckFacts(task_id, True, "wake", WorkerPhase.ACTIVE)
         assert self.holds["a"] == 0 or "a" in self.fenced, "wake while a may hold memory"
         assert self.holds["c"] == 0, "wake while c may hold memory"
         self.phase[stage] = WorkerPhase.ACTIVE
@@ -184,3 +189,21 @@ async def test_a_stage_ordered_again_in_an_open_hand_over_gets_a_new_task_id() -
     assert tracker.task_id("c", "h1-c-sleep1") == "h1-c-sleep1"
     assert tracker.task_id("c", "h1-c-sleep1") == "h1-c-sleep1-o2"
     assert tracker.task_id("a", "h1-a-sleep1") == "h1-a-sleep1"
+
+
+async def test_a_stage_is_not_woken_while_its_own_sleep_is_out() -> None:
+    port = DrainPort()
+    kicks = asyncio.Event()
+    tracker = SleepTracker(kicks.set)
+    ids = iter(f"h{i}" for i in range(1, 9))
+    await asyncio.wait_for(run_round(port, POLICY, lambda: next(ids), tracker), 3.0)
+    # a's worker is asleep but its ACK is not in yet; a is asked Active again, b no longer
+    port.wants.update(a=True, b=False)
+    port.phase["a"], port.holds["a"], port.a_inflight = WorkerPhase.ASLEEP, 0, 0
+    out = await asyncio.wait_for(run_round(port, POLICY, lambda: next(ids), tracker), 3.0)
+    assert "a" in out.decision.admitted if out.decision else False
+    assert ("wake", "a") not in port.calls and not out.wakes
+    port.release.set()
+    await asyncio.wait_for(kicks.wait(), 3.0)
+    out = await run_round(port, POLICY, lambda: next(ids), tracker)
+    assert [s.order.stage for s in out.sleeps] == ["a"] and list(out.wakes) == ["a"]

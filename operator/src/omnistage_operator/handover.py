@@ -590,10 +590,14 @@ async def run_round(
         for name in decision.start:
             await _start(port, name, out, active=True)
         for name in decision.component_wakes + decision.wake:
+            if name in tracker.running:
+                continue  # its own sleep's ACK is not in yet: never woken on a guess
             parts = name in decision.component_wakes  # an Active stage's footprint grows
-            suffix = "-parts" if parts else ""
+            task_id = f"{hid}-{name}-wake{'-parts' if parts else ''}"
+            if tracker.handover_id == hid:  # a hand-over open across rounds: a fresh id
+                task_id = tracker.task_id(f"wake:{name}", task_id)
             try:
-                result = await _wake(port, name, f"{hid}-{name}-wake{suffix}", policy)
+                result = await _wake(port, name, task_id, policy)
             except Exception as exc:  # isolated per stage
                 out.stage_errors[name] = _failure(name, "wake", exc)
                 continue
