@@ -35,6 +35,12 @@ waking one stage is recorded for that stage (``RoundOutcome.stage_errors``, show
 resource) and the round goes on; a sleep that raised counts as not ACKed, so the wake gate stays
 closed. Only ``LeadershipLost`` ends the round.
 
+Sleeps run as tasks of the group's ``sleep_tasks.SleepTracker``: with the runner's tracker a round
+waits only for the sleeps it sent without requests in flight (at most ``round_wait_s``); a
+draining sleep goes on in the background and a later round takes its result (steps 3 and 4 run
+then), while the hand-over stays open: its sleepers without an ok ACK or a confirmed fence keep
+every wake of the group closed, a stage with a sleep out gets no second order and no wake.
+
 Callers serialize rounds per group (``GroupRunner``); nothing here is safe to run twice at once
 for the same group.
 """
