@@ -46,6 +46,8 @@ Decisions beyond the contract:
     DRA mode the devices come from the claim, and the worker image's default sees none.
     ``enableServiceLinks: false`` and, unless ``template.serviceAccountName`` is set,
     ``automountServiceAccountToken: false``: the worker never talks to the API server.
+    The pod and container security contexts default to what the ``restricted`` Pod Security
+    Standard admits (:mod:`omnistage_operator.pod_template`, which merges the template's).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from omnistage_operator.labels import (
     stage_labels,
     stage_selector,
 )
+from omnistage_operator.pod_template import apply_pod_extras, hash_payload
 from omnistage_operator.serving import Serving, serving_args, serving_volume
 from omnistage_operator.spec import (
     API_VERSION,
@@ -306,6 +309,9 @@ def pod_spec_hash(stage: StageSpec) -> str:
         payload["vllm"] = vllm_args(stage)
     if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
         payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
+    extras = hash_payload(tpl.extras)  # (the same)
+    if extras is not None:
+        payload["podExtras"] = extras
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=_jsonable)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -369,6 +375,8 @@ def build_worker_pod(
     mounts, volumes = _pod_volumes(stage, token_secret_name)
     container = _worker_container(stage, initial_state, sleep_level, claim, mounts, epoch=epoch)
     level = stage.sleep_level if sleep_level is None else sleep_level
+    spec = _pod_spec(stage, container, volumes, claim)
+    apply_pod_extras(stage.template.extras, spec, container)
     annotations = {
         **stage.template.annotations,
         INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
@@ -386,7 +394,7 @@ def build_worker_pod(
             "annotations": annotations,
             "ownerReferences": [copy.deepcopy(dict(owner))],
         },
-        "spec": _pod_spec(stage, container, volumes, claim),
+        "spec": spec,
     }
 
 

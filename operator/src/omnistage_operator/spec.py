@@ -29,7 +29,8 @@ Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     kv_cache_dtype, enable_prefix_caching, enable_chunked_prefill, tensor_parallel_size)``
     (``spec.vllm``),
     ``TemplateOverrides(resources, env, volumes, volume_mounts, node_selector, tolerations,
-    annotations, labels, service_account_name, priority_class_name)``,
+    annotations, labels, service_account_name, priority_class_name, extras)`` (``extras``:
+    the fields of :mod:`omnistage_operator.pod_template`),
     ``StageSpec(name, namespace, uid, generation, runner, backend, model, image, state,
     sleep_level, colocation, gpus, vram_request, vram_request_bytes, placement, worker,
     template, drain_timeout_s, vllm, asleep_components)`` with properties ``group``,
@@ -50,6 +51,13 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from omnistage_operator.activation import Activation, ActivationError, parse_activation
+from omnistage_operator.pod_template import (
+    SHM_MOUNT_PATH,
+    SHM_VOLUME,
+    PodExtras,
+    PodTemplateError,
+    parse_pod_extras,
+)
 from omnistage_operator.quantities import QuantityError, parse_quantity
 from omnistage_operator.serving import (
     HTTP_TOKEN_VOLUME,
@@ -173,7 +181,7 @@ RESERVED_ARGS = frozenset(
 RESERVED_ARGS |= SERVING_ARGS
 RESERVED_ARG_PREFIXES = frozenset({"--vllm-", "--no-vllm-"})
 # Names the builders use for their own volumes and mount points.
-RESERVED_VOLUMES = frozenset({"omnistage-token", "model", HTTP_TOKEN_VOLUME})
+RESERVED_VOLUMES = frozenset({"omnistage-token", "model", HTTP_TOKEN_VOLUME, SHM_VOLUME})
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"
 
 _E = TypeVar("_E", bound=StrEnum)
@@ -315,6 +323,8 @@ class TemplateOverrides:
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
     service_account_name: str | None = None
     priority_class_name: str | None = None
+    # securityContext, imagePullSecrets, affinity, ... (omnistage_operator.pod_template)
+    extras: PodExtras = field(default_factory=PodExtras)
 
 
 @dataclass(frozen=True)
@@ -566,6 +576,17 @@ def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
                 f"spec.template.volumeMounts[{i}].mountPath",
                 f"{TOKEN_MOUNT_DIR} is used by the operator",
             )
+    try:
+        extras = parse_pod_extras(tpl)
+    except PodTemplateError as exc:
+        raise SpecError(exc.field, exc.message) from exc
+    if extras.shm_size is not None:
+        for i, mount in enumerate(mounts):
+            if str(mount.get("mountPath", "")).rstrip("/") == SHM_MOUNT_PATH:
+                raise SpecError(
+                    f"spec.template.volumeMounts[{i}].mountPath",
+                    f"{SHM_MOUNT_PATH} is mounted by the operator when shmSize is set",
+                )
     return TemplateOverrides(
         resources=resources,
         env=_list_of_objects(tpl.get("env"), "spec.template.env"),
@@ -581,6 +602,7 @@ def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
         priority_class_name=_string(
             tpl.get("priorityClassName"), "spec.template.priorityClassName"
         ),
+        extras=extras,
     )
 
 
