@@ -19,7 +19,7 @@ from tests.e2e.test_helm_support import crd_established
 pytestmark = pytest.mark.cluster
 
 FULL_TEMPLATE: dict[str, Any] = {
-    "securityContext": {"runAsUser": 65532, "fsGroup": 65532},
+    "securityContext": {"runAsUser": 65532, "fsGroup": 1000},
     "containerSecurityContext": {"readOnlyRootFilesystem": True},
     "imagePullSecrets": [{"name": "registry-credentials"}],
     "affinity": {
@@ -176,7 +176,7 @@ def test_the_full_template_reaches_an_admitted_restricted_pod(
         "runAsNonRoot": True,
         "seccompProfile": {"type": "RuntimeDefault"},
         "runAsUser": 65532,
-        "fsGroup": 65532,
+        "fsGroup": 1000,
     }
     assert worker["securityContext"] == {
         "allowPrivilegeEscalation": False,

@@ -50,6 +50,8 @@ def test_default_pod_meets_the_restricted_standard() -> None:
     (worker,) = spec["containers"]
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # the worker image's group owns the Secret volumes: the non-root worker reads its token
+    assert spec["securityContext"]["fsGroup"] == 65532
     assert worker["securityContext"]["allowPrivilegeEscalation"] is False
     assert worker["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     for absent in ("imagePullSecrets", "affinity", "topologySpreadConstraints",
@@ -70,6 +72,7 @@ def test_given_security_keys_win_key_by_key() -> None:
         "runAsNonRoot": False,
         "runAsUser": 1000,
         "seccompProfile": {"type": "RuntimeDefault"},
+        "fsGroup": 65532,
     }
     assert spec["containers"][0]["securityContext"] == {
         "allowPrivilegeEscalation": False,

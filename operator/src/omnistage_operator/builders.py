@@ -78,6 +78,7 @@ from omnistage_operator.spec import (
     StageSpec,
     WorkerDevice,
 )
+from omnistage_operator.worker_tls import HEALTH_PORT_NAME, probe_port, tls_args, tls_volume
 
 __all__ = [
     "CONTAINER_NAME",
@@ -238,6 +239,7 @@ def worker_args(
     if stage.backend is Backend.VLLM:
         args += vllm_args(stage)
     args += serving_args(stage.serving)
+    args += tls_args(stage.worker.tls)
     args += list(stage.worker.args)
     return args
 
@@ -309,6 +311,8 @@ def pod_spec_hash(stage: StageSpec) -> str:
         payload["vllm"] = vllm_args(stage)
     if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
         payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
+    if stage.worker.tls.enabled:  # (the same)
+        payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
     extras = hash_payload(tpl.extras)  # (the same)
     if extras is not None:
         payload["podExtras"] = extras
@@ -420,6 +424,10 @@ def _pod_volumes(
     if http_token is not None:
         mounts.append(http_token[0])
         volumes.append(http_token[1])
+    tls = tls_volume(stage.worker.tls)
+    if tls is not None:
+        mounts.append(tls[0])
+        volumes.append(tls[1])
     if stage.model.volume is not None:
         mounts.append({"name": MODEL_VOLUME, "mountPath": stage.model.mount_path, "readOnly": True})
         volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(dict(stage.model.volume))})
@@ -439,6 +447,13 @@ def _worker_container(
 ) -> dict[str, Any]:
     """The worker container: command, args, env, gRPC probes, mounts and resources."""
     port = stage.worker.port
+    probed = probe_port(stage.worker.tls, port)  # plaintext health beside a TLS port
+    ports = [
+        {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+        {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
+    ]
+    if probed != port:
+        ports.append({"name": HEALTH_PORT_NAME, "containerPort": probed, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": stage.image,
@@ -447,12 +462,9 @@ def _worker_container(
             stage, initial_state=initial_state, sleep_level=sleep_level, epoch=epoch
         ),
         "env": _worker_env(stage),
-        "ports": [
-            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
-            {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
-        ],
-        "readinessProbe": _grpc_probe(port, READINESS_SERVICE, period=5, failures=3),
-        "livenessProbe": _grpc_probe(port, LIVENESS_SERVICE, period=10, failures=6),
+        "ports": ports,
+        "readinessProbe": _grpc_probe(probed, READINESS_SERVICE, period=5, failures=3),
+        "livenessProbe": _grpc_probe(probed, LIVENESS_SERVICE, period=10, failures=6),
         "volumeMounts": mounts,
         # A worker that exits at start (bad model path, refused flag) says why in its
         # termination message; without one, the kubelet keeps its last log lines instead.

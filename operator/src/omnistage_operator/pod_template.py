@@ -5,8 +5,8 @@
 - ``securityContext`` (core PodSecurityContext) and ``containerSecurityContext`` (the worker
   container's SecurityContext): merged key by key over a default that the ``restricted`` Pod
   Security Standard admits (non-root, RuntimeDefault seccomp, no privilege escalation, every
-  capability dropped); a key the user gives wins, so ``runAsNonRoot: false`` is an explicit
-  choice.
+  capability dropped; ``fsGroup`` the worker image's group); a key the user gives wins, so
+  ``runAsNonRoot: false`` is an explicit choice.
 - ``imagePullSecrets`` (names), ``affinity``, ``topologySpreadConstraints``,
   ``runtimeClassName``: copied into the pod spec.
 - ``envFrom`` (ConfigMap or Secret sources) on the worker container. Kubernetes lets ``env``
@@ -43,9 +43,14 @@ __all__ = [
     "parse_pod_extras",
 ]
 
+# fsGroup: the worker image's group (USER 65532:65532). The kubelet gives the pod's Secret
+# volumes to it, so the worker (non-root) can read its token and TLS key (mode 0400 otherwise
+# leaves them root's alone).
+WORKER_GROUP: Final = 65532
 DEFAULT_POD_SECURITY_CONTEXT: Final[Mapping[str, Any]] = {
     "runAsNonRoot": True,
     "seccompProfile": {"type": "RuntimeDefault"},
+    "fsGroup": WORKER_GROUP,
 }
 DEFAULT_CONTAINER_SECURITY_CONTEXT: Final[Mapping[str, Any]] = {
     "allowPrivilegeEscalation": False,

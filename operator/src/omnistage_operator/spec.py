@@ -24,7 +24,8 @@ Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``
     ``RESERVED_VOLUMES``, ``TOKEN_MOUNT_DIR``.
 Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     ``ModelSpec(path, mount_path, volume)``, ``Colocation(group, priority)``,
-    ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype)``,
+    ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype,
+    http_port, tls)`` (``tls``: :mod:`omnistage_operator.worker_tls`),
     ``VllmSettings(max_model_len, gpu_memory_utilization, enforce_eager, max_num_seqs,
     kv_cache_dtype, enable_prefix_caching, enable_chunked_prefill, tensor_parallel_size)``
     (``spec.vllm``),
@@ -65,6 +66,13 @@ from omnistage_operator.serving import (
     Serving,
     ServingError,
     parse_serving,
+)
+from omnistage_operator.worker_tls import (
+    TLS_ARGS,
+    TLS_VOLUME,
+    WorkerTls,
+    WorkerTlsError,
+    parse_worker_tls,
 )
 from omnistage_worker.config import DTYPES
 
@@ -179,9 +187,13 @@ RESERVED_ARGS = frozenset(
 )
 # spec.limits and spec.http set these (omnistage_operator.serving).
 RESERVED_ARGS |= SERVING_ARGS
+# spec.worker.tls sets these (omnistage_operator.worker_tls).
+RESERVED_ARGS |= TLS_ARGS
 RESERVED_ARG_PREFIXES = frozenset({"--vllm-", "--no-vllm-"})
 # Names the builders use for their own volumes and mount points.
-RESERVED_VOLUMES = frozenset({"omnistage-token", "model", HTTP_TOKEN_VOLUME, SHM_VOLUME})
+RESERVED_VOLUMES = frozenset(
+    {"omnistage-token", "model", HTTP_TOKEN_VOLUME, SHM_VOLUME, TLS_VOLUME}
+)
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"
 
 _E = TypeVar("_E", bound=StrEnum)
@@ -289,6 +301,7 @@ class WorkerSettings:
     args: tuple[str, ...] = ()
     dtype: str | None = None
     http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP API
+    tls: WorkerTls = field(default_factory=WorkerTls)  # spec.worker.tls, spec.worker.healthPort
 
 
 @dataclass(frozen=True)
@@ -524,7 +537,13 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     args = _strings(worker.get("args"), "spec.worker.args")
     dtype = _string(worker.get("dtype"), "spec.worker.dtype")
     http_port = _int(worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT)
-    return WorkerSettings(port=port, device=device, args=args, dtype=dtype, http_port=http_port)
+    try:
+        tls = parse_worker_tls(worker)
+    except WorkerTlsError as exc:
+        raise SpecError(exc.field, exc.message) from exc
+    return WorkerSettings(
+        port=port, device=device, args=args, dtype=dtype, http_port=http_port, tls=tls
+    )
 
 
 def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
