@@ -66,6 +66,7 @@ from omnistage_operator.labels import (
     stage_labels,
     stage_selector,
 )
+from omnistage_operator.model_source import source_init_container
 from omnistage_operator.pod_template import apply_pod_extras, hash_payload
 from omnistage_operator.serving import Serving, serving_args, serving_volume
 from omnistage_operator.spec import (
@@ -311,6 +312,9 @@ def pod_spec_hash(stage: StageSpec) -> str:
         payload["vllm"] = vllm_args(stage)
     if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
         payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
+    if stage.model.source is not None:  # (the same)
+        src = stage.model.source
+        payload["modelSource"] = [src.url, src.repo, src.revision, src.token_secret, src.token_key]
     if stage.worker.tls.enabled:  # (the same)
         payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
     extras = hash_payload(tpl.extras)  # (the same)
@@ -381,6 +385,16 @@ def build_worker_pod(
     level = stage.sleep_level if sleep_level is None else sleep_level
     spec = _pod_spec(stage, container, volumes, claim)
     apply_pod_extras(stage.template.extras, spec, container)
+    if stage.model.source is not None:  # fetch the model before anything else runs
+        fetch = source_init_container(
+            stage.model.source,
+            image=stage.image,
+            volume=MODEL_VOLUME,
+            mount_path=stage.model.mount_path,
+            dest=stage.model.path,
+            security_context=container["securityContext"],
+        )
+        spec["initContainers"] = [fetch, *spec.get("initContainers", [])]
     annotations = {
         **stage.template.annotations,
         INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
@@ -428,9 +442,11 @@ def _pod_volumes(
     if tls is not None:
         mounts.append(tls[0])
         volumes.append(tls[1])
-    if stage.model.volume is not None:
+    if stage.model.volume is not None or stage.model.source is not None:
+        # (spec.model.source without a volume: an emptyDir the init container fills)
+        held = dict(stage.model.volume) if stage.model.volume is not None else {"emptyDir": {}}
         mounts.append({"name": MODEL_VOLUME, "mountPath": stage.model.mount_path, "readOnly": True})
-        volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(dict(stage.model.volume))})
+        volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(held)})
     mounts += [copy.deepcopy(dict(m)) for m in tpl.volume_mounts]
     volumes += [copy.deepcopy(dict(v)) for v in tpl.volumes]
     return mounts, volumes

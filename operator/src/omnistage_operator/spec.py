@@ -23,7 +23,8 @@ Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``
     ``BACKENDS_FOR_RUNNER``; names the operator owns: ``RESERVED_ENV``, ``RESERVED_ARGS``,
     ``RESERVED_VOLUMES``, ``TOKEN_MOUNT_DIR``.
 Dataclasses (frozen; mapping-valued fields are excluded from hashing):
-    ``ModelSpec(path, mount_path, volume)``, ``Colocation(group, priority)``,
+    ``ModelSpec(path, mount_path, volume, source)`` (``source``:
+    :mod:`omnistage_operator.model_source`), ``Colocation(group, priority)``,
     ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype,
     http_port, tls)`` (``tls``: :mod:`omnistage_operator.worker_tls`),
     ``VllmSettings(max_model_len, gpu_memory_utilization, enforce_eager, max_num_seqs,
@@ -52,6 +53,7 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from omnistage_operator.activation import Activation, ActivationError, parse_activation
+from omnistage_operator.model_source import ModelSource, ModelSourceError, parse_model_source
 from omnistage_operator.pod_template import (
     SHM_MOUNT_PATH,
     SHM_VOLUME,
@@ -273,6 +275,8 @@ class ModelSpec:
     path: str
     mount_path: str = DEFAULT_MOUNT_PATH
     volume: Mapping[str, Any] | None = field(default=None, hash=False)
+    # spec.model.source: fetched into the volume by an init container (model_source.py).
+    source: ModelSource | None = None
 
 
 @dataclass(frozen=True)
@@ -498,7 +502,17 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
             "is a volume source (hostPath, persistentVolumeClaim, ...) "
             "without a name; the operator names it",
         )
-    return ModelSpec(path=model_path, mount_path=mount_path, volume=volume)
+    try:
+        source = parse_model_source(model)
+    except ModelSourceError as exc:
+        raise SpecError(exc.field, exc.message) from exc
+    claim = (volume or {}).get("persistentVolumeClaim") or {}
+    if source is not None and claim.get("readOnly") is True:
+        raise SpecError(
+            "spec.model.volume.persistentVolumeClaim.readOnly",
+            "must not be true with spec.model.source (the fetcher writes the model there)",
+        )
+    return ModelSpec(path=model_path, mount_path=mount_path, volume=volume, source=source)
 
 
 def _parse_colocation(spec: Mapping[str, Any]) -> Colocation:
