@@ -48,7 +48,12 @@ def test_default_renders_the_source_crd_kept_on_uninstall() -> None:
     source = yaml.safe_load(CRD_SOURCE.read_text())
     assert crd["metadata"]["name"] == CRD_NAME
     assert crd["metadata"]["annotations"] == {KEEP: "keep"}
-    assert crd["metadata"]["labels"] == source["metadata"]["labels"]
+    assert crd["metadata"]["labels"] == {
+        **source["metadata"]["labels"],
+        "app.kubernetes.io/instance": "omnistage-operator",
+        "app.kubernetes.io/managed-by": "Helm",
+        "helm.sh/chart": "omnistage-operator-0.1.0",
+    }
     assert crd["spec"] == source["spec"]
 
 
