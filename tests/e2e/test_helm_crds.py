@@ -104,14 +104,15 @@ def test_upgrade_applies_the_new_crd_and_keeps_stages(
         assert refused.returncode != 0 and f'unknown field "spec.{NEW_FIELD}"' in refused.stderr
 
         # Without adoption helm refuses: the CRD belongs to no release.
+        upgraded = next_chart(tmp_path)
         plain = cp.helm(
-            "upgrade", release.name, str(next_chart(tmp_path)), "-n", release.namespace,
+            "upgrade", release.name, str(upgraded), "-n", release.namespace,
             "--reuse-values", "--set", "crds.enabled=true,crds.keep=true", check=False,
         )  # fmt: skip
         assert plain.returncode != 0 and "exists and cannot be imported" in plain.stderr
         # CHANGELOG.md's command, as written.
         cp.helm(
-            "upgrade", release.name, str(next_chart(tmp_path)), "-n", release.namespace,
+            "upgrade", release.name, str(upgraded), "-n", release.namespace,
             "--reuse-values", "--set", "crds.enabled=true,crds.keep=true", "--take-ownership",
         )  # fmt: skip
         crd = cp.get_json("crd", CRD_NAME)
