@@ -74,9 +74,8 @@ class WorkerServer:
             ),
             self.server,
         )
-        self.health_server: grpc.aio.Server | None = None
-        if config.health_port is not None:
-            self.health_server = grpc.aio.server()
+        self.health_server = grpc.aio.server() if config.health_port is not None else None
+        if self.health_server is not None:
             health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.health_server)
         self._load_task: asyncio.Task[None] | None = None
         self.port = 0
