@@ -177,6 +177,7 @@ def test_the_full_template_reaches_an_admitted_restricted_pod(
         "seccompProfile": {"type": "RuntimeDefault"},
         "runAsUser": 65532,
         "fsGroup": 1000,
+        "fsGroupChangePolicy": "OnRootMismatch",
     }
     assert worker["securityContext"] == {
         "allowPrivilegeEscalation": False,

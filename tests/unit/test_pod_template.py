@@ -73,6 +73,7 @@ def test_given_security_keys_win_key_by_key() -> None:
         "runAsUser": 1000,
         "seccompProfile": {"type": "RuntimeDefault"},
         "fsGroup": 65532,
+        "fsGroupChangePolicy": "OnRootMismatch",
     }
     assert spec["containers"][0]["securityContext"] == {
         "allowPrivilegeEscalation": False,

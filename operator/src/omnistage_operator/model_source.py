@@ -75,6 +75,12 @@ def parse_model_source(model: Mapping[str, Any]) -> ModelSource | None:
     if secret is not None and not isinstance(secret, Mapping):
         raise ModelSourceError(f"{_PATH}.tokenSecret", "must be an object {name, key}")
     token = dict(secret or {})
+    claim = (model.get("volume") or {}).get("persistentVolumeClaim") or {}
+    if claim.get("readOnly") is True:
+        raise ModelSourceError(
+            "spec.model.volume.persistentVolumeClaim.readOnly",
+            "must not be true with spec.model.source (the fetcher writes the model there)",
+        )
     return ModelSource(
         url=_text(hub, "url", _URL),
         repo=_text(hub, "repo", _REPO),

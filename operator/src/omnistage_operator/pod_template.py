@@ -45,12 +45,14 @@ __all__ = [
 
 # fsGroup: the worker image's group (USER 65532:65532). The kubelet gives the pod's Secret
 # volumes to it, so the worker (non-root) can read its token and TLS key (mode 0400 otherwise
-# leaves them root's alone).
+# leaves them root's alone). OnRootMismatch: a model PVC already owned so is not walked again
+# at every pod start.
 WORKER_GROUP: Final = 65532
 DEFAULT_POD_SECURITY_CONTEXT: Final[Mapping[str, Any]] = {
     "runAsNonRoot": True,
     "seccompProfile": {"type": "RuntimeDefault"},
     "fsGroup": WORKER_GROUP,
+    "fsGroupChangePolicy": "OnRootMismatch",
 }
 DEFAULT_CONTAINER_SECURITY_CONTEXT: Final[Mapping[str, Any]] = {
     "allowPrivilegeEscalation": False,
@@ -142,6 +144,14 @@ def parse_pod_extras(template: Mapping[str, Any]) -> PodExtras:
     runtime_class = template.get("runtimeClassName")
     if runtime_class is not None and not isinstance(runtime_class, str):
         raise PodTemplateError(f"{_PATH}.runtimeClassName", "must be a string")
+    shm_size = _shm_size(template.get("shmSize"))
+    if shm_size is not None:
+        for i, mount in enumerate(_objects(template.get("volumeMounts"), f"{_PATH}.volumeMounts")):
+            if str(mount.get("mountPath", "")).rstrip("/") == SHM_MOUNT_PATH:
+                raise PodTemplateError(
+                    f"{_PATH}.volumeMounts[{i}].mountPath",
+                    f"{SHM_MOUNT_PATH} is mounted by the operator when shmSize is set",
+                )
     return PodExtras(
         security_context=_object(template.get("securityContext"), f"{_PATH}.securityContext"),
         container_security_context=_object(
@@ -155,7 +165,7 @@ def parse_pod_extras(template: Mapping[str, Any]) -> PodExtras:
         runtime_class_name=runtime_class or None,
         env_from=_objects(template.get("envFrom"), f"{_PATH}.envFrom"),
         init_containers=_init_containers(template.get("initContainers")),
-        shm_size=_shm_size(template.get("shmSize")),
+        shm_size=shm_size,
     )
 
 

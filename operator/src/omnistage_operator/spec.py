@@ -55,7 +55,6 @@ from typing import Any, TypeVar
 from omnistage_operator.activation import Activation, ActivationError, parse_activation
 from omnistage_operator.model_source import ModelSource, ModelSourceError, parse_model_source
 from omnistage_operator.pod_template import (
-    SHM_MOUNT_PATH,
     SHM_VOLUME,
     PodExtras,
     PodTemplateError,
@@ -506,12 +505,6 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
         source = parse_model_source(model)
     except ModelSourceError as exc:
         raise SpecError(exc.field, exc.message) from exc
-    claim = (volume or {}).get("persistentVolumeClaim") or {}
-    if source is not None and claim.get("readOnly") is True:
-        raise SpecError(
-            "spec.model.volume.persistentVolumeClaim.readOnly",
-            "must not be true with spec.model.source (the fetcher writes the model there)",
-        )
     return ModelSpec(path=model_path, mount_path=mount_path, volume=volume, source=source)
 
 
@@ -613,13 +606,6 @@ def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
         extras = parse_pod_extras(tpl)
     except PodTemplateError as exc:
         raise SpecError(exc.field, exc.message) from exc
-    if extras.shm_size is not None:
-        for i, mount in enumerate(mounts):
-            if str(mount.get("mountPath", "")).rstrip("/") == SHM_MOUNT_PATH:
-                raise SpecError(
-                    f"spec.template.volumeMounts[{i}].mountPath",
-                    f"{SHM_MOUNT_PATH} is mounted by the operator when shmSize is set",
-                )
     return TemplateOverrides(
         resources=resources,
         env=_list_of_objects(tpl.get("env"), "spec.template.env"),
