@@ -184,11 +184,19 @@ class GroupRunner(StatusPublisher):
             return None
         host = f"[{ip}]" if ":" in ip else ip
         target = f"{host}:{spec.worker.port}"
-        client = self._clients.get(target)
+        tls = spec.worker.tls.enabled  # spec.worker.tls: TLS, verified with --worker-tls-ca
+        key = f"{target}+tls" if tls else target
+        client = self._clients.get(key)
         if client is None:
             name = f"{service_name(spec.name)}.{namespace}.svc"  # what a worker certificate names
-            client = WorkerClient(target, token=self._token, ca_pem=self._ca, server_name=name)
-            self._clients[target] = client
+            client = WorkerClient(
+                target,
+                token=self._token,
+                ca_pem=self._ca if tls else None,
+                server_name=name,
+                tls=tls,
+            )
+            self._clients[key] = client
         return client
 
     def claim_for(self, spec: StageSpec) -> str | None:

@@ -100,6 +100,13 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve gRPC health in plaintext on this port, for kubelet probes beside a TLS "
+        "--port (default: off)",
+    )
+    p.add_argument(
         "--residual-slack",
         default=env.get("OMNISTAGE_RESIDUAL_SLACK") or str(DEFAULT_RESIDUAL_SLACK),
         help="bytes allowed above the baseline after a sleep (default $OMNISTAGE_RESIDUAL_SLACK, "
@@ -265,6 +272,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         token=token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        health_port=args.health_port,
         residual_slack=parse_byte_flag(args.residual_slack, "--residual-slack"),
         identity=Identity(
             stage=args.stage,
