@@ -141,6 +141,16 @@ class CausalLMRunner(TorchRunner):
     ) -> inference_service_pb2.GenerateResponse:
         return self.generate(request)
 
+    def warm_up(self) -> None:
+        """Two tokens through the batcher (a prefill and a decode step), outside the worker's
+        request accounting."""
+        request = inference_service_pb2.GenerateRequest(
+            request_id="omnistage-warm-up", prompt="warm up", max_new_tokens=2
+        )
+        started = time.monotonic()
+        self.submit(request).result()
+        log.info("warm-up: 2 tokens in %.3fs", time.monotonic() - started)
+
     def transient_bytes(self) -> int:
         return 0 if self._batcher is None else self._batcher.cache_bytes()
 
