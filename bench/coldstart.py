@@ -61,6 +61,7 @@ ACTIVATED = re.compile(
     r"model activated: (?P<bytes>\d+) weight bytes, \d+ bytes moved in (?P<s>[\d.]+)s"
 )
 WARM_UP = re.compile(r"warm-up: 2 tokens in (?P<s>[\d.]+)s")
+AHEAD = re.compile(r"weights streamed ahead: (?P<bytes>\d+) bytes in (?P<s>[\d.]+)s")
 # Reconnect fast while the worker is not listening yet (the default backoff starts at 1 s).
 CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 5),
@@ -80,6 +81,8 @@ def parse_log(text: str, spawned_unix: float) -> Json:
         out["weights_to_device_s"] = float(m["s"])
     if (m := WARM_UP.search(text)) is not None:
         out["warm_up_s"] = float(m["s"])
+    if (m := AHEAD.search(text)) is not None:
+        out["streamed_ahead_s"] = float(m["s"])
     return out
 
 
@@ -296,22 +299,35 @@ def main() -> None:
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache starts")
     parser.add_argument("--baseline-src", type=Path, help="another worker source to time once")
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (tests the script)")
+    parser.add_argument(
+        "--pycache",
+        type=Path,
+        help="let every process cache compiled bytecode here (PYTHONPYCACHEPREFIX, "
+        "PYTHONDONTWRITEBYTECODE unset), as the worker image has it: pip compiles its packages "
+        "at install; without it, a Python environment shipped without bytecode compiles torch "
+        "and transformers in every new process",
+    )
     args = parser.parse_args()
+    bytecode: Json = {"PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE")}
+    if args.pycache is not None:
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        os.environ["PYTHONPYCACHEPREFIX"] = str(args.pycache)
+        bytecode["PYTHONPYCACHEPREFIX"] = str(args.pycache)
     cuda = not args.tiny
     device = "cuda" if cuda else "cpu"
     args.workdir.mkdir(parents=True, exist_ok=True)
     model_dir = args.workdir / "llm"
-    report: Json = {"machine": machine(cuda), "command": " ".join(sys.argv)}
+    report: Json = {"machine": machine(cuda), "command": " ".join(sys.argv), "bytecode": bytecode}
     report["build"] = build(model_dir, args.tiny)
     report["limits"] = limits(model_dir, cuda)
     print("limits", json.dumps(report["limits"]), file=sys.stderr, flush=True)
-    report["warm"] = [
-        one_start(model_dir, device, args.workdir, f"warm{i}", None) for i in range(args.runs)
-    ]
+    report["warm"] = []
+    for i in range(args.runs):
+        report["warm"].append(one_start(model_dir, device, args.workdir, f"warm{i}", None))
+        save(report, args.out)
     if args.baseline_src is not None:
-        report["baseline"] = one_start(
-            model_dir, device, args.workdir, "baseline", args.baseline_src
-        )
+        src = args.baseline_src
+        report["baseline"] = one_start(model_dir, device, args.workdir, "baseline", src)
     if not args.no_cold:
         files = weight_files(model_dir)
         evict(files[:1])
@@ -320,11 +336,19 @@ def main() -> None:
         evict(files)
         report["resident_before_cold"] = resident_fraction(files)
         report["cold_evicted"] = one_start(model_dir, device, args.workdir, "evicted", None)
+        save(report, args.out)
         if not args.tiny and drop_all_caches():  # never on a shared development machine
             report["resident_before_dropped"] = resident_fraction(files)
             report["cold_dropped"] = one_start(model_dir, device, args.workdir, "dropped", None)
     report["summary"] = summarize(report)
     emit(report, args.out)
+
+
+def save(report: Json, out: Path | None) -> None:
+    """The report so far (a run cut short by its time limit still leaves its figures)."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
