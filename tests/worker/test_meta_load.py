@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.engine import WeightEngine, preload
+from omnistage_worker.engine import WeightEngine
 from omnistage_worker.runners.base import safetensors_in
 from omnistage_worker.runners.causal_lm import CausalLMRunner
 from omnistage_worker.runners.meta_model import build_on_meta
@@ -42,10 +42,6 @@ def _assert_same(model: Any, reference: Any) -> None:
         assert torch.equal(ours[name], tensor), name
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
-
-
-def _holds_buffer(ahead: preload.Preload) -> bool:
-    return ahead.flat is not None
 
 
 def test_built_on_meta_then_filled_from_the_files(lm_dir: Path) -> None:
@@ -106,53 +102,3 @@ def test_tied_embeddings_stay_one_tensor(tmp_path: Path) -> None:
     assert model.lm_head.weight.device.type == "cpu"
     _assert_same(model, _reference(tmp_path))
     engine.close()
-
-
-def test_weights_streamed_ahead_are_adopted_in_place(lm_dir: Path) -> None:
-    runner = _runner(lm_dir)
-    runner.stream_ahead()  # before transformers builds the model, as the worker does
-    ahead = preload.take(runner.device)
-    assert ahead is not None and ahead.flat is not None
-    streamed = ahead.flat.data_ptr()
-    preload._pending[runner.device] = ahead  # handed back for the engine to take
-    runner.load()
-    controller = runner.build_controller()
-    controller.activate()
-    assert not _holds_buffer(ahead)  # adopted, not copied
-    first = next(runner.model.parameters())
-    assert first.untyped_storage().data_ptr() == streamed
-    _assert_same(runner.model, _reference(lm_dir))
-    controller.sleep(1)
-    controller.wake()
-    _assert_same(runner.model, _reference(lm_dir))
-
-
-def test_a_stream_that_disagrees_is_freed_and_the_files_read_again(
-    lm_dir: Path, tmp_path: Path
-) -> None:
-    other = tmp_path / "other"
-    torch.manual_seed(2)
-    LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    ).save_pretrained(str(other))
-    runner = _runner(lm_dir)
-    ahead = preload.start(safetensors_in(other), runner.device)
-    runner.load()
-    runner.build_controller().activate()
-    assert not _holds_buffer(ahead)  # freed before the engine's own buffer was made
-    assert preload.take(runner.device) is None
-    _assert_same(runner.model, _reference(lm_dir))
-
-
-def test_a_failed_load_frees_the_stream(lm_dir: Path) -> None:
-    runner = _runner(lm_dir)
-    runner.stream_ahead()
-    runner.drop_stream_ahead()
-    assert preload.take(runner.device) is None

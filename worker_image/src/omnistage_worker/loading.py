@@ -12,7 +12,7 @@ from omnistage_worker import prestart
 from omnistage_worker.memory import build_probe, feed_accounting
 
 if TYPE_CHECKING:
-    from omnistage_worker.runners.base import ModelRunner, SleepController
+    from omnistage_worker.runners.base import SleepController
     from omnistage_worker.state import Worker
 
 log = logging.getLogger(__name__)
@@ -53,19 +53,6 @@ def _load_blocking(worker: Worker) -> None:
         log.info("device context measured: %d bytes (the residual baseline)", worker.baseline)
         prestart.mark("device context measured")
     log.info("loading model from %s", config.model)
-    try:
-        runner.stream_ahead()
-        _build_and_place(worker, runner, started)
-    except BaseException:
-        runner.drop_stream_ahead()
-        raise
-
-
-def _build_and_place(worker: Worker, runner: ModelRunner, started: float) -> None:
-    """The model built, its controller made, the weights placed (Active or asleep)."""
-    config = worker.config
-    probe = worker.probe
-    assert probe is not None
     runner.load()
     prestart.mark("model built")
     baseline = runner.residual_baseline()

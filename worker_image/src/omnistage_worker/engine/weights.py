@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from omnistage_worker.engine import preload
 from omnistage_worker.engine.attributes import AttributeTensor, attribute_tensors, unmovable
 from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture, release_in_background
 from omnistage_worker.engine.layout import CopyRun, Layout, SlotSpec, plan_layout
@@ -340,17 +339,12 @@ class WeightEngine:
         if self._placed:
             raise EngineError("activate() or start_asleep() was already called")
         started = time.perf_counter()
+        flat = self._new_flat()
         # The parallel reader beats a pageable copy of the loaded tensors (3x); a model built
         # on ``meta`` has nothing loaded: its bytes come from the files on any device.
         from_files = self._files_enabled and (self._cuda or self._on_meta())
-        ahead = preload.take(self.device) if from_files else None
-        flat = ahead.adopt(self._file_runs(), self.flat_bytes) if ahead is not None else None
-        if flat is not None:  # the stream's buffer, a little larger, is the flat buffer now
-            self._layout = Layout(self._layout.placements, flat.numel())
-        else:
-            flat = self._new_flat()
-            if from_files:
-                self._loader.load(self._file_runs(), flat)
+        if from_files:
+            self._loader.load(self._file_runs(), flat)
         for slot in self._slots:
             if not (from_files and slot.entry is not None):
                 self._view(flat, slot).copy_(slot.tensors[0].data, non_blocking=False)

@@ -162,13 +162,6 @@ class ModelRunner(ABC):
         the weights; 0 when idle."""
         return 0
 
-    def stream_ahead(self) -> None:  # noqa: B027 (most runners load their weights in load())
-        """Before :meth:`load`, after the residual baseline is measured: start moving the
-        weights to the device on background threads, for the controller to adopt."""
-
-    def drop_stream_ahead(self) -> None:  # noqa: B027
-        """Free what :meth:`stream_ahead` moved and nothing adopted (a failed load)."""
-
     def warm_up(self) -> None:  # noqa: B027 (a runner without a warm-up does nothing)
         """After activation, before the worker reports Active: run what makes the first
         request slow (kernel loading, library handles), so that request does not pay it."""

@@ -53,7 +53,6 @@ class CausalLMRunner(TorchRunner):
             self.resolve_dtype([self.model_dir], files)
             self.model = build_on_meta(self.model_dir, self.dtype, files)
             if self.model is None:
-                self.drop_stream_ahead()  # from_pretrained holds the weights on the host
                 kwargs: dict[str, Any] = {"local_files_only": True, "dtype": self.dtype}
                 if self.config.variant:
                     kwargs["variant"] = self.config.variant
@@ -67,20 +66,6 @@ class CausalLMRunner(TorchRunner):
             ", weights to be read from the files" if self.model.device.type == "meta" else "",
             time.monotonic() - started,
         )
-
-    def stream_ahead(self) -> None:
-        """An Active start on one device: the weight files stream to it while transformers
-        is imported and the model built (:mod:`omnistage_worker.engine.preload`)."""
-        files = self._files()
-        if self.config.initial_state == "active" and self.config.gpus == 1 and files:
-            from omnistage_worker.engine import preload
-
-            preload.start(files, self.device)
-
-    def drop_stream_ahead(self) -> None:
-        from omnistage_worker.engine import preload
-
-        preload.discard(self.device)
 
     def modules(self) -> Mapping[str, torch.nn.Module]:
         return {"model": self.model}
