@@ -1,9 +1,9 @@
 """A real kubelet + containerd node: it registers, runs the built images, tears down fully.
 
-Needs root, Debian's containerd, runc and containernetworking-plugins, the kubelet
-(``python -m tests.cluster.build --node``) and the images (``python -m tests.node.images pause
-operator``); ``make e2e-node`` does all of it. Nothing here is skipped: a missing piece fails
-with the command that provides it.
+Needs root, Debian's containerd, runc, iptables and containernetworking-plugins, the kubelet
+and kube-proxy (``python -m tests.cluster.build --node``) and the images (``python -m
+tests.node.images pause operator``); ``make e2e-node`` does all of it. Nothing here is
+skipped: a missing piece fails with the command that provides it.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests.cluster.build import K8S_VERSION, BuildError, find_kubelet
+from tests.cluster.build import K8S_VERSION, BuildError, find_kubelet, find_node_binary
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.podwait import wait_gone, wait_pod
 from tests.node.images import IMAGES, PAUSE, archive_path
@@ -27,14 +28,14 @@ OPERATOR = IMAGES["operator"]
 @pytest.fixture(scope="module")
 def real_node(control_plane: ControlPlane) -> Iterator[RealNode]:
     try:
-        kubelet = find_kubelet()
+        kubelet, proxy = find_kubelet(), find_node_binary("kube-proxy")
     except BuildError as exc:
         pytest.fail(str(exc), pytrace=False)
     archives = (archive_path(PAUSE), archive_path(OPERATOR))
     for archive in archives:
         if not archive.is_file():
             pytest.fail(f"{archive} is missing: run `make images`", pytrace=False)
-    with RealNode(control_plane, kubelet, archives) as node:
+    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy) as node:
         yield node
 
 
@@ -50,7 +51,7 @@ def test_kubelet_registers_a_ready_node_on_containerd(real_node: RealNode) -> No
     assert PAUSE.ref in held and OPERATOR.ref in held, held
 
 
-def _operator_pod(node: str) -> dict[str, object]:
+def _operator_pod(node: str) -> dict[str, Any]:
     """The operator image under the chart's security context, printing its flags and exiting."""
     return {
         "apiVersion": "v1",
@@ -111,6 +112,58 @@ def test_operator_image_runs_in_a_real_container(
     assert PAUSE.ref in sandboxes, sandboxes
     control_plane.kubectl("delete", "pod", "operator-image", "-n", namespace, "--wait=false")
     wait_gone(control_plane, namespace, "operator-image", timeout=60)
+
+
+# Run in the operator image: kr8s's in-cluster configuration (the Service's environment, the
+# projected token and CA), as the operator itself connects; SelfSubjectReview needs no RBAC.
+_WHOAMI = """
+import asyncio, json, os
+import kr8s.asyncio
+
+async def main():
+    api = await kr8s.asyncio.api()
+    body = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+    async with api.call_api(
+        "POST", version="authentication.k8s.io/v1", url="selfsubjectreviews", content=body
+    ) as r:
+        user = r.json()["status"]["userInfo"]["username"]
+    with open("/dev/termination-log", "w") as out:
+        print(os.environ["KUBERNETES_SERVICE_HOST"], user, file=out)
+
+asyncio.run(main())
+"""
+
+
+def test_a_pod_reads_the_api_through_the_kubernetes_service(
+    real_node: RealNode, control_plane: ControlPlane, namespace: str
+) -> None:
+    """The API server advertises the host's address; kube-proxy routes the ClusterIP to it."""
+    endpoints = control_plane.get_json("endpointslices", namespace="default")["items"]
+    addresses = [a for e in endpoints for ep in e["endpoints"] for a in ep["addresses"]]
+    assert addresses == [control_plane.advertise_ip], addresses
+    pod = _operator_pod(real_node.name)
+    pod["metadata"]["name"] = "api-reader"
+    pod["spec"]["automountServiceAccountToken"] = True
+    pod["spec"]["containers"][0]["command"] = ["python3", "-c", _WHOAMI]
+    del pod["spec"]["containers"][0]["args"]
+    control_plane.apply(pod, namespace=namespace)
+    done = wait_pod(
+        control_plane,
+        namespace,
+        "api-reader",
+        lambda p: p.get("status", {}).get("phase") in ("Succeeded", "Failed"),
+        "finished",
+        timeout=180,
+    )
+    state = done["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+    service = control_plane.get_json("service", "kubernetes", namespace="default")
+    assert state["message"].split() == [
+        service["spec"]["clusterIP"],
+        f"system:serviceaccount:{namespace}:default",
+    ], state["message"]
+    control_plane.kubectl("delete", "pod", "api-reader", "-n", namespace, "--wait=false")
+    wait_gone(control_plane, namespace, "api-reader", timeout=60)
 
 
 def test_teardown_leaves_nothing(real_node: RealNode) -> None:
