@@ -84,7 +84,7 @@ def test_restricted_namespace_admits_the_worker_pods_the_operator_builds(
     # a hostPath model volume (the CPU examples') is the user's choice restricted refuses
     host = {"hostPath": {"path": "/models", "type": "Directory"}}
     refused = _dry_run(control_plane, namespace, _worker_pod(namespace, host))
-    assert "hostPath volumes" in refused, refused
+    assert 'restricted volume type "hostPath"' in refused, refused
 
 
 def _chart_operator_pod(control_plane: ControlPlane, namespace: str) -> dict[str, Any]:
