@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import re
@@ -138,9 +139,13 @@ def images_dir() -> Path:
 
 
 def store_flags() -> list[str]:
-    """buildah's global flags putting its image store under the cache root."""
-    root = cache_root() / "containers"
-    return ["--root", str(root / "storage"), "--runroot", "/run/omnistage-containers"]
+    """buildah's global flags putting its image store under the cache root (another cache
+    root on the same machine gets its own run directory: stores never share one)."""
+    root = cache_root()
+    runroot = "/run/omnistage-containers"
+    if root != Path.home() / ".cache" / "omnistage":
+        runroot += "-" + hashlib.sha256(str(root).encode()).hexdigest()[:8]
+    return ["--root", str(root / "containers" / "storage"), "--runroot", runroot]
 
 
 def buildah_env() -> dict[str, str]:

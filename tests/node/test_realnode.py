@@ -18,6 +18,7 @@ import pytest
 from tests.cluster.build import K8S_VERSION, BuildError, find_kubelet, find_node_binary
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.podwait import wait_gone, wait_pod
+from tests.node.chart import enforce_restricted, install_on_node, operator_pod
 from tests.node.images import IMAGES, PAUSE, archive_path
 from tests.node.realnode import RealNode
 
@@ -164,6 +165,61 @@ def test_a_pod_reads_the_api_through_the_kubernetes_service(
     ], state["message"]
     control_plane.kubectl("delete", "pod", "api-reader", "-n", namespace, "--wait=false")
     wait_gone(control_plane, namespace, "api-reader", timeout=60)
+
+
+def _stage(node: str) -> dict[str, Any]:
+    """A stage without a GPU on the real node (its worker image need not be there)."""
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniStage",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "runner": "AR",
+            "backend": "Transformers",
+            "image": IMAGES["worker"].ref,
+            "model": {"path": "/models/m", "mountPath": "/models", "volume": {"emptyDir": {}}},
+            "state": "Active",
+            "colocation": {"group": "g"},
+            "gpus": 0,
+            "worker": {"device": "cpu"},
+            "template": {"nodeSelector": {"kubernetes.io/hostname": node}},
+        },
+    }
+
+
+def test_helm_installs_the_operator_on_the_node_under_restricted_pod_security(
+    real_node: RealNode, control_plane: ControlPlane
+) -> None:
+    """The chart's operator runs in its container on the node, reaches the API through the
+    ``kubernetes`` Service and serves a stage; both namespaces enforce ``restricted``."""
+    release_ns = control_plane.create_namespace("omnistage-system")
+    stages = control_plane.create_namespace("stages")
+    for ns in (release_ns, stages):
+        enforce_restricted(control_plane, ns)
+    release = install_on_node(control_plane, real_node.name, release_ns, [stages])
+    try:
+        pod = operator_pod(control_plane, release)
+        assert pod["spec"]["nodeName"] == real_node.name
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        control_plane.apply(_stage(real_node.name), namespace=stages)
+        worker = wait_pod(
+            control_plane,
+            stages,
+            "tiny-worker",
+            lambda p: p["spec"].get("nodeName") == real_node.name,
+            "created by the operator and scheduled on the node",
+            timeout=120,
+        )
+        assert worker["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert control_plane.get_json("service", "tiny-worker", namespace=stages)
+        # deleted while the operator runs: it releases its finalizer
+        control_plane.kubectl("delete", "omnistage", "tiny", "-n", stages, "--timeout=120s")
+    finally:
+        control_plane.helm("uninstall", release.name, "--namespace", release_ns, "--wait")
+        unfinalize = ["--type", "merge", "-p", '{"metadata":{"finalizers":null}}']
+        control_plane.kubectl("patch", "omnistage", "tiny", "-n", stages, *unfinalize, check=False)
+        for ns in (stages, release_ns):
+            control_plane.delete_namespace(ns)
 
 
 def test_teardown_leaves_nothing(real_node: RealNode) -> None:

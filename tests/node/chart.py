@@ -1,0 +1,77 @@
+"""The operator chart installed on the real node with the operator image built here.
+
+``install_on_node`` runs ``helm install`` of ``charts/omnistage-operator`` with the image
+``make images`` imported into the node's runtime (``imagePullPolicy: Never``: nothing is
+pulled), the operator pinned to the node, serving the given namespaces. ``operator_pod`` waits
+until the release's pod is Ready (its startup and readiness probes passed: kopf runs and talks
+to the API server through the ``kubernetes`` Service) and returns it.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.podwait import is_ready
+from tests.e2e.test_helm_support import InstalledRelease, check_chart_crd_copy, describe_release
+from tests.node.images import IMAGES, VERSION
+from tests.unit.test_chart_support import CHART_DIR
+
+OPERATOR_IMAGE = IMAGES["operator"]
+PSS_ENFORCE = "pod-security.kubernetes.io/enforce"
+
+
+def enforce_restricted(cp: ControlPlane, namespace: str) -> None:
+    """Label ``namespace`` to enforce the restricted Pod Security Standard."""
+    cp.kubectl("label", "namespace", namespace, f"{PSS_ENFORCE}=restricted", "--overwrite")
+
+
+def node_values(node: str, watch: list[str]) -> dict[str, Any]:
+    """Chart values: the local operator image, one replica on ``node``, serving ``watch``."""
+    return {
+        "image": {
+            "repository": OPERATOR_IMAGE.ref.rsplit(":", 1)[0],
+            "tag": VERSION,
+            "pullPolicy": "Never",
+        },
+        "replicaCount": 1,
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "watch": {"namespaces": watch},
+    }
+
+
+def install_on_node(
+    cp: ControlPlane, node: str, namespace: str, watch: list[str], name: str = "omni"
+) -> InstalledRelease:
+    """``helm install`` the chart into ``namespace`` with :func:`node_values`."""
+    check_chart_crd_copy()
+    with tempfile.TemporaryDirectory(prefix="omnistage-values-") as tmp:
+        values = Path(tmp) / "values.yaml"
+        values.write_text(yaml.safe_dump(node_values(node, watch)))
+        cp.helm("install", name, str(CHART_DIR), "--namespace", namespace, "--values", str(values))
+    return describe_release(cp, name, namespace)
+
+
+def operator_pod(cp: ControlPlane, release: InstalledRelease, timeout: float = 240) -> Any:
+    """The release's operator pod once Ready; on timeout, fail with its status and log."""
+    selector = f"app.kubernetes.io/instance={release.name},app.kubernetes.io/component=operator"
+    deadline = time.monotonic() + timeout
+    pods: list[Any] = []
+    while time.monotonic() < deadline:
+        pods = cp.get_json("pods", "-l", selector, namespace=release.namespace)["items"]
+        ready = [p for p in pods if is_ready(p)]
+        if ready:
+            return ready[0]
+        time.sleep(0.5)
+    logs = ""
+    if pods:
+        name = pods[0]["metadata"]["name"]
+        logs = cp.kubectl("logs", name, "-n", release.namespace, "--tail=40", check=False).stdout
+    status = json.dumps([p.get("status") for p in pods], indent=1)[:3000]
+    raise AssertionError(f"no Ready operator pod in {timeout:.0f}s: {status}\n{logs}")
