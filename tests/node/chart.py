@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,14 @@ def install_on_node(
     return describe_release(cp, name, namespace)
 
 
-def operator_pod(cp: ControlPlane, release: InstalledRelease, timeout: float = 240) -> Any:
-    """The release's operator pod once Ready; on timeout, fail with its status and log."""
+def operator_pod(
+    cp: ControlPlane,
+    release: InstalledRelease,
+    logs: Callable[[str, str], str],
+    timeout: float = 240,
+) -> Any:
+    """The release's operator pod once Ready; on timeout or a second restart, fail with its
+    container statuses and ``logs(namespace, pod)``."""
     selector = f"app.kubernetes.io/instance={release.name},app.kubernetes.io/component=operator"
     deadline = time.monotonic() + timeout
     pods: list[Any] = []
@@ -68,10 +75,13 @@ def operator_pod(cp: ControlPlane, release: InstalledRelease, timeout: float = 2
         ready = [p for p in pods if is_ready(p)]
         if ready:
             return ready[0]
+        if any(s.get("restartCount", 0) >= 2 for p in pods for s in _statuses(p)):
+            break
         time.sleep(0.5)
-    logs = ""
-    if pods:
-        name = pods[0]["metadata"]["name"]
-        logs = cp.kubectl("logs", name, "-n", release.namespace, "--tail=40", check=False).stdout
-    status = json.dumps([p.get("status") for p in pods], indent=1)[:3000]
-    raise AssertionError(f"no Ready operator pod in {timeout:.0f}s: {status}\n{logs}")
+    text = "\n".join(logs(release.namespace, p["metadata"]["name"]) for p in pods)
+    status = json.dumps([_statuses(p) for p in pods], indent=1)[:3000]
+    raise AssertionError(f"no Ready operator pod: {status}\n{text}")
+
+
+def _statuses(pod: Any) -> list[Any]:
+    return list((pod.get("status") or {}).get("containerStatuses") or [])

@@ -292,6 +292,15 @@ class RealNode(Lifecycle):
         """The log file of ``kubelet`` or ``containerd``."""
         return self.layout.state / "logs" / f"{component}.log"
 
+    def container_logs(self, namespace: str, pod: str, tail: int = 40) -> str:
+        """The last lines of each container log of a pod, read on the node (kubectl logs
+        needs the API server to hold a kubelet client certificate, which it does not)."""
+        found = []
+        for path in sorted((self.layout.state / "pods-logs").glob(f"{namespace}_{pod}_*/*/*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-tail:]
+            found.append(f"== {path.parent.name}/{path.name}\n" + "\n".join(lines))
+        return "\n".join(found)
+
     # ---- teardown --------------------------------------------------------------------------
     def stop(self) -> None:
         """Tear everything down (idempotent); see the module docstring."""

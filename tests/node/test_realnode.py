@@ -198,18 +198,23 @@ def test_helm_installs_the_operator_on_the_node_under_restricted_pod_security(
         enforce_restricted(control_plane, ns)
     release = install_on_node(control_plane, real_node.name, release_ns, [stages])
     try:
-        pod = operator_pod(control_plane, release)
+        pod = operator_pod(control_plane, release, real_node.container_logs)
         assert pod["spec"]["nodeName"] == real_node.name
         assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
         control_plane.apply(_stage(real_node.name), namespace=stages)
-        worker = wait_pod(
-            control_plane,
-            stages,
-            "tiny-worker",
-            lambda p: p["spec"].get("nodeName") == real_node.name,
-            "created by the operator and scheduled on the node",
-            timeout=120,
-        )
+        try:
+            worker = wait_pod(
+                control_plane,
+                stages,
+                "tiny-worker",
+                lambda p: p["spec"].get("nodeName") == real_node.name,
+                "created by the operator and scheduled on the node",
+                timeout=120,
+            )
+        except AssertionError as exc:
+            stage = control_plane.get_json("omnistage", "tiny", namespace=stages)
+            logs = real_node.container_logs(release_ns, pod["metadata"]["name"], tail=60)
+            raise AssertionError(f"{exc}\nstage status: {stage.get('status')}\n{logs}") from None
         assert worker["spec"]["securityContext"]["runAsNonRoot"] is True
         assert control_plane.get_json("service", "tiny-worker", namespace=stages)
         # deleted while the operator runs: it releases its finalizer
