@@ -51,11 +51,17 @@ SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """One image `make images` builds: its Dockerfile, target and local name."""
+    """One image `make images` builds: its Dockerfile, target and local name.
+
+    ``layers``: reuse buildah's layer cache. buildah keys a RUN's cache on its text and parent
+    layer, not on what it bind-mounts from another stage (``--mount=type=bind,from=build``),
+    so a cached install would keep stale sources, and a cached build stage cannot be mounted
+    at all; the operator (about a minute) is built afresh each time."""
 
     name: str
     dockerfile: str
     target: str | None
+    layers: bool = True
 
     @property
     def ref(self) -> str:
@@ -65,7 +71,7 @@ class ImageSpec:
 
 PAUSE = ImageSpec("omnistage-pause", "tests/node/pause", None)
 IMAGES: dict[str, ImageSpec] = {
-    "operator": ImageSpec("omnistage-operator", "operator/Dockerfile", None),
+    "operator": ImageSpec("omnistage-operator", "operator/Dockerfile", None, layers=False),
     "worker": ImageSpec("omnistage-worker", "worker_image/Dockerfile", "worker"),
 }
 
@@ -112,15 +118,6 @@ def parse_size(text: str) -> int:
 
 
 BASE_ARGS = ("PYTHON_IMAGE", "CUDA_IMAGE")
-# What the Dockerfiles COPY of this repository: its digest is the SOURCE_DIGEST build argument.
-SOURCES = (
-    "pyproject.toml",
-    "README.md",
-    "constraints.txt",
-    "protos/gen/python",
-    "operator/src",
-    "worker_image/src",
-)
 
 
 def declared_args(dockerfile: str) -> set[str]:
@@ -128,46 +125,19 @@ def declared_args(dockerfile: str) -> set[str]:
     return set(re.findall(r"^\s*ARG\s+([A-Za-z_]\w*)", dockerfile, re.MULTILINE))
 
 
-def source_digest(files: dict[str, bytes]) -> str:
-    """16 hex digits over relative paths and contents (``files``: path -> bytes)."""
-    h = hashlib.sha256()
-    for path in sorted(files):
-        h.update(path.encode() + b"\0" + hashlib.sha256(files[path]).digest())
-    return h.hexdigest()[:16]
-
-
-def bud_command(
-    spec: ImageSpec, base: str, store: list[str], declared: set[str], digest: str = ""
-) -> list[str]:
-    """The ``buildah bud`` command building ``spec`` with ``base`` as each base it declares.
-
-    A Dockerfile that declares ``SOURCE_DIGEST`` gets ``digest``: buildah's layer cache keys a
-    RUN on its text and parent layer, not on what it bind-mounts from another stage, so
-    without it an install of changed sources would be taken from the cache, stale."""
-    cmd = ["buildah", *store, "bud", "--layers", "--network", "host", "--format", "oci"]
+def bud_command(spec: ImageSpec, base: str, store: list[str], declared: set[str]) -> list[str]:
+    """The ``buildah bud`` command building ``spec`` with ``base`` as each base it declares."""
+    cache = ["--layers"] if spec.layers else ["--layers=false", "--no-cache"]
+    cmd = ["buildah", *store, "bud", *cache, "--network", "host", "--format", "oci"]
     for arg in BASE_ARGS:
         if arg in declared:
             cmd += ["--build-arg", f"{arg}={base}"]
-    if "SOURCE_DIGEST" in declared:
-        cmd += ["--build-arg", f"SOURCE_DIGEST={digest}"]
     if spec.target:
         cmd += ["--target", spec.target]
     return [*cmd, "-f", spec.dockerfile, "-t", spec.ref, "."]
 
 
 # --- I/O -------------------------------------------------------------------------------------
-
-
-def _source_files() -> dict[str, bytes]:
-    """The files of :data:`SOURCES` (caches left out, as .dockerignore does)."""
-    files: dict[str, bytes] = {}
-    for entry in SOURCES:
-        root = REPO_ROOT / entry
-        paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-        for path in paths:
-            if "__pycache__" not in path.parts:
-                files[str(path.relative_to(REPO_ROOT))] = path.read_bytes()
-    return files
 
 
 def images_dir() -> Path:
@@ -335,7 +305,7 @@ def build_image(spec: ImageSpec, base: str) -> BuildRecord:
     """Build ``spec`` with buildah and write its OCI archive; the record (also printed)."""
     started = time.monotonic()
     declared = declared_args((REPO_ROOT / spec.dockerfile).read_text())
-    _run(bud_command(spec, base, store_flags(), declared, source_digest(_source_files())))
+    _run(bud_command(spec, base, store_flags(), declared))
     return _record(spec, time.monotonic() - started)
 
 
