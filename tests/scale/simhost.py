@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -165,12 +166,28 @@ async def _main(socket_path: Path) -> None:
         await done.wait()
 
 
+def _without_torch() -> None:
+    """The product's sharded-engine module (which imports torch, hundreds of MiB per host) is
+    only read to ask whether a controller spans devices; no simulated stage does, so it is
+    replaced by a module whose ShardedEngine nothing is an instance of."""
+    stub = types.ModuleType("omnistage_worker.engine.sharded")
+
+    class ShardedEngine:  # a simulated stage is never sharded
+        pass
+
+    stub.ShardedEngine = ShardedEngine  # type: ignore[attr-defined]
+    sys.modules.setdefault(stub.__name__, stub)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.scale.simhost", description=__doc__)
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--worker-log-level", default="WARNING", help="the workers' own logs")
     args = parser.parse_args(argv)
     os.environ[PROBE_ENV] = "tests.scale.simgpu:probe_for"
+    _without_torch()
+    logging.getLogger("omnistage_worker").setLevel(args.worker_log_level)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
