@@ -131,7 +131,8 @@ async def _serve(args: argparse.Namespace) -> None:
     )
     if ready.is_set():
         print(
-            f"localnode ready: {', '.join(n.name for n in nodes)} (state {args.state_dir})",
+            f"localnode ready: {len(nodes)} node(s) {nodes[0].name}..{nodes[-1].name} "
+            f"(state {args.state_dir})",
             flush=True,
         )
         await asyncio.wait({main, stopper}, return_when=asyncio.FIRST_COMPLETED)
