@@ -144,6 +144,7 @@ class Probe:
             "api_requests_per_round": round(sum(reqs.values()) / max(total_rounds, 1), 2),
             "api_objects_per_round": round(sum(objs.values()) / max(total_rounds, 1), 2),
             "api_objects_per_round_max_group": round(max(per_group, default=0.0), 2),
+            "api_objects_max_group": round(max(objs.values(), default=0.0), 1),
             "api_requests_per_s": round(sum(reqs.values()) / max(seconds, 1e-6), 1),
             "api_objects_per_s": round(sum(objs.values()) / max(seconds, 1e-6), 1),
             "operator_cpu_s": round(cpu, 2),
@@ -281,6 +282,7 @@ async def _storms(
     out: dict[str, Any] = {}
     try:
         fleet.start_watch()
+        setup_before = probe.snapshot()
         t0 = time.monotonic()
         manifests = []
         for i, g in enumerate(names):
@@ -299,6 +301,7 @@ async def _storms(
         await fleet.settle("a", "b", names, 300)
         out["setup"] = {"create_s": round(created, 1), "all_asleep_s": round(pods_s, 1),
                         "first_wake_s": round(time.monotonic() - t0 - pods_s, 1)}  # fmt: skip
+        out["setup"].update(Probe.delta(setup_before, probe.snapshot(), time.monotonic() - t0))
         print(f"[scale] setup {out['setup']}", flush=True)
 
         async def measured(label: str, storm: Awaitable[dict[str, Any]]) -> None:
