@@ -89,6 +89,7 @@ class _Loop:
     task: asyncio.Task[None] | None = None
     followup: asyncio.TimerHandle | None = None
     backoff_s: float = 0.2
+    last_round: float = float("-inf")  # monotonic end of the group's last round
 
 
 class GroupRunner(StatusPublisher):
@@ -350,6 +351,15 @@ class GroupRunner(StatusPublisher):
         if loop.task is None or loop.task.done():
             loop.task = asyncio.create_task(self._run(namespace, group, loop))
 
+    def resync(self, namespace: str, group: str, interval_s: float) -> None:
+        """A resync timer fired (one per stage): kick the group unless one of its rounds ended
+        within most of ``interval_s``, so a group gets one resync round per interval whatever
+        its stage count, and none while events keep it busy."""
+        loop = self._loops.get((namespace, group))
+        if loop is not None and time.monotonic() - loop.last_round < 0.9 * interval_s:
+            return
+        self.kick(namespace, group)
+
     def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
         if loop.followup is not None:
             loop.followup.cancel()
@@ -360,6 +370,7 @@ class GroupRunner(StatusPublisher):
             loop.dirty.clear()
             try:
                 busy = await self.round(namespace, group)
+                loop.last_round = time.monotonic()
             except Exception:
                 log.exception("round of group %s/%s failed; retrying", namespace, group)
                 metrics.ROUNDS.labels(namespace, group, "error").inc()
