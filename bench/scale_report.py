@@ -82,3 +82,39 @@ def write_svg(runs: list[dict[str, Any]], path: Path) -> None:
     out.append(f'<text x="{W / 2}" y="{H - 15}" text-anchor="middle">stages</text>')
     out.append("</svg>")
     path.write_text("\n".join(out) + "\n")
+
+
+STORM_NAMES = ("ondemand", "handover", "handover_again", "leader_kill", "unresponsive")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The README's table of a scale.json: one row per size, replicas and storm."""
+    rows = [
+        "| stages (nodes) | replicas | storm | groups | converge s | overhead p50 / p95 / p99 s "
+        "| API requests / round | objects / round (max group) | API requests/s | operator CPU s "
+        "| RSS MiB | watch lag p99 s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in result["runs"]:
+        for name in STORM_NAMES:
+            s = run.get(name)
+            if not s:
+                continue
+            o = s.get("overhead_s") or {}
+            lag = (s.get("watch_lag_s") or {}).get("p99", "-")
+            frozen = f" ({s['frozen_groups']} frozen)" if s.get("frozen_groups") else ""
+            rows.append(
+                f"| {run['stages']} ({run['nodes']}) | {run['replicas']} | {name}{frozen} "
+                f"| {s['groups']} | {s['converge_s']} | {o.get('p50')} / {o.get('p95')} / "
+                f"{o.get('p99')} | {s['api_requests_per_round']} | {s['api_objects_per_round']} "
+                f"({s['api_objects_per_round_max_group']}) | {s['api_requests_per_s']} "
+                f"| {s['operator_cpu_s']} | {s['operator_rss_mib']} | {lag} |"
+            )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())))
