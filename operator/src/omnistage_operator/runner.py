@@ -28,6 +28,7 @@ from omnistage_operator.builders import (
     pod_claim_name,
     service_name,
 )
+from omnistage_operator.claim_slices import allocated_uuids
 from omnistage_operator.demand_watch import DemandWatcher
 from omnistage_operator.facts import AckFacts
 from omnistage_operator.handover import (
@@ -40,7 +41,6 @@ from omnistage_operator.kube import (
     CLAIMS,
     OMNISTAGE,
     PODS,
-    RESOURCE_SLICES,
     SECRETS,
     SERVICES,
     Kube,
@@ -52,7 +52,6 @@ from omnistage_operator.peaks import StagePeaks
 from omnistage_operator.pods import (
     TERMINAL_PHASES,
     CrashBackoff,
-    claim_device_uuids,
 )
 from omnistage_operator.port import KubeGroupPort
 from omnistage_operator.publisher import StatusPublisher
@@ -91,6 +90,7 @@ class _Loop:
     task: asyncio.Task[None] | None = None
     followup: asyncio.TimerHandle | None = None
     backoff_s: float = 0.2
+    last_round: float = float("-inf")  # monotonic end of the group's last round
 
 
 class GroupRunner(StatusPublisher):
@@ -224,19 +224,12 @@ class GroupRunner(StatusPublisher):
             cached = self._claims.get(cache_key)
             if cached is not None and cached[0] == uid:
                 return cached[1]  # an allocation does not change while the claim lives
-            results = ((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}
-            drivers = {r.get("driver") for r in results.get("results") or () if r.get("driver")}
-            slices: list[dict[str, Any]] = []
-            for driver in sorted(drivers):
-                slices += await self.kube.list_cluster(
-                    RESOURCE_SLICES, field_selector=f"spec.driver={driver}"
-                )
+            uuids = await allocated_uuids(self.kube, claim)
         except KubeError as exc:
             if cache_key not in self._claim_errors:
                 self._claim_errors.add(cache_key)
                 log.warning("%s: device identity not checked: %s", cache_key, exc)
             return None
-        uuids = claim_device_uuids(claim, slices)
         if uuids is not None:
             self._claims[cache_key] = (uid, uuids)
         return uuids
@@ -377,6 +370,15 @@ class GroupRunner(StatusPublisher):
         if loop.task is None or loop.task.done():
             loop.task = asyncio.create_task(self._run(namespace, group, loop))
 
+    def resync(self, namespace: str, group: str, interval_s: float) -> None:
+        """A resync timer fired (one per stage): kick the group unless one of its rounds ended
+        within most of ``interval_s``, so a group gets one resync round per interval whatever
+        its stage count, and none while events keep it busy."""
+        loop = self._loops.get((namespace, group))
+        if loop is not None and time.monotonic() - loop.last_round < 0.9 * interval_s:
+            return
+        self.kick(namespace, group)
+
     def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
         if loop.followup is not None:
             loop.followup.cancel()
@@ -387,6 +389,7 @@ class GroupRunner(StatusPublisher):
             loop.dirty.clear()
             try:
                 busy = await self.round(namespace, group)
+                loop.last_round = time.monotonic()
             except Exception:
                 log.exception("round of group %s/%s failed; retrying", namespace, group)
                 metrics.ROUNDS.labels(namespace, group, "error").inc()
