@@ -114,6 +114,7 @@ DEFAULT_PRIORITY = 0
 DEFAULT_GPUS = 1
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_METRICS_PORT = 9464
 DEFAULT_DRAIN_TIMEOUT_S = 600
 MIN_DRAIN_TIMEOUT_S, MAX_DRAIN_TIMEOUT_S = 1, 86400
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
@@ -160,6 +161,7 @@ RESERVED_ARGS = frozenset(
         "--activation",
         "--hold-timeout",
         "--http-port",
+        "--metrics-port",
         "--residual-slack",
         "--epoch",
         "--stage",
@@ -281,6 +283,7 @@ class WorkerSettings:
     args: tuple[str, ...] = ()
     dtype: str | None = None
     http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP API
+    metrics_port: int = DEFAULT_METRICS_PORT  # Prometheus /metrics
 
 
 @dataclass(frozen=True)
@@ -514,7 +517,15 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     args = _strings(worker.get("args"), "spec.worker.args")
     dtype = _string(worker.get("dtype"), "spec.worker.dtype")
     http_port = _int(worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT)
-    return WorkerSettings(port=port, device=device, args=args, dtype=dtype, http_port=http_port)
+    metrics_port = _int(worker.get("metricsPort"), "spec.worker.metricsPort", DEFAULT_METRICS_PORT)
+    return WorkerSettings(
+        port=port,
+        device=device,
+        args=args,
+        dtype=dtype,
+        http_port=http_port,
+        metrics_port=metrics_port,
+    )
 
 
 def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
