@@ -70,13 +70,16 @@ def test_nothing_rendered_by_default() -> None:
     names = {o["metadata"]["name"] for o in select(objs, "NetworkPolicy")}
     assert not any(n.endswith("worker-metrics") for n in names)
     args = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--log-format=text" in args
+    assert not any(a.startswith("--log-format") for a in args)  # text: the operator's default
 
 
 def test_enabled_objects() -> None:
     objs = render(ON)
     args = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--log-format=json" in args
+    from omnistage_operator.settings import parse_settings
+
+    assert parse_settings(args, {}).log_format == "json"  # the operator takes what is rendered
     dashboard = one(objs, "ConfigMap", NAMESPACE)
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     board = json.loads(dashboard["data"]["omnistage.json"])
