@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +21,7 @@ def restore_root() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    logging.captureWarnings(False)
 
 
 def test_json_lines_carry_fields_extras_and_tracebacks(restore_root: None) -> None:
@@ -36,9 +38,13 @@ def test_json_lines_carry_fields_extras_and_tracebacks(restore_root: None) -> No
     logging.getLogger("kopf.objects").warning(
         "handler", extra={"k8s_ref": {"name": "a"}, "k8s_skip": False}
     )
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("version not supported", UserWarning, stacklevel=1)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert len(lines) == 3
-    ack, failed, kopf = lines
+    assert len(lines) == 4
+    ack, failed, kopf, warned = lines
+    assert warned["logger"] == "py.warnings" and "version not supported" in warned["message"]
     assert ack["level"] == "INFO" and ack["logger"] == "omnistage_worker.sleep_wake"
     assert (ack["message"], ack["task_id"], ack["epoch"], ack["stage"]) == (
         "ack t-1",

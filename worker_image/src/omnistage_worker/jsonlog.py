@@ -60,7 +60,8 @@ def configure_logging(
     stream: TextIO, level: str, form: str, fields: Mapping[str, Any] | None = None
 ) -> None:
     """The root logger writes ``form`` (text or json) lines at ``level`` to ``stream``;
-    handlers set before are replaced."""
+    handlers set before are replaced. Python warnings become log records too (logger
+    ``py.warnings``), so a JSON log holds nothing but JSON lines."""
     if form not in LOG_FORMATS:
         raise ValueError(f"log format {form!r} (one of {', '.join(LOG_FORMATS)})")
     handler = logging.StreamHandler(stream)
@@ -71,3 +72,4 @@ def configure_logging(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.captureWarnings(True)
