@@ -179,15 +179,18 @@ async def test_seed_determinism_and_n(text: openai.AsyncOpenAI) -> None:
     assert a.choices[0].text == b.choices[0].text
     assert a.choices[0].text != other.choices[0].text
     three = await ask(7, n=3)
+    ninth = await ask(9)
     assert [c.index for c in three.choices] == [0, 1, 2]
     # choice i is the generation with seed + i
     assert [c.text for c in three.choices] == [
         a.choices[0].text,
         other.choices[0].text,
-        (await ask(9)).choices[0].text,
+        ninth.choices[0].text,
     ]
-    assert three.usage is not None
-    assert three.usage.prompt_tokens == 2 and three.usage.completion_tokens == 36
+    assert three.usage is not None and a.usage and other.usage and ninth.usage
+    singles = [a.usage, other.usage, ninth.usage]
+    assert three.usage.prompt_tokens == 2  # the prompt counts once
+    assert three.usage.completion_tokens == sum(u.completion_tokens for u in singles)
     streamed = await text.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "the cat"}],
