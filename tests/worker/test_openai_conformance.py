@@ -237,6 +237,47 @@ async def test_logprobs(text: openai.AsyncOpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
+async def test_streamed_logprobs_come_with_their_tokens(text: openai.AsyncOpenAI) -> None:
+    """Each streamed chunk with text carries its tokens' log probabilities (not all in the
+    last chunk); together they equal the unstreamed answer's, offsets included."""
+    whole = await text.completions.create(model=MODEL, prompt="the cat", max_tokens=6, logprobs=2)
+    expected = whole.choices[0].logprobs
+    assert expected is not None and expected.tokens is not None
+    streamed = await text.completions.create(
+        model=MODEL, prompt="the cat", max_tokens=6, logprobs=2, stream=True
+    )
+    tokens: list[str] = []
+    values: list[float] = []
+    offsets: list[int] = []
+    carrying = 0
+    async for chunk in streamed:
+        choice = chunk.choices[0]
+        if choice.text:
+            assert choice.logprobs is not None and choice.logprobs.tokens  # its own tokens
+        if choice.logprobs is not None and choice.logprobs.tokens:
+            carrying += 1
+            tokens += choice.logprobs.tokens
+            values += choice.logprobs.token_logprobs or []
+            offsets += choice.logprobs.text_offset or []
+    assert carrying > 1
+    assert tokens == expected.tokens
+    assert values == pytest.approx(expected.token_logprobs)
+    assert offsets == expected.text_offset
+    chat = await text.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "the cat"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+    )
+    entries = []
+    async for part in chat:
+        if part.choices and part.choices[0].logprobs and part.choices[0].logprobs.content:
+            entries.append(len(part.choices[0].logprobs.content))
+    assert len(entries) > 1 and sum(entries) == 4
+
+
 @pytest.mark.parametrize("target", ["torch", "router"])
 async def test_images(stages: Stages, target: str) -> None:
     api = client(stages.router if target == "router" else base(stages.sd))

@@ -233,7 +233,7 @@ class OpenAIApp:
             asyncio.ensure_future(
                 self.worker.generate(
                     r,
-                    on_chunk=sinks[i] if sinks is not None else None,
+                    on_text_chunk=sinks[i] if sinks is not None else None,
                     on_admitted=admission.admitted,
                 )
             )
