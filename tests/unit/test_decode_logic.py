@@ -3,8 +3,6 @@ and one request's text (stop sequences, what may be streamed)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -145,21 +143,6 @@ def test_joins_are_at_once_while_cheap_else_gathered() -> None:
     assert join_now([17], big, 10, JOIN_EVERY)  # ... until due
     assert join_now([17, 17], big, 2, 1)  # or they fill the batch
     assert not join_now([2000], 1, 10, 0)  # a long prompt pads even one row too much
-
-
-def test_batch_steps_on_cuda_leave_cudnn_attention_out() -> None:
-    """A masked step must not reach cuDNN's attention (a new graph per cache length); the
-    flags are global, so they are back as they were after the step."""
-    from omnistage_worker.runners.decode_batch import batch_attention
-
-    flags: Any = torch.backends.cuda  # (its flag readers are untyped)
-    before = flags.cudnn_sdp_enabled()
-    with batch_attention(torch.device("cuda")):
-        assert not flags.cudnn_sdp_enabled()
-        assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled()
-    assert flags.cudnn_sdp_enabled() == before
-    with batch_attention(torch.device("cpu")):
-        assert flags.cudnn_sdp_enabled() == before
 
 
 def stopped(text: TextOutput) -> bool:

@@ -21,16 +21,18 @@ device for a sleep to find.
 A step waits for the device once: its inputs go up without a wait (:func:`.to_device`), the
 token choice is batched over the rows (:mod:`.token_choice`), and the host reads the step's
 tokens and log probabilities back in one copy; what the host needs to trim the cache (each
-row's first column) it tracks itself. On CUDA the forward runs without cuDNN's attention
-(:func:`batch_attention`): with a padding mask it builds a new graph for every new cache
-length, about 1 ms of host time per layer and step (measured on the H200: a 16-row step with
-holes took 64 ms against 25 ms without them); flash and memory-efficient attention do not.
+row's first column) it tracks itself.
+
+Known cost (measured on an H200, bench/results/README.md): with a padding mask, PyTorch's
+cuDNN attention builds a graph for each new shape (rows, cache length), about 1 ms of host time
+per layer: a 16-row step with holes at lengths never seen took 64 ms against 25 ms without
+holes. Shapes that recur hit its cache; leaving cuDNN out made the 16-client serving figure
+worse (0.59 against 0.75 of batched ``generate``), so it stays in.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import inspect
 import logging
 import random
@@ -40,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omnistage.worker.v1 import inference_service_pb2
 from omnistage_worker.runners.sampling import Sampling
@@ -261,8 +262,7 @@ class DecodeBatcher(ServingThread):
         }
         if self._keeps_logits:
             kwargs["logits_to_keep"] = 1
-        with batch_attention(self._device):
-            out = self._model(**kwargs)
+        out = self._model(**kwargs)
         self._cache, self._mask = out.past_key_values, full_mask
         logits: torch.Tensor = out.logits[:, -1, :].float()
         return logits
@@ -377,15 +377,6 @@ def join_now(waiting: list[int], running: int, room: int, since_join: int) -> bo
     return (
         not running or len(waiting) >= room or padding <= JOIN_PADDING or since_join >= JOIN_EVERY
     )
-
-
-def batch_attention(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """The attention kernels a batch step may use on ``device``: on CUDA every one of PyTorch's
-    but cuDNN's (see the module docstring); elsewhere, as they are."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(backends)
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
