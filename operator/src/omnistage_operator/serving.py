@@ -5,9 +5,10 @@ Pure parsing and the worker flags and volume they become. ``spec.limits`` (all o
 ``frames``; a request over a bound is refused 400 naming the field before it is queued. The
 defaults equal the worker's (:mod:`omnistage_worker.limits`), chosen so one request stays within
 what a measured footprint covers. ``maxBatch``: how many requests the stage runs together (rows
-of an AR decode batch, images of one diffusion call; the worker's ``--max-batch``). ``spec.http.authSecret`` names a Secret (and its ``key``,
-default ``token``) whose value the OpenAI HTTP API then requires as a bearer token; it is
-mounted read-only into the worker and passed as ``--http-token-file``.
+of an AR decode batch, images of one diffusion call; the worker's ``--max-batch``).
+``spec.http.authSecret`` names a Secret (and its ``key``, default ``token``) whose value the
+OpenAI HTTP API then requires as a bearer token; it is mounted read-only into the worker and
+passed as ``--http-token-file``.
 """
 
 from __future__ import annotations
