@@ -293,6 +293,17 @@ async def test_images(stages: Stages, target: str) -> None:
     pngs = [base64.b64decode(d.b64_json or "") for d in done.data]
     assert all(p.startswith(b"\x89PNG") for p in pngs)
     assert pngs[0] != pngs[1]  # seeds 5 and 6
+    usage = done.usage
+    assert usage is not None and usage.input_tokens > 0  # the prompt, once for both images
+    assert usage.input_tokens_details.text_tokens == usage.input_tokens
+    assert usage.output_tokens == 0 and usage.total_tokens == usage.input_tokens
+    assert (usage.model_extra or {}) == {"images": 2, "steps": 2}
+    longer = await api.images.generate(
+        model=IMAGES, prompt="a red square on a blue square", size="64x64", n=1,
+        extra_body={"num_inference_steps": 1},
+    )  # fmt: skip
+    assert longer.usage is not None and longer.usage.input_tokens > usage.input_tokens
+    assert (longer.usage.model_extra or {}) == {"images": 1, "steps": 1}
     with pytest.raises(openai.BadRequestError) as info:
         await api.images.generate(model=IMAGES, prompt="x", size="65x64")
     assert info.value.body["param"] == "size"  # type: ignore[index]

@@ -186,12 +186,12 @@ def usage_chunk_body(
     }
 
 
-def image_body(responses: Sequence[inference_service_pb2.GenerateResponse]) -> JSON:
-    """An images response: one base64 PNG per response (no ``usage``: a diffusion stage
-    counts no tokens, and the images API's usage is in tokens)."""
+def image_body(responses: Sequence[inference_service_pb2.GenerateResponse], usage: JSON) -> JSON:
+    """An images response: one base64 PNG per response, and ``usage`` (:mod:`.image_usage`)."""
     return {
         "created": int(time.time()),
         "data": [{"b64_json": base64.b64encode(r.image.png).decode("ascii")} for r in responses],
+        "usage": usage,
     }
 
 
