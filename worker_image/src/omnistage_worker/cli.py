@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from omnistage_worker import termination
+from omnistage_worker import prestart, termination
 from omnistage_worker.config import (
     ACTIVATIONS,
     BACKENDS,
@@ -336,8 +336,10 @@ async def run(config: WorkerConfig) -> int:
     from omnistage_worker.server import WorkerServer
 
     server = WorkerServer(config)
+    prestart.mark("imports done")
     port = await server.start()
     log.info("listening on %s:%d", config.host, port)
+    prestart.mark("gRPC serving")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -365,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # For the weight engine's host copies; vLLM's weights live in its engine process, so a
         # vLLM stage's worker keeps glibc's defaults, as vLLM's own server does.
         fix_mmap_threshold()
+    prestart.begin(config)
     log.info(
         "starting: runner=%s backend=%s model=%s device=%s initial-state=%s sleep-level=%d",
         config.runner,
