@@ -46,6 +46,8 @@ Decisions beyond the contract:
     DRA mode the devices come from the claim, and the worker image's default sees none.
     ``enableServiceLinks: false`` and, unless ``template.serviceAccountName`` is set,
     ``automountServiceAccountToken: false``: the worker never talks to the API server.
+    The pod and container security contexts default to what the ``restricted`` Pod Security
+    Standard admits (:mod:`omnistage_operator.pod_template`, which merges the template's).
 """
 
 from __future__ import annotations
@@ -64,9 +66,12 @@ from omnistage_operator.labels import (
     stage_labels,
     stage_selector,
 )
+from omnistage_operator.model_source import source_init_container
+from omnistage_operator.pod_template import apply_pod_extras, hash_payload
 from omnistage_operator.serving import Serving, serving_args, serving_volume
 from omnistage_operator.spec import (
     API_VERSION,
+    DEFAULT_METRICS_PORT,
     KIND,
     TOKEN_MOUNT_DIR,
     Backend,
@@ -75,6 +80,7 @@ from omnistage_operator.spec import (
     StageSpec,
     WorkerDevice,
 )
+from omnistage_operator.worker_tls import HEALTH_PORT_NAME, probe_port, tls_args, tls_volume
 
 __all__ = [
     "CONTAINER_NAME",
@@ -83,6 +89,7 @@ __all__ = [
     "HTTP_PORT_NAME",
     "INITIAL_STATE_ANNOTATION",
     "LIVENESS_SERVICE",
+    "METRICS_PORT_NAME",
     "MODEL_VOLUME",
     "POD_CLAIM_REF",
     "POD_SPEC_HASH_ANNOTATION",
@@ -121,11 +128,18 @@ DEFAULT_DEVICE_CLASS: Final = "gpu.nvidia.com"
 CONTAINER_NAME: Final = "worker"
 PORT_NAME: Final = "grpc"
 HTTP_PORT_NAME: Final = "http"
+METRICS_PORT_NAME: Final = "metrics"
 POD_CLAIM_REF: Final = "gpus"
 READINESS_SERVICE: Final = "omnistage.worker.v1.SleepService"
 LIVENESS_SERVICE: Final = ""
 WORKER_COMMAND: Final = ("omnistage-worker",)
 TERMINATION_GRACE_SECONDS: Final = 30
+# What the restricted Pod Security Standard asks (the image's USER 65532 is non-root).
+POD_SECURITY_CONTEXT: Final = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT: Final = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 INITIAL_STATE_ANNOTATION: Final = "omnistage.io/initial-state"
 SLEEP_LEVEL_ANNOTATION: Final = "omnistage.io/initial-sleep-level"
@@ -227,6 +241,7 @@ def worker_args(
         args += ["--epoch", str(epoch)]
     args += ["--drain-timeout", str(stage.drain_timeout_s)]
     args += ["--http-port", str(stage.worker.http_port)]
+    args += ["--metrics-port", str(stage.worker.metrics_port)]
     if stage.activation.on_demand:
         args += ["--activation", stage.activation.policy.cli]
         args += ["--hold-timeout", f"{stage.activation.hold_timeout_s:g}"]
@@ -235,6 +250,7 @@ def worker_args(
     if stage.backend is Backend.VLLM:
         args += vllm_args(stage)
     args += serving_args(stage.serving)
+    args += tls_args(stage.worker.tls)
     args += list(stage.worker.args)
     return args
 
@@ -287,6 +303,8 @@ def pod_spec_hash(stage: StageSpec) -> str:
             stage.worker.args,
             stage.worker.dtype,
             stage.worker.http_port,
+            # Only when changed: pods made before the field existed keep their hash.
+            *([m] if (m := stage.worker.metrics_port) != DEFAULT_METRICS_PORT else []),
         ],
         "activation": [stage.activation.policy.value, stage.activation.hold_timeout_s],
         "template": [
@@ -306,6 +324,14 @@ def pod_spec_hash(stage: StageSpec) -> str:
         payload["vllm"] = vllm_args(stage)
     if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
         payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
+    if stage.model.source is not None:  # (the same)
+        src = stage.model.source
+        payload["modelSource"] = [src.url, src.repo, src.revision, src.token_secret, src.token_key]
+    if stage.worker.tls.enabled:  # (the same)
+        payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
+    extras = hash_payload(tpl.extras)  # (the same)
+    if extras is not None:
+        payload["podExtras"] = extras
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=_jsonable)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -369,6 +395,18 @@ def build_worker_pod(
     mounts, volumes = _pod_volumes(stage, token_secret_name)
     container = _worker_container(stage, initial_state, sleep_level, claim, mounts, epoch=epoch)
     level = stage.sleep_level if sleep_level is None else sleep_level
+    spec = _pod_spec(stage, container, volumes, claim)
+    apply_pod_extras(stage.template.extras, spec, container)
+    if stage.model.source is not None:  # fetch the model before anything else runs
+        fetch = source_init_container(
+            stage.model.source,
+            image=stage.image,
+            volume=MODEL_VOLUME,
+            mount_path=stage.model.mount_path,
+            dest=stage.model.path,
+            security_context=container["securityContext"],
+        )
+        spec["initContainers"] = [fetch, *spec.get("initContainers", [])]
     annotations = {
         **stage.template.annotations,
         INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
@@ -386,7 +424,7 @@ def build_worker_pod(
             "annotations": annotations,
             "ownerReferences": [copy.deepcopy(dict(owner))],
         },
-        "spec": _pod_spec(stage, container, volumes, claim),
+        "spec": spec,
     }
 
 
@@ -412,9 +450,15 @@ def _pod_volumes(
     if http_token is not None:
         mounts.append(http_token[0])
         volumes.append(http_token[1])
-    if stage.model.volume is not None:
+    tls = tls_volume(stage.worker.tls)
+    if tls is not None:
+        mounts.append(tls[0])
+        volumes.append(tls[1])
+    if stage.model.volume is not None or stage.model.source is not None:
+        # (spec.model.source without a volume: an emptyDir the init container fills)
+        held = dict(stage.model.volume) if stage.model.volume is not None else {"emptyDir": {}}
         mounts.append({"name": MODEL_VOLUME, "mountPath": stage.model.mount_path, "readOnly": True})
-        volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(dict(stage.model.volume))})
+        volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(held)})
     mounts += [copy.deepcopy(dict(m)) for m in tpl.volume_mounts]
     volumes += [copy.deepcopy(dict(v)) for v in tpl.volumes]
     return mounts, volumes
@@ -431,6 +475,14 @@ def _worker_container(
 ) -> dict[str, Any]:
     """The worker container: command, args, env, gRPC probes, mounts and resources."""
     port = stage.worker.port
+    probed = probe_port(stage.worker.tls, port)  # plaintext health beside a TLS port
+    ports = [
+        {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+        {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
+        {"name": METRICS_PORT_NAME, "containerPort": stage.worker.metrics_port, "protocol": "TCP"},
+    ]
+    if probed != port:
+        ports.append({"name": HEALTH_PORT_NAME, "containerPort": probed, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": stage.image,
@@ -439,16 +491,14 @@ def _worker_container(
             stage, initial_state=initial_state, sleep_level=sleep_level, epoch=epoch
         ),
         "env": _worker_env(stage),
-        "ports": [
-            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
-            {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
-        ],
-        "readinessProbe": _grpc_probe(port, READINESS_SERVICE, period=5, failures=3),
-        "livenessProbe": _grpc_probe(port, LIVENESS_SERVICE, period=10, failures=6),
+        "ports": ports,
+        "readinessProbe": _grpc_probe(probed, READINESS_SERVICE, period=5, failures=3),
+        "livenessProbe": _grpc_probe(probed, LIVENESS_SERVICE, period=10, failures=6),
         "volumeMounts": mounts,
         # A worker that exits at start (bad model path, refused flag) says why in its
         # termination message; without one, the kubelet keeps its last log lines instead.
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     resources: dict[str, Any] = copy.deepcopy(dict(stage.template.resources or {}))
     if claim is not None:
@@ -473,6 +523,7 @@ def _pod_spec(
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "enableServiceLinks": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
     if claim is not None:
         pod_spec["resourceClaims"] = [{"name": POD_CLAIM_REF, "resourceClaimName": claim}]

@@ -29,6 +29,7 @@ from typing import Any
 
 import kopf
 
+from omnistage_operator import login  # noqa: F401  (registers kopf's login handlers)
 from omnistage_operator.kube import Kube
 from omnistage_operator.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
 from omnistage_operator.leadership import Leadership, SoleWriter

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage_operator import conditions as cond
-from omnistage_operator import metrics
+from omnistage_operator import metrics, stage_metrics
 from omnistage_operator.arbiter import (
     WorkerPhase,
 )
@@ -56,6 +56,7 @@ from omnistage_operator.pods import (
 from omnistage_operator.port import KubeGroupPort
 from omnistage_operator.publisher import StatusPublisher
 from omnistage_operator.settings import Settings
+from omnistage_operator.sleep_tasks import SleepTracker
 from omnistage_operator.spec import PlacementMode, SpecError, StageSpec, parse_stage
 from omnistage_operator.status import (
     format_timestamp,
@@ -136,6 +137,10 @@ class GroupRunner(StatusPublisher):
         # refused; not ordered again until spec.sleepLevel changes or the stage wakes.
         self.deepen_refused: dict[StageKey, int] = {}
         self.asleep_asked: dict[StageKey, float] = {}
+        # Patched Asleep before this process saw the stage wake (read back from status): put
+        # to sleep whenever this process saw it become Active.
+        self.asleep_restored: set[StageKey] = set()
+        self.adopted: set[StageKey] = set()  # stages whose status this process has read back
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
@@ -149,6 +154,8 @@ class GroupRunner(StatusPublisher):
         self._retry_in: dict[GroupKey, float] = {}
         self.published: dict[StageKey, dict[str, Any]] = {}
         self._loops: dict[GroupKey, _Loop] = {}
+        # Per group: its sleeps in flight across rounds (a drain holds up no other transition).
+        self._sleeps: dict[GroupKey, SleepTracker] = {}
         self._clients: dict[str, WorkerClient] = {}
         self._secrets: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -177,11 +184,19 @@ class GroupRunner(StatusPublisher):
             return None
         host = f"[{ip}]" if ":" in ip else ip
         target = f"{host}:{spec.worker.port}"
-        client = self._clients.get(target)
+        tls = spec.worker.tls.enabled  # spec.worker.tls: TLS, verified with --worker-tls-ca
+        key = f"{target}+tls" if tls else target
+        client = self._clients.get(key)
         if client is None:
             name = f"{service_name(spec.name)}.{namespace}.svc"  # what a worker certificate names
-            client = WorkerClient(target, token=self._token, ca_pem=self._ca, server_name=name)
-            self._clients[target] = client
+            client = WorkerClient(
+                target,
+                token=self._token,
+                ca_pem=self._ca if tls else None,
+                server_name=name,
+                tls=tls,
+            )
+            self._clients[key] = client
         return client
 
     def claim_for(self, spec: StageSpec) -> str | None:
@@ -295,6 +310,8 @@ class GroupRunner(StatusPublisher):
         for loop in self._loops.values():
             if loop.task is not None:
                 loop.task.cancel()
+        for tracker in self._sleeps.values():
+            tracker.cancel()
         await self.demand.close()
         for client in self._clients.values():
             await client.close()
@@ -316,6 +333,7 @@ class GroupRunner(StatusPublisher):
     def forget(self, namespace: str, name: str) -> None:
         """Drop the in-memory facts of a deleted stage."""
         key = (namespace, name)
+        stage_metrics.forget(namespace, name)
         self.asks.pop(key, None)
         self.last_acks.pop(key, None)
         self.fenced.pop(key, None)
@@ -330,6 +348,8 @@ class GroupRunner(StatusPublisher):
         self.device_mismatch.pop(key, None)
         self.spec_active.pop(key, None)
         self.asleep_asked.pop(key, None)
+        self.asleep_restored.discard(key)
+        self.adopted.discard(key)
         self.deepen_refused.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
@@ -405,21 +425,27 @@ class GroupRunner(StatusPublisher):
     async def _round(self, namespace: str, group: str) -> bool:
         port = KubeGroupPort(self, namespace, group)
         t0 = time.monotonic()
+        tracker = self._sleeps.get((namespace, group))
+        if tracker is None:
+            tracker = SleepTracker(lambda: self.kick(namespace, group))
+            self._sleeps[(namespace, group)] = tracker
         try:
-            outcome = await run_round(port, self.policy, self.new_id)
+            outcome = await run_round(port, self.policy, self.new_id, tracker)
         except LeadershipLost as exc:
             log.warning("group %s/%s: round ended: %s", namespace, group, exc)
             metrics.ROUNDS.labels(namespace, group, "leadership_lost").inc()
             return False
         if outcome.sleeps or outcome.wakes:
-            took = time.monotonic() - t0
+            took = time.monotonic() - min(t0, outcome.handover_began or t0)
             metrics.HANDOVER_SECONDS.labels(namespace, group).observe(took)
             log.info(
                 "group %s/%s hand-over %s: slept %s, woke %s in %.3fs",
                 namespace, group, outcome.handover_id,
                 [s.order.stage for s in outcome.sleeps], list(outcome.wakes), took,
+                extra=_handover_fields(namespace, group, outcome, self.leadership.epoch),
             )  # fmt: skip
         metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
+        stage_metrics.record_round(namespace, group, outcome)
         self._remember(namespace, outcome)
         self._note_wake_oom(port, outcome)
         waits = [*port.held_back.values(), *port.wake_held.values()]
@@ -481,7 +507,7 @@ class GroupRunner(StatusPublisher):
                 self.wake_backoffs.pop((port.ns, name), None)
         for name, ack in outcome.wake_oom.items():
             key = (port.ns, name)
-            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now)
+            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now, ack.needed_bytes)
             self.wake_backoffs[key] = backoff
             message = oom_message(ack, self.learned.get(key, 0), backoff, now)
             self.wake_problems[key] = (WAKE_OOM, message)
@@ -512,3 +538,18 @@ class GroupRunner(StatusPublisher):
                 await self.kube.delete(CLAIMS, ns, claim_name(group))
                 log.info("%s: group %s empty, claim deleted", ns, group)
         self.forget(ns, name)
+
+
+def _handover_fields(
+    namespace: str, group: str, outcome: RoundOutcome, epoch: int
+) -> dict[str, object]:
+    """The structured fields of a hand-over's log line (JSON logs)."""
+    return {
+        "namespace": namespace,
+        "group": group,
+        "handover_id": outcome.handover_id,
+        "epoch": epoch,
+        "slept": [s.order.stage for s in outcome.sleeps],
+        "task_ids": [t for s in outcome.sleeps for t in s.task_ids],
+        "woke": list(outcome.wakes),
+    }

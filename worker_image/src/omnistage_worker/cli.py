@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from omnistage_worker import termination
+from omnistage_worker import prestart, termination
 from omnistage_worker.config import (
     ACTIVATIONS,
     BACKENDS,
@@ -39,6 +39,7 @@ from omnistage_worker.config import (
     read_token,
 )
 from omnistage_worker.host_allocator import fix_mmap_threshold
+from omnistage_worker.jsonlog import LOG_FORMATS, configure_logging
 from omnistage_worker.limits import (
     DEFAULT_FRAMES,
     DEFAULT_IMAGE_SIDE,
@@ -99,6 +100,13 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--token-file", type=Path, help="bearer token required by SleepService")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve gRPC health in plaintext on this port, for kubelet probes beside a TLS "
+        "--port (default: off)",
+    )
     p.add_argument(
         "--residual-slack",
         default=env.get("OMNISTAGE_RESIDUAL_SLACK") or str(DEFAULT_RESIDUAL_SLACK),
@@ -164,7 +172,19 @@ def build_parser(env: Mapping[str, str]) -> Parser:
         help="requests a torch stage runs together: rows of the AR batch, images of one "
         f"diffusion call (default {DEFAULT_MAX_BATCH})",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (default: off)",
+    )
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-format",
+        default=env.get("OMNISTAGE_LOG_FORMAT") or "text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line (default $OMNISTAGE_LOG_FORMAT, else text)",
+    )
     _vllm_flags(p)
     _limit_flags(p)
     return p
@@ -265,6 +285,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         token=token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        health_port=args.health_port,
         residual_slack=parse_byte_flag(args.residual_slack, "--residual-slack"),
         identity=Identity(
             stage=args.stage,
@@ -296,16 +317,17 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             else None
         ),
         epoch=args.epoch,
+        metrics_port=args.metrics_port,
     )
 
 
-def setup_logging(level: str) -> None:
-    """Progress lines on stderr."""
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def setup_logging(level: str, form: str = "text", identity: Identity | None = None) -> None:
+    """Progress lines on stderr: text, or JSON objects carrying the worker's identity."""
+    fields = {} if identity is None else {"stage": identity.stage, "pod": identity.pod}
+    configure_logging(sys.stderr, level, form, {k: v for k, v in fields.items() if v})
+    if form == "json":
+        # Progress bars (model loading) are not log lines; tqdm reads this when imported.
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def run_loop(config: WorkerConfig) -> int:
@@ -328,8 +350,10 @@ async def run(config: WorkerConfig) -> int:
     from omnistage_worker.server import WorkerServer
 
     server = WorkerServer(config)
+    prestart.mark("imports done")
     port = await server.start()
     log.info("listening on %s:%d", config.host, port)
+    prestart.mark("gRPC serving")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -352,11 +376,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ConfigError as exc:
         parser.error(str(exc))
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format, config.identity)
     if config.backend != "vllm":
         # For the weight engine's host copies; vLLM's weights live in its engine process, so a
         # vLLM stage's worker keeps glibc's defaults, as vLLM's own server does.
         fix_mmap_threshold()
+    prestart.begin(config)
     log.info(
         "starting: runner=%s backend=%s model=%s device=%s initial-state=%s sleep-level=%d",
         config.runner,

@@ -170,6 +170,8 @@ class WorkerConfig:
     token: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Plaintext gRPC health only (for the kubelet's probes, which cannot speak TLS; None: off).
+    health_port: int | None = None
     residual_slack: int = DEFAULT_RESIDUAL_SLACK
     identity: Identity = field(default_factory=Identity)
     dtype: str = "auto"
@@ -199,6 +201,8 @@ class WorkerConfig:
     http_token: str | None = None
     # The leadership epoch the worker starts having obeyed (``--epoch``; 0: none).
     epoch: int = 0
+    # Prometheus /metrics beside gRPC (None: off; 0: any free port).
+    metrics_port: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -250,6 +254,11 @@ def _check_serving(config: WorkerConfig) -> None:
     """Port, initial state and level, token and TLS files."""
     if not 0 <= config.port <= 65535:
         raise ConfigError("--port", f"{config.port} is not a TCP port (0-65535)")
+    metrics = config.metrics_port
+    if metrics is not None and not 0 <= metrics <= 65535:
+        raise ConfigError("--metrics-port", f"{metrics} is not a TCP port (0-65535)")
+    if metrics and metrics in (config.port, config.http_port):
+        raise ConfigError("--metrics-port", f"{metrics} is already the gRPC or HTTP port")
     if config.initial_state not in ("active", "asleep"):
         raise ConfigError("--initial-state", f"{config.initial_state!r} (active or asleep)")
     if config.sleep_level not in (1, 2):
@@ -261,6 +270,11 @@ def _check_serving(config: WorkerConfig) -> None:
     for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
         if path is not None and not path.is_file():
             raise ConfigError(flag, f"{str(path)!r} is not a readable file")
+    health = config.health_port
+    if health is not None and not 0 <= health <= 65535:
+        raise ConfigError("--health-port", f"{health} is not a TCP port (0-65535)")
+    if health and health in (config.port, config.http_port):
+        raise ConfigError("--health-port", "must differ from --port and --http-port")
 
 
 def _check_vllm(config: WorkerConfig) -> None:

@@ -27,6 +27,7 @@ from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker import openai_answers, openai_api
 from omnistage_worker.demand import retry_after_header
 from omnistage_worker.http_auth import BearerAuth
+from omnistage_worker.metrics_serve import HttpRequestCounter
 from omnistage_worker.openai_api import BadRequest, Parsed
 from omnistage_worker.openai_stream import ChunkQueue, sse_events
 from omnistage_worker.queued import UNSERVED_HEADER, ShuttingDown
@@ -356,6 +357,7 @@ class HttpServer:
         # A runner whose engine serves its own API (vLLM) brings its app behind the worker's gate.
         front = getattr(worker.runner, "http_front", None)
         app = front(worker) if callable(front) else OpenAIApp(worker).asgi
+        app = HttpRequestCounter(app, worker.metrics)
         config = uvicorn.Config(
             app,
             host=host,

@@ -1,4 +1,8 @@
-"""The worker's grpc.aio server: services, health, reflection, auth, TLS, graceful stop."""
+"""The worker's grpc.aio server: services, health, reflection, auth, TLS, graceful stop.
+
+With ``--health-port`` a second, plaintext server answers grpc.health.v1 only (the same
+statuses), so the kubelet's gRPC probes, which cannot speak TLS, reach a TLS-only worker.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand_service import DemandServicer
 from omnistage_worker.health import HealthReporter
 from omnistage_worker.inference_service import InferenceServicer
+from omnistage_worker.metrics_serve import GrpcRequestCounter, MetricsServer
 from omnistage_worker.runners import create_runner
 from omnistage_worker.runners.base import ModelRunner
 from omnistage_worker.sleep_service import SleepServicer
@@ -48,7 +53,10 @@ class WorkerServer:
         self.worker = Worker(config, runner if runner is not None else create_runner(config))
         self.health = HealthReporter()
         self.worker.add_listener(self.health.update)
-        interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+        # The counter first: it sees every answer, the bearer check's refusals included.
+        interceptors: list[grpc.aio.ServerInterceptor] = [GrpcRequestCounter(self.worker.metrics)]
+        if config.token:
+            interceptors.append(BearerTokenInterceptor(config.token))
         self.server = grpc.aio.server(interceptors=interceptors)
         sleep_service_pb2_grpc.add_SleepServiceServicer_to_server(
             SleepServicer(self.worker), self.server
@@ -70,10 +78,16 @@ class WorkerServer:
             ),
             self.server,
         )
+        self.health_server = grpc.aio.server() if config.health_port is not None else None
+        if self.health_server is not None:
+            health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.health_server)
         self._load_task: asyncio.Task[None] | None = None
         self.port = 0
+        self.health_port = 0
         self.http: HttpServer | None = None
         self.http_port = 0
+        self.metrics: MetricsServer | None = None
+        self.metrics_port = 0
         self._stopped = False
 
     async def start(self) -> int:
@@ -88,8 +102,15 @@ class WorkerServer:
             log.info("TLS enabled (certificate %s)", config.tls_cert)
         else:
             self.port = self.server.add_insecure_port(address)
+        if self.health_server is not None and config.health_port is not None:
+            self.health_port = self.health_server.add_insecure_port(
+                f"{config.host}:{config.health_port}"
+            )
         await self.health.update(self.worker.current)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
+            log.info("plaintext gRPC health on %s:%d", config.host, self.health_port)
         if config.token:
             log.info(
                 "SleepService and DemandService require a bearer token; "
@@ -105,6 +126,12 @@ class WorkerServer:
                 log.info("the OpenAI HTTP API requires a bearer token (/health is open)")
             self.http_port = await self.http.start()
             log.info("OpenAI-compatible HTTP on %s:%d", config.host, self.http_port)
+        if config.metrics_port is not None:
+            self.metrics = MetricsServer(
+                self.worker.metrics.registry, config.host, config.metrics_port
+            )
+            self.metrics_port = await self.metrics.start()
+            log.info("Prometheus metrics on %s:%d", config.host, self.metrics_port)
         self._load_task = asyncio.ensure_future(self.worker.load())
         return self.port
 
@@ -125,6 +152,10 @@ class WorkerServer:
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -30,6 +30,7 @@ from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand import Demand
 from omnistage_worker.lane import DaemonLane
 from omnistage_worker.memory import MemoryProbe, Reading
+from omnistage_worker.metrics import WorkerMetrics
 from omnistage_worker.queued import Queued, ShuttingDown
 from omnistage_worker.runners.base import (
     ChunkSink,
@@ -90,6 +91,8 @@ class Worker:
         self._generate_lane = DaemonLane("omnistage-generate", runner.max_concurrency)
         self._sleep_wake = SleepWake(self)
         self.demand = Demand(config.activation, config.hold_timeout_s, config.max_held)
+        self.metrics = WorkerMetrics(self)
+        self.demand.on_served = self.metrics.hold_seconds.observe
         # Admitted requests not finished; set once a shutdown began (new ones are refused).
         self.queued = Queued()
         self.terminating = False
@@ -261,7 +264,8 @@ class Worker:
         except (InvalidRequest, limits.OverLimit) as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         self.demand.touch()
-        deadline = time.monotonic() + self.demand.hold_timeout
+        arrived = time.monotonic()
+        deadline = arrived + self.demand.hold_timeout
         while (refusal := generate_refusal(self.current)) is not None:
             if not (self.demand.on_demand and holdable(self.current)):
                 raise refusal
@@ -280,7 +284,8 @@ class Worker:
             on_admitted()
 
         probe = self.probe
-        sink = _thread_safe(_chunk_receiver(on_chunk, on_text_chunk))
+        receiver = _chunk_receiver(on_chunk, on_text_chunk)
+        sink = _thread_safe(self.metrics.first_token(receiver, arrived))
         serve_async = getattr(self.runner, "agenerate", None)  # an engine with its own batching
 
         def serve() -> inference_service_pb2.GenerateResponse | None:
@@ -326,6 +331,7 @@ class Worker:
         response = job.result()
         if response is None:
             raise ShuttingDown()
+        self.metrics.served(response)
         return response
 
     def terminate(self) -> int:
