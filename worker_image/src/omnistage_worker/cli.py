@@ -47,6 +47,12 @@ from omnistage_worker.limits import (
     DEFAULT_REQUEST_BODY_BYTES,
     RequestLimits,
 )
+from omnistage_worker.token_review import (
+    DEFAULT_AUDIENCE,
+    SA_DIR,
+    TokenReviewSettings,
+    in_cluster_server,
+)
 
 log = logging.getLogger("omnistage_worker")
 
@@ -98,6 +104,15 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--initial-state", default="active", choices=("active", "asleep"))
     p.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
     p.add_argument("--token-file", type=Path, help="bearer token required by SleepService")
+    p.add_argument(
+        "--operator-identity",
+        help="accept Kubernetes-issued tokens of this user only (system:serviceaccount:<ns>:<name>"
+        ", checked by TokenReview) instead of --token-file",
+    )
+    p.add_argument("--token-audience", default=DEFAULT_AUDIENCE)
+    p.add_argument("--kube-server", default=None, help="API server URL (default: in-cluster)")
+    p.add_argument("--kube-token-file", type=Path, default=SA_DIR / "token")
+    p.add_argument("--kube-ca-file", type=Path, default=SA_DIR / "ca.crt")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
     p.add_argument(
@@ -269,6 +284,23 @@ def vllm_args(args: argparse.Namespace) -> VllmArgs:
     )
 
 
+def _token_review(args: argparse.Namespace) -> TokenReviewSettings | None:
+    """TokenReview settings when ``--operator-identity`` is given (raises ConfigError)."""
+    if not args.operator_identity:
+        return None
+    try:
+        return TokenReviewSettings(
+            operator_identity=args.operator_identity,
+            audience=args.token_audience,
+            server=args.kube_server or in_cluster_server(),
+            token_file=args.kube_token_file,
+            ca_file=args.kube_ca_file,
+        )
+    except ValueError as exc:
+        flag, _, message = str(exc).partition(": ")
+        raise ConfigError(flag, message) from exc
+
+
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     """Turn parsed flags into a validated :class:`WorkerConfig` (raises :class:`ConfigError`)."""
     device = parse_device(args.device)
@@ -283,6 +315,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         initial_state=args.initial_state,
         sleep_level=args.sleep_level,
         token=token,
+        token_review=_token_review(args),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         health_port=args.health_port,

@@ -10,10 +10,13 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from omnistage_worker.limits import RequestLimits
 from omnistage_worker.quantities import QuantityError, parse_quantity
+
+if TYPE_CHECKING:
+    from omnistage_worker.token_review import TokenReviewSettings
 
 MI: Final = 1024 * 1024
 DEFAULT_RESIDUAL_SLACK: Final = 128 * MI
@@ -168,6 +171,8 @@ class WorkerConfig:
     initial_state: str = "active"
     sleep_level: int = 1
     token: str | None = None
+    # Kubernetes-issued tokens instead (TokenReview; see token_review.py); None: off.
+    token_review: TokenReviewSettings | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
     # Plaintext gRPC health only (for the kubelet's probes, which cannot speak TLS; None: off).
@@ -265,6 +270,8 @@ def _check_serving(config: WorkerConfig) -> None:
         raise ConfigError("--sleep-level", f"{config.sleep_level} (1 or 2)")
     if config.token is not None and not config.token:
         raise ConfigError("--token-file", "the token file is empty")
+    if config.token is not None and config.token_review is not None:
+        raise ConfigError("--token-file", "give a shared token or --operator-identity, not both")
     if (config.tls_cert is None) != (config.tls_key is None):
         raise ConfigError("--tls-cert/--tls-key", "give both the certificate and the key, or none")
     for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):

@@ -33,6 +33,7 @@ from omnistage_worker.runners import create_runner
 from omnistage_worker.runners.base import ModelRunner
 from omnistage_worker.sleep_service import SleepServicer
 from omnistage_worker.state import Worker
+from omnistage_worker.token_review import TokenReviewer, TokenReviewInterceptor
 
 if TYPE_CHECKING:
     from omnistage_worker.openai_http import HttpServer
@@ -57,6 +58,11 @@ class WorkerServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [GrpcRequestCounter(self.worker.metrics)]
         if config.token:
             interceptors.append(BearerTokenInterceptor(config.token))
+        self.reviewer = (
+            TokenReviewer(config.token_review) if config.token_review is not None else None
+        )
+        if self.reviewer is not None:
+            interceptors.append(TokenReviewInterceptor(self.reviewer))
         self.server = grpc.aio.server(interceptors=interceptors)
         sleep_service_pb2_grpc.add_SleepServiceServicer_to_server(
             SleepServicer(self.worker), self.server
@@ -116,6 +122,13 @@ class WorkerServer:
                 "SleepService and DemandService require a bearer token; "
                 "InferenceService and health are open"
             )
+        if config.token_review is not None:
+            log.info(
+                "SleepService and DemandService require a token of %s for audience %r "
+                "(TokenReview)",
+                config.token_review.operator_identity,
+                config.token_review.audience,
+            )
         if config.http_port is not None:
             from omnistage_worker.openai_http import HttpServer
 
@@ -156,6 +169,8 @@ class WorkerServer:
             await self.health_server.stop(0)
         if self.metrics is not None:
             await self.metrics.stop()
+        if self.reviewer is not None:
+            await self.reviewer.aclose()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

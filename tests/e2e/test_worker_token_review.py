@@ -1,0 +1,108 @@
+"""Kubernetes-issued credentials: the real kube-apiserver issues the tokens and reviews them for
+a real in-process worker; only the operator's ServiceAccount, for the worker audience and not
+expired, may order Sleep/WakeUp."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+from omnistage.worker.v1 import sleep_service_pb2
+from omnistage_worker.token_review import TokenReviewSettings
+from tests.cluster.controlplane import ControlPlane
+from tests.worker.conftest import StartWorker, WorkerHandle, lm_dir, start_worker
+
+__all__ = ["lm_dir", "start_worker"]  # fixtures used here
+pytestmark = [pytest.mark.timeout(300)]
+AUD = "omnistage-worker"
+
+
+def _token(cp: ControlPlane, ns: str, sa: str, audience: str | None = AUD) -> str:
+    aud = [f"--audience={audience}"] if audience else []
+    return cp.kubectl("create", "token", sa, "-n", ns, *aud).stdout.strip()
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _expired(cp: ControlPlane, token: str) -> str:
+    """``token`` with its validity moved into the past, signed again by the cluster's key (the
+    API server's minimum lifetime is 10 minutes; this is the same token, expired)."""
+    head, body, _ = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    now = int(time.time())
+    claims.update(iat=now - 1200, nbf=now - 1200, exp=now - 600)
+    assert cp._pki is not None
+    key = serialization.load_pem_private_key(cp._pki.sa_key.read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    signed = f"{head}.{_b64(json.dumps(claims).encode())}"
+    r, s = decode_dss_signature(key.sign(signed.encode(), ec.ECDSA(hashes.SHA256())))
+    return f"{signed}.{_b64(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+
+
+async def _refused(worker: WorkerHandle, token: str) -> str:
+    worker.token = token
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await worker.sleep_stub.Sleep(
+            sleep_service_pb2.SleepRequest(task_id="x", level=1), metadata=worker.metadata
+        )
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    details = info.value.details() or ""
+    assert not token or token not in details
+    return details
+
+
+async def test_only_the_operators_token_for_the_worker_audience(
+    control_plane: ControlPlane,
+    namespace: str,
+    start_worker: StartWorker,  # noqa: F811
+    lm_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    cp, ns = control_plane, namespace
+    for sa in ("operator", "worker", "intruder"):
+        cp.kubectl("create", "serviceaccount", sa, "-n", ns)
+    own = tmp_path / "worker-token"
+    own.write_text(_token(cp, ns, "worker", audience=None))
+    identity = f"system:serviceaccount:{ns}:operator"
+    settings = TokenReviewSettings(
+        operator_identity=identity,
+        server=cp.server,
+        token_file=own,
+        ca_file=cp._pki.ca_cert if cp._pki else None,
+        cache_ttl_s=30,
+    )
+    worker = await start_worker(lm_dir, "ar", "transformers", token_review=settings)
+
+    # The worker's ServiceAccount may not create TokenReviews yet: it refuses, saying why.
+    operator_token = _token(cp, ns, "operator")
+    assert "HTTP 403" in await _refused(worker, operator_token)
+    assert len(worker.server.reviewer.cache) == 0  # type: ignore[union-attr]
+    cp.kubectl(
+        "create", "clusterrolebinding", f"{ns}-worker-auth-delegator",
+        "--clusterrole=system:auth-delegator", f"--serviceaccount={ns}:worker",
+    )  # fmt: skip
+
+    try:
+        worker.token = operator_token
+        assert (await worker.sleep(1)).ok
+        assert (await worker.wake()).ok
+        assert len(worker.server.reviewer.cache) == 1  # type: ignore[union-attr]
+
+        assert "intruder" in await _refused(worker, _token(cp, ns, "intruder"))
+        assert "did not authenticate" in await _refused(worker, _token(cp, ns, "operator", None))
+        expired = await _refused(worker, _expired(cp, _token(cp, ns, "operator")))
+        assert "expired" in expired, expired
+        assert "metadata" in await _refused(worker, "")
+        assert worker.server.worker.level == 0  # no refused order took effect
+    finally:
+        cp.kubectl("delete", "clusterrolebinding", f"{ns}-worker-auth-delegator")

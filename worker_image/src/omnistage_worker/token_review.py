@@ -1,0 +1,241 @@
+"""Kubernetes-issued credentials for SleepService and DemandService: the operator presents a
+short-lived ServiceAccount token with a dedicated audience; the worker asks the API server
+(TokenReview, ``authentication.k8s.io/v1``, audiences set) through its own ServiceAccount and
+accepts only the operator's identity.
+
+Positive reviews are cached briefly (bounded TTL and size, never past the token's own expiry as
+the review reports none: the TTL bounds it), keyed by the token's SHA-256, so a revoked or expired
+token is refused within ``cache_ttl_s``. Refusals name the reason (UNAUTHENTICATED) but never the
+token. The pure parts (:func:`review_body`, :func:`judge`, :class:`ReviewCache`) have no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import ssl
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+
+from omnistage_worker.auth import PROTECTED_PREFIXES, STREAMING_PREFIXES
+
+__all__ = [
+    "DEFAULT_AUDIENCE",
+    "SA_DIR",
+    "ReviewCache",
+    "TokenReviewInterceptor",
+    "TokenReviewSettings",
+    "TokenReviewer",
+    "bearer_of",
+    "in_cluster_server",
+    "judge",
+    "review_body",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_AUDIENCE = "omnistage-worker"
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+_PATH = "/apis/authentication.k8s.io/v1/tokenreviews"
+
+
+@dataclass(frozen=True)
+class TokenReviewSettings:
+    """Who may order this worker and how to ask the API server.
+
+    ``operator_identity``: ``system:serviceaccount:<ns>:<name>``; ``server``: the API server's
+    URL; ``token_file``/``ca_file``: the worker's own ServiceAccount token (re-read on every
+    review: the kubelet rotates it) and the cluster CA."""
+
+    operator_identity: str
+    audience: str = DEFAULT_AUDIENCE
+    server: str = ""
+    token_file: Path = SA_DIR / "token"
+    ca_file: Path | None = SA_DIR / "ca.crt"
+    cache_ttl_s: float = 10.0
+    cache_size: int = 256
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        parts = self.operator_identity.split(":")
+        if len(parts) != 4 or parts[:2] != ["system", "serviceaccount"] or not all(parts[2:]):
+            raise ValueError(
+                "--operator-identity: expected system:serviceaccount:<namespace>:<name>, "
+                f"got {self.operator_identity!r}"
+            )
+        if not self.audience:
+            raise ValueError("--token-audience: must not be empty")
+        if not self.server:
+            raise ValueError(
+                "--kube-server: no API server (outside a pod give the URL; in a pod the kubelet "
+                "sets KUBERNETES_SERVICE_HOST/PORT)"
+            )
+        if self.cache_ttl_s < 0 or self.cache_size < 1:
+            raise ValueError("token review cache: TTL must be >= 0 and size >= 1")
+
+
+def in_cluster_server(env: Mapping[str, str] = os.environ) -> str:
+    """``https://host:port`` of the ``kubernetes`` Service from the kubelet's variables, or ''."""
+    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+    if not host or not port:
+        return ""
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
+def bearer_of(header: str | bytes | None) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` value, or None."""
+    if header is None:
+        return None
+    text = header.decode("utf-8", "replace") if isinstance(header, bytes) else header
+    scheme, _, given = text.strip().partition(" ")
+    return given.strip() or None if scheme.lower() == "bearer" else None
+
+
+def review_body(token: str, audience: str) -> dict[str, Any]:
+    """The TokenReview to create for ``token`` with ``audience``."""
+    return {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenReview",
+        "spec": {"token": token, "audiences": [audience]},
+    }
+
+
+def judge(review: Mapping[str, Any], identity: str, audience: str) -> str | None:
+    """Why a created TokenReview refuses the caller (None: it is ``identity`` for ``audience``)."""
+    status = review.get("status") or {}
+    if not status.get("authenticated"):
+        error = status.get("error") or "not authenticated"
+        return f"the API server did not authenticate the token: {error}"
+    if audience not in (status.get("audiences") or []):
+        return f"the token is not for audience {audience!r}"
+    username = (status.get("user") or {}).get("username", "")
+    if username != identity:
+        return f"the token belongs to {username!r}, not the operator {identity!r}"
+    return None
+
+
+class ReviewCache:
+    """Positive reviews by token digest, each valid ``ttl_s``, at most ``size`` (oldest out)."""
+
+    def __init__(self, ttl_s: float, size: int, clock: Callable[[], float] = time.monotonic):
+        self._ttl, self._size, self._clock = ttl_s, size, clock
+        self._until: OrderedDict[str, float] = OrderedDict()
+
+    @staticmethod
+    def key(token: str) -> str:
+        return hashlib.sha256(token.encode()).hexdigest()
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def hit(self, token: str) -> bool:
+        """Whether ``token`` was accepted less than the TTL ago (an expired entry is dropped)."""
+        key = self.key(token)
+        until = self._until.get(key)
+        if until is None:
+            return False
+        if self._clock() >= until:
+            del self._until[key]
+            return False
+        return True
+
+    def remember(self, token: str) -> None:
+        """Record an accepted ``token``."""
+        if self._ttl <= 0:
+            return
+        key = self.key(token)
+        self._until.pop(key, None)
+        self._until[key] = self._clock() + self._ttl
+        while len(self._until) > self._size:
+            self._until.popitem(last=False)
+
+
+class TokenReviewer:
+    """Asks the API server whether a token is the operator's (see :func:`judge`)."""
+
+    def __init__(self, settings: TokenReviewSettings, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.cache = ReviewCache(settings.cache_ttl_s, settings.cache_size, clock)
+        verify: Any = True
+        if settings.ca_file is not None:
+            verify = ssl.create_default_context(cafile=str(settings.ca_file))
+        self._http = httpx.AsyncClient(
+            base_url=settings.server, verify=verify, timeout=settings.timeout_s
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def refusal(self, token: str | None) -> str | None:
+        """Why ``token`` is refused, or None when accepted."""
+        if not token:
+            return "this method needs 'authorization: Bearer <token>' metadata"
+        if self.cache.hit(token):
+            return None
+        s = self.settings
+        try:
+            own = s.token_file.read_text(encoding="utf-8").strip()
+            resp = await self._http.post(
+                _PATH,
+                json=review_body(token, s.audience),
+                headers={"Authorization": f"Bearer {own}"},
+            )
+        except (OSError, httpx.HTTPError) as exc:
+            log.warning("TokenReview failed: %s", exc)
+            return f"the worker could not review the token: {type(exc).__name__}: {exc}"
+        if resp.status_code != 201:
+            reason = f"the API server answered the TokenReview with HTTP {resp.status_code}"
+            log.warning("%s: %s", reason, resp.text[:300])
+            return reason
+        why = judge(resp.json(), s.operator_identity, s.audience)
+        if why is None:
+            self.cache.remember(token)
+        return why
+
+
+def _deny_handlers(reason: str) -> tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]:
+    async def deny(request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    async def deny_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        yield None  # pragma: no cover - abort raises
+
+    return (
+        grpc.unary_unary_rpc_method_handler(deny),
+        grpc.unary_stream_rpc_method_handler(deny_stream),
+    )
+
+
+class TokenReviewInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses protected methods unless the bearer token reviews as the operator's."""
+
+    def __init__(
+        self, reviewer: TokenReviewer, prefixes: tuple[str, ...] = PROTECTED_PREFIXES
+    ) -> None:
+        self._reviewer = reviewer
+        self._prefixes = prefixes
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method: str = handler_call_details.method
+        if not method.startswith(self._prefixes):
+            return await continuation(handler_call_details)
+        metadata = handler_call_details.invocation_metadata or ()
+        header = next((value for key, value in metadata if key == "authorization"), None)
+        reason = await self._reviewer.refusal(bearer_of(header))
+        if reason is None:
+            return await continuation(handler_call_details)
+        unary, stream = _deny_handlers(reason)
+        return stream if method.startswith(STREAMING_PREFIXES) else unary
