@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
-from omnistage.worker.v1 import sleep_service_pb2
+from omnistage.worker.v1 import sleep_service_pb2, types_pb2
 from omnistage_worker.token_review import TokenReviewSettings
 from tests.cluster.controlplane import ControlPlane
 from tests.worker.conftest import StartWorker, WorkerHandle, lm_dir, start_worker
@@ -53,7 +53,7 @@ async def _refused(worker: WorkerHandle, token: str) -> str:
     worker.token = token
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await worker.sleep_stub.Sleep(
-            sleep_service_pb2.SleepRequest(task_id="x", level=1), metadata=worker.metadata
+            sleep_service_pb2.SleepRequest(task_id="x", level=types_pb2.SLEEP_LEVEL_OFFLOAD), metadata=worker.metadata
         )
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     details = info.value.details() or ""
@@ -64,8 +64,8 @@ async def _refused(worker: WorkerHandle, token: str) -> str:
 async def test_only_the_operators_token_for_the_worker_audience(
     control_plane: ControlPlane,
     namespace: str,
-    start_worker: StartWorker,  # noqa: F811
-    lm_dir: Path,  # noqa: F811
+    start_worker: StartWorker,
+    lm_dir: Path,
     tmp_path: Path,
 ) -> None:
     cp, ns = control_plane, namespace
