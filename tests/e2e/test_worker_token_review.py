@@ -53,7 +53,8 @@ async def _refused(worker: WorkerHandle, token: str) -> str:
     worker.token = token
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await worker.sleep_stub.Sleep(
-            sleep_service_pb2.SleepRequest(task_id="x", level=types_pb2.SLEEP_LEVEL_OFFLOAD), metadata=worker.metadata
+            sleep_service_pb2.SleepRequest(task_id="x", level=types_pb2.SLEEP_LEVEL_OFFLOAD),
+            metadata=worker.metadata,
         )
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     details = info.value.details() or ""
