@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, start the metrics server and run kopf until stopped."""
     try:
         settings = parse_settings(argv)
-        settings.worker_token()  # fail early on an empty or unreadable token file
+        settings.worker_credentials()  # fail early on an empty or unreadable token file
     except (SettingsError, OSError) as exc:
         print(f"omnistage-operator: {exc}", file=sys.stderr)
         return 2

@@ -496,10 +496,10 @@ class KubeGroupPort:
             await self.r.kube.create(CLAIMS, self.ns, manifest)
         owner = owner_reference(body)
         state = DesiredState.ACTIVE if active else DesiredState.ASLEEP
-        pod = build_worker_pod(
+        pod = self.r.credentials.adapt(build_worker_pod(
             spec, initial_state=state, owner=owner, claim_name=claim,
             epoch=self.r.leadership.epoch,
-        )  # fmt: skip
+        ))  # fmt: skip
         created = await self.r.kube.create_returning(PODS, self.ns, pod)
         if created is not None:
             self.r.created.add(created["metadata"]["uid"])

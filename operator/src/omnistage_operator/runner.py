@@ -160,7 +160,8 @@ class GroupRunner(StatusPublisher):
         self._secrets: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ids = itertools.count(1)
-        self._token = settings.worker_token()
+        self.credentials = settings.worker_credentials()
+        self._token = self.credentials.shared
         # OnDemand stages: one demand stream per worker, each change kicks the group.
         self.demand = DemandWatcher(self.kick, lambda: self.leadership.epoch)
         ca = settings.worker_tls_ca
@@ -191,7 +192,7 @@ class GroupRunner(StatusPublisher):
             name = f"{service_name(spec.name)}.{namespace}.svc"  # what a worker certificate names
             client = WorkerClient(
                 target,
-                token=self._token,
+                token=self.credentials.current,
                 ca_pem=self._ca if tls else None,
                 server_name=name,
                 tls=tls,

@@ -8,6 +8,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from omnistage_operator.election import Timing, TimingError
+from omnistage_operator.worker_credentials import (
+    CredentialsError,
+    ProjectedToken,
+    SharedToken,
+    WorkerCredentials,
+)
 from omnistage_worker.jsonlog import LOG_FORMATS
 
 __all__ = ["Settings", "SettingsError", "parse_settings"]
@@ -26,6 +32,9 @@ class Settings:
 
     namespaces: tuple[str, ...] = ()  # empty: all namespaces
     worker_token_file: str | None = None
+    # Kubernetes-issued credentials instead of the shared token (worker_credentials.py).
+    worker_identity_token_file: str | None = None
+    worker_token_audience: str = "omnistage-worker"
     worker_tls_ca: str | None = None
     metrics_port: int = 8080
     liveness_port: int = 8081
@@ -60,6 +69,17 @@ class Settings:
         if self.lease_namespace:
             return self.lease_namespace
         return self.namespaces[0] if self.namespaces else fallback
+
+    def worker_credentials(self) -> WorkerCredentials:
+        """What the operator presents to workers (the file is read and checked now)."""
+        if self.worker_identity_token_file is None:
+            return SharedToken(self.worker_token())
+        creds = ProjectedToken(self.worker_identity_token_file, self.worker_token_audience)
+        try:
+            creds.identity  # noqa: B018 - read and check it now
+        except CredentialsError as exc:
+            raise SettingsError(str(exc)) from exc
+        return creds
 
     def worker_token(self) -> str | None:
         """The bearer token the workers expect (read fresh; never logged)."""
@@ -102,6 +122,16 @@ def parse_settings(
     )
     p.add_argument("--namespace", action="append", default=None, help="repeatable; default all")
     p.add_argument("--worker-token-file", default=env.get("OMNISTAGE_WORKER_TOKEN_FILE"))
+    p.add_argument(
+        "--worker-identity-token-file",
+        default=env.get("OMNISTAGE_WORKER_IDENTITY_TOKEN_FILE"),
+        help="present this Kubernetes-issued token (projected, audience --worker-token-audience)"
+        " instead of the shared --worker-token-file; workers check it by TokenReview",
+    )
+    p.add_argument(
+        "--worker-token-audience",
+        default=env.get("OMNISTAGE_WORKER_TOKEN_AUDIENCE", "omnistage-worker"),
+    )
     p.add_argument("--worker-tls-ca", default=env.get("OMNISTAGE_WORKER_TLS_CA"))
     p.add_argument("--metrics-port", default=env.get("OMNISTAGE_METRICS_PORT", "8080"))
     p.add_argument("--liveness-port", default=env.get("OMNISTAGE_LIVENESS_PORT", "8081"))
@@ -168,9 +198,15 @@ def parse_settings(
         if port > 65535:
             raise SettingsError(f"{flag}: must be at most 65535, got {value!r}")
         ports[flag] = port
+    if a.worker_identity_token_file and a.worker_token_file:
+        raise SettingsError(
+            "--worker-identity-token-file: give it or --worker-token-file, not both"
+        )
     return Settings(
         namespaces=tuple(namespaces),
         worker_token_file=a.worker_token_file or None,
+        worker_identity_token_file=a.worker_identity_token_file or None,
+        worker_token_audience=a.worker_token_audience,
         worker_tls_ca=a.worker_tls_ca or None,
         metrics_port=ports["--metrics-port"],
         liveness_port=ports["--liveness-port"],

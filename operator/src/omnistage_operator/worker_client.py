@@ -9,7 +9,7 @@ every other code) is ``WorkerUnavailable``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf import duration_pb2
@@ -45,12 +45,13 @@ class WorkerClient:
         self,
         target: str,
         *,
-        token: str | None = None,
+        token: str | Callable[[], str | None] | None = None,
         ca_pem: bytes | None = None,
         server_name: str | None = None,
         tls: bool = False,
     ):
-        """``server_name``: with TLS, the name the worker's certificate must carry (the operator
+        """``token``: the bearer token, or a callable giving the current one per call.
+        ``server_name``: with TLS, the name the worker's certificate must carry (the operator
         dials pod IPs, which change; certificates name the stage's Service instead). TLS when
         ``ca_pem`` is given (that CA) or ``tls`` is true (the system's roots without one)."""
         tls = tls or ca_pem is not None
@@ -68,7 +69,13 @@ class WorkerClient:
             self._channel = grpc.aio.insecure_channel(target, options=options)
         self._stub = sleep_service_pb2_grpc.SleepServiceStub(self._channel)
         self._demand = demand_service_pb2_grpc.DemandServiceStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._token = token
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        """The bearer token of this call (a callable one is asked each time: it rotates)."""
+        token = self._token() if callable(self._token) else self._token
+        return (("authorization", f"Bearer {token}"),) if token else ()
 
     async def close(self) -> None:
         """Close the channel."""
@@ -81,8 +88,9 @@ class WorkerClient:
         message = f"{what} at {self.target}: {exc.code().name}: {exc.details()}"
         if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
             return WorkerUnauthenticated(
-                f"{message} (the worker was started with another token than the operator's: "
-                "its pod predates the Secret omnistage-worker-token it mounts)"
+                f"{message} (with the shared token: the worker was started with another token "
+                "than the operator's, its pod predates the Secret omnistage-worker-token it "
+                "mounts; with Kubernetes-issued tokens: the worker's reason above)"
             )
         return WorkerUnavailable(message)
 
