@@ -130,13 +130,15 @@ class OperatorProcess:
         self.metrics_port = _free_port()
         self.liveness_port = _free_port()
         self.extra: list[str] = []
+        # How it authenticates to workers (the shared token by default).
+        self.auth: list[str] = ["--worker-token-file", str(self.token_file)]
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         argv = [
             OPERATOR,
             "--namespace", self.namespace,
-            "--worker-token-file", str(self.token_file),
+            *self.auth,
             "--metrics-port", str(self.metrics_port),
             "--liveness-port", str(self.liveness_port),
             "--wake-margin-bytes", str(WAKE_MARGIN),

@@ -4,6 +4,7 @@ expired, may order Sleep/WakeUp."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -16,12 +17,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
+from omnistage_operator.handover import WorkerUnauthenticated
+from omnistage_operator.worker_client import WorkerClient
+from omnistage_operator.worker_credentials import WORKER_SERVICE_ACCOUNT
 from omnistage_worker.token_review import TokenReviewSettings
 from tests.cluster.controlplane import ControlPlane
+from tests.e2e.conftest import Cluster, OperatorProcess, stage_manifest, stage_port, wait_for
 from tests.worker.conftest import StartWorker, WorkerHandle, lm_dir, start_worker
 
 __all__ = ["lm_dir", "start_worker"]  # fixtures used here
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(600)]
 AUD = "omnistage-worker"
 
 
@@ -47,6 +52,14 @@ def _expired(cp: ControlPlane, token: str) -> str:
     signed = f"{head}.{_b64(json.dumps(claims).encode())}"
     r, s = decode_dss_signature(key.sign(signed.encode(), ec.ECDSA(hashes.SHA256())))
     return f"{signed}.{_b64(r.to_bytes(32, 'big') + s.to_bytes(32, 'big'))}"
+
+
+async def _status(target: str, token: str) -> None:
+    client = WorkerClient(target, token=token)
+    try:
+        await client.get_status(10.0)
+    finally:
+        await client.close()
 
 
 async def _refused(worker: WorkerHandle, token: str) -> str:
@@ -107,3 +120,49 @@ async def test_only_the_operators_token_for_the_worker_audience(
         assert worker.server.worker.level == 0  # no refused order took effect
     finally:
         cp.kubectl("delete", "clusterrolebinding", f"{ns}-worker-auth-delegator")
+
+
+def test_operator_hands_over_with_kubernetes_issued_tokens(
+    cluster: Cluster, namespace: str, tiny_models: dict[str, Path], gpu_node: str, tmp_path: Path
+) -> None:
+    """The operator presents its ServiceAccount's token (audience omnistage-worker, as a
+    projected volume would hold it); the stage pods carry no token Secret and check it."""
+    cp, ns = cluster.cp, namespace
+    for sa in ("operator", WORKER_SERVICE_ACCOUNT):
+        cp.kubectl("create", "serviceaccount", sa, "-n", ns)
+    binding = f"{ns}-omnistage-worker-reviews"
+    cp.kubectl(
+        "create", "clusterrolebinding", binding, "--clusterrole=system:auth-delegator",
+        f"--serviceaccount={ns}:{WORKER_SERVICE_ACCOUNT}",
+    )  # fmt: skip
+    op = OperatorProcess(cp, ns, tmp_path)
+    identity_file = tmp_path / "identity-token"
+    identity_file.write_text(_token(cp, ns, "operator"))
+    op.auth = ["--worker-identity-token-file", str(identity_file)]
+    op.start()
+    try:
+        cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu_node, state="Active"))
+        cluster.apply(stage_manifest("sd", "sd", tiny_models, gpu_node, state="Asleep"))
+        wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
+        wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 120)
+        pod = cluster.pod("ar") or {}
+        args = pod["spec"]["containers"][0]["args"]
+        assert f"system:serviceaccount:{ns}:operator" in args and "--token-file" not in args
+        assert pod["spec"]["serviceAccountName"] == WORKER_SERVICE_ACCOUNT
+        secrets = cp.get_json("secrets", namespace=ns)["items"]
+        assert "omnistage-worker-token" not in {s["metadata"]["name"] for s in secrets}
+
+        # The hand-over, each order checked by TokenReview at the worker.
+        cluster.patch_state("sd", "Active")
+        wait_for("sd Active", lambda: cluster.state("sd") == "Active", 180)
+        ar_ack = cluster.status("ar")["lastAck"]
+        assert (ar_ack["op"], ar_ack["ok"]) == ("sleep", True)
+        assert cluster.status("sd")["lastAck"]["op"] == "wake"
+        # Another ServiceAccount's token for the right audience is refused by these workers.
+        target = f"{pod['status']['podIP']}:{stage_port(pod)}"
+        intruder = _token(cp, ns, WORKER_SERVICE_ACCOUNT)
+        with pytest.raises(WorkerUnauthenticated, match=WORKER_SERVICE_ACCOUNT):
+            asyncio.run(_status(target, intruder))
+    finally:
+        op.stop()
+        cp.kubectl("delete", "clusterrolebinding", binding)

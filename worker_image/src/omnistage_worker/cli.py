@@ -40,6 +40,7 @@ from omnistage_worker.config import (
 )
 from omnistage_worker.host_allocator import fix_mmap_threshold
 from omnistage_worker.jsonlog import LOG_FORMATS, configure_logging
+from omnistage_worker.kube_access import KubeconfigError, access_from_kubeconfig
 from omnistage_worker.limits import (
     DEFAULT_FRAMES,
     DEFAULT_IMAGE_SIDE,
@@ -288,14 +289,19 @@ def _token_review(args: argparse.Namespace) -> TokenReviewSettings | None:
     """TokenReview settings when ``--operator-identity`` is given (raises ConfigError)."""
     if not args.operator_identity:
         return None
+    server, token_file, ca_file = args.kube_server, args.kube_token_file, args.kube_ca_file
     try:
+        if not server and not in_cluster_server() and os.environ.get("KUBECONFIG"):
+            server, token_file, ca_file = access_from_kubeconfig(Path(os.environ["KUBECONFIG"]))
         return TokenReviewSettings(
             operator_identity=args.operator_identity,
             audience=args.token_audience,
-            server=args.kube_server or in_cluster_server(),
-            token_file=args.kube_token_file,
-            ca_file=args.kube_ca_file,
+            server=server or in_cluster_server(),
+            token_file=token_file,
+            ca_file=ca_file,
         )
+    except KubeconfigError as exc:
+        raise ConfigError("--kube-server", str(exc)) from exc
     except ValueError as exc:
         flag, _, message = str(exc).partition(": ")
         raise ConfigError(flag, message) from exc
