@@ -279,6 +279,15 @@ def vllm_args(stage: StageSpec) -> list[str]:
     ):
         if value is not None:
             args.append(f"--vllm-{flag}" if value else f"--no-vllm-{flag}")
+    if engine.enable_auto_tool_choice:
+        args.append("--vllm-enable-auto-tool-choice")
+    for flag, text in (
+        ("tool-call-parser", engine.tool_call_parser),
+        ("reasoning-parser", engine.reasoning_parser),
+        ("chat-template", engine.chat_template),
+    ):
+        if text is not None:
+            args += [f"--vllm-{flag}", text]
     return args
 
 
