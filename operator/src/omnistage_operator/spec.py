@@ -159,6 +159,7 @@ RESERVED_ENV = frozenset(
         "OMNISTAGE_MEMORY_PROBE",
         "OMNISTAGE_FAKE_GPU",
         "OMNISTAGE_RESIDUAL_SLACK",
+        "OMNISTAGE_MAX_BATCH",
     }
 )
 RESERVED_ARGS = frozenset(

@@ -301,7 +301,7 @@ class Worker:
                     if not ticket.start():
                         return None  # it left the queue (client gone, or answered at shutdown)
                     response: inference_service_pb2.GenerateResponse = await serve_async(
-                        request, on_chunk
+                        request, _ids_and_text(on_chunk, on_text_chunk)
                     )
                     return response
                 return await self._generate_lane.run(serve)
@@ -401,6 +401,20 @@ def _chunk_receiver(
             on_text_chunk(chunk)
 
     return receive
+
+
+def _ids_and_text(
+    on_chunk: ChunkSink | None, on_text_chunk: TextChunkSink | None
+) -> ChunkSink | None:
+    """``on_chunk``, else ``on_text_chunk`` fed from the ids and text an engine streams."""
+    if on_chunk is not None or on_text_chunk is None:
+        return on_chunk
+    sink = on_text_chunk
+
+    def put(ids: list[int], text: str) -> None:
+        sink(inference_service_pb2.TextChunk(token_ids=ids, text=text))
+
+    return put
 
 
 def _retrieved(job: asyncio.Future[Any]) -> None:
