@@ -111,6 +111,9 @@ Checks of value combinations the JSON schema cannot express.
 {{- if eq (int .Values.ports.metrics) (int .Values.ports.liveness) }}
 {{- fail "ports.metrics and ports.liveness must differ" }}
 {{- end }}
+{{- if and (eq .Values.workerCredentials.mode "kubernetes") (not (include "omnistage.watchNamespaces" . | fromJsonArray)) }}
+{{- fail "workerCredentials.mode=kubernetes needs watch.namespaces: the chart creates the workers' ServiceAccount omnistage-worker in each" }}
+{{- end }}
 {{- $le := .Values.leaderElection }}
 {{- if and (not $le.enabled) (gt (int .Values.replicaCount) 1) }}
 {{- fail "replicaCount > 1 needs leaderElection.enabled: two operators without a leader could both wake stages of one group" }}
