@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from omnistage_worker.token_review import (
     bearer_of,
     in_cluster_server,
     judge,
+    remaining_s,
     review_body,
 )
 
@@ -44,6 +47,13 @@ def test_judge() -> None:
     assert judge({}, OPERATOR, AUD) is not None
 
 
+def test_remaining_s() -> None:
+    claims = base64.urlsafe_b64encode(json.dumps({"exp": 1000}).encode()).decode().rstrip("=")
+    assert remaining_s(f"h.{claims}.s", now=990.0) == 10.0
+    assert remaining_s("opaque", now=0) is None
+    assert remaining_s("h.!!.s", now=0) is None
+
+
 def test_bearer_of() -> None:
     assert bearer_of("Bearer abc") == "abc"
     assert bearer_of(b"bearer abc ") == "abc"
@@ -62,6 +72,11 @@ def test_cache_ttl_and_size() -> None:
     for token in ("a", "b", "c"):
         cache.remember(token)
     assert len(cache) == 2 and not cache.hit("a") and cache.hit("c")
+    cache.remember("d", lifetime_s=3)  # a token expiring sooner than the TTL
+    now[0] = 13.0
+    assert not cache.hit("d")
+    cache.remember("e", lifetime_s=-1)  # already expired
+    assert not cache.hit("e")
     off = ReviewCache(ttl_s=0, size=2)
     off.remember("a")
     assert not off.hit("a")

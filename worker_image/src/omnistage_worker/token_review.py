@@ -3,15 +3,18 @@ short-lived ServiceAccount token with a dedicated audience; the worker asks the 
 (TokenReview, ``authentication.k8s.io/v1``, audiences set) through its own ServiceAccount and
 accepts only the operator's identity.
 
-Positive reviews are cached briefly (bounded TTL and size, never past the token's own expiry as
-the review reports none: the TTL bounds it), keyed by the token's SHA-256, so a revoked or expired
-token is refused within ``cache_ttl_s``. Refusals name the reason (UNAUTHENTICATED) but never the
-token. The pure parts (:func:`review_body`, :func:`judge`, :class:`ReviewCache`) have no I/O.
+Positive reviews are cached briefly (bounded TTL and size, and never past the token's ``exp``
+claim, read once the API server has vouched for the token), keyed by the token's SHA-256, so a
+token revoked (its pod or ServiceAccount deleted) is refused within ``cache_ttl_s``. Refusals
+name the reason (UNAUTHENTICATED) but never the token. The pure parts (:func:`review_body`,
+:func:`judge`, :func:`remaining_s`, :class:`ReviewCache`) have no I/O.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import logging
 import os
 import ssl
@@ -37,6 +40,7 @@ __all__ = [
     "bearer_of",
     "in_cluster_server",
     "judge",
+    "remaining_s",
     "review_body",
 ]
 
@@ -99,6 +103,20 @@ def bearer_of(header: str | bytes | None) -> str | None:
     return given.strip() or None if scheme.lower() == "bearer" else None
 
 
+def remaining_s(token: str, now: float) -> float | None:
+    """Seconds until the JWT's ``exp`` claim (None when it has none or is no JWT); trusted only
+    after a TokenReview accepted the token."""
+    parts = token.split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except (ValueError, TypeError):
+        return None
+    exp = claims.get("exp") if isinstance(claims, dict) else None
+    return float(exp) - now if isinstance(exp, int | float) else None
+
+
 def review_body(token: str, audience: str) -> dict[str, Any]:
     """The TokenReview to create for ``token`` with ``audience``."""
     return {
@@ -147,13 +165,14 @@ class ReviewCache:
             return False
         return True
 
-    def remember(self, token: str) -> None:
-        """Record an accepted ``token``."""
-        if self._ttl <= 0:
+    def remember(self, token: str, lifetime_s: float | None = None) -> None:
+        """Record an accepted ``token`` (for the TTL, or its remaining ``lifetime_s`` if less)."""
+        ttl = self._ttl if lifetime_s is None else min(self._ttl, lifetime_s)
+        if ttl <= 0:
             return
         key = self.key(token)
         self._until.pop(key, None)
-        self._until[key] = self._clock() + self._ttl
+        self._until[key] = self._clock() + ttl
         while len(self._until) > self._size:
             self._until.popitem(last=False)
 
@@ -197,7 +216,7 @@ class TokenReviewer:
             return reason
         why = judge(resp.json(), s.operator_identity, s.audience)
         if why is None:
-            self.cache.remember(token)
+            self.cache.remember(token, remaining_s(token, time.time()))
         return why
 
 
