@@ -41,6 +41,18 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
         raise AssertionError("unreachable: context.abort raises")
 
+    async def Encode(
+        self, request: inference_service_pb2.EncodeRequest, context: Context
+    ) -> inference_service_pb2.EncodeResponse:
+        try:
+            return await self.worker.encode(request)
+        except Refused as exc:
+            await _abort(context, exc)
+        except Exception as exc:
+            log.exception("encode %r failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"encoding failed: {exc}")
+        raise AssertionError("unreachable: context.abort raises")
+
     async def GenerateStream(
         self, request: inference_service_pb2.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[inference_service_pb2.GenerateStreamResponse]:

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -51,6 +51,7 @@ from omnistage_worker.transitions import (
 log = logging.getLogger(__name__)
 
 Listener = Callable[[Current], Awaitable[None]]
+T = TypeVar("T")
 
 
 class Worker:
@@ -253,6 +254,46 @@ class Worker:
         (with log probabilities); ``on_admitted`` is called once the request is past holding
         and validation.
         """
+        self._admissible(request)
+        sink = _thread_safe(_chunk_receiver(on_chunk, on_text_chunk))
+        serve_async: Any = getattr(self.runner, "agenerate", None)  # an engine's own batching
+
+        async def via_engine() -> inference_service_pb2.GenerateResponse:
+            response: inference_service_pb2.GenerateResponse = await serve_async(request, on_chunk)
+            return response
+
+        return await self._serve(
+            request.request_id,
+            lambda: self.runner.generate(request, sink),
+            via_engine if serve_async is not None else None,
+            on_admitted,
+        )
+
+    async def encode(
+        self, request: inference_service_pb2.EncodeRequest
+    ) -> inference_service_pb2.EncodeResponse:
+        """Encode a prompt into prompt embeds (an AR stage run as a pipeline's text encoder):
+        held, validated, queued and drained exactly as :meth:`generate`."""
+        encoder = getattr(self.runner, "encode", None)
+        if encoder is None:
+            raise Refused(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"a {type(self.runner).__name__} stage cannot encode (AR transformers stages do)",
+            )
+        self._admissible(
+            inference_service_pb2.GenerateRequest(
+                request_id=request.request_id, prompt=request.prompt
+            )
+        )
+
+        def run() -> inference_service_pb2.EncodeResponse:
+            response: inference_service_pb2.EncodeResponse = encoder(request)
+            return response
+
+        return await self._serve(request.request_id, run, None, None)
+
+    def _admissible(self, request: inference_service_pb2.GenerateRequest) -> None:
+        """Refuse a request that cannot be served here whatever the state (Refused)."""
         if self.terminating:
             raise ShuttingDown("it arrived after the shutdown began")
         try:
@@ -260,6 +301,16 @@ class Worker:
             self.runner.validate(request)
         except (InvalidRequest, limits.OverLimit) as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
+    async def _serve(
+        self,
+        request_id: str,
+        call: Callable[[], T],
+        call_async: Callable[[], Awaitable[T]] | None,
+        on_admitted: Callable[[], None] | None,
+    ) -> T:
+        """Hold (OnDemand) or refuse until the worker can serve, then run ``call`` on the
+        generate lane (or ``call_async`` on the loop) as one request in flight."""
         self.demand.touch()
         deadline = time.monotonic() + self.demand.hold_timeout
         while (refusal := generate_refusal(self.current)) is not None:
@@ -280,25 +331,20 @@ class Worker:
             on_admitted()
 
         probe = self.probe
-        sink = _thread_safe(_chunk_receiver(on_chunk, on_text_chunk))
-        serve_async = getattr(self.runner, "agenerate", None)  # an engine with its own batching
 
-        def serve() -> inference_service_pb2.GenerateResponse | None:
+        def serve() -> T | None:
             if not ticket.start():
                 return None  # it left the queue (client gone, or answered at shutdown)
             # on the lane's thread: a simulated device charges the request's activations
             with probe.serving() if probe is not None else contextlib.nullcontext():
-                return self.runner.generate(request, sink)
+                return call()
 
-        async def run() -> inference_service_pb2.GenerateResponse | None:
+        async def run() -> T | None:
             try:
-                if serve_async is not None:
+                if call_async is not None:
                     if not ticket.start():
                         return None  # it left the queue (client gone, or answered at shutdown)
-                    response: inference_service_pb2.GenerateResponse = await serve_async(
-                        request, on_chunk
-                    )
-                    return response
+                    return await call_async()
                 return await self._generate_lane.run(serve)
             finally:
                 self.queued.done(ticket)
@@ -318,7 +364,7 @@ class Worker:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             if ticket.leave():
-                log.info("request %s left the queue: its caller went away", request.request_id)
+                log.info("request %s left the queue: its caller went away", request_id)
                 self.demand.changed()
             raise
         if not job.done():
