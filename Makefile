@@ -50,6 +50,7 @@ generate: setup
 	protos/generate.sh $(PY)
 	mkdir -p charts/omnistage-operator/crds
 	cp crds/omnistages.omnistage.io.yaml charts/omnistage-operator/crds/omnistages.omnistage.io.yaml
+	cp crds/omnipipelines.omnistage.io.yaml charts/omnistage-operator/crds/omnipipelines.omnistage.io.yaml
 
 check-generated: generate
 	git diff --exit-code -- protos/gen charts/omnistage-operator/crds || \

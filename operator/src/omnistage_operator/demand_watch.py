@@ -137,6 +137,7 @@ class DemandWatcher:
                 stream.awake_since if stream is not None else None,
                 deleting=bool(port.bodies[name]["metadata"].get("deletionTimestamp")),
                 asleep_asked_at=port.r.asleep_asked.get(key),
+                batching=port.r.views.batching(port.ns, name),
             )
         view = shape_intents(intents, inputs, now)
         self._schedule(port.ns, port.group, view.recheck_at, now)
@@ -159,6 +160,11 @@ class DemandWatcher:
                 "lastRequestTime": format_timestamp(d.last_request) if d.last_request else None,
             }
         return {"demand": demand, "awakeReason": reason.value if reason is not None else None}
+
+    def report(self, namespace: str, name: str) -> DemandReport | None:
+        """A stage's latest demand report (None: no stream or no report yet)."""
+        stream = self._streams.get((namespace, name))
+        return stream.report if stream is not None else None
 
     def held(self, namespace: str, name: str) -> tuple[int, float | None]:
         """Held requests of a stage now and when the oldest was held."""

@@ -32,6 +32,7 @@ import kopf
 from omnistage_operator.kube import Kube
 from omnistage_operator.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
 from omnistage_operator.leadership import Leadership, SoleWriter
+from omnistage_operator.pipelines import PIPELINE_PLURAL, pipeline_keys
 from omnistage_operator.runner import GroupRunner
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import GROUP, PLURAL, VERSION
@@ -94,6 +95,24 @@ def worker_pods(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
     return pod_keys(body, namespace)
 
 
+@kopf.index(GROUP, VERSION, PIPELINE_PLURAL)
+def omnipipelines_by_stage(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
+    """OmniPipelines by each stage they name (a round reads its stages' batch policy here)."""
+    return pipeline_keys(body, namespace)
+
+
+@kopf.on.event(GROUP, VERSION, PIPELINE_PLURAL)
+async def pipeline_event(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    """A pipeline appeared, changed or went: its stages' groups re-plan (and write its status)."""
+    runner = _State.runner
+    if runner is None:
+        return
+    ns = namespace or "default"
+    for stage in (body.get("spec") or {}).get("stages") or []:
+        found = runner.views.stage(ns, str((stage or {}).get("name")))
+        _kick(ns, group_of(found) if found is not None else None)
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     """kopf settings: our finalizer, progress kept in omnistage.io annotations, API timeouts."""
@@ -115,7 +134,9 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         settings.peering.name = ours.peering
         settings.peering.mandatory = True
     # kopf passes its indexes by name; they are live (kopf keeps them current).
-    views = GroupViews(kwargs["omnistages_by_group"], kwargs["worker_pods"])
+    views = GroupViews(
+        kwargs["omnistages_by_group"], kwargs["worker_pods"], kwargs["omnipipelines_by_stage"]
+    )
     _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership, views)
     log.info("omnistage operator started (namespaces: %s)", ",".join(ours.namespaces) or "all")
 
