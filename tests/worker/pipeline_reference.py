@@ -6,6 +6,7 @@ last hidden state, the diffusers pipeline with those embeds and a generator seed
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,13 @@ class InProcessPipeline:
         self.model = AutoModelForCausalLM.from_pretrained(str(encoder_dir), local_files_only=True)
         self.model.eval()  # type: ignore[no-untyped-call]
         self.tokenizer = AutoTokenizer.from_pretrained(str(encoder_dir), local_files_only=True)
-        self.pipe = DiffusionPipeline.from_pretrained(str(diffusion_dir), local_files_only=True)  # type: ignore[no-untyped-call]
+        from omnistage_worker.runners.diffusion_embeds import absent_components
+
+        absent = dict.fromkeys(absent_components(diffusion_dir))
+        self.pipe = DiffusionPipeline.from_pretrained(  # type: ignore[no-untyped-call]
+            str(diffusion_dir), local_files_only=True, **absent
+        )
+        self.takes_mask = "prompt_embeds_mask" in inspect.signature(self.pipe.__call__).parameters
         self.pipe.set_progress_bar_config(disable=True)
 
     def encode(self, prompt: str) -> torch.Tensor:
@@ -40,9 +47,12 @@ class InProcessPipeline:
         """PNG bytes per prompt, each run alone with its seed (as a batch of one)."""
         out = []
         for prompt, seed in zip(prompts, seeds, strict=True):
+            embeds = self.encode(prompt)[None]
+            mask = {"prompt_embeds_mask": torch.ones(embeds.shape[:2], dtype=torch.int64)}
             with torch.inference_mode():
                 image = self.pipe(
-                    prompt_embeds=self.encode(prompt)[None],
+                    prompt_embeds=embeds,
+                    **(mask if self.takes_mask else {}),
                     generator=torch.Generator().manual_seed(seed),
                     output_type="pil",
                     **fields,

@@ -206,3 +206,37 @@ async def test_encode_is_held_while_asleep_on_demand(
     assert ack.ok and ack.state == types_pb2.WORKER_STATE_ACTIVE
     response = await asyncio.wait_for(call, 30)
     assert list(response.prompt_embeds.shape) == [3, 16]
+
+
+@pytest.fixture(scope="module")
+def qwen_image_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Qwen-Image split in two stages: a Qwen2 encoder and the DiT + VAE pipeline."""
+    from bench.qwen_image_like import TINY, build_dit, build_encoder
+
+    root = tmp_path_factory.mktemp("qwen-image")
+    return build_encoder(TINY, root / "enc"), build_dit(TINY, root / "dit")
+
+
+async def test_qwen_image_stages_take_embeds_and_mask_like_one_process(
+    start_worker: StartWorker, qwen_image_dirs: tuple[Path, Path]
+) -> None:
+    from tests.worker.pipeline_reference import InProcessPipeline
+
+    enc_dir, dit_dir = qwen_image_dirs
+    encoder = await start_worker(enc_dir, "ar", "transformers")
+    dit = await start_worker(dit_dir, "diffusion", "diffusers")  # no text encoder in it
+    prompt = "a bird can fly over the tree"
+    embeds = (await _encode(encoder, prompt)).prompt_embeds
+    fields = {"height": 32, "width": 32, "num_inference_steps": 2}
+    got = await dit.generate(prompt="", prompt_embeds=embeds, seed=11, **fields)
+    reference = InProcessPipeline(enc_dir, dit_dir)
+    assert reference.takes_mask
+    assert got.image.png == reference.images([prompt], [11], fields)[0]
+    # A padded mask reaches the pipeline (it takes one): another image, no refusal.
+    hidden, _ = unpack(embeds)
+    n = hidden.shape[0]
+    padded = pack(torch.cat([hidden, torch.zeros(2, 16)]), torch.tensor([1] * n + [0, 0]))
+    other = await dit.generate(prompt="", prompt_embeds=padded, seed=11, **fields)
+    assert other.image.png and other.image.width == 32
+    error = await rpc_error(dit.generate(prompt="a bird", seed=1, **fields))
+    assert error.code() != grpc.StatusCode.OK  # a prompt needs the text encoder it has not

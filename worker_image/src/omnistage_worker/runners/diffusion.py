@@ -24,12 +24,13 @@ from omnistage_worker.runners.base import (
     safetensors_in,
 )
 from omnistage_worker.runners.components import discover
-from omnistage_worker.runners.diffusion_embeds import batch_key as embeds_key
 from omnistage_worker.runners.diffusion_embeds import (
+    absent_components,
     call_arguments,
     check_embeds,
     embeds_width,
 )
+from omnistage_worker.runners.diffusion_embeds import batch_key as embeds_key
 from omnistage_worker.runners.frames import png, to_pil, video_frames
 from omnistage_worker.runners.group_batch import GroupBatcher
 from omnistage_worker.runners.pipeline_call import (
@@ -76,6 +77,8 @@ class DiffusionRunner(TorchRunner):
         self._files = self._component_files()
         self.resolve_dtype([], [p for paths in self._files.values() for p in paths])
         kwargs: dict[str, Any] = {"local_files_only": True, "torch_dtype": self.dtype}
+        # Components saved as absent (a DiT stage whose text encoder is another stage).
+        kwargs.update(dict.fromkeys(absent_components(self.model_dir)))
         if self.config.variant:
             kwargs["variant"] = self.config.variant
         pipe = DiffusionPipeline.from_pretrained(str(self.model_dir), **kwargs)  # type: ignore[no-untyped-call]

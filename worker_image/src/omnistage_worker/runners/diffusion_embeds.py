@@ -7,7 +7,9 @@ prompt (:mod:`omnistage_worker.embeds` carries them); they go to the pipeline's
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 from omnistage.worker.v1 import inference_service_pb2
@@ -15,6 +17,18 @@ from omnistage_worker.embeds import FIELD, MASK, EmbedsShape, check_header, stac
 from omnistage_worker.runners.base import InvalidRequest
 
 Request = inference_service_pb2.GenerateRequest
+
+
+def absent_components(model_dir: Path) -> list[str]:
+    """Components ``model_index.json`` saves as absent (``[null, null]``): a pipeline stage
+    whose text encoder is another stage loads without it."""
+    try:
+        index = json.loads((model_dir / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(index, dict):
+        return []
+    return sorted(k for k, v in index.items() if v == [None, None])
 
 
 def embeds_width(pipeline: Any) -> int | None:
