@@ -161,9 +161,12 @@ class PipelineStatus:
         bodies: list[Mapping[str, Any]],
         stages: Mapping[str, StageView],
         outcome: RoundOutcome | None,
+        *,
         now: float,
+        woken_for: Mapping[str, int] | None = None,
     ) -> None:
-        """Count what the round did and write each pipeline's status when it changed."""
+        """Count what the round did and write each pipeline's status when it changed
+        (``woken_for``: the held requests the round saw per stage, for the Event)."""
         for body in bodies:
             meta = body.get("metadata") or {}
             try:
@@ -179,7 +182,8 @@ class PipelineStatus:
                     int(seen.get("swaps") or 0), int(seen.get("batches") or 0)
                 )
             if outcome is not None:
-                self._count(body, pipeline, counts, moves_of(pipeline, outcome), stages)
+                moves = moves_of(pipeline, outcome)
+                self._count(body, pipeline, counts, moves, woken_for or {})
             status = status_body(
                 pipeline,
                 stages,
@@ -204,7 +208,7 @@ class PipelineStatus:
         pipeline: Pipeline,
         counts: _Counts,
         moves: RoundMoves,
-        stages: Mapping[str, StageView],
+        woken_for: Mapping[str, int],
     ) -> None:
         ns, name = pipeline.namespace, pipeline.name
         if moves.woke:
@@ -213,7 +217,7 @@ class PipelineStatus:
         if moves.swapped:
             counts.swaps += 1
             PIPELINE_SWAPS.labels(ns, name).inc()
-            held = sum(stages[n].held for n in moves.woke if n in stages)
+            held = sum(woken_for.get(n, 0) for n in moves.woke)
             self.emit(
                 {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline", **body},
                 "Swapped",
@@ -252,4 +256,8 @@ async def after_group_round(runner: Any, port: Any, outcome: RoundOutcome | None
             report.demand.inflight if report is not None else 0,
             ((body.get("spec") or {}).get("colocation") or {}).get("group"),
         )
-    await runner.pipeline_status.after_round(port.ns, bodies, stages, outcome, time.time())
+    asked = getattr(port, "demand_asked", {})
+    woken_for = {n: int(asked[n][0]) for n in names if n in asked}
+    await runner.pipeline_status.after_round(
+        port.ns, bodies, stages, outcome, now=time.time(), woken_for=woken_for
+    )
