@@ -12,6 +12,7 @@ import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
 from omnistage_worker.demand import retry_after_header
+from omnistage_worker.encoding import encode
 from omnistage_worker.state import Worker
 from omnistage_worker.transitions import Refused
 
@@ -45,7 +46,7 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         self, request: inference_service_pb2.EncodeRequest, context: Context
     ) -> inference_service_pb2.EncodeResponse:
         try:
-            return await self.worker.encode(request)
+            return await encode(self.worker, request)
         except Refused as exc:
             await _abort(context, exc)
         except Exception as exc:

@@ -254,7 +254,7 @@ class Worker:
         (with log probabilities); ``on_admitted`` is called once the request is past holding
         and validation.
         """
-        self._admissible(request)
+        self.admissible(request)
         sink = _thread_safe(_chunk_receiver(on_chunk, on_text_chunk))
         serve_async: Any = getattr(self.runner, "agenerate", None)  # an engine's own batching
 
@@ -262,37 +262,14 @@ class Worker:
             response: inference_service_pb2.GenerateResponse = await serve_async(request, on_chunk)
             return response
 
-        return await self._serve(
+        return await self.serve_call(
             request.request_id,
             lambda: self.runner.generate(request, sink),
             via_engine if serve_async is not None else None,
             on_admitted,
         )
 
-    async def encode(
-        self, request: inference_service_pb2.EncodeRequest
-    ) -> inference_service_pb2.EncodeResponse:
-        """Encode a prompt into prompt embeds (an AR stage run as a pipeline's text encoder):
-        held, validated, queued and drained exactly as :meth:`generate`."""
-        encoder = getattr(self.runner, "encode", None)
-        if encoder is None:
-            raise Refused(
-                grpc.StatusCode.UNIMPLEMENTED,
-                f"a {type(self.runner).__name__} stage cannot encode (AR transformers stages do)",
-            )
-        self._admissible(
-            inference_service_pb2.GenerateRequest(
-                request_id=request.request_id, prompt=request.prompt
-            )
-        )
-
-        def run() -> inference_service_pb2.EncodeResponse:
-            response: inference_service_pb2.EncodeResponse = encoder(request)
-            return response
-
-        return await self._serve(request.request_id, run, None, None)
-
-    def _admissible(self, request: inference_service_pb2.GenerateRequest) -> None:
+    def admissible(self, request: inference_service_pb2.GenerateRequest) -> None:
         """Refuse a request that cannot be served here whatever the state (Refused)."""
         if self.terminating:
             raise ShuttingDown("it arrived after the shutdown began")
@@ -302,7 +279,7 @@ class Worker:
         except (InvalidRequest, limits.OverLimit) as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    async def _serve(
+    async def serve_call(
         self,
         request_id: str,
         call: Callable[[], T],
