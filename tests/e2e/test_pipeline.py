@@ -214,7 +214,7 @@ def test_sixteen_clients_two_round_trips_and_outputs_equal_one_process(  # noqa:
 
 
 def test_the_api_server_refuses_a_malformed_pipeline(
-    pipeline_crd: ControlPlane, cluster: Cluster
+    pipeline_crd: ControlPlane, cluster: Cluster, operator: OperatorProcess
 ) -> None:
     enc, dit = {"name": "enc", "passes": "Embeds"}, {"name": "dit"}
     for stages, batching, message in (
@@ -234,3 +234,13 @@ def test_the_api_server_refuses_a_malformed_pipeline(
     cluster.apply(pipeline_manifest())
     spec = cluster.cp.get_json("omnipipeline", "tiny-image", namespace=cluster.namespace)["spec"]
     assert spec["batching"] == {"maxBatch": 8, "maxWait": "2s", "minResidency": "0s"}
+
+    def ready() -> dict[str, Any] | None:
+        got = cluster.cp.get_json("omnipipeline", "tiny-image", namespace=cluster.namespace)
+        conditions = (got.get("status") or {}).get("conditions") or []
+        return conditions[0] if conditions else None
+
+    # Valid, but none of its stages exists: the operator says so in its status.
+    cond = wait_for("the pipeline's Ready condition", ready, 60)
+    assert (cond["status"], cond["reason"]) == ("False", "StageMissing"), cond
+    assert cond["message"] == "no OmniStage enc, dit"

@@ -131,7 +131,8 @@ def test_status_body_names_stages_queues_and_readiness() -> None:
     from omnistage_operator.pipeline_status import StageView, status_body
 
     p = parse_pipeline(body(QI))
-    views = {"enc": StageView(A, 0, 2, "g"), "dit": StageView(S, 5, 0, "g")}
+    ar, dif = ("AR", "Transformers"), ("Diffusion", "Diffusers")
+    views = {"enc": StageView(A, 0, 2, "g", ar), "dit": StageView(S, 5, 0, "g", dif)}
     got = status_body(p, views, 3, 7, generation=2, now=0.0)
     assert got["stages"] == [
         {"name": "enc", "state": "Active", "heldRequests": 0, "inflightRequests": 2},
@@ -144,3 +145,15 @@ def test_status_body_names_stages_queues_and_readiness() -> None:
     assert (cond["status"], cond["reason"]) == ("False", "GroupsDiffer")
     gone = status_body(p, {"enc": views["enc"]}, 0, 0, generation=1, now=0.0)
     assert gone["conditions"][0]["message"] == "no OmniStage dit"
+
+    swapped = {"enc": StageView(A, 0, 0, "g", dif), "dit": StageView(S, 0, 0, "g", ar)}
+    cond = status_body(p, swapped, 0, 0, generation=1, now=0.0)["conditions"][0]
+    assert (cond["status"], cond["reason"]) == ("False", "StageKindMismatch")
+    assert cond["message"].startswith("enc passes Embeds: an AR Transformers stage encodes")
+    vllm = {**views, "enc": StageView(A, 0, 0, "g", ("AR", "VLLM"))}
+    assert (
+        "not AR VLLM"
+        in status_body(p, vllm, 0, 0, generation=1, now=0.0)["conditions"][0]["message"]
+    )
+    text = parse_pipeline(body([{"name": "enc", "passes": "Text"}, {"name": "dit"}]))
+    assert status_body(text, vllm, 0, 0, generation=1, now=0.0)["conditions"][0]["status"] == "True"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import kopf
@@ -102,15 +103,25 @@ def omnipipelines_by_stage(body: kopf.Body, namespace: str | None, **_: Any) -> 
 
 
 @kopf.on.event(GROUP, VERSION, PIPELINE_PLURAL)
-async def pipeline_event(body: kopf.Body, namespace: str | None, **_: Any) -> None:
-    """A pipeline appeared, changed or went: its stages' groups re-plan (and write its status)."""
+async def pipeline_event(
+    type: str | None, body: kopf.Body, namespace: str | None, **_: Any
+) -> None:
+    """A pipeline appeared or changed: its stages' groups re-plan (their rounds write its
+    status); with none of its stages there, the leader writes that status itself."""
     runner = _State.runner
-    if runner is None:
+    if runner is None or type == "DELETED":
         return
     ns = namespace or "default"
+    groups = set()
     for stage in (body.get("spec") or {}).get("stages") or []:
         found = runner.views.stage(ns, str((stage or {}).get("name")))
-        _kick(ns, group_of(found) if found is not None else None)
+        if found is not None and group_of(found) is not None:
+            groups.add(group_of(found))
+    for group in groups:
+        _kick(ns, group)
+    if not groups and _State.leadership.leading():
+        plain = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
+        await runner.pipeline_status.after_round(ns, [plain], {}, None, now=time.time())
 
 
 @kopf.on.startup()

@@ -59,6 +59,25 @@ class StageView:
     held: int = 0
     inflight: int = 0
     group: str | None = None
+    kind: tuple[str, str] = ("", "")  # spec.runner, spec.backend
+
+
+def kind_misfits(pipeline: Pipeline, stages: Mapping[str, StageView]) -> list[str]:
+    """Stages whose runner cannot do what the pipeline asks of them (pure)."""
+    out: list[str] = []
+    names = pipeline.stage_names
+    for i, (name, passes) in enumerate(pipeline.stages[:-1]):
+        runner, backend = stages[name].kind if name in stages else ("", "")
+        after = stages[names[i + 1]].kind[0] if names[i + 1] in stages else ""
+        if passes == "Embeds" and (runner, backend) != ("AR", "Transformers"):
+            out.append(
+                f"{name} passes Embeds: an AR Transformers stage encodes, not {runner} {backend}"
+            )
+        elif passes == "Embeds" and after and after != "Diffusion":
+            out.append(f"{names[i + 1]} takes {name}'s embeds: a Diffusion stage does, not {after}")
+        elif passes == "Text" and runner and runner != "AR":
+            out.append(f"{name} passes Text: an AR stage writes text, not {runner}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -102,6 +121,8 @@ def status_body(
     elif len(groups) > 1:
         ready, reason = "False", "GroupsDiffer"
         message = f"the stages are in colocation groups {sorted(g or '' for g in groups)}"
+    elif misfits := kind_misfits(pipeline, stages):
+        ready, reason, message = "False", "StageKindMismatch", "; ".join(misfits)
     else:
         ready, reason, message = "True", "StagesFound", "every stage is in one colocation group"
     return {
@@ -255,6 +276,7 @@ async def after_group_round(runner: Any, port: Any, outcome: RoundOutcome | None
             report.demand.held if report is not None else 0,
             report.demand.inflight if report is not None else 0,
             ((body.get("spec") or {}).get("colocation") or {}).get("group"),
+            (str((body.get("spec") or {}).get("runner", "")), str(body["spec"].get("backend", ""))),
         )
     asked = getattr(port, "demand_asked", {})
     woken_for = {n: int(asked[n][0]) for n in names if n in asked}
