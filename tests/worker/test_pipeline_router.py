@@ -13,7 +13,7 @@ import pytest
 from omnistage_worker.pipeline_def import Passes, PipelineDef, PipelineStage, parse_pipeline
 from omnistage_worker.pipeline_serve import PipelineServer, grpc_targets
 from omnistage_worker.router import Router
-from tests.worker.conftest import StartWorker, WorkerHandle
+from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
 from tests.worker.pipeline_reference import InProcessPipeline
 from tests.worker.test_embeds import encoder_dir
 from tests.worker.test_router import serve
@@ -147,3 +147,38 @@ async def test_text_pipeline_and_mismatched_stages(
             "/v1/images/generations", json={"model": "rewrite", "prompt": "", **BODY}
         )
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
+
+
+async def test_a_stage_not_reachable_yet_is_called_again(
+    start_worker: StartWorker, encoder_dir: Path, diffusion_dir: Path
+) -> None:
+    """The DiT's pod is being replaced (nothing listens at its address for a moment): the
+    router sends the call again until it answers, within --retry-within."""
+    from omnistage_worker.config import WorkerConfig
+    from omnistage_worker.server import WorkerServer
+    from tests.cluster.procs import free_port
+
+    encoder = await start_worker(encoder_dir, "ar", "transformers")
+    port = free_port()
+    defn = parse_pipeline("late=enc:embeds,dit")
+    server = PipelineServer(defn, {"enc": _grpc(encoder), "dit": f"127.0.0.1:{port}"}, 60.0)
+    router = Router({}, pipelines={"late": server})
+    config = WorkerConfig(
+        runner="diffusion", backend="diffusers", model=diffusion_dir, host="127.0.0.1", port=port
+    )
+    late = WorkerServer(config)
+    try:
+        async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
+            body = {"model": "late", "prompt": "the cat", "seed": 2, **BODY}
+            answer = asyncio.ensure_future(http.post("/v1/images/generations", json=body))
+
+            async def retried() -> bool:
+                return server.retried >= 1
+
+            await wait_for(retried, within=30, what="a call sent again")
+            await late.start()
+            got = await answer
+            assert got.status_code == 200, got.text
+            assert _png(got)[0]
+    finally:
+        await late.stop(1.0)

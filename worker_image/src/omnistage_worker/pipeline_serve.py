@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,15 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 _CARRIED = frozenset({"prompt", "prompt_embeds"})  # what one stage makes for the next
+FIRST_PAUSE_S, MAX_PAUSE_S = 0.25, 2.0
+
+
+def _unserved(exc: grpc.aio.AioRpcError) -> bool:
+    """The call never reached a model: no connection, or the worker is shutting down."""
+    details = exc.details() or ""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (
+        "shutting down" in details or "failed to connect" in details.lower()
+    )
 
 
 class StageFailed(Exception):
@@ -50,11 +60,15 @@ class StageFailed(Exception):
 class PipelineServer:
     """Runs requests through one pipeline's stages (``targets``: stage -> gRPC host:port)."""
 
-    def __init__(self, pipeline: PipelineDef, targets: Mapping[str, str]) -> None:
+    def __init__(
+        self, pipeline: PipelineDef, targets: Mapping[str, str], retry_within: float = 15.0
+    ) -> None:
         self.pipeline = pipeline
         self.targets = {s.name: targets[s.name] for s in pipeline.stages}
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.retry_within = retry_within
         self.served = 0
+        self.retried = 0  # stage calls sent again because they never reached a model
 
     def stub(self, stage: str) -> Any:
         """The stage's InferenceService stub (its channel opened on first use, on the loop)."""
@@ -75,19 +89,15 @@ class PipelineServer:
         embeds: inference_service_pb2.PromptEmbeds | None = None
         for index, stage in enumerate(self.pipeline.stages[:-1]):
             rid = f"{request.request_id}.{stage.name}"
-            stub = self.stub(stage.name)
             if stage.passes is Passes.EMBEDS:
-                encoded = await self._call(
-                    index,
-                    parsed,
-                    stub.Encode(inference_service_pb2.EncodeRequest(request_id=rid, prompt=prompt)),
-                )
+                encode = inference_service_pb2.EncodeRequest(request_id=rid, prompt=prompt)
+                encoded = await self._call(index, parsed, lambda s, m=encode: s.Encode(m))
                 prompt, embeds = "", encoded.prompt_embeds
             else:
                 first = GenerateRequest(request_id=rid, prompt=prompt, seed=request.seed)
                 if embeds is not None:
                     first.prompt_embeds.CopyFrom(embeds)
-                made = await self._call(index, parsed, stub.Generate(first))
+                made = await self._call(index, parsed, lambda s, m=first: s.Generate(m))
                 prompt, embeds = made.text.text, None
         final = GenerateRequest()
         final.CopyFrom(request)
@@ -95,18 +105,27 @@ class PipelineServer:
         if embeds is not None:
             final.prompt_embeds.CopyFrom(embeds)
         last = len(self.pipeline.stages) - 1
-        response: GenerateResponse = await self._call(
-            last, parsed, self.stub(self.pipeline.last.name).Generate(final)
-        )
+        response: GenerateResponse = await self._call(last, parsed, lambda s: s.Generate(final))
         self.served += 1
         return response
 
     async def _call(self, index: int, parsed: Parsed | None, call: Any) -> Any:
+        """``call(stub)`` on the stage; sent again, after a pause, while the stage's worker
+        could not be reached or answered that it is going (the request never reached a model,
+        and behind a Service the next pod takes it), for up to ``retry_within`` seconds."""
         stage = self.pipeline.stages[index].name
-        try:
-            return await call
-        except grpc.aio.AioRpcError as exc:
-            raise StageFailed(self._refusal(index, stage, exc, parsed)) from exc
+        deadline = time.monotonic() + self.retry_within
+        pause = FIRST_PAUSE_S
+        while True:
+            try:
+                return await call(self.stub(stage))
+            except grpc.aio.AioRpcError as exc:
+                if not _unserved(exc) or time.monotonic() + pause > deadline:
+                    raise StageFailed(self._refusal(index, stage, exc, parsed)) from exc
+                self.retried += 1
+                log.info("stage %r: %s; sending again in %.2fs", stage, exc.details(), pause)
+            await asyncio.sleep(pause)
+            pause = min(MAX_PAUSE_S, pause * 2)
 
     def _refusal(
         self, index: int, stage: str, exc: grpc.aio.AioRpcError, parsed: Parsed | None

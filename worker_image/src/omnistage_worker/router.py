@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         token=token,
         max_request_bytes=limit,
         retry_within=args.retry_within,
-        pipelines={p.name: PipelineServer(p, targets) for p in pipelines},
+        pipelines={p.name: PipelineServer(p, targets, args.retry_within) for p in pipelines},
     )
     uvicorn.run(router.asgi, host=args.host, port=args.port, log_level=args.log_level)
     return 0
