@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from pathlib import Path
 
 import httpx
@@ -182,3 +183,29 @@ async def test_a_stage_not_reachable_yet_is_called_again(
             assert _png(got)[0]
     finally:
         await late.stop(1.0)
+
+
+async def test_a_text_pipeline_streams_its_last_stage(
+    start_worker: StartWorker, lm_dir: Path
+) -> None:
+    first = await start_worker(lm_dir, "ar", "transformers")
+    second = await start_worker(lm_dir, "ar", "transformers")
+    defn = parse_pipeline("chain=first:text,second")
+    server = PipelineServer(defn, {"first": _grpc(first), "second": _grpc(second)})
+    router = Router({}, pipelines={"chain": server})
+    chat = {"model": "chain", "messages": [{"role": "user", "content": "the cat"}], "seed": 1}
+    async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
+        whole = await http.post("/v1/chat/completions", json={**chat, "max_tokens": 6})
+        assert whole.status_code == 200, whole.text
+        content = whole.json()["choices"][0]["message"]["content"]
+        stream = await http.post(
+            "/v1/chat/completions", json={**chat, "max_tokens": 6, "stream": True}
+        )
+        assert stream.status_code == 200, stream.text
+        events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+        assert len([d for d in deltas if d]) >= 2  # token by token, not one piece
+        assert "".join(deltas) == content
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")

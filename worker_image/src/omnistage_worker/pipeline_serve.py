@@ -17,16 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
 from omnistage_worker import openai_answers, openai_api
 from omnistage_worker.embeds import MAX_MESSAGE_BYTES
 from omnistage_worker.openai_api import BadRequest, Parsed, error_body
+from omnistage_worker.openai_stream import ChunkQueue, sse_events
 from omnistage_worker.pipeline_def import Passes, PipelineDef
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,14 @@ class PipelineServer:
             await channel.close()
         self.channels.clear()
 
-    async def run(self, request: GenerateRequest, parsed: Parsed | None = None) -> GenerateResponse:
-        """One request through every stage; the last stage's response."""
+    async def run(
+        self,
+        request: GenerateRequest,
+        parsed: Parsed | None = None,
+        sink: Callable[[list[int], str], None] | None = None,
+    ) -> GenerateResponse:
+        """One request through every stage; the last stage's response (``sink``: its text
+        as the last stage generates it, over GenerateStream)."""
         prompt = request.prompt
         embeds: inference_service_pb2.PromptEmbeds | None = None
         for index, stage in enumerate(self.pipeline.stages[:-1]):
@@ -105,7 +112,19 @@ class PipelineServer:
         if embeds is not None:
             final.prompt_embeds.CopyFrom(embeds)
         last = len(self.pipeline.stages) - 1
-        response: GenerateResponse = await self._call(last, parsed, lambda s: s.Generate(final))
+
+        async def streamed(stub: Any) -> GenerateResponse:
+            request = inference_service_pb2.GenerateStreamRequest(request=final)
+            async for message in stub.GenerateStream(request):
+                if message.WhichOneof("event") == "chunk" and sink is not None:
+                    sink(list(message.chunk.token_ids), message.chunk.text)
+                elif message.WhichOneof("event") == "done":
+                    done: GenerateResponse = message.done
+                    return done
+            raise RuntimeError("the stream ended without its response")
+
+        call = streamed if sink is not None else (lambda s: s.Generate(final))
+        response: GenerateResponse = await self._call(last, parsed, call)
         self.served += 1
         return response
 
@@ -161,17 +180,48 @@ class PipelineServer:
         return JSONResponse(openai_answers.image_body(responses))
 
     async def text(self, body: Any, chat: bool) -> Response:
-        """``/v1/chat/completions`` or ``/v1/completions`` (not streamed) for a pipeline whose
-        last stage makes text."""
+        """``/v1/chat/completions`` or ``/v1/completions`` for a pipeline whose last stage
+        makes text (``stream: true``: its text as it is generated)."""
         name = self.pipeline.name
         parse = openai_api.parse_chat if chat else openai_api.parse_completion
         parsed = parse(body, name)
         if parsed.stream:
-            raise BadRequest("stream", "a pipeline answers whole (stream: false)")
+            return await self._stream(parsed, chat)
         responses = await self._all(parsed)
         if any(r.WhichOneof("output") != "text" for r in responses):
             raise BadRequest(None, f"pipeline {name!r} makes images: use /v1/images/generations")
         return JSONResponse(openai_answers.completion_body(parsed, responses, name, chat))
+
+    async def _stream(self, parsed: Parsed, chat: bool) -> Response:
+        """SSE of the last stage's text as it is generated; a refusal before its first chunk
+        is an ordinary error response."""
+        events = ChunkQueue(len(parsed.requests))
+        sinks = events.sinks()
+        tasks = [
+            asyncio.ensure_future(self.run(r, parsed, sinks[i]))
+            for i, r in enumerate(parsed.requests)
+        ]
+        for task in tasks:
+            task.add_done_callback(lambda _: events.wake.set())
+        waiter = asyncio.ensure_future(events.wake.wait())
+        try:
+            await asyncio.wait({*tasks, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+            if failed is not None:
+                failed.result()  # raises StageFailed: the caller answers with it
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if any(t.done() and t.result().WhichOneof("output") != "text" for t in tasks):
+            raise BadRequest(None, f"pipeline {self.pipeline.name!r} makes images")
+        return StreamingResponse(
+            sse_events(parsed, self.pipeline.name, chat, tasks, events),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
 
     async def _all(self, parsed: Parsed) -> list[GenerateResponse]:
         calls = [asyncio.ensure_future(self.run(r, parsed)) for r in parsed.requests]
