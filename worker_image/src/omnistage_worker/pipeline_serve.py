@@ -197,7 +197,7 @@ class PipelineServer:
         is an ordinary error response."""
         events = ChunkQueue(len(parsed.requests))
         sinks = events.sinks()
-        tasks = [
+        tasks: list[asyncio.Future[GenerateResponse]] = [
             asyncio.ensure_future(self.run(r, parsed, sinks[i]))
             for i, r in enumerate(parsed.requests)
         ]
