@@ -205,7 +205,8 @@ class PipelineServer:
             task.add_done_callback(lambda _: events.wake.set())
         waiter = asyncio.ensure_future(events.wake.wait())
         try:
-            await asyncio.wait({*tasks, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {*tasks, waiter}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
             if failed is not None:
                 failed.result()  # raises StageFailed: the caller answers with it
