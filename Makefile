@@ -12,6 +12,8 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 PIP_CACHE := $(OMNISTAGE_CACHE)/pip
 PYTEST_ARGS ?=
+# The chart's templated CRDs (helm upgrade applies templates/, never crds/).
+CHART_CRDS := charts/omnistage-operator/templates/crds
 
 .PHONY: setup cluster-bin node-bin images images-ci e2e-node generate check-generated lint test test-unit demo clean
 
@@ -48,14 +50,14 @@ e2e-node: setup cluster-bin node-bin images
 
 generate: setup
 	protos/generate.sh $(PY)
-	mkdir -p charts/omnistage-operator/crds
-	cp crds/omnistages.omnistage.io.yaml charts/omnistage-operator/crds/omnistages.omnistage.io.yaml
-	cp crds/omnipipelines.omnistage.io.yaml charts/omnistage-operator/crds/omnipipelines.omnistage.io.yaml
+	mkdir -p $(CHART_CRDS)
+	crds/chart-template.sh crds/omnistages.omnistage.io.yaml >$(CHART_CRDS)/omnistages.omnistage.io.yaml
+	crds/chart-template.sh crds/omnipipelines.omnistage.io.yaml >$(CHART_CRDS)/omnipipelines.omnistage.io.yaml
 
 check-generated: generate
-	git diff --exit-code -- protos/gen charts/omnistage-operator/crds || \
+	git diff --exit-code -- protos/gen $(CHART_CRDS) || \
 	  { echo "generated files differ from a fresh generation: run 'make generate' and commit" >&2; exit 1; }
-	test -z "$$(git status --porcelain -- protos/gen charts/omnistage-operator/crds)" || \
+	test -z "$$(git status --porcelain -- protos/gen $(CHART_CRDS))" || \
 	  { echo "untracked generated files: run 'make generate' and commit" >&2; exit 1; }
 
 lint: setup cluster-bin

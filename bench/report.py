@@ -17,6 +17,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.report_coldstart import coldstart_section  # noqa: E402
 from bench.report_serving import serving_section  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -319,6 +320,11 @@ def render() -> str:
     serving = _load("serving.json")
     if serving:
         lines += serving_section(serving, _load("serving_first_run.json"))
+    coldstart = _load("coldstart.json")
+    if coldstart:
+        lines += coldstart_section(
+            coldstart, _load("coldstart_no_bytecode.json"), RESULTS / "first_forward.jsonl"
+        )
     lines.append(END)
     return "\n".join(lines)
 

@@ -14,12 +14,13 @@ own record of how long it took). The key names the versions and a hash of go.mod
 link flags, so a change to any of them builds afresh.
 
 ``python -m tests.cluster.build --node`` builds the node binaries the same way, apart: the
-kubelet of the same release from ``tests/cluster/kubeletbuild`` (the same replaces and
-dependency versions as ``k8sbuild``), cached in ``node-bin/<key>/`` under its own key, so the
-control-plane binaries' key (and cache) does not change with it.
+kubelet and kube-proxy of the same release from ``tests/cluster/kubeletbuild`` (the same
+replaces and dependency versions as ``k8sbuild``), cached in ``node-bin/<key>/`` under its own
+key, so the control-plane binaries' key (and cache) does not change with them.
 
 Other commands:
-  ``--print-bin NAME``  print one binary's path (fails if not built; ``kubelet`` too)
+  ``--print-bin NAME``  print one binary's path (fails if not built; ``kubelet`` and
+                        ``kube-proxy`` too)
   ``--regen``           regenerate go.mod/go.sum/tools.go from the release's go.mod (network)
 
 Python API: ``ensure_binaries() -> Binaries`` builds if needed; ``find_binaries()`` never builds.
@@ -73,7 +74,10 @@ BUILDS: tuple[tuple[Path, dict[str, str]], ...] = (
     (MODULE_DIR, K8S_PACKAGES),
     (HELM_MODULE_DIR, HELM_PACKAGES),
 )
-NODE_PACKAGES: dict[str, str] = {"kubelet": "k8s.io/kubernetes/cmd/kubelet"}
+NODE_PACKAGES: dict[str, str] = {
+    "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+    "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
+}
 NODE_BUILDS: tuple[tuple[Path, dict[str, str]], ...] = ((KUBELET_MODULE_DIR, NODE_PACKAGES),)
 # the file name `go build -o DIR` gives each package's binary
 _GO_OUTPUT_NAME = {"etcd": "server"}
@@ -183,15 +187,20 @@ def node_bin_dir() -> Path:
     return cache_root() / "node-bin" / build_key(NODE_BUILDS)
 
 
-def find_kubelet() -> Path:
-    """The built kubelet, or BuildError saying how to build it."""
+def find_node_binary(name: str = "kubelet") -> Path:
+    """A built node binary (``kubelet``, ``kube-proxy``), or BuildError saying how to build it."""
     directory = node_bin_dir()
     if not (directory / "build.json").is_file():
         raise BuildError(
-            f"the kubelet is not built (looked in {directory}): "
+            f"the {name} is not built (looked in {directory}): "
             "run `python -m tests.cluster.build --node`"
         )
-    return directory / "kubelet"
+    return directory / name
+
+
+def find_kubelet() -> Path:
+    """The built kubelet, or BuildError saying how to build it."""
+    return find_node_binary("kubelet")
 
 
 def binaries_in(directory: Path) -> Binaries:
@@ -405,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.regen:
             regenerate()
             return 0
-        if args.print_bin == "kubelet":
-            print(find_kubelet())
+        if args.print_bin in NODE_PACKAGES:
+            print(find_node_binary(args.print_bin))
             return 0
         if args.print_bin:
             print(find_binaries().by_name(args.print_bin))

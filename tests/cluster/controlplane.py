@@ -11,11 +11,14 @@ Usage::
 API server with envtest-like flags: RBAC and Node authorization, a client-certificate admin in
 ``system:masters``, service-account token signing (so ``kubectl create token`` works), the
 default admission plugins (ServiceAccount, NamespaceLifecycle, TaintNodesByCondition...), and
-resource.k8s.io/v1 (DRA) served. The scheduler and the controller-manager (garbage collector,
-namespace, service-account, node-lifecycle and DRA resource-claim controllers, among the
-defaults) run with the admin kubeconfig. Every process runs in its own process group and all of
-them are stopped on exit, even when the body raised. ``timings`` holds ``start`` and ``teardown``
-seconds; both are printed.
+resource.k8s.io/v1 (DRA) served. Pods on a real node reach it through the ``kubernetes``
+Service: it listens on every address and advertises the host's (``advertise_ip``; its serving
+certificate names it), so its own endpoint reconciler points the Service there (a machine with
+no global IPv4 keeps loopback and no endpoints). The scheduler and the controller-manager
+(garbage collector, namespace, service-account, node-lifecycle and DRA resource-claim
+controllers, among the defaults) run with the admin kubeconfig. Every process runs in its own
+process group and all of them are stopped on exit, even when the body raised. ``timings`` holds
+``start`` and ``teardown`` seconds; both are printed.
 
 Attributes and helpers: ``kubeconfig`` (admin kubeconfig path), ``server`` (https URL),
 ``workdir``, ``binaries``, ``kubectl(*args, input=None, check=True)``,
@@ -50,6 +53,7 @@ import httpx
 import yaml
 
 from tests.cluster.build import Binaries, ensure_binaries, find_binaries
+from tests.cluster.hostnet import host_ip
 from tests.cluster.kubeconfig import ssl_context, write_cert_kubeconfig, write_token_kubeconfig
 from tests.cluster.lifecycle import Lifecycle
 from tests.cluster.pki import Pki, create_pki
@@ -86,6 +90,7 @@ class ControlPlane(Lifecycle):
         self.etcd_port = free_port()
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
+        self.advertise_ip = host_ip()
         self.timings: dict[str, float] = {}
         self._procs: list[ManagedProcess] = []
         self._pki: Pki | None = None
@@ -97,7 +102,8 @@ class ControlPlane(Lifecycle):
     def _start(self) -> None:
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        pki = self._pki = create_pki(self.workdir / "pki")
+        ips = (self.advertise_ip,) if self.advertise_ip else ()
+        pki = self._pki = create_pki(self.workdir / "pki", ips=ips)
         write_cert_kubeconfig(
             self.kubeconfig, self.server, pki.ca_cert, pki.admin_cert, pki.admin_key, name="admin"
         )
@@ -176,11 +182,16 @@ class ControlPlane(Lifecycle):
         )
 
     def _apiserver_args(self, pki: Pki, etcd_url: str) -> list[str]:
+        if self.advertise_ip:  # the `kubernetes` Service's endpoint: pods reach it there
+            address = ["--bind-address=0.0.0.0", f"--advertise-address={self.advertise_ip}"]
+            address.append("--endpoint-reconciler-type=lease")
+        else:  # an Endpoints object cannot hold a loopback address
+            address = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"]
+            address.append("--endpoint-reconciler-type=none")
         return [
             str(self.binaries.apiserver),
             f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            *address,
             f"--secure-port={self.port}",
             f"--cert-dir={self.workdir / 'apiserver-certs'}",
             f"--tls-cert-file={pki.serving_cert}",
@@ -194,7 +205,6 @@ class ControlPlane(Lifecycle):
             "--service-cluster-ip-range=10.0.0.0/24",
             "--allow-privileged=true",
             "--runtime-config=resource.k8s.io/v1=true",
-            "--endpoint-reconciler-type=none",
             "--profiling=false",
             "--v=1",
         ]

@@ -97,8 +97,23 @@ def _write_cert(cert: x509.Certificate, path: Path) -> None:
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def create_pki(directory: Path) -> Pki:
-    """Create a CA, the API server's serving cert, an admin client cert and SA signing keys."""
+def issue_client_cert(
+    ca_cert: Path, ca_key: Path, *, cn: str, org: str | None, cert_out: Path, key_out: Path
+) -> None:
+    """A client certificate for user ``cn`` (group ``org``), signed by the CA on disk."""
+    ca = x509.load_pem_x509_certificate(ca_cert.read_bytes())
+    signer = serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
+    assert isinstance(signer, ec.EllipticCurvePrivateKey)
+    key = _key()
+    _write_key(key, key_out)
+    _write_cert(_issue(_name(cn, org), key, (ca, signer)), cert_out)
+
+
+def create_pki(directory: Path, ips: tuple[str, ...] = ()) -> Pki:
+    """Create a CA, the API server's serving cert, an admin client cert and SA signing keys.
+
+    The serving certificate names localhost, 127.0.0.1, the ``kubernetes`` Service (names and
+    ClusterIP 10.0.0.1) and ``ips`` (the host's address the API server advertises)."""
     directory.mkdir(parents=True, exist_ok=True)
     pki = Pki(
         ca_cert=directory / "ca.crt",
@@ -124,6 +139,7 @@ def create_pki(directory: Path) -> Pki:
         x509.DNSName("kubernetes.default.svc.cluster.local"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
         x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
+        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips),
     ]
     serving = _issue(
         _name("kube-apiserver"), serving_key, (ca_cert, ca_key), server=True, sans=sans

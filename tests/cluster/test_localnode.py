@@ -559,7 +559,7 @@ def test_pods_still_run_after_the_pod_watch_reopens(
     extra: LocalNodes = make_local_nodes(nodes=1, gpus=1, extra_args=["--watch-timeout=1"])
     node = extra.node_names[0]
     deadline = time.monotonic() + 30
-    while extra.log.read_text().count(f"pod watch for {node} (re)opened") < 3:
+    while extra.log.read_text().count("pod watch (re)opened") < 3:
         assert time.monotonic() < deadline, "the pod watch was not reopened 3 times in 30s"
         time.sleep(0.2)
     pod = _stubborn_pod("late", grace=1, node=node)

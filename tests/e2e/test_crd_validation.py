@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from omnistage_operator.builders import (
     build_group_claim,
@@ -32,13 +31,13 @@ from omnistage_operator.quantities import format_bytes
 from omnistage_operator.spec import DesiredState, PlacementMode, parse_stage
 from tests.cluster.controlplane import ControlPlane
 from tests.e2e.conftest import crd_established
+from tests.examples import stage_docs
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "omnistages.omnistage.io.yaml"
 NOW = datetime(2026, 11, 21, 5, 0, tzinfo=UTC)
-EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
 
 
 def good(name: str = "stage") -> dict[str, Any]:
@@ -509,14 +508,19 @@ def test_vllm_engine_args_are_accepted_and_reach_the_worker(
 
 
 def _example_docs() -> list[dict[str, Any]]:
-    return [d for p in EXAMPLES for d in yaml.safe_load_all(p.read_text()) if d]
+    return [doc for _, doc in stage_docs()]
+
+
+def _apply_examples(cp: ControlPlane, namespace: str) -> None:
+    """Every example OmniStage (the other kinds: tests/e2e/test_examples.py)."""
+    for doc in _example_docs():
+        apply(cp, namespace, doc)
 
 
 def test_examples_are_accepted_and_parse_back(cluster: ControlPlane, namespace: str) -> None:
     docs = _example_docs()
     assert len(docs) >= 4
-    for path in EXAMPLES:
-        cluster.kubectl("apply", "--validate=strict", "-n", namespace, "-f", str(path))
+    _apply_examples(cluster, namespace)
     for doc in docs:
         stored = get(cluster, namespace, doc["metadata"]["name"])
         assert stored["metadata"]["generation"] == 1
@@ -660,8 +664,7 @@ def test_built_children_are_accepted_by_the_api_server(
         "nodeSelector": {"kubernetes.io/os": "linux"},
         "priorityClassName": "system-node-critical",
     }
-    for path in EXAMPLES:
-        cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+    _apply_examples(cluster, namespace)
     apply(cluster, namespace, explicit)
     names = [d["metadata"]["name"] for d in _example_docs()] + ["pinned"]
     groups: dict[str, int] = {}

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import secrets
+import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ import pytest
 import yaml
 
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.procs import wait_for
 from tests.unit.test_chart_support import CHART_DIR, REPO_ROOT
 
 CRD_NAME = "omnistages.omnistage.io"
@@ -50,16 +53,49 @@ class InstalledRelease:
         return f"system:serviceaccount:{self.namespace}:{self.service_account}"
 
 
+CRD_SOURCE = REPO_ROOT / "crds" / f"{CRD_NAME}.yaml"
+CRD_TEMPLATE = CHART_DIR / "templates" / "crds" / f"{CRD_NAME}.yaml"
+
+
+def crd_template_text(source: Path = CRD_SOURCE) -> str:
+    """The chart's templated CRD as ``make generate`` writes it from ``source``."""
+    script = REPO_ROOT / "crds" / "chart-template.sh"
+    proc = subprocess.run(
+        ["bash", str(script), os.path.relpath(source, REPO_ROOT)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return proc.stdout
+
+
 def check_chart_crd_copy() -> None:
-    """The chart must carry the CRD source's copy (``make generate``), or install has no CRD."""
-    source = REPO_ROOT / "crds" / f"{CRD_NAME}.yaml"
-    copy = CHART_DIR / "crds" / f"{CRD_NAME}.yaml"
-    if not copy.is_file() or copy.read_bytes() != source.read_bytes():
+    """The chart must carry the CRD source's templated copy (``make generate``)."""
+    if not CRD_TEMPLATE.is_file() or CRD_TEMPLATE.read_text() != crd_template_text():
         pytest.fail(
-            f"{copy.relative_to(REPO_ROOT)} is missing or differs from "
-            f"{source.relative_to(REPO_ROOT)}: run `make generate`",
+            f"{CRD_TEMPLATE.relative_to(REPO_ROOT)} is missing or differs from a fresh "
+            f"generation from {CRD_SOURCE.relative_to(REPO_ROOT)}: run `make generate`",
             pytrace=False,
         )
+
+
+def apply_crd(control_plane: ControlPlane) -> None:
+    """The CRD applied server-side (as a user with ``crds.enabled=false`` does), Established."""
+    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_SOURCE))
+    crd_established(control_plane)
+
+
+def crd_established(control_plane: ControlPlane) -> None:
+    """Poll the CRD's Established condition (``kubectl wait`` fails at once when it reads the
+    CRD before the API server wrote any condition)."""
+
+    def established() -> bool:
+        conditions = control_plane.get_json("crd", CRD_NAME).get("status", {}).get("conditions")
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions or [])
+
+    wait_for(f"CRD {CRD_NAME} Established", established, 60, interval=0.2)
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,19 +122,31 @@ def install_chart(
     *,
     namespace: str | None = None,
     name: str | None = None,
+    chart: Path = CHART_DIR,
+    flags: Sequence[str] = (),
 ) -> InstalledRelease:
-    """``helm install`` the chart (a new namespace and a unique release name unless given)."""
+    """``helm install`` the chart (a new namespace and a unique release name unless given).
+
+    The control plane is shared by many releases and tests, and one release at most may own the
+    CRD: unless ``values`` set ``crds``, the release leaves it alone (``crds.enabled=false``)
+    and the CRD is applied server-side first, as such a user would.
+    """
     check_chart_crd_copy()
+    values = dict(values or {})
+    if "crds" not in values:
+        values["crds"] = {"enabled": False}
+        apply_crd(control_plane)
     namespace = namespace or control_plane.create_namespace("omnistage-system")
     name = name or f"omni-{secrets.token_hex(3)}"
     with tempfile.TemporaryDirectory(prefix="omnistage-values-") as tmp:
         control_plane.helm(
             "install",
             name,
-            str(CHART_DIR),
+            str(chart),
             "--namespace",
             namespace,
-            *helm_values_args(values or {}, Path(tmp)),
+            *helm_values_args(values, Path(tmp)),
+            *flags,
         )
     return describe_release(control_plane, name, namespace)
 
@@ -120,17 +168,26 @@ def describe_release(control_plane: ControlPlane, name: str, namespace: str) -> 
 
 
 def upgrade_chart(
-    control_plane: ControlPlane, release: InstalledRelease, values: Mapping[str, Any] | None = None
+    control_plane: ControlPlane,
+    release: InstalledRelease,
+    values: Mapping[str, Any] | None = None,
+    *,
+    chart: Path = CHART_DIR,
+    flags: Sequence[str] = (),
 ) -> None:
-    """``helm upgrade`` the release with ``values`` (the chart defaults otherwise)."""
+    """``helm upgrade`` the release with ``values`` (the chart defaults otherwise; the CRD left
+    alone unless ``values`` set ``crds``, as in ``install_chart``)."""
+    values = dict(values or {})
+    values.setdefault("crds", {"enabled": False})
     with tempfile.TemporaryDirectory(prefix="omnistage-values-") as tmp:
         control_plane.helm(
             "upgrade",
             release.name,
-            str(CHART_DIR),
+            str(chart),
             "--namespace",
             release.namespace,
-            *helm_values_args(values or {}, Path(tmp)),
+            *helm_values_args(values, Path(tmp)),
+            *flags,
         )
 
 

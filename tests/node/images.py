@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import re
@@ -50,11 +51,17 @@ SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """One image `make images` builds: its Dockerfile, target and local name."""
+    """One image `make images` builds: its Dockerfile, target and local name.
+
+    ``layers``: reuse buildah's layer cache. buildah keys a RUN's cache on its text and parent
+    layer, not on what it bind-mounts from another stage (``--mount=type=bind,from=build``),
+    so a cached install would keep stale sources, and a cached build stage cannot be mounted
+    at all; the operator (about a minute) is built afresh each time."""
 
     name: str
     dockerfile: str
     target: str | None
+    layers: bool = True
 
     @property
     def ref(self) -> str:
@@ -64,7 +71,7 @@ class ImageSpec:
 
 PAUSE = ImageSpec("omnistage-pause", "tests/node/pause", None)
 IMAGES: dict[str, ImageSpec] = {
-    "operator": ImageSpec("omnistage-operator", "operator/Dockerfile", None),
+    "operator": ImageSpec("omnistage-operator", "operator/Dockerfile", None, layers=False),
     "worker": ImageSpec("omnistage-worker", "worker_image/Dockerfile", "worker"),
 }
 
@@ -120,7 +127,8 @@ def declared_args(dockerfile: str) -> set[str]:
 
 def bud_command(spec: ImageSpec, base: str, store: list[str], declared: set[str]) -> list[str]:
     """The ``buildah bud`` command building ``spec`` with ``base`` as each base it declares."""
-    cmd = ["buildah", *store, "bud", "--layers", "--network", "host", "--format", "oci"]
+    cache = ["--layers"] if spec.layers else ["--layers=false", "--no-cache"]
+    cmd = ["buildah", *store, "bud", *cache, "--network", "host", "--format", "oci"]
     for arg in BASE_ARGS:
         if arg in declared:
             cmd += ["--build-arg", f"{arg}={base}"]
@@ -138,9 +146,13 @@ def images_dir() -> Path:
 
 
 def store_flags() -> list[str]:
-    """buildah's global flags putting its image store under the cache root."""
-    root = cache_root() / "containers"
-    return ["--root", str(root / "storage"), "--runroot", "/run/omnistage-containers"]
+    """buildah's global flags putting its image store under the cache root (another cache
+    root on the same machine gets its own run directory: stores never share one)."""
+    root = cache_root()
+    runroot = "/run/omnistage-containers"
+    if root != Path.home() / ".cache" / "omnistage":
+        runroot += "-" + hashlib.sha256(str(root).encode()).hexdigest()[:8]
+    return ["--root", str(root / "containers" / "storage"), "--runroot", runroot]
 
 
 def buildah_env() -> dict[str, str]:

@@ -57,6 +57,14 @@ class NodeLayout:
     def kubeconfig(self) -> Path:
         return self.state / "kubelet.kubeconfig"
 
+    @property
+    def proxy_kubeconfig(self) -> Path:
+        return self.state / "kube-proxy.kubeconfig"
+
+    @property
+    def proxy_config(self) -> Path:
+        return self.state / "kube-proxy-config.yaml"
+
 
 def containerd_config(layout: NodeLayout) -> str:
     """containerd 1.6 config (version 2): CRI with runc (cgroupfs), CNI, the local pause."""
@@ -167,6 +175,33 @@ def kubelet_config(layout: NodeLayout, ca_file: Path, node_ip: str) -> dict[str,
         "containerLogMaxSize": "5Mi",
         "podLogsDir": str(layout.state / "pods-logs"),
         "shutdownGracePeriod": "0s",
+    }
+
+
+def kube_proxy_config(layout: NodeLayout, healthz_port: int, metrics_port: int) -> dict[str, Any]:
+    """KubeProxyConfiguration: iptables mode for this node's pod subnet; host knobs untouched.
+
+    conntrack sizes and timeouts stay the host's (0: leave as is), NodePorts are not opened on
+    localhost (that would set route_localnet), and the OOM score is not lowered (this machine
+    refuses it)."""
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "mode": "iptables",
+        "clientConnection": {"kubeconfig": str(layout.proxy_kubeconfig)},
+        "hostnameOverride": layout.name,
+        "clusterCIDR": layout.subnet,
+        "detectLocalMode": "ClusterCIDR",
+        "healthzBindAddress": f"127.0.0.1:{healthz_port}",
+        "metricsBindAddress": f"127.0.0.1:{metrics_port}",
+        "oomScoreAdj": 0,
+        "conntrack": {
+            "maxPerCore": 0,
+            "min": 0,
+            "tcpEstablishedTimeout": "0s",
+            "tcpCloseWaitTimeout": "0s",
+        },
+        "iptables": {"localhostNodePorts": False, "syncPeriod": "30s", "minSyncPeriod": "0s"},
     }
 
 

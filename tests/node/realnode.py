@@ -12,19 +12,24 @@
 * issues the node a client certificate (``system:node:<name>`` in ``system:nodes``, signed by
   the control plane's CA: the Node authorizer and NodeRestriction apply to it) and starts the
   kubelet built from the same release (cgroupfs, ``failCgroupV1: false``), then waits for the
-  Node to be Ready.
+  Node to be Ready;
+* with ``kube_proxy=``, starts kube-proxy of the same release in iptables mode (user
+  ``system:kube-proxy``) and waits for the ``kubernetes`` Service's rules: Service ClusterIPs
+  then work from the node's pods, the API server's included (it advertises the host's address).
+  The KUBE-* chains are the host's, so one such node runs per machine at a time (a lock file).
 
 On exit it tears down completely: the node's pods are deleted (the kubelet stops their
-sandboxes, CNI DEL), the kubelet and containerd stop, then whatever is left is removed (shims
-and container processes of this node, mounts under the state directory, the netns mounts it
-created, the bridge, the iptables rules and chains added meanwhile, the cgroups, the Node
-object and the state directory). ``OMNISTAGE_KEEP_NODE=1`` keeps the state directory.
+sandboxes, CNI DEL), kube-proxy, the kubelet and containerd stop, then whatever is left is
+removed (shims and container processes of this node, mounts under the state directory, the
+netns mounts it created, the bridge, the iptables and ip6tables rules and chains added
+meanwhile, the cgroups, the Node object and the state directory). ``OMNISTAGE_KEEP_NODE=1``
+keeps the state directory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
+import fcntl
 import json
 import os
 import secrets
@@ -36,14 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.hostnet import host_ip
 from tests.cluster.kubeconfig import write_cert_kubeconfig
 from tests.cluster.lifecycle import Lifecycle
+from tests.cluster.pki import issue_client_cert
 from tests.cluster.procs import ManagedProcess, free_port, wait_for
 from tests.node.images import PAUSE
 from tests.node.nodeconfig import (
@@ -53,6 +55,7 @@ from tests.node.nodeconfig import (
     containerd_config,
     dumps,
     iptables_undo,
+    kube_proxy_config,
     kubelet_config,
     mounts_under,
 )
@@ -61,6 +64,9 @@ NETNS_DIR = Path("/run/netns")
 # the kubelet's fixed directory of symlinks to container logs (podLogsDir is configurable)
 CONTAINER_LOG_LINKS = Path("/var/log/containers")
 READY_TIMEOUT = 180.0
+IPTABLES_FAMILIES = ("iptables", "ip6tables")
+# kube-proxy owns the host's KUBE-* chains: one real node with it per machine at a time
+PROXY_LOCK = Path("/run/omnistage-realnode-proxy.lock")
 
 
 class NodeError(RuntimeError):
@@ -74,59 +80,22 @@ def _sh(*argv: str, check: bool = True, timeout: float = 600) -> str:
     return proc.stdout
 
 
-def host_ip() -> str:
+def _host_ip() -> str:
     """The machine's first global IPv4 address (a node's InternalIP cannot be loopback)."""
-    for line in _sh("ip", "-4", "-o", "addr", "show", "scope", "global").splitlines():
-        fields = line.split()
-        if "inet" in fields:
-            return fields[fields.index("inet") + 1].split("/")[0]
-    raise NodeError("this machine has no global IPv4 address for the node")
+    address = host_ip()
+    if address is None:
+        raise NodeError("this machine has no global IPv4 address for the node")
+    return address
 
 
-def _iptables_save() -> str:
-    return _sh("iptables-save", check=False) if shutil.which("iptables-save") else ""
+def _iptables_save(family: str) -> str:
+    """``iptables-save`` (or ``ip6tables-save``) output; empty when the tool is missing."""
+    tool = f"{family}-save"
+    return _sh(tool, check=False) if shutil.which(tool) else ""
 
 
 def _mountinfo() -> str:
     return Path("/proc/self/mountinfo").read_text()
-
-
-def _issue_node_cert(ca_cert: Path, ca_key: Path, name: str, out: Path) -> tuple[Path, Path]:
-    """A client certificate for ``system:node:<name>`` (group ``system:nodes``)."""
-    ca = x509.load_pem_x509_certificate(ca_cert.read_bytes())
-    signer = serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
-    assert isinstance(signer, ec.EllipticCurvePrivateKey)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
-    subject = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:nodes"),
-            x509.NameAttribute(NameOID.COMMON_NAME, f"system:node:{name}"),
-        ]
-    )
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now)
-        .not_valid_after(now + dt.timedelta(days=7))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .sign(signer, hashes.SHA256())
-    )
-    cert_path, key_path = out / "node.crt", out / "node.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    key_path.chmod(0o600)
-    return cert_path, key_path
 
 
 class RealNode(Lifecycle):
@@ -138,9 +107,12 @@ class RealNode(Lifecycle):
         kubelet: Path,
         archives: tuple[Path, ...] = (),
         name: str | None = None,
+        kube_proxy: Path | None = None,
     ):
+        """``kube_proxy``: also run kube-proxy (iptables mode), so Service ClusterIPs work."""
         self.cp = control_plane
         self.kubelet_bin = kubelet
+        self.kube_proxy_bin = kube_proxy
         self.archives = archives
         suffix = secrets.token_hex(2)
         self.name = name or f"realnode-{suffix}"
@@ -155,7 +127,8 @@ class RealNode(Lifecycle):
         )
         self.timings: dict[str, float] = {}
         self._procs: list[ManagedProcess] = []
-        self._iptables_before = ""
+        self._iptables_before: dict[str, str] = {}
+        self._proxy_lock: int | None = None
         self._netns_before: set[str] = set()
         self._cgroups: list[Path] = []
         self._log_links_existed = CONTAINER_LOG_LINKS.is_dir()
@@ -175,7 +148,10 @@ class RealNode(Lifecycle):
                 )
         layout = self.layout
         (layout.state / "logs").mkdir(parents=True)
-        self._iptables_before = _iptables_save()
+        if self.kube_proxy_bin is not None:
+            self._proxy_lock = os.open(PROXY_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self._proxy_lock, fcntl.LOCK_EX)
+        self._iptables_before = {f: _iptables_save(f) for f in IPTABLES_FAMILIES}
         self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
         self._make_cgroups()
         layout.cni_conf_dir.mkdir(parents=True)
@@ -199,6 +175,8 @@ class RealNode(Lifecycle):
             self.import_archive(archive)
         self.timings["import"] = time.monotonic() - t0
         self._start_kubelet()
+        if self.kube_proxy_bin is not None:
+            self._start_kube_proxy(self.kube_proxy_bin)
 
     def _make_cgroups(self) -> None:
         for hierarchy in cgroup_mounts(_mountinfo()):
@@ -214,11 +192,15 @@ class RealNode(Lifecycle):
     def _start_kubelet(self) -> None:
         layout = self.layout
         pki = self.cp.workdir / "pki"
-        cert, key = _issue_node_cert(pki / "ca.crt", pki / "ca.key", self.name, layout.state)
+        cert, key = layout.state / "node.crt", layout.state / "node.key"
+        ca = (pki / "ca.crt", pki / "ca.key")
+        issue_client_cert(
+            *ca, cn=f"system:node:{self.name}", org="system:nodes", cert_out=cert, key_out=key
+        )
         write_cert_kubeconfig(
             layout.kubeconfig, self.cp.server, pki / "ca.crt", cert, key, name=self.name
         )
-        node_ip = host_ip()
+        node_ip = _host_ip()
         config = kubelet_config(layout, pki / "ca.crt", "127.0.0.1")
         config["port"] = free_port()
         config["healthzPort"] = self.healthz_port = free_port()
@@ -245,6 +227,36 @@ class RealNode(Lifecycle):
             alive=kubelet.died,
         )
         self.timings["kubelet"] = time.monotonic() - t0
+
+    def _start_kube_proxy(self, binary: Path) -> None:
+        """kube-proxy as ``system:kube-proxy`` (bound to system:node-proxier by the API
+        server's default policy); ready once the ``kubernetes`` Service's rules are in."""
+        layout = self.layout
+        pki = self.cp.workdir / "pki"
+        cert, key = layout.state / "kube-proxy.crt", layout.state / "kube-proxy.key"
+        issue_client_cert(
+            pki / "ca.crt",
+            pki / "ca.key",
+            cn="system:kube-proxy",
+            org=None,
+            cert_out=cert,
+            key_out=key,
+        )
+        write_cert_kubeconfig(
+            layout.proxy_kubeconfig, self.cp.server, pki / "ca.crt", cert, key, name="kube-proxy"
+        )
+        config = kube_proxy_config(layout, free_port(), free_port())
+        layout.proxy_config.write_text(dumps(config))
+        t0 = time.monotonic()
+        proxy = self._spawn("kube-proxy", [str(binary), f"--config={layout.proxy_config}", "--v=2"])
+        wait_for(
+            "kube-proxy's rules for the kubernetes Service",
+            lambda: "default/kubernetes:https" in _sh("iptables-save", "-t", "nat", check=False),
+            READY_TIMEOUT,
+            interval=0.5,
+            alive=proxy.died,
+        )
+        self.timings["kube-proxy"] = time.monotonic() - t0
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
         proc = ManagedProcess(name, argv, self.layout.state / "logs" / f"{name}.log")
@@ -280,6 +292,15 @@ class RealNode(Lifecycle):
         """The log file of ``kubelet`` or ``containerd``."""
         return self.layout.state / "logs" / f"{component}.log"
 
+    def container_logs(self, namespace: str, pod: str, tail: int = 40) -> str:
+        """The last lines of each container log of a pod, read on the node (kubectl logs
+        needs the API server to hold a kubelet client certificate, which it does not)."""
+        found = []
+        for path in sorted((self.layout.state / "pods-logs").glob(f"{namespace}_{pod}_*/*/*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-tail:]
+            found.append(f"== {path.parent.name}/{path.name}\n" + "\n".join(lines))
+        return "\n".join(found)
+
     # ---- teardown --------------------------------------------------------------------------
     def stop(self) -> None:
         """Tear everything down (idempotent); see the module docstring."""
@@ -304,14 +325,18 @@ class RealNode(Lifecycle):
             with contextlib.suppress(OSError):
                 CONTAINER_LOG_LINKS.rmdir()
         _sh("ip", "link", "delete", self.layout.bridge, check=False)
-        if self._iptables_before:
-            for command in iptables_undo(self._iptables_before, _iptables_save()):
-                _sh("iptables", *command, check=False)
+        for family, before in self._iptables_before.items():
+            if before:
+                for command in iptables_undo(before, _iptables_save(family)):
+                    _sh(family, *command, check=False)
         self._remove_cgroups()
         with contextlib.suppress(Exception):
             self.cp.kubectl("delete", "node", self.name, "--ignore-not-found", "--wait=false")
         if not os.environ.get("OMNISTAGE_KEEP_NODE"):
             shutil.rmtree(self.layout.state, ignore_errors=True)
+        if self._proxy_lock is not None:
+            os.close(self._proxy_lock)  # releases the lock
+            self._proxy_lock = None
         self.timings["teardown"] = time.monotonic() - start
         print(f"[realnode] {self.name} torn down in {self.timings['teardown']:.1f}s", flush=True)
 
@@ -392,11 +417,10 @@ class RealNode(Lifecycle):
         found += [f"cgroup {c}" for c in self._cgroups if c.exists()]
         if Path(f"/sys/class/net/{self.layout.bridge}").exists():
             found.append(f"bridge {self.layout.bridge}")
-        if self._iptables_before:
-            found += [
-                "iptables " + " ".join(c)
-                for c in iptables_undo(self._iptables_before, _iptables_save())
-            ]
+        for family, before in self._iptables_before.items():
+            if before:
+                undo = iptables_undo(before, _iptables_save(family))
+                found += [f"{family} " + " ".join(c) for c in undo]
         socket = str(self.layout.socket).encode()
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
@@ -412,7 +436,9 @@ def main() -> int:
     from tests.node.images import IMAGES, archive_path
 
     archives = tuple(archive_path(s) for s in (PAUSE, *IMAGES.values()))
-    with ControlPlane() as cp, RealNode(cp, ensure_kubelet(), archives) as node:
+    kubelet = ensure_kubelet()
+    proxy = kubelet.parent / "kube-proxy"
+    with ControlPlane() as cp, RealNode(cp, kubelet, archives, kube_proxy=proxy) as node:
         print(f"export KUBECONFIG={cp.kubeconfig}   # node {node.name}", flush=True)
         print(json.dumps(node.timings), flush=True)
         with contextlib.suppress(KeyboardInterrupt):

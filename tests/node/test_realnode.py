@@ -1,9 +1,9 @@
 """A real kubelet + containerd node: it registers, runs the built images, tears down fully.
 
-Needs root, Debian's containerd, runc and containernetworking-plugins, the kubelet
-(``python -m tests.cluster.build --node``) and the images (``python -m tests.node.images pause
-operator``); ``make e2e-node`` does all of it. Nothing here is skipped: a missing piece fails
-with the command that provides it.
+Needs root, Debian's containerd, runc, iptables and containernetworking-plugins, the kubelet
+and kube-proxy (``python -m tests.cluster.build --node``) and the images (``python -m
+tests.node.images pause operator``); ``make e2e-node`` does all of it. Nothing here is
+skipped: a missing piece fails with the command that provides it.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 import ipaddress
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests.cluster.build import K8S_VERSION, BuildError, find_kubelet
+from tests.cluster.build import K8S_VERSION, BuildError, find_kubelet, find_node_binary
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.podwait import wait_gone, wait_pod
+from tests.node.chart import enforce_restricted, install_on_node, operator_pod
 from tests.node.images import IMAGES, PAUSE, archive_path
 from tests.node.realnode import RealNode
 
@@ -27,14 +29,14 @@ OPERATOR = IMAGES["operator"]
 @pytest.fixture(scope="module")
 def real_node(control_plane: ControlPlane) -> Iterator[RealNode]:
     try:
-        kubelet = find_kubelet()
+        kubelet, proxy = find_kubelet(), find_node_binary("kube-proxy")
     except BuildError as exc:
         pytest.fail(str(exc), pytrace=False)
     archives = (archive_path(PAUSE), archive_path(OPERATOR))
     for archive in archives:
         if not archive.is_file():
             pytest.fail(f"{archive} is missing: run `make images`", pytrace=False)
-    with RealNode(control_plane, kubelet, archives) as node:
+    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy) as node:
         yield node
 
 
@@ -50,7 +52,7 @@ def test_kubelet_registers_a_ready_node_on_containerd(real_node: RealNode) -> No
     assert PAUSE.ref in held and OPERATOR.ref in held, held
 
 
-def _operator_pod(node: str) -> dict[str, object]:
+def _operator_pod(node: str) -> dict[str, Any]:
     """The operator image under the chart's security context, printing its flags and exiting."""
     return {
         "apiVersion": "v1",
@@ -111,6 +113,118 @@ def test_operator_image_runs_in_a_real_container(
     assert PAUSE.ref in sandboxes, sandboxes
     control_plane.kubectl("delete", "pod", "operator-image", "-n", namespace, "--wait=false")
     wait_gone(control_plane, namespace, "operator-image", timeout=60)
+
+
+# Run in the operator image: kr8s's in-cluster configuration (the Service's environment, the
+# projected token and CA), as the operator itself connects; SelfSubjectReview needs no RBAC.
+_WHOAMI = """
+import asyncio, json, os
+import kr8s.asyncio
+
+async def main():
+    api = await kr8s.asyncio.api()
+    body = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+    async with api.call_api(
+        "POST", version="authentication.k8s.io/v1", url="selfsubjectreviews", content=body
+    ) as r:
+        user = r.json()["status"]["userInfo"]["username"]
+    with open("/dev/termination-log", "w") as out:
+        print(os.environ["KUBERNETES_SERVICE_HOST"], user, file=out)
+
+asyncio.run(main())
+"""
+
+
+def test_a_pod_reads_the_api_through_the_kubernetes_service(
+    real_node: RealNode, control_plane: ControlPlane, namespace: str
+) -> None:
+    """The API server advertises the host's address; kube-proxy routes the ClusterIP to it."""
+    endpoints = control_plane.get_json("endpointslices", namespace="default")["items"]
+    addresses = [a for e in endpoints for ep in e["endpoints"] for a in ep["addresses"]]
+    assert addresses == [control_plane.advertise_ip], addresses
+    pod = _operator_pod(real_node.name)
+    pod["metadata"]["name"] = "api-reader"
+    pod["spec"]["automountServiceAccountToken"] = True
+    pod["spec"]["containers"][0]["command"] = ["python3", "-c", _WHOAMI]
+    del pod["spec"]["containers"][0]["args"]
+    control_plane.apply(pod, namespace=namespace)
+    done = wait_pod(
+        control_plane,
+        namespace,
+        "api-reader",
+        lambda p: p.get("status", {}).get("phase") in ("Succeeded", "Failed"),
+        "finished",
+        timeout=180,
+    )
+    state = done["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+    service = control_plane.get_json("service", "kubernetes", namespace="default")
+    assert state["message"].split() == [
+        service["spec"]["clusterIP"],
+        f"system:serviceaccount:{namespace}:default",
+    ], state["message"]
+    control_plane.kubectl("delete", "pod", "api-reader", "-n", namespace, "--wait=false")
+    wait_gone(control_plane, namespace, "api-reader", timeout=60)
+
+
+def _stage(node: str) -> dict[str, Any]:
+    """A stage without a GPU on the real node (its worker image need not be there)."""
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniStage",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "runner": "AR",
+            "backend": "Transformers",
+            "image": IMAGES["worker"].ref,
+            "model": {"path": "/models/m", "mountPath": "/models", "volume": {"emptyDir": {}}},
+            "state": "Active",
+            "colocation": {"group": "g"},
+            "gpus": 0,
+            "worker": {"device": "cpu"},
+            "template": {"nodeSelector": {"kubernetes.io/hostname": node}},
+        },
+    }
+
+
+def test_helm_installs_the_operator_on_the_node_under_restricted_pod_security(
+    real_node: RealNode, control_plane: ControlPlane
+) -> None:
+    """The chart's operator runs in its container on the node, reaches the API through the
+    ``kubernetes`` Service and serves a stage; both namespaces enforce ``restricted``."""
+    release_ns = control_plane.create_namespace("omnistage-system")
+    stages = control_plane.create_namespace("stages")
+    for ns in (release_ns, stages):
+        enforce_restricted(control_plane, ns)
+    release = install_on_node(control_plane, real_node.name, release_ns, [stages])
+    try:
+        pod = operator_pod(control_plane, release, real_node.container_logs)
+        assert pod["spec"]["nodeName"] == real_node.name
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        control_plane.apply(_stage(real_node.name), namespace=stages)
+        try:
+            worker = wait_pod(
+                control_plane,
+                stages,
+                "tiny-worker",
+                lambda p: p["spec"].get("nodeName") == real_node.name,
+                "created by the operator and scheduled on the node",
+                timeout=120,
+            )
+        except AssertionError as exc:
+            stage = control_plane.get_json("omnistage", "tiny", namespace=stages)
+            logs = real_node.container_logs(release_ns, pod["metadata"]["name"], tail=60)
+            raise AssertionError(f"{exc}\nstage status: {stage.get('status')}\n{logs}") from None
+        assert worker["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert control_plane.get_json("service", "tiny-worker", namespace=stages)
+        # deleted while the operator runs: it releases its finalizer
+        control_plane.kubectl("delete", "omnistage", "tiny", "-n", stages, "--timeout=120s")
+    finally:
+        control_plane.helm("uninstall", release.name, "--namespace", release_ns, "--wait")
+        unfinalize = ["--type", "merge", "-p", '{"metadata":{"finalizers":null}}']
+        control_plane.kubectl("patch", "omnistage", "tiny", "-n", stages, *unfinalize, check=False)
+        for ns in (stages, release_ns):
+            control_plane.delete_namespace(ns)
 
 
 def test_teardown_leaves_nothing(real_node: RealNode) -> None:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.unit.test_chart_support import one, render, render_error, select
+import yaml
+
+from tests.e2e.test_helm_support import crd_template_text
+from tests.unit.test_chart_support import CHART_DIR, one, render, render_error, select
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP = {
@@ -59,7 +62,13 @@ def test_network_policy_admits_pipeline_routers_on_the_grpc_ports() -> None:
     assert not [p for p in grpc_from if "router" in str(p)]
 
 
-def test_chart_ships_the_pipeline_crd() -> None:
-    source = (ROOT / "crds" / "omnipipelines.omnistage.io.yaml").read_bytes()
-    copy = ROOT / "charts" / "omnistage-operator" / "crds" / "omnipipelines.omnistage.io.yaml"
-    assert copy.read_bytes() == source
+def test_chart_templates_the_pipeline_crd_like_omnistage() -> None:
+    source_path = ROOT / "crds" / "omnipipelines.omnistage.io.yaml"
+    template = CHART_DIR / "templates" / "crds" / source_path.name
+    assert template.read_text() == crd_template_text(source_path), "run `make generate`"
+    crds = {c["metadata"]["name"]: c for c in select(render(), "CustomResourceDefinition")}
+    source = yaml.safe_load(source_path.read_text())
+    crd = crds["omnipipelines.omnistage.io"]
+    assert crd["spec"] == source["spec"]
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert select(render({"crds": {"enabled": False}}), "CustomResourceDefinition") == []

@@ -19,10 +19,11 @@ from omnistage_operator import status
 from omnistage_operator.conditions import ConditionStatus
 from omnistage_operator.quantities import QUANTITY_PATTERN
 from omnistage_operator.spec import parse_stage
+from tests.examples import MANIFESTS, stage_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "omnistages.omnistage.io.yaml"
-EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
+EXAMPLES = MANIFESTS
 
 
 @pytest.fixture(scope="module")
@@ -304,10 +305,8 @@ def _check(schema: dict[str, Any], value: Any, path: str) -> list[str]:
 
 def _example_docs() -> list[tuple[str, dict[str, Any]]]:
     docs = []
-    for path in EXAMPLES:
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc:
-                docs.append((f"{path.relative_to(ROOT)}:{doc['metadata']['name']}", doc))
+    for path, doc in stage_docs():
+        docs.append((f"{path.relative_to(ROOT)}:{doc['metadata']['name']}", doc))
     return docs
 
 

@@ -193,10 +193,12 @@ def test_image_targets_run_as_non_root(name: str, stage: str) -> None:
     assert target.args("ENTRYPOINT"), f"{stage} has no ENTRYPOINT"
 
 
-@pytest.mark.parametrize("stage", ["worker", "vllm"])
-def test_worker_user_has_a_passwd_entry(stage: str) -> None:
-    """getpass.getuser() (torch asks it) fails without one: found running the image."""
-    runs = " ".join(_stage("worker", stage).args("RUN"))
+@pytest.mark.parametrize(
+    ("name", "stage"), [("operator", "runtime"), ("worker", "worker"), ("worker", "vllm")]
+)
+def test_image_user_has_a_passwd_entry(name: str, stage: str) -> None:
+    """getpass.getuser() (torch and kopf ask it) fails without one: found running the images."""
+    runs = " ".join(_stage(name, stage).args("RUN"))
     assert "useradd --system --uid 65532 --gid 65532" in runs
     assert "groupadd --system --gid 65532" in runs
 
@@ -352,7 +354,7 @@ def test_operator_image_install_steps_succeed_in_a_clean_venv(tmp_path: Path) ->
     assert list(wheels.glob("omnistage-*.whl")), "the build stage made no omnistage wheel"
 
     runtime_env = _fresh_venv(tmp_path / "runtime-venv")
-    (install,) = runtime.args("RUN")
+    (install,) = [a for a in runtime.args("RUN") if "pip install" in a]
     # Runs the install and the `omnistage-operator --help` smoke check the image runs.
     _sh(_as_run_here(install, wheels, pip_cache), tmp_path, runtime_env, timeout=300)
     help_text = subprocess.run(

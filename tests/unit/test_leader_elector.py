@@ -36,10 +36,13 @@ class MemoryLeases:
         self.obj: dict[str, Any] | None = None
         self.rv = 0
         self.cut = False
+        self.delay_s = 0.0  # a slow API server: every answer takes this long (real time)
         self.restored = asyncio.Event()
         self.writes: list[tuple[str, str]] = []  # (verb, holder)
 
     async def _net(self) -> None:
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if self.cut:
             await self.restored.wait()  # a blackholed connection: no answer, no error
 
@@ -231,6 +234,17 @@ async def test_leadership_runs_out_while_a_renew_hangs() -> None:
     for task in (step, watch):
         task.cancel()
     await asyncio.gather(step, watch, return_exceptions=True)
+
+
+async def test_answers_slower_than_the_retry_period_still_acquire() -> None:
+    # A loaded API server: each answer takes longer than the retry period (and than 1 s) but
+    # less than half the renew deadline; cutting each call at the retry period never led.
+    store, clock = MemoryLeases(), Clock()
+    slow = Timing(lease_duration_s=6, renew_deadline_s=4, retry_period_s=1)
+    a = Elector(store, "a", slow, clock=clock)
+    store.delay_s = 1.3
+    await a.step()
+    assert a.leading() and store.writes == [("create", "a")]
 
 
 async def test_holder_that_missed_its_deadline_renews_its_unchanged_record() -> None:

@@ -36,6 +36,9 @@ class RecordingRunner:
     def kick_all(self) -> None:
         self.calls.append(("kick_all", None))
 
+    def resync(self, namespace: str, group: str, interval_s: float) -> None:
+        self.calls.append(("resync", (namespace, group)))
+
     def record_ask(self, namespace: str, name: str) -> None:
         self.calls.append(("record_ask", name))
 
@@ -134,4 +137,4 @@ async def test_kicks_reach_the_runner_whoever_leads(runner: RecordingRunner) -> 
     _configure(leading=False)
     await H.resync(body=BODY, namespace="ns")
     await H.stage_created(body=BODY, namespace="ns", name="x")
-    assert runner.calls == [("kick", ("ns", "g")), ("kick", ("ns", "g"))]
+    assert runner.calls == [("resync", ("ns", "g")), ("kick", ("ns", "g"))]

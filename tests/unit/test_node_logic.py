@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from pathlib import Path
 
+from cryptography import x509
+
+from tests.cluster.hostnet import first_global_ipv4
+from tests.cluster.pki import create_pki, issue_client_cert
 from tests.node.images import (
     IMAGES,
     bud_command,
@@ -18,6 +23,7 @@ from tests.node.nodeconfig import (
     cni_conflist,
     containerd_config,
     iptables_undo,
+    kube_proxy_config,
     kubelet_config,
     mounts_under,
 )
@@ -60,6 +66,9 @@ def test_bud_passes_only_the_base_arguments_a_dockerfile_declares() -> None:
         assert cmd[-3:] == ["-t", spec.ref, "."]
         assert cmd[:3] == ["buildah", "--root", "/r"]
     assert bud_command(IMAGES["worker"], "b", [], set())[-7:-5] == ["--target", "worker"]
+    # the operator's install never comes from buildah's cache (it ignores the mounted wheels)
+    assert "--no-cache" in bud_command(IMAGES["operator"], "b", [], set())
+    assert "--layers" in bud_command(IMAGES["worker"], "b", [], set())
 
 
 def test_containerd_config_points_everything_into_the_state_dir() -> None:
@@ -143,3 +152,49 @@ def test_iptables_undo_removes_only_what_was_added() -> None:
         ["-t", "filter", "-X", "KUBE-FIREWALL"],
     ]  # fmt: skip
     assert iptables_undo(AFTER, AFTER) == []
+
+
+def test_first_global_ipv4() -> None:
+    out = (
+        "4: eth0    inet 192.0.2.2/24 brd 192.0.2.255 scope global eth0\\       valid_lft forever\n"
+        "5: eth1    inet 198.51.100.7/24 scope global eth1\n"
+    )
+    assert first_global_ipv4(out) == "192.0.2.2"
+    assert first_global_ipv4("") is None
+
+
+def test_kube_proxy_config_leaves_the_hosts_knobs_alone() -> None:
+    config = kube_proxy_config(LAYOUT, 4001, 4002)
+    assert config["mode"] == "iptables"
+    assert config["hostnameOverride"] == "n1"
+    assert config["clusterCIDR"] == "10.230.4.0/24"
+    assert config["clientConnection"]["kubeconfig"] == "/tmp/n/kube-proxy.kubeconfig"
+    assert config["healthzBindAddress"] == "127.0.0.1:4001"
+    assert config["metricsBindAddress"] == "127.0.0.1:4002"
+    assert config["conntrack"]["maxPerCore"] == 0 and config["conntrack"]["min"] == 0
+    assert config["iptables"]["localhostNodePorts"] is False
+    assert config["oomScoreAdj"] == 0
+
+
+def test_serving_cert_names_the_advertised_address_and_clients_get_their_groups(
+    tmp_path: Path,
+) -> None:
+    pki = create_pki(tmp_path / "pki", ips=("192.0.2.2",))
+    serving = x509.load_pem_x509_certificate(pki.serving_cert.read_bytes())
+    sans = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    ips = {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    assert ips == {"127.0.0.1", "10.0.0.1", "192.0.2.2"}
+    assert ipaddress.ip_address("192.0.2.2") in sans.get_values_for_type(x509.IPAddress)
+    cert, key = tmp_path / "p.crt", tmp_path / "p.key"
+    issue_client_cert(
+        pki.ca_cert, pki.ca_key, cn="system:kube-proxy", org=None, cert_out=cert, key_out=key
+    )
+    client = x509.load_pem_x509_certificate(cert.read_bytes())
+    assert client.subject.rfc4514_string() == "CN=system:kube-proxy"
+    client.verify_directly_issued_by(x509.load_pem_x509_certificate(pki.ca_cert.read_bytes()))
+    issue_client_cert(
+        pki.ca_cert, pki.ca_key, cn="system:node:n1", org="system:nodes", cert_out=cert, key_out=key
+    )
+    node = x509.load_pem_x509_certificate(cert.read_bytes())
+    assert node.subject.rfc4514_string() == "O=system:nodes,CN=system:node:n1"
+    assert key.stat().st_mode & 0o777 == 0o600

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from omnistage_operator.activation import Activation, ActivationPolicy
 from omnistage_operator.arbiter import StageIntent, WorkerPhase, admission_order
 from omnistage_operator.ondemand import AwakeReason, Demand, DemandInput, shape_intents
@@ -124,3 +126,14 @@ def test_patched_asleep_after_it_woke_sleeps_now_and_demand_wakes_it_again() -> 
     assert shape_intents(intents, {"a": held}, now=102.0).intents["a"].want_active
     woke = DemandInput(ON, A, Demand(last_request=103.0), awake_since=103.0, asleep_asked_at=99.5)
     assert shape_intents(intents, {"a": woke}, now=104.0).intents["a"].want_active
+
+
+def test_a_patch_to_asleep_read_back_after_a_restart_sleeps_whenever_it_woke() -> None:
+    """A restarted operator sees the stage awake since its own start (after the patch): the
+    patch read back from status (``asleep_pending``) still puts it to sleep now."""
+    intents = {"a": StageIntent("a", False)}
+    busy = Demand(inflight=0, last_request=99.0)
+    restarted = DemandInput(ON, A, busy, awake_since=120.0, asleep_asked_at=99.5)
+    assert shape_intents(intents, {"a": restarted}, now=121.0).intents["a"].want_active
+    pending = replace(restarted, asleep_pending=True)
+    assert not shape_intents(intents, {"a": pending}, now=121.0).intents["a"].want_active

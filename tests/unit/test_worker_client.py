@@ -212,3 +212,30 @@ async def test_sleep_carries_the_drain_timeout_and_the_port_waits_drain_plus_sle
     assert second.drain_timeout.ToTimedelta().total_seconds() == 45.0
     assert left1 is not None and 50.0 < left1 <= 52.5
     assert left2 is not None and left2 <= 3.5
+
+
+async def test_a_group_gets_one_resync_round_per_interval_whatever_its_stage_count() -> None:
+    runner = GroupRunner(_NoKube(), Settings(), _Leadership(False))  # type: ignore[arg-type]
+    rounds: list[str] = []
+
+    async def counted(namespace: str, group: str) -> bool:
+        rounds.append(group)
+        return False
+
+    runner.round = counted  # type: ignore[method-assign]
+
+    async def settled() -> None:
+        for loop in runner._loops.values():
+            if loop.task is not None:
+                await loop.task
+
+    runner.resync("ns", "g", 10.0)  # never had a round: one now
+    await settled()
+    runner.resync("ns", "g", 10.0)  # its other stage's timer, right after: nothing
+    runner.resync("ns", "h", 10.0)
+    await settled()
+    assert rounds == ["g", "h"]
+    runner._loops[("ns", "g")].last_round -= 9.5  # most of an interval later: due again
+    runner.resync("ns", "g", 10.0)
+    await settled()
+    assert rounds == ["g", "h", "g"]

@@ -9,8 +9,11 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc
 from omnistage_operator.handover import WorkerUnavailable
 from omnistage_operator.worker_client import WorkerClient
 from tests.worker.conftest import StartWorker
@@ -74,3 +77,40 @@ async def test_operator_client_verifies_the_service_name_over_tls(
             assert TOKEN not in str(info.value)
         finally:
             await client.close()
+
+
+async def test_plaintext_health_port_beside_a_tls_only_worker(
+    start_worker: StartWorker, lm_dir: Path, tmp_path: Path
+) -> None:
+    """The kubelet's gRPC probe cannot speak TLS: ``--health-port`` answers it in plaintext with
+    the worker's real health, while SleepService stays on the TLS port only."""
+    ca, crt, key = issue(tmp_path, SERVICE_NAME)
+    worker = await start_worker(lm_dir, "ar", "transformers", tls_cert=crt, tls_key=key,
+                                token=TOKEN, health_port=0)  # fmt: skip
+    assert worker.server.health_port not in (0, worker.server.port)
+    health_target = f"127.0.0.1:{worker.server.health_port}"
+    async with grpc.aio.insecure_channel(health_target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "omnistage.worker.v1.SleepService"):
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+        # Only health there: the control channel is not reachable without TLS.
+        sleep = sleep_service_pb2_grpc.SleepServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await sleep.GetStatus(sleep_service_pb2.GetStatusRequest(), timeout=5)
+        assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    # A plaintext probe on the TLS port (what the kubelet did before) fails.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.server.port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    client = WorkerClient(
+        f"127.0.0.1:{worker.server.port}", token=TOKEN, ca_pem=ca.read_bytes(),
+        server_name=SERVICE_NAME,
+    )  # fmt: skip
+    try:
+        assert (await client.sleep(1, "tls-health-sleep", 30.0)).ok
+    finally:
+        await client.close()

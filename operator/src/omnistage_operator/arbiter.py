@@ -28,10 +28,12 @@ Rules (the operator's promise rests on them):
   An unreachable or FAILED worker holds memory until fenced (pod deleted, deletion confirmed).
 - Wake gate (fails closed): a wake of an admitted, measured-asleep stage is allowed only when
   every stage that had to sleep or be fenced in this hand-over has an ok ACK or a confirmed
-  fence, no stage outside the admitted set may hold memory, no pod was started in this round,
-  every worker sees the claim's devices, the free memory is measured, and on every device the
-  free memory, less a context (``context_bytes``) for each starting pod, covers the footprint
-  per device plus a margin. Wakes in one decision are charged one after the other.
+  fence, no stage outside the admitted set may hold memory (both per device: such a stage
+  blocks only wakes onto the devices its worker reports, ``device_scope``), no pod was started
+  in this round, every worker sees the claim's devices, the free memory is measured, and on
+  every device the free memory, less a context (``context_bytes``) for each starting pod,
+  covers the footprint per device plus a margin. Wakes in one decision are charged one after
+  the other.
 - Component sleep (a diffusion pipeline's encoders, say): an admitted Active stage whose worker
   reports components asleep other than ``StageIntent.asleep_components`` gets a sleep order
   naming the missing ones (``SleepOrder.components``: it releases memory, so every wake in the
@@ -74,6 +76,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from omnistage_operator.blockers import Blocker, BlockReason
+from omnistage_operator.device_scope import blockers_for
 from omnistage_operator.footprints import (
     DeviceNeed,
     device_holders,
@@ -702,7 +705,7 @@ def plan(
     for name, growth in parts.wakes.items():
         on = stage_devices(facts[name], memory)
         grows = dict.fromkeys(on, -(-growth // max(1, len(on))))
-        blockers = [b for b in common if b.stage != name] or gate.blockers(name, grows, on)
+        blockers = blockers_for(common, name, on, facts, memory) or gate.blockers(name, grows, on)
         if blockers:
             parts.waiting.setdefault(name, []).extend(blockers)
             continue
@@ -727,7 +730,7 @@ def plan(
             wakes.append(name)  # host RAM only: the GPU gate does not apply
             continue
         devices = stage_devices(fact, memory)
-        blockers = [b for b in common if b.stage != name]
+        blockers = blockers_for(common, name, devices, facts, memory)
         alone = start and all(facts[n].phase is WorkerPhase.ABSENT for n in intents if n != name)
         if not blockers and not (alone and gate.free_left is None):
             # (alone: nothing of the group on the device; the engine's own start check gates)

@@ -46,6 +46,8 @@ Decisions beyond the contract:
     DRA mode the devices come from the claim, and the worker image's default sees none.
     ``enableServiceLinks: false`` and, unless ``template.serviceAccountName`` is set,
     ``automountServiceAccountToken: false``: the worker never talks to the API server.
+    The pod and container security contexts default to what the ``restricted`` Pod Security
+    Standard admits (:mod:`omnistage_operator.pod_template`, which merges the template's).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ from omnistage_operator.labels import (
     stage_labels,
     stage_selector,
 )
+from omnistage_operator.model_source import source_init_container
+from omnistage_operator.pod_template import apply_pod_extras, hash_payload
 from omnistage_operator.serving import Serving, serving_args, serving_volume
 from omnistage_operator.spec import (
     API_VERSION,
@@ -75,6 +79,7 @@ from omnistage_operator.spec import (
     StageSpec,
     WorkerDevice,
 )
+from omnistage_operator.worker_tls import HEALTH_PORT_NAME, probe_port, tls_args, tls_volume
 
 __all__ = [
     "CONTAINER_NAME",
@@ -126,6 +131,12 @@ READINESS_SERVICE: Final = "omnistage.worker.v1.SleepService"
 LIVENESS_SERVICE: Final = ""
 WORKER_COMMAND: Final = ("omnistage-worker",)
 TERMINATION_GRACE_SECONDS: Final = 30
+# What the restricted Pod Security Standard asks (the image's USER 65532 is non-root).
+POD_SECURITY_CONTEXT: Final = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT: Final = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 INITIAL_STATE_ANNOTATION: Final = "omnistage.io/initial-state"
 SLEEP_LEVEL_ANNOTATION: Final = "omnistage.io/initial-sleep-level"
@@ -235,6 +246,7 @@ def worker_args(
     if stage.backend is Backend.VLLM:
         args += vllm_args(stage)
     args += serving_args(stage.serving)
+    args += tls_args(stage.worker.tls)
     args += list(stage.worker.args)
     return args
 
@@ -306,6 +318,14 @@ def pod_spec_hash(stage: StageSpec) -> str:
         payload["vllm"] = vllm_args(stage)
     if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
         payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
+    if stage.model.source is not None:  # (the same)
+        src = stage.model.source
+        payload["modelSource"] = [src.url, src.repo, src.revision, src.token_secret, src.token_key]
+    if stage.worker.tls.enabled:  # (the same)
+        payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
+    extras = hash_payload(tpl.extras)  # (the same)
+    if extras is not None:
+        payload["podExtras"] = extras
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=_jsonable)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -369,6 +389,18 @@ def build_worker_pod(
     mounts, volumes = _pod_volumes(stage, token_secret_name)
     container = _worker_container(stage, initial_state, sleep_level, claim, mounts, epoch=epoch)
     level = stage.sleep_level if sleep_level is None else sleep_level
+    spec = _pod_spec(stage, container, volumes, claim)
+    apply_pod_extras(stage.template.extras, spec, container)
+    if stage.model.source is not None:  # fetch the model before anything else runs
+        fetch = source_init_container(
+            stage.model.source,
+            image=stage.image,
+            volume=MODEL_VOLUME,
+            mount_path=stage.model.mount_path,
+            dest=stage.model.path,
+            security_context=container["securityContext"],
+        )
+        spec["initContainers"] = [fetch, *spec.get("initContainers", [])]
     annotations = {
         **stage.template.annotations,
         INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
@@ -386,7 +418,7 @@ def build_worker_pod(
             "annotations": annotations,
             "ownerReferences": [copy.deepcopy(dict(owner))],
         },
-        "spec": _pod_spec(stage, container, volumes, claim),
+        "spec": spec,
     }
 
 
@@ -412,9 +444,15 @@ def _pod_volumes(
     if http_token is not None:
         mounts.append(http_token[0])
         volumes.append(http_token[1])
-    if stage.model.volume is not None:
+    tls = tls_volume(stage.worker.tls)
+    if tls is not None:
+        mounts.append(tls[0])
+        volumes.append(tls[1])
+    if stage.model.volume is not None or stage.model.source is not None:
+        # (spec.model.source without a volume: an emptyDir the init container fills)
+        held = dict(stage.model.volume) if stage.model.volume is not None else {"emptyDir": {}}
         mounts.append({"name": MODEL_VOLUME, "mountPath": stage.model.mount_path, "readOnly": True})
-        volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(dict(stage.model.volume))})
+        volumes.append({"name": MODEL_VOLUME, **copy.deepcopy(held)})
     mounts += [copy.deepcopy(dict(m)) for m in tpl.volume_mounts]
     volumes += [copy.deepcopy(dict(v)) for v in tpl.volumes]
     return mounts, volumes
@@ -431,6 +469,13 @@ def _worker_container(
 ) -> dict[str, Any]:
     """The worker container: command, args, env, gRPC probes, mounts and resources."""
     port = stage.worker.port
+    probed = probe_port(stage.worker.tls, port)  # plaintext health beside a TLS port
+    ports = [
+        {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
+        {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
+    ]
+    if probed != port:
+        ports.append({"name": HEALTH_PORT_NAME, "containerPort": probed, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": stage.image,
@@ -439,16 +484,14 @@ def _worker_container(
             stage, initial_state=initial_state, sleep_level=sleep_level, epoch=epoch
         ),
         "env": _worker_env(stage),
-        "ports": [
-            {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
-            {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
-        ],
-        "readinessProbe": _grpc_probe(port, READINESS_SERVICE, period=5, failures=3),
-        "livenessProbe": _grpc_probe(port, LIVENESS_SERVICE, period=10, failures=6),
+        "ports": ports,
+        "readinessProbe": _grpc_probe(probed, READINESS_SERVICE, period=5, failures=3),
+        "livenessProbe": _grpc_probe(probed, LIVENESS_SERVICE, period=10, failures=6),
         "volumeMounts": mounts,
         # A worker that exits at start (bad model path, refused flag) says why in its
         # termination message; without one, the kubelet keeps its last log lines instead.
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     resources: dict[str, Any] = copy.deepcopy(dict(stage.template.resources or {}))
     if claim is not None:
@@ -473,6 +516,7 @@ def _pod_spec(
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "enableServiceLinks": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
     if claim is not None:
         pod_spec["resourceClaims"] = [{"name": POD_CLAIM_REF, "resourceClaimName": claim}]

@@ -137,6 +137,7 @@ class DemandWatcher:
                 stream.awake_since if stream is not None else None,
                 deleting=bool(port.bodies[name]["metadata"].get("deletionTimestamp")),
                 asleep_asked_at=port.r.asleep_asked.get(key),
+                asleep_pending=key in port.r.asleep_restored,
                 batching=port.r.views.batching(port.ns, name),
             )
         view = shape_intents(intents, inputs, now)

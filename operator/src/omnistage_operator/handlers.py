@@ -30,6 +30,7 @@ from typing import Any
 
 import kopf
 
+from omnistage_operator import login  # noqa: F401  (registers kopf's login handlers)
 from omnistage_operator.kube import Kube
 from omnistage_operator.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
 from omnistage_operator.leadership import Leadership, SoleWriter
@@ -209,8 +210,11 @@ async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=min(5.0, RESYNC_S))
 async def resync(body: kopf.Body, namespace: str | None, **_: Any) -> None:
-    """Re-read worker facts now and then (status stays true without events)."""
-    _kick(namespace, group_of(body))
+    """Re-read worker facts now and then (status stays true without events): one round per
+    group per interval (the group's other stages' timers find it fresh)."""
+    group = group_of(body)
+    if group is not None and _State.runner is not None:
+        _State.runner.resync(namespace or "default", group, RESYNC_S)
 
 
 @kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER})

@@ -35,6 +35,12 @@ waking one stage is recorded for that stage (``RoundOutcome.stage_errors``, show
 resource) and the round goes on; a sleep that raised counts as not ACKed, so the wake gate stays
 closed. Only ``LeadershipLost`` ends the round.
 
+Sleeps run as tasks of the group's ``sleep_tasks.SleepTracker``: with the runner's tracker a round
+waits only for the sleeps it sent without requests in flight (at most ``round_wait_s``); a
+draining sleep goes on in the background and a later round takes its result (steps 3 and 4 run
+then), while the hand-over stays open: its sleepers without an ok ACK or a confirmed fence keep
+every wake of the group closed, a stage with a sleep out gets no second order and no wake.
+
 Callers serialize rounds per group (``GroupRunner``); nothing here is safe to run twice at once
 for the same group.
 """
@@ -63,6 +69,7 @@ from omnistage_operator.arbiter import (
 )
 from omnistage_operator.facts import AckFacts, ack_contradiction, memory_need
 from omnistage_operator.leadership import LeadershipLost
+from omnistage_operator.sleep_tasks import SleepTracker
 
 __all__ = [
     "FenceFailed",
@@ -206,6 +213,9 @@ class RoundPolicy:
     # are in flight (the stage's ``drain_timeout_s``, else this default: the worker's own).
     transition_allowance_s: float = 60.0
     default_drain_timeout_s: float = 600.0
+    # With a group's ``SleepTracker``: how long a round waits for the sleeps it sent without
+    # requests in flight (a draining one is never waited for: it runs on in the background).
+    round_wait_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -313,6 +323,8 @@ class RoundOutcome:
     stage_errors: dict[str, str] = field(default_factory=dict)  # unexpected, per stage
     fence_pending: set[str] = field(default_factory=set)
     fence_confirmed: set[str] = field(default_factory=set)
+    sleeps_running: frozenset[str] = frozenset()  # sleeps still out (draining) after the round
+    handover_began: float | None = None  # monotonic: the hand-over's first order (maybe rounds ago)
     decision: Decision | None = None
     observation: GroupObservation | None = None
 
@@ -520,12 +532,23 @@ def _sleep_id(hid: str, order: SleepOrder) -> str:
 
 
 async def run_round(
-    port: GroupPort, policy: RoundPolicy, new_id: Callable[[], str]
+    port: GroupPort,
+    policy: RoundPolicy,
+    new_id: Callable[[], str],
+    tracker: SleepTracker | None = None,
 ) -> RoundOutcome:
-    """Observe, sleep or fence what must release memory, then wake what the arbiter allows."""
+    """Observe, sleep or fence what must release memory, then wake what the arbiter allows.
+
+    ``tracker``: the group's sleeps in flight across rounds (``sleep_tasks``); without one, the
+    round waits for every sleep it sent."""
+    tracker = tracker if tracker is not None else SleepTracker(background=False)
     out = RoundOutcome()
+    done = tracker.collect()  # sleeps that ended since the last round
+    tracker.record(done, [])
+    if not done:
+        tracker.close_if_idle()  # e.g. a round ended by LeadershipLost before it closed it
     obs = await port.observe()
-    decision = _plan(obs, None, policy)
+    decision = _plan(obs, tracker.handover(), policy)
 
     for name, intent in sorted(obs.intents.items()):
         absent = obs.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase is WorkerPhase.ABSENT
@@ -535,35 +558,37 @@ async def run_round(
             await _start(port, name, out, active=False)
     started = frozenset(out.started)
     if started:
-        decision = _plan(obs, None, policy, started)
+        decision = _plan(obs, tracker.handover(), policy, started)
 
-    handover: Handover | None = None
-    if decision.sleep or decision.fence:
-        hid = new_id()
+    handover: Handover | None = tracker.handover()
+    busy = tracker.running  # a stage with a sleep in flight gets no second order
+    sleeps = [o for o in decision.sleep if o.stage not in busy]
+    fences = [o for o in decision.fence if o.stage not in busy]
+    if sleeps or fences or done or busy:
+        hid = tracker.open(new_id() if handover is None else handover.id)
         out.handover_id = hid
-        sleeps = [
-            _guarded_sleep(port, order, _sleep_id(hid, order), policy) for order in decision.sleep
-        ]
-        fences = [_fence(port, order) for order in decision.fence]
-        results = await asyncio.gather(*sleeps, *fences)
-        slept = [r for r in results if isinstance(r, SleepResult)]
-        fenced = [r for r in results if isinstance(r, FenceResult)]
+        tracker.fences(fences)
+        for order in sleeps:
+            task_id = tracker.task_id(order.stage, _sleep_id(hid, order))
+            tracker.launch(order, _guarded_sleep(port, order, task_id, policy))
+        fenced = list(await asyncio.gather(*(_fence(port, order) for order in fences)))
+        await tracker.settle(policy.round_wait_s)
+        slept = done + tracker.collect()
+        tracker.record(slept, fenced)
         out.sleeps.extend(slept)
         out.fences.extend(fenced)
         out.fence_pending |= {r.order.stage for r in slept if r.fence_pending}
         out.fence_pending |= {r.order.stage for r in fenced if not r.fenced}
         out.fence_confirmed |= {r.order.stage for r in slept if r.fenced}
         out.fence_confirmed |= {r.order.stage for r in fenced if r.fenced}
-        handover = Handover(
-            id=hid,
-            sleepers=decision.holder_sleeps | {o.stage for o in decision.fence},
-            acked=frozenset(r.order.stage for r in slept if r.ok),
-            fenced=frozenset(out.fence_confirmed),
-        )
+        out.sleeps_running, out.handover_began = tracker.running, tracker.began
+        handover = tracker.handover()
         obs = _remember(await port.observe(), out)
         decision = _plan(obs, handover, policy, started)
         out.decision, out.observation = decision, obs
-        await port.checkpoint(out)
+        if out.sleeps or out.fences:
+            await port.checkpoint(out)
+        tracker.close_if_idle()
 
     if decision.wake or decision.start or decision.component_wakes:
         hid = out.handover_id or new_id()
@@ -571,10 +596,14 @@ async def run_round(
         for name in decision.start:
             await _start(port, name, out, active=True)
         for name in decision.component_wakes + decision.wake:
+            if name in tracker.running:
+                continue  # its own sleep's ACK is not in yet: never woken on a guess
             parts = name in decision.component_wakes  # an Active stage's footprint grows
-            suffix = "-parts" if parts else ""
+            task_id = f"{hid}-{name}-wake{'-parts' if parts else ''}"
+            if tracker.handover_id == hid:  # a hand-over open across rounds: a fresh id
+                task_id = tracker.task_id(f"wake:{name}", task_id)
             try:
-                result = await _wake(port, name, f"{hid}-{name}-wake{suffix}", policy)
+                result = await _wake(port, name, task_id, policy)
             except Exception as exc:  # isolated per stage
                 out.stage_errors[name] = _failure(name, "wake", exc)
                 continue

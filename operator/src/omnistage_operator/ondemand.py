@@ -13,7 +13,8 @@ stages by priority, then the most recent ask first):
   idle stage asks for nothing and the arbiter puts it to sleep at its level;
 - a stage whose ``spec.state`` turned Asleep after it woke (``asleep_asked_at``) is put to
   sleep now, as an idle one is, whatever its idleAfter or minResidency (issue 19: it stayed
-  Active for a minute and more); a request held after that wakes it again;
+  Active for a minute and more); a request held after that wakes it again; an operator restarted
+  in between reads the patch back from ``status.asleepAskedAt`` (``asleep_pending``);
 - within ``minResidency`` of its wake an awake stage asks as if just now (``Residency``), so an
   equal- or lower-priority stage's demand cannot displace it; a higher priority still does
   (the arbiter orders by priority first);
@@ -75,6 +76,9 @@ class DemandInput:
     awake_since: float | None = None  # when it was last seen becoming Active
     deleting: bool = False
     asleep_asked_at: float | None = None  # when spec.state last turned Asleep (None: unseen)
+    # Patched Asleep before this process saw it wake (read back from status after a restart):
+    # it sleeps whenever it was seen awake.
+    asleep_pending: bool = False
     batching: Batching | None = None  # the batch policy of the stage's pipeline (None: none)
 
     @property
@@ -139,7 +143,7 @@ def shape_intents(
         if not awake:
             continue
         patched = inp.asleep_asked_at
-        if patched is not None and (inp.awake_since or 0.0) <= patched:
+        if patched is not None and (inp.asleep_pending or (inp.awake_since or 0.0) <= patched):
             continue  # patched Asleep after it woke: asks nothing, put to sleep now
         idle_at = _idle_at(inp)
         if idle_at is not None and now >= idle_at:

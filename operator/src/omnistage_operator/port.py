@@ -59,6 +59,7 @@ from omnistage_operator.pods import (
     container_started,
     exit_message,
 )
+from omnistage_operator.remembered import adopt_status
 from omnistage_operator.spec import DesiredState, SpecError, StageSpec, parse_stage
 from omnistage_operator.status import (
     parse_timestamp,
@@ -124,6 +125,7 @@ class KubeGroupPort:
             self.r.asleep_asked[key] = time.time()  # patched Asleep: now, not when idle
         elif spec.wants_active or fact.phase is WorkerPhase.ASLEEP:
             self.r.asleep_asked.pop(key, None)  # done (asleep), or asked Active again
+            self.r.asleep_restored.discard(key)
         self.r.spec_active[key] = spec.wants_active
         asked = self.r.asks.get(key)
         if want and asked is None:
@@ -334,6 +336,7 @@ class KubeGroupPort:
         need) come back; a pending fence whose pod the API no longer lists is confirmed."""
         for name in names:
             key = (self.ns, name)
+            adopt_status(self.r, key, self.bodies[name].get("status"), self.specs[name])
             persisted = persisted_facts(self.bodies[name].get("status"))
             if (
                 persisted.fence_pending

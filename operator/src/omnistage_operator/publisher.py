@@ -2,7 +2,8 @@
 ``runner.GroupRunner``).
 
 The status body comes from ``status.build_status`` (pure); this module adds what only the
-Kubernetes side knows (per-device figures, the crash back-off), patches status only where it
+Kubernetes side knows (per-device figures, the crash and wake back-offs, a pending patch to
+Asleep: read back by a restarted operator, ``remembered``), patches status only where it
 changed, and records Events: the round's own (Slept, Woken, refusals, PodCreated) and a Warning
 whenever a condition takes a reason a user must hear about.
 """
@@ -44,6 +45,8 @@ from omnistage_operator.status import (
     format_timestamp,
     wait_cause,
 )
+from omnistage_operator.wake_backoff import WakeBackoff
+from omnistage_operator.wake_backoff import to_status as wake_backoff_status
 
 if TYPE_CHECKING:
     from omnistage_operator.demand_watch import DemandWatcher
@@ -83,6 +86,8 @@ class StatusPublisher:
     learned: dict[StageKey, int]
     peaks: dict[StageKey, StagePeaks]
     backoffs: dict[StageKey, CrashBackoff]
+    wake_backoffs: dict[StageKey, WakeBackoff]
+    asleep_asked: dict[StageKey, float]
     sleep_problems: dict[StageKey, tuple[str, str]]
     wake_problems: dict[StageKey, tuple[str, str]]
     component_problems: dict[StageKey, tuple[str, str]]
@@ -266,8 +271,12 @@ class StatusPublisher:
             if d.total > 0
         ]
         status["devices"] = devices or None
-        if port.specs[name].activation.on_demand or name in port.demand.reasons:
+        status["wakeBackoff"] = wake_backoff_status(self.wake_backoffs.get(key))
+        on_demand = port.specs[name].activation.on_demand
+        if on_demand or name in port.demand.reasons:
             status.update(self.demand.status_fields(port.ns, name, port.demand.reasons.get(name)))
+        asked = self.asleep_asked.get(key) if on_demand else None
+        status["asleepAskedAt"] = format_timestamp(asked) if asked is not None else None
         backoff = self.backoffs.get(key)
         if backoff is None:
             status["backoff"] = None

@@ -28,6 +28,7 @@ from omnistage_operator.builders import (
     pod_claim_name,
     service_name,
 )
+from omnistage_operator.claim_slices import allocated_uuids
 from omnistage_operator.demand_watch import DemandWatcher
 from omnistage_operator.facts import AckFacts
 from omnistage_operator.handover import (
@@ -40,7 +41,6 @@ from omnistage_operator.kube import (
     CLAIMS,
     OMNISTAGE,
     PODS,
-    RESOURCE_SLICES,
     SECRETS,
     SERVICES,
     Kube,
@@ -53,11 +53,11 @@ from omnistage_operator.pipeline_status import PipelineStatus, after_group_round
 from omnistage_operator.pods import (
     TERMINAL_PHASES,
     CrashBackoff,
-    claim_device_uuids,
 )
 from omnistage_operator.port import KubeGroupPort
 from omnistage_operator.publisher import StatusPublisher
 from omnistage_operator.settings import Settings
+from omnistage_operator.sleep_tasks import SleepTracker
 from omnistage_operator.spec import PlacementMode, SpecError, StageSpec, parse_stage
 from omnistage_operator.status import (
     format_timestamp,
@@ -91,6 +91,7 @@ class _Loop:
     task: asyncio.Task[None] | None = None
     followup: asyncio.TimerHandle | None = None
     backoff_s: float = 0.2
+    last_round: float = float("-inf")  # monotonic end of the group's last round
 
 
 class GroupRunner(StatusPublisher):
@@ -137,6 +138,10 @@ class GroupRunner(StatusPublisher):
         # refused; not ordered again until spec.sleepLevel changes or the stage wakes.
         self.deepen_refused: dict[StageKey, int] = {}
         self.asleep_asked: dict[StageKey, float] = {}
+        # Patched Asleep before this process saw the stage wake (read back from status): put
+        # to sleep whenever this process saw it become Active.
+        self.asleep_restored: set[StageKey] = set()
+        self.adopted: set[StageKey] = set()  # stages whose status this process has read back
         self.active_since: dict[StageKey, tuple[str, float]] = {}  # (pod uid, first seen Active)
         self.sleep_problems: dict[StageKey, tuple[str, str]] = {}
         self.wake_problems: dict[StageKey, tuple[str, str]] = {}
@@ -150,6 +155,8 @@ class GroupRunner(StatusPublisher):
         self._retry_in: dict[GroupKey, float] = {}
         self.published: dict[StageKey, dict[str, Any]] = {}
         self._loops: dict[GroupKey, _Loop] = {}
+        # Per group: its sleeps in flight across rounds (a drain holds up no other transition).
+        self._sleeps: dict[GroupKey, SleepTracker] = {}
         self._clients: dict[str, WorkerClient] = {}
         self._secrets: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -179,11 +186,19 @@ class GroupRunner(StatusPublisher):
             return None
         host = f"[{ip}]" if ":" in ip else ip
         target = f"{host}:{spec.worker.port}"
-        client = self._clients.get(target)
+        tls = spec.worker.tls.enabled  # spec.worker.tls: TLS, verified with --worker-tls-ca
+        key = f"{target}+tls" if tls else target
+        client = self._clients.get(key)
         if client is None:
             name = f"{service_name(spec.name)}.{namespace}.svc"  # what a worker certificate names
-            client = WorkerClient(target, token=self._token, ca_pem=self._ca, server_name=name)
-            self._clients[target] = client
+            client = WorkerClient(
+                target,
+                token=self._token,
+                ca_pem=self._ca if tls else None,
+                server_name=name,
+                tls=tls,
+            )
+            self._clients[key] = client
         return client
 
     def claim_for(self, spec: StageSpec) -> str | None:
@@ -211,19 +226,12 @@ class GroupRunner(StatusPublisher):
             cached = self._claims.get(cache_key)
             if cached is not None and cached[0] == uid:
                 return cached[1]  # an allocation does not change while the claim lives
-            results = ((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}
-            drivers = {r.get("driver") for r in results.get("results") or () if r.get("driver")}
-            slices: list[dict[str, Any]] = []
-            for driver in sorted(drivers):
-                slices += await self.kube.list_cluster(
-                    RESOURCE_SLICES, field_selector=f"spec.driver={driver}"
-                )
+            uuids = await allocated_uuids(self.kube, claim)
         except KubeError as exc:
             if cache_key not in self._claim_errors:
                 self._claim_errors.add(cache_key)
                 log.warning("%s: device identity not checked: %s", cache_key, exc)
             return None
-        uuids = claim_device_uuids(claim, slices)
         if uuids is not None:
             self._claims[cache_key] = (uid, uuids)
         return uuids
@@ -304,6 +312,8 @@ class GroupRunner(StatusPublisher):
         for loop in self._loops.values():
             if loop.task is not None:
                 loop.task.cancel()
+        for tracker in self._sleeps.values():
+            tracker.cancel()
         await self.demand.close()
         for client in self._clients.values():
             await client.close()
@@ -339,6 +349,8 @@ class GroupRunner(StatusPublisher):
         self.device_mismatch.pop(key, None)
         self.spec_active.pop(key, None)
         self.asleep_asked.pop(key, None)
+        self.asleep_restored.discard(key)
+        self.adopted.discard(key)
         self.deepen_refused.pop(key, None)
         self.active_since.pop(key, None)
         self.sleep_problems.pop(key, None)
@@ -360,6 +372,15 @@ class GroupRunner(StatusPublisher):
         if loop.task is None or loop.task.done():
             loop.task = asyncio.create_task(self._run(namespace, group, loop))
 
+    def resync(self, namespace: str, group: str, interval_s: float) -> None:
+        """A resync timer fired (one per stage): kick the group unless one of its rounds ended
+        within most of ``interval_s``, so a group gets one resync round per interval whatever
+        its stage count, and none while events keep it busy."""
+        loop = self._loops.get((namespace, group))
+        if loop is not None and time.monotonic() - loop.last_round < 0.9 * interval_s:
+            return
+        self.kick(namespace, group)
+
     def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
         if loop.followup is not None:
             loop.followup.cancel()
@@ -370,6 +391,7 @@ class GroupRunner(StatusPublisher):
             loop.dirty.clear()
             try:
                 busy = await self.round(namespace, group)
+                loop.last_round = time.monotonic()
             except Exception:
                 log.exception("round of group %s/%s failed; retrying", namespace, group)
                 metrics.ROUNDS.labels(namespace, group, "error").inc()
@@ -404,14 +426,18 @@ class GroupRunner(StatusPublisher):
     async def _round(self, namespace: str, group: str) -> bool:
         port = KubeGroupPort(self, namespace, group)
         t0 = time.monotonic()
+        tracker = self._sleeps.get((namespace, group))
+        if tracker is None:
+            tracker = SleepTracker(lambda: self.kick(namespace, group))
+            self._sleeps[(namespace, group)] = tracker
         try:
-            outcome = await run_round(port, self.policy, self.new_id)
+            outcome = await run_round(port, self.policy, self.new_id, tracker)
         except LeadershipLost as exc:
             log.warning("group %s/%s: round ended: %s", namespace, group, exc)
             metrics.ROUNDS.labels(namespace, group, "leadership_lost").inc()
             return False
         if outcome.sleeps or outcome.wakes:
-            took = time.monotonic() - t0
+            took = time.monotonic() - min(t0, outcome.handover_began or t0)
             metrics.HANDOVER_SECONDS.labels(namespace, group).observe(took)
             log.info(
                 "group %s/%s hand-over %s: slept %s, woke %s in %.3fs",
@@ -481,7 +507,7 @@ class GroupRunner(StatusPublisher):
                 self.wake_backoffs.pop((port.ns, name), None)
         for name, ack in outcome.wake_oom.items():
             key = (port.ns, name)
-            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now)
+            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now, ack.needed_bytes)
             self.wake_backoffs[key] = backoff
             message = oom_message(ack, self.learned.get(key, 0), backoff, now)
             self.wake_problems[key] = (WAKE_OOM, message)

@@ -23,13 +23,16 @@ Constants: ``GROUP="omnistage.io"``, ``VERSION="v1alpha1"``, ``API_VERSION``, ``
     ``BACKENDS_FOR_RUNNER``; names the operator owns: ``RESERVED_ENV``, ``RESERVED_ARGS``,
     ``RESERVED_VOLUMES``, ``TOKEN_MOUNT_DIR``.
 Dataclasses (frozen; mapping-valued fields are excluded from hashing):
-    ``ModelSpec(path, mount_path, volume)``, ``Colocation(group, priority)``,
-    ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype)``,
+    ``ModelSpec(path, mount_path, volume, source)`` (``source``:
+    :mod:`omnistage_operator.model_source`), ``Colocation(group, priority)``,
+    ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype,
+    http_port, tls)`` (``tls``: :mod:`omnistage_operator.worker_tls`),
     ``VllmSettings(max_model_len, gpu_memory_utilization, enforce_eager, max_num_seqs,
     kv_cache_dtype, enable_prefix_caching, enable_chunked_prefill, tensor_parallel_size)``
     (``spec.vllm``),
     ``TemplateOverrides(resources, env, volumes, volume_mounts, node_selector, tolerations,
-    annotations, labels, service_account_name, priority_class_name)``,
+    annotations, labels, service_account_name, priority_class_name, extras)`` (``extras``:
+    the fields of :mod:`omnistage_operator.pod_template`),
     ``StageSpec(name, namespace, uid, generation, runner, backend, model, image, state,
     sleep_level, colocation, gpus, vram_request, vram_request_bytes, placement, worker,
     template, drain_timeout_s, vllm, asleep_components)`` with properties ``group``,
@@ -50,6 +53,13 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from omnistage_operator.activation import Activation, ActivationError, parse_activation
+from omnistage_operator.model_source import ModelSource, ModelSourceError, parse_model_source
+from omnistage_operator.pod_template import (
+    SHM_VOLUME,
+    PodExtras,
+    PodTemplateError,
+    parse_pod_extras,
+)
 from omnistage_operator.quantities import QuantityError, parse_quantity
 from omnistage_operator.serving import (
     HTTP_TOKEN_VOLUME,
@@ -57,6 +67,13 @@ from omnistage_operator.serving import (
     Serving,
     ServingError,
     parse_serving,
+)
+from omnistage_operator.worker_tls import (
+    TLS_ARGS,
+    TLS_VOLUME,
+    WorkerTls,
+    WorkerTlsError,
+    parse_worker_tls,
 )
 from omnistage_worker.config import DTYPES
 
@@ -171,9 +188,13 @@ RESERVED_ARGS = frozenset(
 )
 # spec.limits and spec.http set these (omnistage_operator.serving).
 RESERVED_ARGS |= SERVING_ARGS
+# spec.worker.tls sets these (omnistage_operator.worker_tls).
+RESERVED_ARGS |= TLS_ARGS
 RESERVED_ARG_PREFIXES = frozenset({"--vllm-", "--no-vllm-"})
 # Names the builders use for their own volumes and mount points.
-RESERVED_VOLUMES = frozenset({"omnistage-token", "model", HTTP_TOKEN_VOLUME})
+RESERVED_VOLUMES = frozenset(
+    {"omnistage-token", "model", HTTP_TOKEN_VOLUME, SHM_VOLUME, TLS_VOLUME}
+)
 TOKEN_MOUNT_DIR = "/var/run/secrets/omnistage"
 
 _E = TypeVar("_E", bound=StrEnum)
@@ -253,6 +274,8 @@ class ModelSpec:
     path: str
     mount_path: str = DEFAULT_MOUNT_PATH
     volume: Mapping[str, Any] | None = field(default=None, hash=False)
+    # spec.model.source: fetched into the volume by an init container (model_source.py).
+    source: ModelSource | None = None
 
 
 @dataclass(frozen=True)
@@ -281,6 +304,7 @@ class WorkerSettings:
     args: tuple[str, ...] = ()
     dtype: str | None = None
     http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP API
+    tls: WorkerTls = field(default_factory=WorkerTls)  # spec.worker.tls, spec.worker.healthPort
 
 
 @dataclass(frozen=True)
@@ -315,6 +339,8 @@ class TemplateOverrides:
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
     service_account_name: str | None = None
     priority_class_name: str | None = None
+    # securityContext, imagePullSecrets, affinity, ... (omnistage_operator.pod_template)
+    extras: PodExtras = field(default_factory=PodExtras)
 
 
 @dataclass(frozen=True)
@@ -475,7 +501,11 @@ def _parse_model(spec: Mapping[str, Any]) -> ModelSpec:
             "is a volume source (hostPath, persistentVolumeClaim, ...) "
             "without a name; the operator names it",
         )
-    return ModelSpec(path=model_path, mount_path=mount_path, volume=volume)
+    try:
+        source = parse_model_source(model)
+    except ModelSourceError as exc:
+        raise SpecError(exc.field, exc.message) from exc
+    return ModelSpec(path=model_path, mount_path=mount_path, volume=volume, source=source)
 
 
 def _parse_colocation(spec: Mapping[str, Any]) -> Colocation:
@@ -514,7 +544,13 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     args = _strings(worker.get("args"), "spec.worker.args")
     dtype = _string(worker.get("dtype"), "spec.worker.dtype")
     http_port = _int(worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT)
-    return WorkerSettings(port=port, device=device, args=args, dtype=dtype, http_port=http_port)
+    try:
+        tls = parse_worker_tls(worker)
+    except WorkerTlsError as exc:
+        raise SpecError(exc.field, exc.message) from exc
+    return WorkerSettings(
+        port=port, device=device, args=args, dtype=dtype, http_port=http_port, tls=tls
+    )
 
 
 def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
@@ -566,6 +602,10 @@ def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
                 f"spec.template.volumeMounts[{i}].mountPath",
                 f"{TOKEN_MOUNT_DIR} is used by the operator",
             )
+    try:
+        extras = parse_pod_extras(tpl)
+    except PodTemplateError as exc:
+        raise SpecError(exc.field, exc.message) from exc
     return TemplateOverrides(
         resources=resources,
         env=_list_of_objects(tpl.get("env"), "spec.template.env"),
@@ -581,6 +621,7 @@ def _parse_template(spec: Mapping[str, Any]) -> TemplateOverrides:
         priority_class_name=_string(
             tpl.get("priorityClassName"), "spec.template.priorityClassName"
         ),
+        extras=extras,
     )
 
 

@@ -48,17 +48,20 @@ class WorkerClient:
         token: str | None = None,
         ca_pem: bytes | None = None,
         server_name: str | None = None,
+        tls: bool = False,
     ):
         """``server_name``: with TLS, the name the worker's certificate must carry (the operator
-        dials pod IPs, which change; certificates name the stage's Service instead)."""
+        dials pod IPs, which change; certificates name the stage's Service instead). TLS when
+        ``ca_pem`` is given (that CA) or ``tls`` is true (the system's roots without one)."""
+        tls = tls or ca_pem is not None
         self.target = target
         options: list[tuple[str, int | str]] = [
             ("grpc.enable_retries", 0),
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
-        if ca_pem is not None and server_name:
+        if tls and server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
-        if ca_pem is not None:
+        if tls:
             creds = grpc.ssl_channel_credentials(root_certificates=ca_pem)
             self._channel = grpc.aio.secure_channel(target, creds, options=options)
         else:

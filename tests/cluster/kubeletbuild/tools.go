@@ -7,4 +7,5 @@ package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )

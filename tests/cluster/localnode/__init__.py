@@ -83,8 +83,10 @@ from typing import IO, Any
 import httpx
 
 from tests.cluster.kubeconfig import auth_context, load_kubeconfig
-from tests.cluster.localnode.devices import GiB, fake_gpu_dir
+from tests.cluster.localnode.devices import GiB, fake_gpu_dir, node_address, octets_needed
 from tests.cluster.localnode.kubelet import KUBELET_FAULTS
+from tests.cluster.localnode.simlaunch import HOSTS_FILE
+from tests.cluster.localnode.stats import STATS_FILE
 from tests.cluster.procs import ManagedProcess, wait_for
 from tests.fakegpu.device import FakeGpu, Snapshot
 
@@ -93,24 +95,30 @@ __all__ = ["LocalNodes"]
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def reserve_ip_octet(first: int = 10) -> tuple[int, IO[bytes]]:
-    """Reserve a second octet for pod IPs, unique among localnodes on this host.
+def reserve_ip_octet(first: int = 10, count: int = 1) -> tuple[int, list[IO[bytes]]]:
+    """Reserve ``count`` consecutive second octets for pod IPs, unique among localnodes here.
 
     Several test sessions may run at once on one machine; each LocalNodes holds an exclusive
     lock on ``<tmp>/omnistage-localnode-ip/<octet>.lock`` while it runs (released by the OS if
-    the process dies), so no two hand out the same 127.x.y.z.
+    the process dies), so no two hand out the same 127.x.y.z. (250 nodes per octet.)
     """
     lock_dir = Path(tempfile.gettempdir()) / "omnistage-localnode-ip"
     lock_dir.mkdir(exist_ok=True)
-    for octet in range(first, 255):
-        fh = (lock_dir / f"{octet}.lock").open("wb")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            fh.close()
-            continue
-        return octet, fh
-    raise RuntimeError(f"no free pod IP block left in {lock_dir}")
+    for octet in range(first, 256 - count):
+        held: list[IO[bytes]] = []
+        for o in range(octet, octet + count):
+            fh = (lock_dir / f"{o}.lock").open("wb")
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                fh.close()
+                break
+            held.append(fh)
+        if len(held) == count:
+            return octet, held
+        for lock in held:
+            lock.close()
+    raise RuntimeError(f"no {count} free pod IP block(s) left in {lock_dir}")
 
 
 class LocalNodes:
@@ -132,15 +140,16 @@ class LocalNodes:
         gpu_context: int | None = None,
         gpu_activation: float | int | None = None,
         real_gpus: bool = False,
+        sim_hosts: int = 0,
     ):
         """``gpu_reserve``/``gpu_context`` bytes and ``gpu_activation`` (float: fraction of the
         weights, int: bytes) set the simulated GPUs' physics (None: realistic defaults scaled
         to ``gpu_memory``); ``real_gpus``: one node with the host's GPUs (NVML), no simulation.
         """
         self.kubeconfig = kubeconfig
-        self._octet_lock: IO[bytes] | None = None
+        self._octet_locks: list[IO[bytes]] = []
         if ip_octet is None:
-            ip_octet, self._octet_lock = reserve_ip_octet()
+            ip_octet, self._octet_locks = reserve_ip_octet(count=octets_needed(0, nodes))
         self.ip_octet = ip_octet
         self.node_names = [f"{name_prefix}{i}" for i in range(nodes)]
         self.gpus = gpus
@@ -169,6 +178,7 @@ class LocalNodes:
                 else []
             ),
             *(["--real-gpus"] if real_gpus else []),
+            *([f"--sim-hosts={sim_hosts}"] if sim_hosts else []),
             *extra_args,
         ]
         self._ready_timeout = ready_timeout
@@ -215,15 +225,28 @@ class LocalNodes:
         if self._proc is not None:
             self._proc.stop(grace=20.0)
             self._proc = None
-        if self._octet_lock is not None:
-            self._octet_lock.close()
-            self._octet_lock = None
+        for fh in self._octet_locks:
+            fh.close()
+        self._octet_locks = []
         if self._own_state_dir and not os.environ.get("OMNISTAGE_KEEP_CLUSTER"):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def node_ip(self, index: int = 0) -> str:
-        """The host IP of node ``index``; its pods get ``127.<octet>.<index>.2..254``."""
-        return f"127.{self.ip_octet}.{index}.1"
+        """The host IP of node ``index``; its pods get ``.2..254`` of its /24 (node index
+        ``i`` is ``127.<octet + i // 250>.<i % 250>.1``)."""
+        return node_address(self.ip_octet, index)
+
+    def sim_hosts(self) -> dict[int, dict[str, Any]]:
+        """With ``sim_hosts``: each simulated worker host's ``pid``, ``log`` and ``nodes``."""
+        table = json.loads((self.state_dir / HOSTS_FILE).read_text())
+        return {int(k): v for k, v in table.items()}
+
+    def stats(self) -> dict[str, Any]:
+        """localnode's own latest figures (API requests, CPU; written every few seconds)."""
+        try:
+            return dict(json.loads((self.state_dir / STATS_FILE).read_text()))
+        except (OSError, ValueError):
+            return {}
 
     def pod_log(self, pod: dict[str, Any], container: str) -> str:
         """The output of ``container`` of ``pod`` (from the annotation localnode wrote)."""
@@ -309,26 +332,28 @@ class LocalNodes:
         os.replace(tmp, path)
 
     def _nodes_ready(self) -> bool:
+        """Every node Ready, untainted and with its ResourceSlice (two LISTs, any node count)."""
         auth = self._auth
         headers = {"Authorization": f"Bearer {auth.token}"} if auth.token else {}
         with httpx.Client(
-            base_url=auth.server, verify=auth_context(auth), headers=headers, timeout=5
+            base_url=auth.server, verify=auth_context(auth), headers=headers, timeout=30
         ) as c:
-            for name in self.node_names:
-                r = c.get(f"/api/v1/nodes/{name}")
-                if r.status_code != 200:
-                    return False
-                node = r.json()
-                ready = any(
+            r = c.get("/api/v1/nodes", params={"labelSelector": "localnode.omnistage.io/node=true"})
+            if r.status_code != 200:
+                return False
+            ready = {
+                node["metadata"]["name"]
+                for node in r.json().get("items") or []
+                if not node.get("spec", {}).get("taints")
+                and any(
                     cond["type"] == "Ready" and cond["status"] == "True"
                     for cond in node.get("status", {}).get("conditions", [])
                 )
-                if not ready or node.get("spec", {}).get("taints"):
-                    return False
-                slices = c.get(
-                    "/apis/resource.k8s.io/v1/resourceslices",
-                    params={"fieldSelector": f"spec.nodeName={name}"},
-                )
-                if slices.status_code != 200 or not slices.json().get("items"):
-                    return False
-        return True
+            }
+            if not set(self.node_names) <= ready:
+                return False
+            slices = c.get("/apis/resource.k8s.io/v1/resourceslices")
+            if slices.status_code != 200:
+                return False
+            published = {s["spec"].get("nodeName") for s in slices.json().get("items") or []}
+            return set(self.node_names) <= published

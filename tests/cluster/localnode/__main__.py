@@ -13,9 +13,16 @@ from pathlib import Path
 
 from tests.cluster.kubeconfig import load_kubeconfig
 from tests.cluster.localnode.api import Api
-from tests.cluster.localnode.devices import NodeSpec, nvml_records, real_gpu_devices
+from tests.cluster.localnode.devices import (
+    NodeSpec,
+    node_address,
+    nvml_records,
+    octets_needed,
+    real_gpu_devices,
+)
 from tests.cluster.localnode.kubelet import Kubelet
 from tests.cluster.localnode.runtime import Backoff
+from tests.cluster.localnode.stats import STATS_FILE, report
 
 _UNITS = {
     "": 1,
@@ -78,7 +85,7 @@ def build_nodes(
             index=i,
             gpus=gpus if devices is None else len(devices),
             gpu_memory=gpu_memory,
-            address=f"127.{octet}.{i}.1",
+            address=node_address(octet, i),
             gpu_reserve=gpu_reserve,
             gpu_context=gpu_context,
             gpu_activation=gpu_activation,
@@ -109,6 +116,7 @@ async def _serve(args: argparse.Namespace) -> None:
         Backoff(args.backoff_initial, args.backoff_max),
         not args.keep_nodes,
         watch_timeout=args.watch_timeout,
+        sim_hosts=args.sim_hosts,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,17 +124,20 @@ async def _serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     ready = asyncio.Event()
     main = asyncio.create_task(kubelet.run(ready))
+    reporter = asyncio.create_task(report(api, kubelet, args.state_dir / STATS_FILE))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait(
         {main, stopper, asyncio.create_task(ready.wait())}, return_when=asyncio.FIRST_COMPLETED
     )
     if ready.is_set():
         print(
-            f"localnode ready: {', '.join(n.name for n in nodes)} (state {args.state_dir})",
+            f"localnode ready: {len(nodes)} node(s) {nodes[0].name}..{nodes[-1].name} "
+            f"(state {args.state_dir})",
             flush=True,
         )
         await asyncio.wait({main, stopper}, return_when=asyncio.FIRST_COMPLETED)
     logging.getLogger("localnode").info("shutting down")
+    reporter.cancel()
     main.cancel()
     try:
         await main
@@ -178,10 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--watch-timeout", type=int, default=300, help="seconds before a pod watch is reopened"
     )
+    parser.add_argument(
+        "--sim-hosts",
+        type=int,
+        default=0,
+        help="serve worker containers by this many simulated worker hosts "
+        "(tests.scale.simhost; 0: a process per container)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    if not 1 <= args.ip_octet <= 254 or args.first_index + args.nodes > 255:
-        parser.error("--ip-octet must be 1..254 and node indexes below 255")
+    last_octet = args.ip_octet + octets_needed(args.first_index, args.nodes) - 1
+    if not 1 <= args.ip_octet <= 254 or last_octet > 254:
+        parser.error("--ip-octet must be 1..254, and nodes take one more per 250 up to 254")
     if args.real_gpus and args.nodes != 1:
         parser.error("--real-gpus runs one node (the host's GPUs cannot be shared by two)")
     if args.state_dir is None:

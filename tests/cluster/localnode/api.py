@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,16 +22,28 @@ class ApiError(RuntimeError):
         self.status = status
 
 
+# Connections to the API server: enough for hundreds of pods' status writes at once; a request
+# beyond them waits for a free one (no pool timeout: a burst queues, it does not fail).
+MAX_CONNECTIONS = 64
+
+
 class Api:
-    """Async client for one API server."""
+    """Async client for one API server; ``requests`` counts what it sent, by verb."""
 
     def __init__(self, auth: KubeAuth):
         self.auth = auth
         ctx = auth_context(auth)
         headers = {"Authorization": f"Bearer {auth.token}"} if auth.token else {}
         self._client = httpx.AsyncClient(
-            base_url=auth.server, verify=ctx, headers=headers, timeout=httpx.Timeout(30.0)
+            base_url=auth.server,
+            verify=ctx,
+            headers=headers,
+            timeout=httpx.Timeout(30.0, pool=None),
+            limits=httpx.Limits(
+                max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS
+            ),
         )
+        self.requests: Counter[str] = Counter()
 
     async def close(self) -> None:
         """Close the connection pool."""
@@ -58,6 +71,7 @@ class Api:
                 if method == "PATCH"
                 else "application/json"
             )
+        self.requests[method] += 1
         r = await self._client.request(
             method, path, content=content, params=params, headers=headers
         )
@@ -101,7 +115,8 @@ class Api:
     ) -> AsyncIterator[Obj]:
         """Yield watch events (``type``, ``object``) from ``path`` until the server ends it."""
         query = dict(params, watch="1", allowWatchBookmarks="true", timeoutSeconds=str(timeout_s))
-        timeout = httpx.Timeout(30.0, read=timeout_s + 30.0)
+        timeout = httpx.Timeout(30.0, read=timeout_s + 30.0, pool=None)
+        self.requests["WATCH"] += 1
         async with self._client.stream("GET", path, params=query, timeout=timeout) as r:
             if r.status_code >= 300:
                 raise ApiError("WATCH", path, r.status_code, (await r.aread()).decode())

@@ -379,3 +379,17 @@ def gpu_env(node: NodeSpec, devices: list[str], state_dir: Path) -> dict[str, st
         ),
         "OMNISTAGE_RESIDUAL_SLACK": str(residual_slack(min(d.memory for d in devs))),
     }
+
+
+NODES_PER_OCTET = 250
+
+
+def node_address(octet: int, index: int) -> str:
+    """Node ``index``'s host IP: ``127.<octet + index // 250>.<index % 250>.1`` (pods get
+    ``.2``-``.254`` of its /24), so hundreds of nodes take consecutive second octets."""
+    return f"127.{octet + index // NODES_PER_OCTET}.{index % NODES_PER_OCTET}.1"
+
+
+def octets_needed(first: int, count: int) -> int:
+    """How many second octets nodes ``first``..``first+count-1`` span from the first one."""
+    return (first + count - 1) // NODES_PER_OCTET + 1

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tests.cluster.localnode.api import Api, ApiError, Obj
@@ -19,11 +20,14 @@ from tests.cluster.localnode.devices import (
 )
 from tests.cluster.localnode.podstatus import now_micro, now_rfc3339
 from tests.cluster.localnode.runtime import Backoff, PodRunner
+from tests.cluster.localnode.simlaunch import SimHosts
 from tests.fakegpu.device import FakeGpu
 
 log = logging.getLogger("localnode")
 
 HEARTBEAT_SECONDS = 10.0
+STATUS_EVERY = 6  # heartbeats between node status posts (the lease is the heartbeat)
+PARALLEL = 16  # node requests in flight at once (registration, heartbeats)
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
 KUBELET_FAULTS = "kubelet-faults.json"
 
@@ -76,8 +80,12 @@ class Kubelet:
         delete_nodes: bool,
         *,
         watch_timeout: int = 300,
+        sim_hosts: int = 0,
     ):
+        """``sim_hosts``: serve worker containers by that many simulated worker hosts
+        (:mod:`.simlaunch`; 0: a process per container)."""
         self.watch_timeout = watch_timeout
+        self.sim = SimHosts(state_dir, sim_hosts) if sim_hosts > 0 else None
         self.api = api
         self.nodes = {n.name: n for n in nodes}
         self.state_dir = state_dir
@@ -108,14 +116,14 @@ class Kubelet:
     async def run(self, ready: asyncio.Event | None = None) -> None:
         """Register the nodes, then heartbeat and run pods until cancelled."""
         await asyncio.to_thread(self.create_fake_gpus)
+        if self.sim is not None:
+            await self.sim.start({n.name: n.index for n in self.nodes.values()})
         await self._ensure_device_class()
-        for node in self.nodes.values():
-            await self._register(node)
-        log.info("nodes registered: %s", ", ".join(self.nodes))
+        await self._each_node(self._register)
+        log.info("nodes registered: %d (%s..)", len(self.nodes), next(iter(self.nodes)))
         if ready is not None:
             ready.set()
-        tasks = [asyncio.create_task(self._heartbeat())]
-        tasks += [asyncio.create_task(self._watch_pods(n)) for n in self.nodes.values()]
+        tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._watch_pods())]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -130,13 +138,29 @@ class Kubelet:
             r.pod["metadata"]["deletionGracePeriodSeconds"] = min(r._grace(), 3)
             r.terminate(delete_object=False, force=True)
         await asyncio.gather(*(r.wait() for r in runners), return_exceptions=True)
+        if self.sim is not None:
+            await self.sim.close()
         if self.delete_nodes:
-            for name in self.nodes:
+
+            async def delete(node: NodeSpec) -> None:
                 with contextlib.suppress(Exception):
-                    await self.api.delete(f"/api/v1/nodes/{name}")
+                    await self.api.delete(f"/api/v1/nodes/{node.name}")
                     await self.api.delete(
-                        f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}"
+                        "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/"
+                        + node.name
                     )
+
+            await self._each_node(delete)
+
+    async def _each_node(self, call: Callable[[NodeSpec], Awaitable[None]]) -> None:
+        """``call`` for every node, ``PARALLEL`` at a time (hundreds of nodes, one client)."""
+        limit = asyncio.Semaphore(PARALLEL)
+
+        async def one(node: NodeSpec) -> None:
+            async with limit:
+                await call(node)
+
+        await asyncio.gather(*(one(n) for n in self.nodes.values()))
 
     # ---- nodes -----------------------------------------------------------------------------
     async def _ensure_device_class(self) -> None:
@@ -208,31 +232,43 @@ class Kubelet:
             await self.api.patch(path, {"spec": body["spec"]})
 
     async def _heartbeat(self) -> None:
+        """Renew every node's Lease each ``HEARTBEAT_SECONDS``; post its status every
+        ``STATUS_EVERY`` beats (as the kubelet: the Lease is the heartbeat, the status is
+        reported less often when nothing changes)."""
+        beat = 0
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
-            for node in self.nodes.values():
+            beat += 1
+            with_status = beat % STATUS_EVERY == 0
+
+            async def one(node: NodeSpec, with_status: bool = with_status) -> None:
                 try:
                     await self._renew_lease(node)
-                    await self._post_status(node)
+                    if with_status:
+                        await self._post_status(node)
                 except Exception as exc:
                     log.warning("node %s heartbeat failed: %s", node.name, exc)
 
+            await self._each_node(one)
+
     # ---- pods ------------------------------------------------------------------------------
-    async def _watch_pods(self, node: NodeSpec) -> None:
-        selector = {"fieldSelector": f"spec.nodeName={node.name}"}
+    async def _watch_pods(self) -> None:
+        """One list+watch of the bound pods for all nodes (a watch per node would hold a
+        connection each: hundreds of nodes would exhaust the client's pool)."""
+        selector = {"fieldSelector": "spec.nodeName!="}
         while True:
             try:
                 listing = await self.api.get("/api/v1/pods", selector)
                 seen = set()
                 for pod in listing.get("items") or []:
                     seen.add(pod["metadata"]["uid"])
-                    await self._on_pod(node, "ADDED", pod)
+                    await self._dispatch("ADDED", pod)
                 for uid, runner in list(self.runners.items()):
-                    if runner.node.name == node.name and uid not in seen:
+                    if uid not in seen:
                         runner.terminate(delete_object=False)
                 rv = listing["metadata"]["resourceVersion"]
                 while True:
-                    log.info("pod watch for %s (re)opened at resourceVersion %s", node.name, rv)
+                    log.info("pod watch (re)opened at resourceVersion %s", rv)
                     async for event in self.api.watch(
                         "/api/v1/pods", dict(selector, resourceVersion=rv), self.watch_timeout
                     ):
@@ -247,12 +283,18 @@ class Kubelet:
                             )
                         rv = obj.get("metadata", {}).get("resourceVersion", rv)
                         if kind != "BOOKMARK":
-                            await self._on_pod(node, str(kind), obj)
+                            await self._dispatch(str(kind), obj)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.info("pod watch for %s restarts: %s", node.name, exc)
+                log.info("pod watch restarts: %s", exc)
                 await asyncio.sleep(0.5)
+
+    async def _dispatch(self, kind: str, pod: Obj) -> None:
+        """A pod event: handled when the pod is bound to one of this localnode's nodes."""
+        node = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
+        if node is not None:
+            await self._on_pod(node, kind, pod)
 
     async def _on_pod(self, node: NodeSpec, kind: str, pod: Obj) -> None:
         if self._stopping:
@@ -298,6 +340,7 @@ class Kubelet:
             backoff=self.backoff,
             on_done=self._done,
             deletion_held=self.deletion_held,
+            sim=self.sim.host_for(node.index) if self.sim is not None else None,
         )
         self.runners[uid] = runner
         self._ips[uid] = ip

@@ -72,19 +72,33 @@ async def run_probe(
     return False, "probe has no handler (grpc, tcpSocket, httpGet or exec)"
 
 
+# One channel per probed address, kept: a new connection per probe costs more CPU than the
+# probe itself, which hundreds of pods on one localnode cannot afford. A pod's address is
+# reused by a later pod only after it is gone, and the channel then reconnects to that one.
+_CHANNELS: dict[str, grpc.aio.Channel] = {}
+
+
+def _channel(target: str) -> grpc.aio.Channel:
+    channel = _CHANNELS.get(target)
+    if channel is None:
+        channel = _CHANNELS[target] = grpc.aio.insecure_channel(
+            target, options=[("grpc.max_reconnect_backoff_ms", 1000)]
+        )
+    return channel
+
+
 async def _grpc(spec: Obj, pod_ip: str, limit_s: float) -> tuple[bool, str]:
     target = f"{pod_ip}:{int(spec['port'])}"
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = await stub.Check(
-                health_pb2.HealthCheckRequest(service=spec.get("service") or ""), timeout=limit_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            return (
-                False,
-                f"grpc health check to {target} failed: {exc.code().name}: {exc.details()}",
-            )
+    stub = health_pb2_grpc.HealthStub(_channel(target))
+    try:
+        reply = await stub.Check(
+            health_pb2.HealthCheckRequest(service=spec.get("service") or ""), timeout=limit_s
+        )
+    except grpc.aio.AioRpcError as exc:
+        return (
+            False,
+            f"grpc health check to {target} failed: {exc.code().name}: {exc.details()}",
+        )
     ok = reply.status == health_pb2.HealthCheckResponse.SERVING
     return (
         ok,

@@ -43,6 +43,7 @@ from tests.cluster.localnode.podstatus import (
     termination_message,
 )
 from tests.cluster.localnode.prober import ProbeHooks, ProbeTarget, probe_container
+from tests.cluster.localnode.simlaunch import SimHostClient, SimWorker, is_worker
 from tests.cluster.procs import die_with_parent
 
 log = logging.getLogger("localnode.pod")
@@ -117,8 +118,12 @@ class PodRunner:
         backoff: Backoff,
         on_done: Callable[[PodRunner, bool], None],
         deletion_held: Callable[[str, str], bool] = lambda ns, name: False,
+        sim: SimHostClient | None = None,
     ):
+        """``sim``: the simulated host that serves this pod's worker containers (None: each
+        container is a process)."""
         self.api = api
+        self.sim = sim
         self.pod = pod
         self.node = node
         self.pod_ip = pod_ip
@@ -144,7 +149,7 @@ class PodRunner:
         self.init_done = not self.init_specs
         self.init_failed = False
         self.terminating = asyncio.Event()
-        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._procs: dict[str, asyncio.subprocess.Process | SimWorker] = {}
         self._dirty = asyncio.Event()
         self._status_written = asyncio.Event()
         self._start_time = now_rfc3339()
@@ -539,16 +544,25 @@ class PodRunner:
             )
             fh.flush()
             log_start = fh.tell()
+            proc: asyncio.subprocess.Process | SimWorker
             try:
-                proc = await asyncio.create_subprocess_exec(
-                    *die_with_parent(argv),
-                    env=env,
-                    cwd=cwd,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=fh,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,
-                )
+                if self.sim is not None and is_worker(argv):
+                    key = f"{self.uid}/{name}/{st.restart_count}"
+                    proc = await self.sim.launch(key, argv, env)
+                    fh.write(
+                        f"--- localnode: served by simulated worker host pid {proc.pid} "
+                        f"(its log: {self.sim.log_path})\n".encode()
+                    )
+                else:
+                    proc = await asyncio.create_subprocess_exec(
+                        *die_with_parent(argv),
+                        env=env,
+                        cwd=cwd,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=fh,
+                        stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True,
+                    )
             except OSError as exc:
                 now = now_rfc3339()
                 st.state = {
@@ -584,6 +598,9 @@ class PodRunner:
             target = ProbeTarget(spec=spec, pod_ip=self.pod_ip, env=env, cwd=cwd)
             probes.append(asyncio.create_task(probe_container(target, st, hooks)))
         code = await proc.wait()
+        if isinstance(proc, SimWorker) and proc.message:
+            with logfile.open("ab") as fh:
+                fh.write(proc.message.encode() + b"\n")
         for task in probes:
             task.cancel()
         self._procs.pop(name, None)
@@ -621,7 +638,11 @@ class PodRunner:
         return termination_message(policy, code, text, log_bytes)
 
     async def _kill(
-        self, proc: asyncio.subprocess.Process, spec: Obj, why: str, grace: float | None = None
+        self,
+        proc: asyncio.subprocess.Process | SimWorker,
+        spec: Obj,
+        why: str,
+        grace: float | None = None,
     ) -> None:
         log.info("pod %s container %s: %s, killing", self.label, spec["name"], why)
         self.event(
@@ -732,8 +753,11 @@ class PodRunner:
             self.pod = {**self.pod, "status": updated.get("status", {})}
 
 
-async def _stop_process(proc: asyncio.subprocess.Process, grace: float) -> None:
+async def _stop_process(proc: asyncio.subprocess.Process | SimWorker, grace: float) -> None:
     """SIGTERM the process group, wait ``grace`` seconds, then SIGKILL it."""
+    if isinstance(proc, SimWorker):
+        await proc.stop(grace)
+        return
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)

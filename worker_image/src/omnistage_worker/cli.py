@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from omnistage_worker import termination
+from omnistage_worker import prestart, termination
 from omnistage_worker.config import (
     ACTIVATIONS,
     BACKENDS,
@@ -99,6 +99,13 @@ def build_parser(env: Mapping[str, str]) -> Parser:
     p.add_argument("--token-file", type=Path, help="bearer token required by SleepService")
     p.add_argument("--tls-cert", type=Path)
     p.add_argument("--tls-key", type=Path)
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve gRPC health in plaintext on this port, for kubelet probes beside a TLS "
+        "--port (default: off)",
+    )
     p.add_argument(
         "--residual-slack",
         default=env.get("OMNISTAGE_RESIDUAL_SLACK") or str(DEFAULT_RESIDUAL_SLACK),
@@ -265,6 +272,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         token=token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        health_port=args.health_port,
         residual_slack=parse_byte_flag(args.residual_slack, "--residual-slack"),
         identity=Identity(
             stage=args.stage,
@@ -328,8 +336,10 @@ async def run(config: WorkerConfig) -> int:
     from omnistage_worker.server import WorkerServer
 
     server = WorkerServer(config)
+    prestart.mark("imports done")
     port = await server.start()
     log.info("listening on %s:%d", config.host, port)
+    prestart.mark("gRPC serving")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -357,6 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # For the weight engine's host copies; vLLM's weights live in its engine process, so a
         # vLLM stage's worker keeps glibc's defaults, as vLLM's own server does.
         fix_mmap_threshold()
+    prestart.begin(config)
     log.info(
         "starting: runner=%s backend=%s model=%s device=%s initial-state=%s sleep-level=%d",
         config.runner,

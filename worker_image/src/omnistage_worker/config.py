@@ -170,6 +170,8 @@ class WorkerConfig:
     token: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    # Plaintext gRPC health only (for the kubelet's probes, which cannot speak TLS; None: off).
+    health_port: int | None = None
     residual_slack: int = DEFAULT_RESIDUAL_SLACK
     identity: Identity = field(default_factory=Identity)
     dtype: str = "auto"
@@ -261,6 +263,11 @@ def _check_serving(config: WorkerConfig) -> None:
     for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key)):
         if path is not None and not path.is_file():
             raise ConfigError(flag, f"{str(path)!r} is not a readable file")
+    health = config.health_port
+    if health is not None and not 0 <= health <= 65535:
+        raise ConfigError("--health-port", f"{health} is not a TCP port (0-65535)")
+    if health and health in (config.port, config.http_port):
+        raise ConfigError("--health-port", "must differ from --port and --http-port")
 
 
 def _check_vllm(config: WorkerConfig) -> None:

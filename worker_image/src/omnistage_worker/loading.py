@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from omnistage.worker.v1 import types_pb2
+from omnistage_worker import prestart
 from omnistage_worker.memory import build_probe, feed_accounting
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ async def load(worker: Worker) -> None:
     if worker.config.initial_state == "active":
         worker.active_footprint = worker.peak_active = worker.measure().used
         await worker.set_state(types_pb2.WORKER_STATE_ACTIVE, 0)
+        prestart.mark("active")
     else:
         worker.measure()
         await worker.set_state(types_pb2.WORKER_STATE_ASLEEP, worker.controller.level)
@@ -49,8 +51,10 @@ def _load_blocking(worker: Worker) -> None:
         worker.baseline = baseline_reading.used
         worker.baselines = {d.device: d.used for d in baseline_reading.devices}
         log.info("device context measured: %d bytes (the residual baseline)", worker.baseline)
+        prestart.mark("device context measured")
     log.info("loading model from %s", config.model)
     runner.load()
+    prestart.mark("model built")
     baseline = runner.residual_baseline()
     if baseline is not None:
         worker.baseline = baseline
@@ -63,6 +67,10 @@ def _load_blocking(worker: Worker) -> None:
     if config.initial_state == "active":
         stats = controller.activate()
         verb = "activated"
+        prestart.mark("weights on device")
+        runner.warm_up()  # the first request finds the kernels loaded
+        worker.release_cached()
+        prestart.mark("warm-up done")
     else:
         stats = controller.start_asleep(config.sleep_level)
         verb = f"started asleep at level {config.sleep_level}"

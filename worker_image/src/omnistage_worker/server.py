@@ -1,4 +1,8 @@
-"""The worker's grpc.aio server: services, health, reflection, auth, TLS, graceful stop."""
+"""The worker's grpc.aio server: services, health, reflection, auth, TLS, graceful stop.
+
+With ``--health-port`` a second, plaintext server answers grpc.health.v1 only (the same
+statuses), so the kubelet's gRPC probes, which cannot speak TLS, reach a TLS-only worker.
+"""
 
 from __future__ import annotations
 
@@ -75,8 +79,12 @@ class WorkerServer:
             ),
             self.server,
         )
+        self.health_server = grpc.aio.server() if config.health_port is not None else None
+        if self.health_server is not None:
+            health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.health_server)
         self._load_task: asyncio.Task[None] | None = None
         self.port = 0
+        self.health_port = 0
         self.http: HttpServer | None = None
         self.http_port = 0
         self._stopped = False
@@ -93,8 +101,15 @@ class WorkerServer:
             log.info("TLS enabled (certificate %s)", config.tls_cert)
         else:
             self.port = self.server.add_insecure_port(address)
+        if self.health_server is not None and config.health_port is not None:
+            self.health_port = self.health_server.add_insecure_port(
+                f"{config.host}:{config.health_port}"
+            )
         await self.health.update(self.worker.current)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
+            log.info("plaintext gRPC health on %s:%d", config.host, self.health_port)
         if config.token:
             log.info(
                 "SleepService and DemandService require a bearer token; "
@@ -130,6 +145,8 @@ class WorkerServer:
         if self.http is not None:
             await self.http.stop()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

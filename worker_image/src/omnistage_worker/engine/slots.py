@@ -125,3 +125,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def rebind(tensor: torch.Tensor, data: torch.Tensor) -> None:
+    """Make ``tensor`` (a Parameter or buffer object, kept by identity) hold ``data``.
+
+    A ``meta`` tensor (a model built without memory) cannot take other data through ``.data``:
+    its object is swapped in place with one holding ``data`` (same Python object afterwards).
+    """
+    if tensor.device.type != "meta":
+        tensor.data = data
+        return
+    replacement: torch.Tensor = data.detach()
+    if isinstance(tensor, torch.nn.Parameter):
+        replacement = torch.nn.Parameter(data, requires_grad=tensor.requires_grad)
+    torch.utils.swap_tensors(tensor, replacement)  # type: ignore[no-untyped-call]

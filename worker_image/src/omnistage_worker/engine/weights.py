@@ -33,7 +33,13 @@ from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture, re
 from omnistage_worker.engine.layout import CopyRun, Layout, SlotSpec, plan_layout
 from omnistage_worker.engine.reload import FileLoader, FileRun
 from omnistage_worker.engine.safetensors_index import TensorEntry, read_indexes
-from omnistage_worker.engine.slots import Slot, collect_slots, iter_bindings, match_entry
+from omnistage_worker.engine.slots import (
+    Slot,
+    collect_slots,
+    iter_bindings,
+    match_entry,
+    rebind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +230,7 @@ class WeightEngine:
 
     def _bind(self, slot: Slot, tensor: torch.Tensor) -> None:
         for t in slot.tensors:
-            t.data = tensor
+            rebind(t, tensor)
 
     def _placeholder(self, slot: Slot) -> torch.Tensor:
         return torch.empty(0, dtype=slot.dtype, device=self.device)
@@ -309,6 +315,10 @@ class WeightEngine:
             found.put(found.tensor)
         self._attributes = []
 
+    def _on_meta(self) -> bool:
+        """Whether the model was built on ``meta``: its file-backed weights hold no bytes yet."""
+        return any(s.tensors[0].device.type == "meta" for s in self._slots if s.entry is not None)
+
     def _flat_intact(self) -> bool:
         """Every slot's tensors are still the views of the flat buffer (nothing rebound)."""
         if self._flat is None:
@@ -330,8 +340,10 @@ class WeightEngine:
             raise EngineError("activate() or start_asleep() was already called")
         started = time.perf_counter()
         flat = self._new_flat()
-        from_files = self._cuda and self._files_enabled
-        if from_files:  # the parallel reader beats a pageable copy of the loaded tensors (3x)
+        # The parallel reader beats a pageable copy of the loaded tensors (3x); a model built
+        # on ``meta`` has nothing loaded: its bytes come from the files on any device.
+        from_files = self._files_enabled and (self._cuda or self._on_meta())
+        if from_files:
             self._loader.load(self._file_runs(), flat)
         for slot in self._slots:
             if not (from_files and slot.entry is not None):
@@ -356,8 +368,12 @@ class WeightEngine:
             # Filled before page-locking, each loaded tensor freed once copied: host RAM stays
             # at about the model's size (pinning first would fault in a second full copy).
             host = HostBuffer(self._layout.total_bytes, pin=False)
+            on_meta = self._files_enabled and self._on_meta()
+            if on_meta:
+                FileLoader(torch.device("cpu")).load(self._file_runs(), host.tensor)
             for slot in self._slots:
-                self._view(host.tensor, slot).copy_(slot.tensors[0].data)
+                if not (on_meta and slot.entry is not None):
+                    self._view(host.tensor, slot).copy_(slot.tensors[0].data)
                 self._bind(slot, self._placeholder(slot))
                 moved += slot.nbytes
             if self._cuda:

@@ -162,6 +162,10 @@ class ModelRunner(ABC):
         the weights; 0 when idle."""
         return 0
 
+    def warm_up(self) -> None:  # noqa: B027 (a runner without a warm-up does nothing)
+        """After activation, before the worker reports Active: run what makes the first
+        request slow (kernel loading, library handles), so that request does not pay it."""
+
     def close(self) -> None:  # noqa: B027 (most runners have no threads of their own)
         """End the runner's own threads (after the requests queued to them)."""
 

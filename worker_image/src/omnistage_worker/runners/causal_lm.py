@@ -42,20 +42,33 @@ class CausalLMRunner(TorchRunner):
         self._batcher: DecodeBatcher | None = None
 
     def load(self) -> None:
+        """The tokenizer (on its own thread) and the model: built on ``meta`` when its files
+        fill it directly (the engine reads them into the device, see :mod:`.meta_model`),
+        else with ``from_pretrained`` onto the CPU."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from omnistage_worker.runners.meta_model import build_on_meta
+
         started = time.monotonic()
-        self.resolve_dtype([self.model_dir], self._files())
-        kwargs: dict[str, Any] = {"local_files_only": True, "dtype": self.dtype}
-        if self.config.variant:
-            kwargs["variant"] = self.config.variant
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), **kwargs)
-        self.model.eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir), local_files_only=True)
+        with concurrent.futures.ThreadPoolExecutor(1, "omnistage-tokenizer") as pool:
+            tokenizer = pool.submit(
+                AutoTokenizer.from_pretrained, str(self.model_dir), local_files_only=True
+            )
+            files = self._files()
+            self.resolve_dtype([self.model_dir], files)
+            self.model = build_on_meta(self.model_dir, self.dtype, files)
+            if self.model is None:
+                kwargs: dict[str, Any] = {"local_files_only": True, "dtype": self.dtype}
+                if self.config.variant:
+                    kwargs["variant"] = self.config.variant
+                self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), **kwargs)
+                self.model.eval()
+            self.tokenizer = tokenizer.result()
         log.info(
-            "loaded %s (%s) in %.2fs",
+            "loaded %s (%s%s) in %.2fs",
             type(self.model).__name__,
             self.model.dtype,
+            ", weights to be read from the files" if self.model.device.type == "meta" else "",
             time.monotonic() - started,
         )
 
@@ -155,6 +168,16 @@ class CausalLMRunner(TorchRunner):
         self, request: inference_service_pb2.GenerateRequest
     ) -> inference_service_pb2.GenerateResponse:
         return self.generate(request)
+
+    def warm_up(self) -> None:
+        """Two tokens through the batcher (a prefill and a decode step), outside the worker's
+        request accounting."""
+        request = inference_service_pb2.GenerateRequest(
+            request_id="omnistage-warm-up", prompt="warm up", max_new_tokens=2
+        )
+        started = time.monotonic()
+        self.submit(request).result()
+        log.info("warm-up: 2 tokens in %.3fs", time.monotonic() - started)
 
     def transient_bytes(self) -> int:
         return 0 if self._batcher is None else self._batcher.cache_bytes()

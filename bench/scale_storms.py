@@ -1,0 +1,212 @@
+"""The storms of bench/scale.py: every group at once, timed from the API server's side.
+
+A group is two OnDemand stages ``g<i>-a`` and ``g<i>-b`` pinned to one node; one GPU holds only
+one of them. :class:`Fleet` creates them, watches them (one watch over the namespace) and runs:
+
+- ``ondemand``: a Generate request to every sleeping ``b`` at once (the workers hold them and
+  tell the operator, which sleeps ``a`` and wakes ``b``); latency = the request's answer time;
+- ``handover``: ``spec.state: Active`` patched on every ``a`` at once (the latest ask wins);
+  latency = from just before the group's PATCH to its new stage Active seen by the watch.
+
+Per group, overhead = latency - the sleep ACK's and the wake ACK's own durations (as measured
+by the workers, read from ``status.lastAck``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
+from tests.cluster.localnode.api import Api, ApiError
+
+GROUP = "omnistage.io/v1alpha1"
+PARALLEL = 32
+# a stage that lost the memory: asleep, or asleep and still wanting it (spec Active)
+ASLEEP = ("Asleep", "Waiting")  # API requests the bench itself keeps in flight
+
+
+def stage(
+    name: str, group: str, node: str, *, model_dir: str, state: str, env: dict[str, str]
+) -> dict[str, Any]:
+    """One simulated stage of ``group`` on ``node`` (OnDemand; its weights in ``env``)."""
+    return {
+        "apiVersion": GROUP,
+        "kind": "OmniStage",
+        "metadata": {"name": name},
+        "spec": {
+            "runner": "AR",
+            "backend": "Transformers",
+            "image": "omnistage/worker:sim",
+            "model": {
+                "path": "/models/m",
+                "mountPath": "/models/m",
+                "volume": {"hostPath": {"path": model_dir, "type": "Directory"}},
+            },
+            "state": state,
+            "sleepLevel": 1,
+            "colocation": {"group": group, "priority": 0},
+            "gpus": 1,
+            "activation": {"policy": "OnDemand"},
+            "worker": {"device": "cpu"},
+            "template": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "env": [{"name": k, "value": v} for k, v in env.items()],
+            },
+        },
+    }
+
+
+async def bounded(calls: list[Callable[[], Awaitable[Any]]], limit: int = PARALLEL) -> list[Any]:
+    """Run ``calls`` with at most ``limit`` in flight; their results in order."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(call: Callable[[], Awaitable[Any]]) -> Any:
+        async with sem:
+            return await call()
+
+    return list(await asyncio.gather(*(one(c) for c in calls)))
+
+
+@dataclass
+class Seen:
+    """What the watch saw of one stage."""
+
+    state: str | None = None
+    active_at: dict[int, float] = field(default_factory=dict)  # storm number -> first Active
+    status: dict[str, Any] = field(default_factory=dict)
+    rv_seen: dict[str, float] = field(default_factory=dict)  # resourceVersion -> when seen
+
+
+class Fleet:
+    """The bench's stages in one namespace and one watch over them."""
+
+    def __init__(self, api: Api, namespace: str, groups: int) -> None:
+        self.api = api
+        self.ns = namespace
+        self.groups = [f"g{i}" for i in range(groups)]
+        self.seen: dict[str, Seen] = {}
+        self.storm = 0
+        self._watch: asyncio.Task[None] | None = None
+        self.path = f"/apis/{GROUP}/namespaces/{namespace}/omnistages"
+
+    async def create(self, manifests: list[dict[str, Any]]) -> None:
+        await bounded([functools.partial(self.api.create, self.path, m) for m in manifests])
+
+    def start_watch(self) -> None:
+        self._watch = asyncio.create_task(self._run_watch())
+
+    async def stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+
+    async def _run_watch(self) -> None:
+        while True:
+            try:
+                listing = await self.api.get(self.path)
+                for obj in listing.get("items") or []:
+                    self._note(obj)
+                rv = listing["metadata"]["resourceVersion"]
+                async for event in self.api.watch(self.path, {"resourceVersion": rv}, 600):
+                    obj = event.get("object") or {}
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        self._note(obj)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a closed watch is reopened, as a client would
+                print(f"[scale] bench watch restarts: {exc}", flush=True)
+                await asyncio.sleep(0.2)
+
+    def _note(self, obj: dict[str, Any]) -> None:
+        now = time.monotonic()
+        name = obj["metadata"]["name"]
+        seen = self.seen.setdefault(name, Seen())
+        seen.status = obj.get("status") or {}
+        seen.state = seen.status.get("state")
+        seen.rv_seen.setdefault(obj["metadata"]["resourceVersion"], now)
+        if seen.state == "Active" and self.storm not in seen.active_at:
+            seen.active_at[self.storm] = now
+
+    def states(self, suffix: str) -> dict[str, str | None]:
+        return {g: (self.seen.get(f"{g}-{suffix}") or Seen()).state for g in self.groups}
+
+    async def settle(self, active: str, asleep: str, groups: list[str], within_s: float) -> float:
+        """Wait until every group in ``groups`` has ``active`` Active and ``asleep`` asleep."""
+        start = time.monotonic()
+        while True:
+            pending = [
+                g
+                for g in groups
+                if (self.seen.get(f"{g}-{active}") or Seen()).state != "Active"
+                or (self.seen.get(f"{g}-{asleep}") or Seen()).state not in ASLEEP
+            ]
+            if not pending:
+                return time.monotonic() - start
+            if time.monotonic() - start > within_s:
+                raise TimeoutError(f"{len(pending)} group(s) not settled, e.g. {pending[:5]}")
+            await asyncio.sleep(0.2)
+
+    async def settle_both_asleep(self, groups: list[str], within_s: float) -> None:
+        """Wait until both stages of every group in ``groups`` report Asleep."""
+        start = time.monotonic()
+        while True:
+            pending = [
+                g for g in groups
+                if any((self.seen.get(f"{g}-{s}") or Seen()).state != "Asleep" for s in "ab")
+            ]  # fmt: skip
+            if not pending:
+                return
+            if time.monotonic() - start > within_s:
+                raise TimeoutError(f"{len(pending)} group(s) not asleep, e.g. {pending[:5]}")
+            await asyncio.sleep(0.5)
+
+    async def patch_state(self, name: str, state: str) -> tuple[float, float, str]:
+        """PATCH ``spec.state``: (monotonic before, after, the new resourceVersion)."""
+        t0 = time.monotonic()
+        body = {"spec": {"state": state}}
+        for attempt in range(5):
+            try:
+                obj = await self.api.patch(f"{self.path}/{name}", body)
+                return t0, time.monotonic(), str(obj["metadata"]["resourceVersion"])
+            except ApiError:
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.5)
+        raise AssertionError("unreachable")
+
+    def overhead(self, gainer: str, loser: str, latency: float) -> float:
+        """``latency`` less the two ACKs' own durations (wake of the gainer, sleep of the loser)."""
+        wake = (self.seen.get(gainer) or Seen()).status.get("lastAck") or {}
+        sleep = (self.seen.get(loser) or Seen()).status.get("lastAck") or {}
+        worker = float(wake.get("durationSeconds") or 0) + float(sleep.get("durationSeconds") or 0)
+        return latency - worker
+
+
+async def generate(target: str, timeout_s: float) -> float:
+    """One Generate to ``target``: the seconds until its answer (held while the stage wakes)."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = inference_service_pb2_grpc.InferenceServiceStub(channel)
+        t0 = time.monotonic()
+        await stub.Generate(
+            inference_service_pb2.GenerateRequest(request_id="storm", prompt="hi"),
+            timeout=timeout_s,
+        )
+        return time.monotonic() - t0
+
+
+async def pod_targets(api: Api, namespace: str) -> dict[str, str]:
+    """Each stage's worker address (``podIP:50051``) by stage name."""
+    pods = await api.get(f"/api/v1/namespaces/{namespace}/pods")
+    out = {}
+    for pod in pods.get("items") or []:
+        ip = (pod.get("status") or {}).get("podIP")
+        stage_name = pod["metadata"]["name"].removesuffix("-worker")
+        if ip:
+            out[stage_name] = f"{ip}:50051"
+    return out
