@@ -213,6 +213,44 @@ def test_sixteen_clients_two_round_trips_and_outputs_equal_one_process(  # noqa:
     print(f"pipeline status after {CLIENTS} clients: {status}")
 
 
+def test_a_lone_request_waits_for_its_batch_beside_the_awake_stage(  # noqa: PLR0917
+    pipeline_crd: ControlPlane,
+    cluster: Cluster,
+    operator: OperatorProcess,
+    models: dict[str, Path],
+    gpu: Gpu,
+    router: list[RouterProcess],
+    tmp_path: Path,
+) -> None:
+    """One request: the encoder wakes for it at once (nothing else is awake), then its embeds
+    are held by the DiT, which does not displace the encoder before maxWait (a batch of 1 is
+    not worth a swap yet); without the policy the DiT would wake within a second."""
+    wait_s = 6.0
+    for name, kind in (("enc", "ar"), ("dit", "sd")):
+        manifest = stage_manifest(
+            name, kind, models, gpu.node, state="Asleep", vram_request=VRAM,
+            worker_args=["--max-batch", str(MAX_BATCH)],
+        )  # fmt: skip
+        manifest["spec"]["activation"] = {"policy": "OnDemand"}
+        cluster.apply(manifest)
+    cluster.apply(pipeline_manifest(maxBatch=MAX_BATCH, maxWait=f"{wait_s:g}s"))
+    wait_for("enc Asleep", lambda: cluster.state("enc") == "Asleep", 180)
+    wait_for("dit Asleep", lambda: cluster.state("dit") == "Asleep", 180)
+    targets = {s: _grpc_target(cluster, s) for s in ("enc", "dit")}
+    router.append(RouterProcess("tiny-image=enc:embeds,dit", targets, tmp_path / "router.log"))
+    body = {"model": "tiny-image", "prompt": SENTENCES[0], "seed": 4, **BODY}
+    with MemoryWatch(gpu) as watch, httpx.Client(timeout=120) as http:
+        sent = time.monotonic()
+        answer = http.post(f"{router[0].url}/v1/images/generations", json=body)
+        took = time.monotonic() - sent
+    assert answer.status_code == 200, answer.text
+    assert took >= wait_s, f"served after {took:.2f}s: the DiT did not wait for its batch"
+    assert watch.max_resident == 1
+    want = InProcessPipeline(models["ar"], models["sd"]).images([SENTENCES[0]], [4], FIELDS)
+    assert base64.b64decode(answer.json()["data"][0]["b64_json"]) == want[0]  # alone: exact
+    print(f"a lone request served after {took:.2f}s (maxWait {wait_s:g}s)")
+
+
 def test_the_api_server_refuses_a_malformed_pipeline(
     pipeline_crd: ControlPlane, cluster: Cluster, operator: OperatorProcess
 ) -> None:
