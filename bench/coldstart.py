@@ -238,11 +238,23 @@ def limits(model_dir: Path, cuda: bool) -> Json:
     return result
 
 
+def code_version() -> str | None:
+    """The tree's commit: a ``COMMIT`` file (a copy made for the GPU host), else git's."""
+    marker = REPO / "COMMIT"
+    if marker.exists():
+        return marker.read_text().strip()
+    found = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return found.stdout.strip() or None
+
+
 def machine(cuda: bool) -> Json:
     info: Json = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
+        "code": code_version(),
     }
     if cuda:
         import pynvml

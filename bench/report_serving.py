@@ -11,6 +11,15 @@ def _ok(flag: bool) -> str:
     return "yes" if flag else "**no**"
 
 
+def _steps(steps: dict[str, Any] | None) -> str:
+    if not steps:
+        return ""
+    return (
+        f" ({steps['mean_rows']:.1f} rows per step on average, "
+        f"{steps['ms_per_step']:.1f} ms per step)"
+    )
+
+
 def serving_section(data: dict[str, Any], earlier: dict[str, Any] | None = None) -> list[str]:
     """The torch AR stage under concurrent HTTP clients against batched ``generate``, under
     sleep/wake, and diffusion images/s (from ``earlier``, a previous run, when this one made
@@ -47,7 +56,9 @@ def serving_section(data: dict[str, Any], earlier: dict[str, Any] | None = None)
             "",
             f"The batcher alone in the bench process (no worker, no HTTP): one request "
             f"{inner['one']:.1f} tokens/s; {middle} closed-loop threads "
-            f"{inner[f'closed_loop_{middle}']:.1f} tokens/s.",
+            f"{inner[f'closed_loop_{middle}']:.1f} tokens/s"
+            + _steps(inner.get(f"closed_loop_{middle}_steps"))
+            + ".",
         ]
     if "swaps" in s:
         swaps = data["swaps"]
@@ -64,7 +75,8 @@ def serving_section(data: dict[str, Any], earlier: dict[str, Any] | None = None)
     source = ""
     if not images and earlier is not None:
         images = earlier.get("images") or []
-        source = f" (the earlier run of {earlier['machine']['date'][:16].replace('T', ' ')} UTC)"
+        when = earlier["machine"]["date"][:16].replace("T", " ")
+        source = f" (the earlier run on {earlier['machine'].get('gpu', '?')}, {when} UTC)"
     if images:
         figures = "; ".join(
             f"{run['clients']} client(s) {run['images_per_s']:.2f} images/s ("

@@ -202,11 +202,24 @@ def batcher_in_process(model: Any, tokenizer: Any, device: Any, plan: Plan) -> J
         start = min(a for a, _ in done) + plan.warmup_s
         return tokens_in(answers, start, stop) / (stop - start)
 
+    def counters() -> tuple[int, int, int, float]:
+        b = batcher
+        return b.steps, b.row_steps, b.join_steps, b.step_seconds
+
     together(1)  # warm
     out: Json = {"one": together(1)}
     middle = plan.clients[1]
+    together(middle)  # warm: the first batch of this size allocates its cache's blocks
     out[f"together_{middle}"] = together(middle)
+    before = counters()
     out[f"closed_loop_{middle}"] = closed_loop(middle, plan.warmup_s + plan.window_s / 2)
+    steps, rows, joins, seconds = (b - a for a, b in zip(before, counters(), strict=True))
+    out[f"closed_loop_{middle}_steps"] = {
+        "steps": steps,
+        "mean_rows": rows / max(steps, 1),
+        "join_steps": joins,
+        "ms_per_step": 1000 * seconds / max(steps, 1),
+    }
     out["steps"] = batcher.steps
     batcher.close()
     print(f"batcher in process: {out}", flush=True)

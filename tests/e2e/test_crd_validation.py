@@ -298,6 +298,11 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
         ("spec.worker.httpPort", "must differ from spec.worker.port"),
     ),
     (
+        "metrics-port-equals-http-port",
+        _set("spec.worker", {"httpPort": 9000, "metricsPort": 9000}),
+        ("spec.worker.metricsPort", "must differ from spec.worker.port and httpPort"),
+    ),
+    (
         "vllm-block-on-transformers",
         _set("spec.vllm", {"enforceEager": True}),
         ("spec.vllm", "is for backend VLLM only"),
@@ -439,7 +444,7 @@ def test_defaults_are_applied(cluster: ControlPlane, namespace: str) -> None:
     assert spec["colocation"] == {"group": "g1", "priority": 0}
     assert spec["model"] == {"path": "/models/tiny-llama", "mountPath": "/models"}
     assert spec["placement"] == {"mode": "DRA"}
-    assert spec["worker"] == {"port": 50051, "httpPort": 8000}
+    assert spec["worker"] == {"port": 50051, "httpPort": 8000, "metricsPort": 9464}
     assert spec["activation"] == {"policy": "Manual"}
 
 

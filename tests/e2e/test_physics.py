@@ -41,7 +41,8 @@ def _conditions(cluster: Cluster, stage: str) -> dict[str, dict[str, Any]]:
 
 
 def _reasons(cluster: Cluster, stage: str) -> list[str]:
-    return [e["reason"] for e in cluster.events(stage)]
+    """Every Event's reason, as often as it happened (a repeated Event counts its repeats)."""
+    return [e["reason"] for e in cluster.events(stage) for _ in range(e.get("count") or 1)]
 
 
 def _generate(cluster: Cluster, stage: str, timeout: float = 60.0) -> Any:

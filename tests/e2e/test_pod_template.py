@@ -114,6 +114,48 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
         _set("spec.template.imagePullSecrets", [{}]),
         ("spec.template.imagePullSecrets[0].name", "Required value"),
     ),
+    # spec.worker.tls and spec.model.source
+    (
+        "tls-flag-in-args",
+        _set("spec.worker.args", ["--tls-cert=/etc/cert.pem"]),
+        ("spec.worker.args", "--tls-cert, --tls-key, --health-port"),
+    ),
+    (
+        "health-port-is-the-grpc-port",
+        _set("spec.worker", {"healthPort": 50051, "tls": {"secretName": "cert"}}),
+        ("spec.worker.healthPort", "must differ from spec.worker.port"),
+    ),
+    (
+        "tls-secret-name",
+        _set("spec.worker.tls", {"secretName": "Not_A_Name"}),
+        ("spec.worker.tls.secretName", "should match"),
+    ),
+    (
+        "tls-volume-name",
+        _set("spec.template.volumes", [{"name": "omnistage-tls", "emptyDir": {}}]),
+        ("spec.template.volumes[0].name", "omnistage-tls"),
+    ),
+    (
+        "source-repo",
+        _set("spec.model.source", {"hub": {"url": "https://hub.example", "repo": "nope"}}),
+        ("spec.model.source.hub.repo", "should match"),
+    ),
+    (
+        "source-without-hub",
+        _set("spec.model.source", {}),
+        ("spec.model.source.hub", "Required value"),
+    ),
+    (
+        "source-path-outside-the-mount",
+        _set(
+            "spec.model",
+            {
+                "path": "/elsewhere/m",
+                "source": {"hub": {"url": "https://h.example", "repo": "a/b"}},
+            },
+        ),
+        ("spec.model.path", "must be under spec.model.mountPath"),
+    ),
 ]
 
 

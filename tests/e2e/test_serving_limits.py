@@ -38,16 +38,25 @@ def test_limits_and_the_api_token_reach_the_worker(
     bad["spec"]["limits"] = {}
     bad["spec"]["worker"]["args"] = ["--max-prompt-tokens=99999"]
     assert "--max-prompt-tokens" in _refusal(cluster, bad)
+    bad["spec"]["worker"]["args"] = ["--max-batch=4"]
+    assert "--max-batch" in _refusal(cluster, bad)
+    bad["spec"]["worker"]["args"] = []
+    bad["spec"]["limits"] = {"maxBatch": 1025}
+    assert "spec.limits.maxBatch" in _refusal(cluster, bad)
 
     cluster.cp.kubectl(
         "create", "secret", "generic", "llm-api", f"--from-literal=token={TOKEN}",
         "-n", cluster.namespace,
     )  # fmt: skip
     stage = stage_manifest("ar", "ar", tiny_models, gpu_node, group="glimits")
-    stage["spec"]["limits"] = {"promptTokens": 4}
+    stage["spec"]["limits"] = {"promptTokens": 4, "maxBatch": 3}
     stage["spec"]["http"] = {"authSecret": {"name": "llm-api"}}
     cluster.apply(stage)
     wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
+    pod = cluster.pod("ar")
+    assert pod is not None
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-batch") + 1] == "3"
     url = http_url(cluster, "ar")
     auth = {"authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=url, timeout=60) as http:

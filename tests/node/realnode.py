@@ -16,7 +16,8 @@
 * with ``kube_proxy=``, starts kube-proxy of the same release in iptables mode (user
   ``system:kube-proxy``) and waits for the ``kubernetes`` Service's rules: Service ClusterIPs
   then work from the node's pods, the API server's included (it advertises the host's address).
-  The KUBE-* chains are the host's, so one such node runs per machine at a time (a lock file).
+  The iptables chains are the host's and teardown undoes what changed since the start, so one
+  real node runs per machine at a time (a lock file; a second waits).
 
 On exit it tears down completely: the node's pods are deleted (the kubelet stops their
 sandboxes, CNI DEL), kube-proxy, the kubelet and containerd stop, then whatever is left is
@@ -65,8 +66,8 @@ NETNS_DIR = Path("/run/netns")
 CONTAINER_LOG_LINKS = Path("/var/log/containers")
 READY_TIMEOUT = 180.0
 IPTABLES_FAMILIES = ("iptables", "ip6tables")
-# kube-proxy owns the host's KUBE-* chains: one real node with it per machine at a time
-PROXY_LOCK = Path("/run/omnistage-realnode-proxy.lock")
+# the host's iptables are shared and teardown undoes what changed meanwhile: one node at a time
+NODE_LOCK = Path("/run/omnistage-realnode.lock")
 
 
 class NodeError(RuntimeError):
@@ -78,14 +79,6 @@ def _sh(*argv: str, check: bool = True, timeout: float = 600) -> str:
     if check and proc.returncode != 0:
         raise NodeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
-
-
-def _host_ip() -> str:
-    """The machine's first global IPv4 address (a node's InternalIP cannot be loopback)."""
-    address = host_ip()
-    if address is None:
-        raise NodeError("this machine has no global IPv4 address for the node")
-    return address
 
 
 def _iptables_save(family: str) -> str:
@@ -128,7 +121,7 @@ class RealNode(Lifecycle):
         self.timings: dict[str, float] = {}
         self._procs: list[ManagedProcess] = []
         self._iptables_before: dict[str, str] = {}
-        self._proxy_lock: int | None = None
+        self._lock: int | None = None
         self._netns_before: set[str] = set()
         self._cgroups: list[Path] = []
         self._log_links_existed = CONTAINER_LOG_LINKS.is_dir()
@@ -148,9 +141,8 @@ class RealNode(Lifecycle):
                 )
         layout = self.layout
         (layout.state / "logs").mkdir(parents=True)
-        if self.kube_proxy_bin is not None:
-            self._proxy_lock = os.open(PROXY_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(self._proxy_lock, fcntl.LOCK_EX)
+        self._lock = os.open(NODE_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         self._iptables_before = {f: _iptables_save(f) for f in IPTABLES_FAMILIES}
         self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
         self._make_cgroups()
@@ -200,7 +192,9 @@ class RealNode(Lifecycle):
         write_cert_kubeconfig(
             layout.kubeconfig, self.cp.server, pki / "ca.crt", cert, key, name=self.name
         )
-        node_ip = _host_ip()
+        node_ip = host_ip()  # a node's InternalIP cannot be loopback
+        if node_ip is None:
+            raise NodeError("this machine has no global IPv4 address for the node")
         config = kubelet_config(layout, pki / "ca.crt", "127.0.0.1")
         config["port"] = free_port()
         config["healthzPort"] = self.healthz_port = free_port()
@@ -293,8 +287,8 @@ class RealNode(Lifecycle):
         return self.layout.state / "logs" / f"{component}.log"
 
     def container_logs(self, namespace: str, pod: str, tail: int = 40) -> str:
-        """The last lines of each container log of a pod, read on the node (kubectl logs
-        needs the API server to hold a kubelet client certificate, which it does not)."""
+        """The last lines of a pod's container logs, read on the node (the API server has no
+        kubelet client certificate for kubectl logs)."""
         found = []
         for path in sorted((self.layout.state / "pods-logs").glob(f"{namespace}_{pod}_*/*/*.log")):
             lines = path.read_text(errors="replace").splitlines()[-tail:]
@@ -308,9 +302,12 @@ class RealNode(Lifecycle):
         kubelet_alive = any(p.name == "kubelet" and p.died() is None for p in self._procs)
         if kubelet_alive:
             self._drain()
+        proxy_ran = any(p.name == "kube-proxy" for p in self._procs)
         for proc in reversed(self._procs):
             proc.stop(grace=10.0)
         self._procs.clear()
+        if proxy_ran and self.kube_proxy_bin is not None:  # its own removal of its rules
+            _sh(str(self.kube_proxy_bin), "--cleanup", check=False)
         self._kill_leftovers()
         for point in mounts_under(_mountinfo(), self.layout.state):
             _sh("umount", "-l", str(point), check=False)
@@ -334,9 +331,9 @@ class RealNode(Lifecycle):
             self.cp.kubectl("delete", "node", self.name, "--ignore-not-found", "--wait=false")
         if not os.environ.get("OMNISTAGE_KEEP_NODE"):
             shutil.rmtree(self.layout.state, ignore_errors=True)
-        if self._proxy_lock is not None:
-            os.close(self._proxy_lock)  # releases the lock
-            self._proxy_lock = None
+        if self._lock is not None:
+            os.close(self._lock)  # releases the lock
+            self._lock = None
         self.timings["teardown"] = time.monotonic() - start
         print(f"[realnode] {self.name} torn down in {self.timings['teardown']:.1f}s", flush=True)
 

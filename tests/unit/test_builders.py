@@ -105,6 +105,7 @@ def test_worker_args_exact() -> None:
         "--device", "cpu",
         "--drain-timeout", "600",
         "--http-port", "8000",
+        "--metrics-port", "9464",
         "--dtype", "float32",
         "--steps", "2",
     ]  # fmt: skip
@@ -176,6 +177,7 @@ def test_dra_pod_shape() -> None:
     assert c["ports"] == [
         {"name": "grpc", "containerPort": 50051, "protocol": "TCP"},
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9464, "protocol": "TCP"},
     ]
     assert c["readinessProbe"]["grpc"] == {
         "port": 50051,

@@ -8,16 +8,9 @@ import torch
 
 from omnistage.worker.v1 import inference_service_pb2
 from omnistage_worker.runners.base import InvalidRequest
-from omnistage_worker.runners.sampling import (
-    Sampling,
-    choose,
-    new_generator,
-    resolve_sampling,
-    token_logprobs,
-    validate_sampling,
-    warp,
-)
+from omnistage_worker.runners.sampling import Sampling, resolve_sampling, validate_sampling
 from omnistage_worker.runners.text_output import TextOutput
+from omnistage_worker.runners.token_choice import choose, new_generator, read_step, warp_rows
 
 Request = inference_service_pb2.GenerateRequest
 
@@ -57,7 +50,7 @@ def test_bad_sampling_fields_are_refused_by_name(fields: dict[str, object], fiel
     assert info.value.field == field
 
 
-def test_warp_matches_transformers_warpers() -> None:
+def test_warp_rows_matches_transformers_warpers_row_by_row() -> None:
     from transformers.generation.logits_process import (
         TemperatureLogitsWarper,
         TopKLogitsWarper,
@@ -65,40 +58,91 @@ def test_warp_matches_transformers_warpers() -> None:
     )
 
     torch.manual_seed(0)
-    logits = torch.randn(1, 100)
-    sampling = Sampling(greedy=False, temperature=0.8, top_k=30, top_p=0.7)
-    expected = logits.clone()
-    for warper in (TemperatureLogitsWarper(0.8), TopKLogitsWarper(30), TopPLogitsWarper(0.7)):
-        expected = warper(torch.zeros(1, 1, dtype=torch.long), expected)
-    assert torch.equal(warp(logits[0], sampling), expected[0])
+    logits = torch.randn(4, 100)
+    samplings = [
+        Sampling(greedy=False, temperature=0.8, top_k=30, top_p=0.7),
+        Sampling(greedy=False, temperature=1.0, top_k=0, top_p=1.0),  # nothing cut
+        Sampling(greedy=False, temperature=1.3, top_k=5, top_p=1.0),
+        Sampling(greedy=False, temperature=1.0, top_k=0, top_p=0.5),
+    ]
+    warped = warp_rows(logits, samplings)
+    for row, sampling in enumerate(samplings):
+        expected = logits[row : row + 1].clone()
+        warpers: list[object] = []
+        if sampling.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k:
+            warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(sampling.top_p))
+        for warper in warpers:
+            expected = warper(torch.zeros(1, 1, dtype=torch.long), expected)  # type: ignore[operator]
+        assert torch.equal(warped[row], expected[0]), row
+    assert torch.isinf(warped[2]).sum() == 95  # top-k 5 keeps 5
 
 
 def test_each_row_draws_from_its_own_seed() -> None:
     torch.manual_seed(1)
     logits = torch.randn(3, 50)
     hot = Sampling(greedy=False, temperature=1.0, top_k=0)
-    cpu = torch.device("cpu")
-    alone = choose(logits[1:2], [hot], [new_generator(cpu, 7)])
-    batch = choose(
-        logits,
-        [Sampling(greedy=True), hot, hot],
-        [None, new_generator(cpu, 7), new_generator(cpu, 9)],
-    )
-    assert batch[0] == int(logits[0].argmax())
-    assert batch[1] == alone[0]  # the same seed draws the same, whatever the other rows
+    cold = Sampling(greedy=False, temperature=0.5, top_k=10, top_p=0.8, seed=9)
+    alone_gen = new_generator(7)
+    alone = [int(choose(logits[1:2], [hot], [alone_gen])[0]) for _ in range(20)]
+    batch_gen = new_generator(7)
+    other = new_generator(9)
+    batch = [
+        choose(logits, [Sampling(greedy=True), hot, cold], [None, batch_gen, other]).tolist()
+        for _ in range(20)
+    ]
+    assert all(b[0] == int(logits[0].argmax()) for b in batch)
+    assert [b[1] for b in batch] == alone  # the same seed draws the same, whatever the others
+    assert len(set(alone)) > 1  # it does sample
 
 
-def test_token_logprobs_are_raw_log_softmax_with_the_top_alternatives() -> None:
-    logits = torch.tensor([[0.0, 2.0, 1.0], [1.0, 1.0, 1.0]])
-    out = token_logprobs(logits, [2, 0], [2, None], lambda t: f"t{t}")
-    first, second = out
-    assert first is not None
+def test_draws_follow_the_distribution() -> None:
+    """Inverse-CDF draws land on each token about as often as its probability says, and
+    never on a token cut away."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = probs.log()[None, :].expand(2, -1).contiguous()
+    sampling = Sampling(greedy=False, temperature=1.0, top_k=0)
+    generator, other = new_generator(3), new_generator(4)
+    counts = torch.zeros(5)
+    draws = 4000
+    for _ in range(draws // 2):
+        tokens = choose(logits, [sampling, sampling], [generator, other])
+        counts.index_add_(0, tokens, torch.ones(2))
+    assert counts[4] == 0
+    assert torch.allclose(counts / draws, probs, atol=0.03), counts / draws
+
+
+def test_read_step_gives_raw_log_softmax_with_the_top_alternatives() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0], [1.0, 1.0, 1.0], [3.0, 0.0, 0.0]])
+    tokens = torch.tensor([2, 0, 0])
+    out = read_step(tokens, logits, [2, None, 0], lambda t: f"t{t}")
+    (t0, first), (t1, second), (t2, third) = out
+    assert (t0, t1, t2) == (2, 0, 0)
+    assert first is not None and third is not None
     assert second is None
     expected = torch.log_softmax(logits[0], dim=-1)
     assert first.token_id == 2 and first.token == "t2"
     assert first.logprob == pytest.approx(float(expected[2]))
     assert [t.token_id for t in first.top] == [1, 2]
     assert first.top[0].logprob == pytest.approx(float(expected[1]))
+    assert len(third.top) == 0
+    assert read_step(tokens, logits, [None, None, None], str) == [(2, None), (0, None), (0, None)]
+
+
+def test_joins_are_at_once_while_cheap_else_gathered() -> None:
+    from omnistage_worker.runners.decode_batch import JOIN_EVERY, JOIN_PADDING, join_now
+
+    assert not join_now([], 3, 10, 100)
+    assert join_now([500], 0, 10, 0)  # nothing runs: at once
+    assert join_now([17, 17], 15, 49, 0)  # 15 rows padded by 16: 240 tokens, cheap
+    big = JOIN_PADDING // 16 + 1  # rows that 16 tokens of padding each make too many
+    assert not join_now([17], big, 10, 1)  # gathered ...
+    assert join_now([17], big, 10, JOIN_EVERY)  # ... until due
+    assert join_now([17, 17], big, 2, 1)  # or they fill the batch
+    assert not join_now([2000], 1, 10, 0)  # a long prompt pads even one row too much
 
 
 def stopped(text: TextOutput) -> bool:

@@ -11,12 +11,19 @@ import pytest
 from omnistage_operator import serving as V
 from omnistage_operator.builders import build_worker_pod, pod_spec_hash, worker_args
 from omnistage_operator.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredState, SpecError
+from omnistage_worker import config as worker_config
 from omnistage_worker import limits as worker_limits
 from omnistage_worker.cli import build_parser, request_limits
 from tests.unit.test_builders import container, make
 from tests.unit.test_crd import CRD_PATH, prop
 
-LIMITS = {"requestBodyBytes": 4096, "promptTokens": 100, "imageSide": 512, "frames": 17}
+LIMITS = {
+    "requestBodyBytes": 4096,
+    "promptTokens": 100,
+    "imageSide": 512,
+    "frames": 17,
+    "maxBatch": 8,
+}
 AUTH = {"authSecret": {"name": "llm-api", "key": "api-token"}}
 
 
@@ -28,11 +35,15 @@ def test_defaults_are_the_workers() -> None:
         V.DEFAULT_PROMPT_TOKENS,
         V.DEFAULT_IMAGE_SIDE,
         V.DEFAULT_FRAMES,
+        V.DEFAULT_MAX_BATCH,
+        V.BOUNDS["maxBatch"][1],
     ) == (
         worker_limits.DEFAULT_REQUEST_BODY_BYTES,
         worker_limits.DEFAULT_PROMPT_TOKENS,
         worker_limits.DEFAULT_IMAGE_SIDE,
         worker_limits.DEFAULT_FRAMES,
+        worker_config.DEFAULT_MAX_BATCH,
+        worker_config.MAX_BATCH,
     )
     # a default stage's worker flags and pod hash are as before these fields existed
     assert not set(worker_args(stage, initial_state=DesiredState.ACTIVE)) & V.SERVING_ARGS
@@ -45,6 +56,7 @@ def test_limits_and_auth_become_worker_flags_and_a_secret_volume() -> None:
     # the worker's own parser reads them back as the same limits
     parsed = build_parser({}).parse_args(args)
     assert request_limits(parsed) == worker_limits.RequestLimits(4096, 100, 512, 17)
+    assert parsed.max_batch == 8
     assert parsed.http_token_file is not None and str(parsed.http_token_file) == token_file
     pod = build_worker_pod(stage, initial_state=DesiredState.ACTIVE, owner=owner)
     mounts = {m["name"]: m for m in container(pod)["volumeMounts"]}
@@ -66,6 +78,8 @@ def test_limits_and_auth_become_worker_flags_and_a_secret_volume() -> None:
         ({"limits": {"promptTokens": 0}}, "spec.limits.promptTokens"),
         ({"limits": {"imageSide": 16385}}, "spec.limits.imageSide"),
         ({"limits": {"frames": "many"}}, "spec.limits.frames"),
+        ({"limits": {"maxBatch": 0}}, "spec.limits.maxBatch"),
+        ({"limits": {"maxBatch": 1025}}, "spec.limits.maxBatch"),
         ({"limits": {"requestBodyBytes": 10}}, "spec.limits.requestBodyBytes"),
         ({"limits": {"tokens": 5}}, "spec.limits.tokens"),
         ({"limits": []}, "spec.limits"),
@@ -97,6 +111,7 @@ def test_crd_bounds_and_defaults_are_the_parsers() -> None:
     assert prop(root, "spec.limits.promptTokens")["default"] == defaults.prompt_tokens
     assert prop(root, "spec.limits.imageSide")["default"] == defaults.image_side
     assert prop(root, "spec.limits.frames")["default"] == defaults.frames
+    assert prop(root, "spec.limits.maxBatch")["default"] == defaults.max_batch
     assert prop(root, "spec.http.authSecret")["required"] == ["name"]
     assert prop(root, "spec.http.authSecret.key")["default"] == V.DEFAULT_AUTH_KEY
 
@@ -117,7 +132,7 @@ def test_crd_refuses_the_serving_flags_in_worker_args() -> None:
         for arg in (flag, f"{flag}=1", flag[:-2]):
             assert refused(arg), arg
     assert not refused("--max-held")
-    assert not refused("--max-batch=8")
+    assert not refused("--max-held=8")
 
 
 def test_chart_router_requires_the_stages_token() -> None:

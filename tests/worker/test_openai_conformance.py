@@ -179,15 +179,18 @@ async def test_seed_determinism_and_n(text: openai.AsyncOpenAI) -> None:
     assert a.choices[0].text == b.choices[0].text
     assert a.choices[0].text != other.choices[0].text
     three = await ask(7, n=3)
+    ninth = await ask(9)
     assert [c.index for c in three.choices] == [0, 1, 2]
     # choice i is the generation with seed + i
     assert [c.text for c in three.choices] == [
         a.choices[0].text,
         other.choices[0].text,
-        (await ask(9)).choices[0].text,
+        ninth.choices[0].text,
     ]
-    assert three.usage is not None
-    assert three.usage.prompt_tokens == 2 and three.usage.completion_tokens == 36
+    assert three.usage is not None and a.usage and other.usage and ninth.usage
+    singles = [a.usage, other.usage, ninth.usage]
+    assert three.usage.prompt_tokens == 2  # the prompt counts once
+    assert three.usage.completion_tokens == sum(u.completion_tokens for u in singles)
     streamed = await text.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "the cat"}],
@@ -234,6 +237,47 @@ async def test_logprobs(text: openai.AsyncOpenAI) -> None:
     assert plain.choices[0].logprobs is None
 
 
+async def test_streamed_logprobs_come_with_their_tokens(text: openai.AsyncOpenAI) -> None:
+    """Each streamed chunk with text carries its tokens' log probabilities (not all in the
+    last chunk); together they equal the unstreamed answer's, offsets included."""
+    whole = await text.completions.create(model=MODEL, prompt="the cat", max_tokens=6, logprobs=2)
+    expected = whole.choices[0].logprobs
+    assert expected is not None and expected.tokens is not None
+    streamed = await text.completions.create(
+        model=MODEL, prompt="the cat", max_tokens=6, logprobs=2, stream=True
+    )
+    tokens: list[str] = []
+    values: list[float] = []
+    offsets: list[int] = []
+    carrying = 0
+    async for chunk in streamed:
+        choice = chunk.choices[0]
+        if choice.text:
+            assert choice.logprobs is not None and choice.logprobs.tokens  # its own tokens
+        if choice.logprobs is not None and choice.logprobs.tokens:
+            carrying += 1
+            tokens += choice.logprobs.tokens
+            values += choice.logprobs.token_logprobs or []
+            offsets += choice.logprobs.text_offset or []
+    assert carrying > 1
+    assert tokens == expected.tokens
+    assert values == pytest.approx(expected.token_logprobs)
+    assert offsets == expected.text_offset
+    chat = await text.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "the cat"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+    )
+    entries = []
+    async for part in chat:
+        if part.choices and part.choices[0].logprobs and part.choices[0].logprobs.content:
+            entries.append(len(part.choices[0].logprobs.content))
+    assert len(entries) > 1 and sum(entries) == 4
+
+
 @pytest.mark.parametrize("target", ["torch", "router"])
 async def test_images(stages: Stages, target: str) -> None:
     api = client(stages.router if target == "router" else base(stages.sd))
@@ -249,6 +293,17 @@ async def test_images(stages: Stages, target: str) -> None:
     pngs = [base64.b64decode(d.b64_json or "") for d in done.data]
     assert all(p.startswith(b"\x89PNG") for p in pngs)
     assert pngs[0] != pngs[1]  # seeds 5 and 6
+    usage = done.usage
+    assert usage is not None and usage.input_tokens > 0  # the prompt, once for both images
+    assert usage.input_tokens_details.text_tokens == usage.input_tokens
+    assert usage.output_tokens == 0 and usage.total_tokens == usage.input_tokens
+    assert (usage.model_extra or {}) == {"images": 2, "steps": 2}
+    longer = await api.images.generate(
+        model=IMAGES, prompt="a red square on a blue square", size="64x64", n=1,
+        extra_body={"num_inference_steps": 1},
+    )  # fmt: skip
+    assert longer.usage is not None and longer.usage.input_tokens > usage.input_tokens
+    assert (longer.usage.model_extra or {}) == {"images": 1, "steps": 1}
     with pytest.raises(openai.BadRequestError) as info:
         await api.images.generate(model=IMAGES, prompt="x", size="65x64")
     assert info.value.body["param"] == "size"  # type: ignore[index]

@@ -72,13 +72,13 @@ async def test_image_pipeline_equals_one_process(
     async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tiny-image"]
-        one = _png(
-            await http.post(
-                "/v1/images/generations",
-                json={"model": "tiny-image", "prompt": prompts[0], "seed": 5, **BODY},
-            )
+        first = await http.post(
+            "/v1/images/generations",
+            json={"model": "tiny-image", "prompt": prompts[0], "seed": 5, **BODY},
         )
-        assert one == reference.images(prompts[:1], [5], FIELDS)
+        assert _png(first) == reference.images(prompts[:1], [5], FIELDS)
+        usage = first.json()["usage"]  # the prompt as the encoder counted it: 6 words
+        assert (usage["input_tokens"], usage["images"], usage["steps"]) == (6, 1, 4)
         # n=2: seeds 9 and 10, concurrently through both stages
         two = _png(
             await http.post(

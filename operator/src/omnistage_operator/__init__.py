@@ -28,6 +28,7 @@ leader election                    ``election`` (pure decisions), ``leader`` (th
                                      ``leadership`` (what a round checks: leading, epoch)
 kopf wiring                        ``handlers`` (thin: indexes, kicks, asks, cleanup)
 command line, settings, metrics    ``cli``, ``settings``, ``metrics``, ``labels``
+per-stage, per-device gauges       ``stage_metrics``: from the published status; ACK verdicts
 =================================  ==========================================================
 
 ``groups`` re-exports ``GroupRunner``, ``KubeGroupPort`` and ``group_of`` for old imports.

@@ -71,6 +71,7 @@ from omnistage_operator.pod_template import apply_pod_extras, hash_payload
 from omnistage_operator.serving import Serving, serving_args, serving_volume
 from omnistage_operator.spec import (
     API_VERSION,
+    DEFAULT_METRICS_PORT,
     KIND,
     TOKEN_MOUNT_DIR,
     Backend,
@@ -88,6 +89,7 @@ __all__ = [
     "HTTP_PORT_NAME",
     "INITIAL_STATE_ANNOTATION",
     "LIVENESS_SERVICE",
+    "METRICS_PORT_NAME",
     "MODEL_VOLUME",
     "POD_CLAIM_REF",
     "POD_SPEC_HASH_ANNOTATION",
@@ -126,6 +128,7 @@ DEFAULT_DEVICE_CLASS: Final = "gpu.nvidia.com"
 CONTAINER_NAME: Final = "worker"
 PORT_NAME: Final = "grpc"
 HTTP_PORT_NAME: Final = "http"
+METRICS_PORT_NAME: Final = "metrics"
 POD_CLAIM_REF: Final = "gpus"
 READINESS_SERVICE: Final = "omnistage.worker.v1.SleepService"
 LIVENESS_SERVICE: Final = ""
@@ -238,6 +241,7 @@ def worker_args(
         args += ["--epoch", str(epoch)]
     args += ["--drain-timeout", str(stage.drain_timeout_s)]
     args += ["--http-port", str(stage.worker.http_port)]
+    args += ["--metrics-port", str(stage.worker.metrics_port)]
     if stage.activation.on_demand:
         args += ["--activation", stage.activation.policy.cli]
         args += ["--hold-timeout", f"{stage.activation.hold_timeout_s:g}"]
@@ -299,6 +303,8 @@ def pod_spec_hash(stage: StageSpec) -> str:
             stage.worker.args,
             stage.worker.dtype,
             stage.worker.http_port,
+            # Only when changed: pods made before the field existed keep their hash.
+            *([m] if (m := stage.worker.metrics_port) != DEFAULT_METRICS_PORT else []),
         ],
         "activation": [stage.activation.policy.value, stage.activation.hold_timeout_s],
         "template": [
@@ -473,6 +479,7 @@ def _worker_container(
     ports = [
         {"name": PORT_NAME, "containerPort": port, "protocol": "TCP"},
         {"name": HTTP_PORT_NAME, "containerPort": stage.worker.http_port, "protocol": "TCP"},
+        {"name": METRICS_PORT_NAME, "containerPort": stage.worker.metrics_port, "protocol": "TCP"},
     ]
     if probed != port:
         ports.append({"name": HEALTH_PORT_NAME, "containerPort": probed, "protocol": "TCP"})

@@ -23,23 +23,20 @@ from omnistage_operator.election_thread import ElectionThread
 from omnistage_operator.leader import Elector, KrEpochStore, KrLeaseStore, new_identity
 from omnistage_operator.leadership import Leadership, SoleWriter
 from omnistage_operator.settings import Settings, SettingsError, parse_settings
+from omnistage_worker.jsonlog import configure_logging
 
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, start the metrics server and run kopf until stopped."""
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stdout,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     try:
         settings = parse_settings(argv)
         settings.worker_token()  # fail early on an empty or unreadable token file
     except (SettingsError, OSError) as exc:
         print(f"omnistage-operator: {exc}", file=sys.stderr)
         return 2
+    configure_logging(sys.stdout, settings.log_level, settings.log_format)
     os.environ["OMNISTAGE_RESYNC_INTERVAL"] = str(settings.resync_interval_s)
     from omnistage_operator import handlers  # noqa: F401  (registers the kopf handlers)
 

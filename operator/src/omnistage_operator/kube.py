@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,6 +25,8 @@ import httpx
 import kr8s
 import kr8s.asyncio
 from kr8s.asyncio.objects import APIObject, Event, Pod, Secret, Service, new_class
+
+from omnistage_operator.event_series import EventSeries
 
 __all__ = [
     "CLAIMS",
@@ -136,8 +138,10 @@ def keep_connections(api: Any) -> None:
 class Kube:
     """Namespaced CRUD, as kr8s objects, on the few kinds the operator touches."""
 
-    def __init__(self, api: Any) -> None:
+    def __init__(self, api: Any, events: EventSeries | None = None) -> None:
         self.api = api
+        # Repeats of an Event update it (count) instead of adding one (event_series).
+        self.events = events if events is not None else EventSeries()
 
     @classmethod
     async def connect(cls) -> Kube:
@@ -311,9 +315,25 @@ class Kube:
         message: str,
         warning: bool = False,
     ) -> None:
-        """Record a core/v1 Event on ``involved`` (a body with apiVersion, kind, metadata)."""
+        """Record a core/v1 Event on ``involved`` (a body with apiVersion, kind, metadata); a
+        repeat within the aggregation window updates an Event instead (``event_series``)."""
         meta = involved["metadata"]
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        kind = "Warning" if warning else "Normal"
+        key = (meta["namespace"], meta.get("uid") or meta["name"], kind, reason)
+        decision = self.events.decide(key, _clip(message, 1000))
+        message = _clip(decision.message, 1000)
+        if decision.name is not None:
+            patch = {"count": decision.count, "lastTimestamp": now[:19] + "Z", "message": message}
+            try:
+                if await self.merge_patch(Event, meta["namespace"], decision.name, patch):
+                    self.events.recorded(decision, decision.name)
+                    return
+                self.events.forget(decision)  # expired: record it anew
+                decision = replace(decision, name=None, count=1)
+            except KubeError as exc:
+                log.warning("event %s on %s not updated: %s", reason, meta["name"], exc)
+                return
         ev = {
             "apiVersion": "v1",
             "kind": "Event",
@@ -326,8 +346,8 @@ class Kube:
                 "uid": meta.get("uid"),
             },
             "reason": reason,
-            "message": _clip(message, 1000),
-            "type": "Warning" if warning else "Normal",
+            "message": message,
+            "type": kind,
             "source": {"component": "omnistage-operator"},
             "reportingComponent": "omnistage-operator",
             "reportingInstance": "omnistage-operator",
@@ -338,6 +358,9 @@ class Kube:
             "count": 1,
         }
         try:
-            await self.create(Event, meta["namespace"], ev)
+            created = await self.create_returning(Event, meta["namespace"], ev)
         except KubeError as exc:  # events are best effort
             log.warning("event %s on %s not recorded: %s", reason, meta["name"], exc)
+            return
+        if created is not None:
+            self.events.recorded(decision, created["metadata"]["name"])

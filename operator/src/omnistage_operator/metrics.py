@@ -6,9 +6,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
     "ACK_SECONDS",
+    "ACK_VERDICTS",
     "BYTES_FREED",
     "DEMAND_SWAPS",
     "DEMAND_WAKES",
+    "DEVICE_FREE",
+    "DEVICE_TOTAL",
     "FENCES",
     "HANDOVER_SECONDS",
     "HELD_REQUESTS",
@@ -23,7 +26,12 @@ __all__ = [
     "ROUNDS",
     "ROUND_API_OBJECTS",
     "ROUND_API_REQUESTS",
+    "STAGE_DEVICE_USED",
+    "STAGE_SLEEP_LEVEL",
+    "STAGE_STATE",
+    "STAGE_WAITING",
     "TRANSITIONS",
+    "WAITS",
 ]
 
 TRANSITIONS = Counter(
@@ -122,4 +130,48 @@ IDLE_SLEEPS = Counter(
     "omnistage_idle_sleeps_total",
     "OnDemand stages put to sleep because they served no request for idleAfter.",
     ["namespace", "group"],
+)
+
+# Per stage and per device (omnistage_operator.stage_metrics keeps them in step with status).
+ACK_VERDICTS = Counter(
+    "omnistage_ack_verdicts",
+    "Sleep and wake ACKs by what they proved: sleep ok, contradicted (ok, but the device's own "
+    "figures disagree), failed, refused, no_ack; wake ok, out_of_memory, failed.",
+    ["namespace", "group", "op", "verdict"],
+)
+STAGE_STATE = Gauge(
+    "omnistage_stage_state",
+    "1 for the state the stage's status reports (Pending, Loading, Active, Sleeping, Asleep, "
+    "Waking, Waiting, Failed), 0 for the others.",
+    ["namespace", "group", "stage", "state"],
+)
+STAGE_WAITING = Gauge(
+    "omnistage_stage_waiting",
+    "1 while the stage waits to become Active, labelled with status.waitReason.",
+    ["namespace", "group", "stage", "reason"],
+)
+WAITS = Counter(
+    "omnistage_waits",
+    "Times a stage began to wait (or its wait reason changed), by reason.",
+    ["namespace", "group", "reason"],
+)
+STAGE_SLEEP_LEVEL = Gauge(
+    "omnistage_stage_sleep_level",
+    "The stage's sleep level from its status (0: awake).",
+    ["namespace", "group", "stage"],
+)
+STAGE_DEVICE_USED = Gauge(
+    "omnistage_stage_device_used_bytes",
+    "Device memory the stage's worker uses, per device (status.devices).",
+    ["namespace", "group", "stage", "device"],
+)
+DEVICE_FREE = Gauge(
+    "omnistage_device_free_bytes",
+    "Free memory of a device (uuid, else index) as its stages' workers last measured it.",
+    ["device"],
+)
+DEVICE_TOTAL = Gauge(
+    "omnistage_device_total_bytes",
+    "Total memory of a device (uuid, else index).",
+    ["device"],
 )

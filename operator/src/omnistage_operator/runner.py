@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage_operator import conditions as cond
-from omnistage_operator import metrics
+from omnistage_operator import metrics, stage_metrics
 from omnistage_operator.arbiter import (
     WorkerPhase,
 )
@@ -335,6 +335,7 @@ class GroupRunner(StatusPublisher):
     def forget(self, namespace: str, name: str) -> None:
         """Drop the in-memory facts of a deleted stage."""
         key = (namespace, name)
+        stage_metrics.forget(namespace, name)
         self.asks.pop(key, None)
         self.last_acks.pop(key, None)
         self.fenced.pop(key, None)
@@ -443,8 +444,10 @@ class GroupRunner(StatusPublisher):
                 "group %s/%s hand-over %s: slept %s, woke %s in %.3fs",
                 namespace, group, outcome.handover_id,
                 [s.order.stage for s in outcome.sleeps], list(outcome.wakes), took,
+                extra=_handover_fields(namespace, group, outcome, self.leadership.epoch),
             )  # fmt: skip
         metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
+        stage_metrics.record_round(namespace, group, outcome)
         self._remember(namespace, outcome)
         self._note_wake_oom(port, outcome)
         waits = [*port.held_back.values(), *port.wake_held.values()]
@@ -538,3 +541,18 @@ class GroupRunner(StatusPublisher):
                 await self.kube.delete(CLAIMS, ns, claim_name(group))
                 log.info("%s: group %s empty, claim deleted", ns, group)
         self.forget(ns, name)
+
+
+def _handover_fields(
+    namespace: str, group: str, outcome: RoundOutcome, epoch: int
+) -> dict[str, object]:
+    """The structured fields of a hand-over's log line (JSON logs)."""
+    return {
+        "namespace": namespace,
+        "group": group,
+        "handover_id": outcome.handover_id,
+        "epoch": epoch,
+        "slept": [s.order.stage for s in outcome.sleeps],
+        "task_ids": [t for s in outcome.sleeps for t in s.task_ids],
+        "woke": list(outcome.wakes),
+    }

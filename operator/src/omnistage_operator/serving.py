@@ -4,9 +4,11 @@ Pure parsing and the worker flags and volume they become. ``spec.limits`` (all o
 ``requestBodyBytes`` (a body over it: 413), ``promptTokens``, ``imageSide`` (pixels) and
 ``frames``; a request over a bound is refused 400 naming the field before it is queued. The
 defaults equal the worker's (:mod:`omnistage_worker.limits`), chosen so one request stays within
-what a measured footprint covers. ``spec.http.authSecret`` names a Secret (and its ``key``,
-default ``token``) whose value the OpenAI HTTP API then requires as a bearer token; it is
-mounted read-only into the worker and passed as ``--http-token-file``.
+what a measured footprint covers. ``maxBatch``: how many requests the stage runs together (rows
+of an AR decode batch, images of one diffusion call; the worker's ``--max-batch``).
+``spec.http.authSecret`` names a Secret (and its ``key``, default ``token``) whose value the
+OpenAI HTTP API then requires as a bearer token; it is mounted read-only into the worker and
+passed as ``--http-token-file``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ DEFAULT_REQUEST_BODY_BYTES: Final = 1 * MI
 DEFAULT_PROMPT_TOKENS: Final = 8192
 DEFAULT_IMAGE_SIDE: Final = 2048
 DEFAULT_FRAMES: Final = 129
+DEFAULT_MAX_BATCH: Final = 32
 DEFAULT_AUTH_KEY: Final = "token"
 # The CRD's bounds (checked again here for a body that skipped the API server).
 BOUNDS: Final[Mapping[str, tuple[int, int]]] = {
@@ -39,6 +42,7 @@ BOUNDS: Final[Mapping[str, tuple[int, int]]] = {
     "promptTokens": (1, 1048576),
     "imageSide": (64, 16384),
     "frames": (1, 4097),
+    "maxBatch": (1, 1024),
 }
 HTTP_TOKEN_DIR: Final = "/var/run/secrets/omnistage-http"
 HTTP_TOKEN_VOLUME: Final = "omnistage-http-token"
@@ -49,6 +53,7 @@ SERVING_ARGS: Final = frozenset(
         "--max-prompt-tokens",
         "--max-image-side",
         "--max-frames",
+        "--max-batch",
         "--http-token-file",
     }
 )
@@ -73,6 +78,7 @@ class Serving:
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS
     image_side: int = DEFAULT_IMAGE_SIDE
     frames: int = DEFAULT_FRAMES
+    max_batch: int = DEFAULT_MAX_BATCH
     auth_secret: str | None = None
     auth_key: str = DEFAULT_AUTH_KEY
 
@@ -113,6 +119,7 @@ def parse_serving(spec: Mapping[str, Any]) -> Serving:
         prompt_tokens=_bounded(limits, "promptTokens", DEFAULT_PROMPT_TOKENS),
         image_side=_bounded(limits, "imageSide", DEFAULT_IMAGE_SIDE),
         frames=_bounded(limits, "frames", DEFAULT_FRAMES),
+        max_batch=_bounded(limits, "maxBatch", DEFAULT_MAX_BATCH),
         auth_secret=name if auth else None,
         auth_key=key,
     )
@@ -128,6 +135,7 @@ def serving_args(serving: Serving) -> list[str]:
         ("--max-prompt-tokens", serving.prompt_tokens, default.prompt_tokens),
         ("--max-image-side", serving.image_side, default.image_side),
         ("--max-frames", serving.frames, default.frames),
+        ("--max-batch", serving.max_batch, default.max_batch),
     ):
         if value != usual:
             args += [flag, str(value)]

@@ -8,8 +8,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from omnistage_operator.election import Timing, TimingError
+from omnistage_worker.jsonlog import LOG_FORMATS
 
 __all__ = ["Settings", "SettingsError", "parse_settings"]
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 class SettingsError(ValueError):
@@ -43,6 +47,8 @@ class Settings:
     lease_duration_s: float = 15.0
     renew_deadline_s: float = 10.0
     retry_period_s: float = 2.0
+    log_format: str = "text"  # or "json": one object per line (omnistage_worker.jsonlog)
+    log_level: str = "INFO"
 
     def election_timing(self) -> Timing:
         """The election's timing (validated when the settings were parsed)."""
@@ -112,6 +118,13 @@ def parse_settings(
     p.add_argument(
         "--wake-margin-bytes", default=env.get("OMNISTAGE_WAKE_MARGIN_BYTES", str(64 << 20))
     )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=env.get("OMNISTAGE_LOG_FORMAT") or "text",
+        help="text lines, or one JSON object per line",
+    )
+    p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL") or "INFO")
     election = p.add_argument_group("leader election (one replica orders the workers)")
     election.add_argument(
         "--leader-election",
@@ -143,6 +156,9 @@ def parse_settings(
         raise SettingsError(f"--lease-duration/--renew-deadline/--retry-period: {exc}") from None
     if not a.lease_name:
         raise SettingsError("--lease-name: must not be empty")
+    level = str(a.log_level).upper()
+    if level not in _LOG_LEVELS:
+        raise SettingsError(f"--log-level: one of {', '.join(_LOG_LEVELS)}, got {a.log_level!r}")
     namespaces = a.namespace or [
         ns.strip() for ns in env.get("OMNISTAGE_NAMESPACES", "").split(",") if ns.strip()
     ]
@@ -173,4 +189,6 @@ def parse_settings(
         lease_duration_s=timing[0],
         renew_deadline_s=timing[1],
         retry_period_s=timing[2],
+        log_format=a.log_format,
+        log_level=level,
     )

@@ -131,6 +131,7 @@ DEFAULT_PRIORITY = 0
 DEFAULT_GPUS = 1
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_METRICS_PORT = 9464
 DEFAULT_DRAIN_TIMEOUT_S = 600
 MIN_DRAIN_TIMEOUT_S, MAX_DRAIN_TIMEOUT_S = 1, 86400
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
@@ -158,6 +159,7 @@ RESERVED_ENV = frozenset(
         "OMNISTAGE_MEMORY_PROBE",
         "OMNISTAGE_FAKE_GPU",
         "OMNISTAGE_RESIDUAL_SLACK",
+        "OMNISTAGE_MAX_BATCH",
     }
 )
 RESERVED_ARGS = frozenset(
@@ -177,6 +179,7 @@ RESERVED_ARGS = frozenset(
         "--activation",
         "--hold-timeout",
         "--http-port",
+        "--metrics-port",
         "--residual-slack",
         "--epoch",
         "--stage",
@@ -305,6 +308,7 @@ class WorkerSettings:
     dtype: str | None = None
     http_port: int = DEFAULT_HTTP_PORT  # the OpenAI-compatible HTTP API
     tls: WorkerTls = field(default_factory=WorkerTls)  # spec.worker.tls, spec.worker.healthPort
+    metrics_port: int = DEFAULT_METRICS_PORT  # Prometheus /metrics
 
 
 @dataclass(frozen=True)
@@ -544,12 +548,19 @@ def _parse_worker(spec: Mapping[str, Any]) -> WorkerSettings:
     args = _strings(worker.get("args"), "spec.worker.args")
     dtype = _string(worker.get("dtype"), "spec.worker.dtype")
     http_port = _int(worker.get("httpPort"), "spec.worker.httpPort", DEFAULT_HTTP_PORT)
+    metrics_port = _int(worker.get("metricsPort"), "spec.worker.metricsPort", DEFAULT_METRICS_PORT)
     try:
         tls = parse_worker_tls(worker)
     except WorkerTlsError as exc:
         raise SpecError(exc.field, exc.message) from exc
     return WorkerSettings(
-        port=port, device=device, args=args, dtype=dtype, http_port=http_port, tls=tls
+        port=port,
+        device=device,
+        args=args,
+        dtype=dtype,
+        http_port=http_port,
+        tls=tls,
+        metrics_port=metrics_port,
     )
 
 

@@ -16,6 +16,15 @@ STATS_FILE = "localnode-stats.json"
 STATS_SECONDS = 5.0
 
 
+def _rss() -> int:
+    """This process's resident memory now (bytes)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 async def report(api: Api, kubelet: Kubelet, path: Path) -> None:
     """Write localnode's own figures every few seconds: API requests (total, by verb, per
     second over the last interval), CPU seconds, pods running, nodes."""
@@ -36,7 +45,8 @@ async def report(api: Api, kubelet: Kubelet, path: Path) -> None:
             "requests_per_s": round((total - last_total) / elapsed, 2),
             "cpu_s": round(cpu, 2),
             "cpu_fraction": round((cpu - last_cpu) / elapsed, 3),
-            "rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "rss_mib": round(_rss() / 2**20, 1),
+            "max_rss_mib": round(usage.ru_maxrss / 1024, 1),
         }
         last_total, last_cpu, last_t = total, cpu, now
         tmp = path.with_name(f".{path.name}.tmp")

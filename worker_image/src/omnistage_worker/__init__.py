@@ -6,8 +6,9 @@ measuring, Generate), ``loading`` (load and the initial state), ``sleep_wake`` (
 carried out, measured, acked), ``transitions`` (their pure decisions), ``status`` (GetStatus),
 ``lane`` (the worker's threads), ``acks`` (Ack building, task-id memory), ``memory`` (a probe
 per device kind: NVML, accounting), ``health``, ``auth``, ``sleep_service``,
-``inference_service``, ``runners`` (diffusers, transformers, vLLM) and ``engine`` (weight
-movement for the torch runners).
+``inference_service``, ``runners`` (diffusers, transformers, vLLM), ``engine`` (weight
+movement for the torch runners), ``metrics`` and ``metrics_serve`` (Prometheus, request
+counting) and ``jsonlog`` (text or JSON log lines, shared with the operator).
 
 Decisions a user of the worker should know:
 

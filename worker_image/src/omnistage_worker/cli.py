@@ -39,6 +39,7 @@ from omnistage_worker.config import (
     read_token,
 )
 from omnistage_worker.host_allocator import fix_mmap_threshold
+from omnistage_worker.jsonlog import LOG_FORMATS, configure_logging
 from omnistage_worker.limits import (
     DEFAULT_FRAMES,
     DEFAULT_IMAGE_SIDE,
@@ -171,7 +172,19 @@ def build_parser(env: Mapping[str, str]) -> Parser:
         help="requests a torch stage runs together: rows of the AR batch, images of one "
         f"diffusion call (default {DEFAULT_MAX_BATCH})",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (default: off)",
+    )
     p.add_argument("--log-level", default=env.get("OMNISTAGE_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-format",
+        default=env.get("OMNISTAGE_LOG_FORMAT") or "text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line (default $OMNISTAGE_LOG_FORMAT, else text)",
+    )
     _vllm_flags(p)
     _limit_flags(p)
     return p
@@ -304,16 +317,17 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
             else None
         ),
         epoch=args.epoch,
+        metrics_port=args.metrics_port,
     )
 
 
-def setup_logging(level: str) -> None:
-    """Progress lines on stderr."""
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def setup_logging(level: str, form: str = "text", identity: Identity | None = None) -> None:
+    """Progress lines on stderr: text, or JSON objects carrying the worker's identity."""
+    fields = {} if identity is None else {"stage": identity.stage, "pod": identity.pod}
+    configure_logging(sys.stderr, level, form, {k: v for k, v in fields.items() if v})
+    if form == "json":
+        # Progress bars (model loading) are not log lines; tqdm reads this when imported.
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def run_loop(config: WorkerConfig) -> int:
@@ -362,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ConfigError as exc:
         parser.error(str(exc))
-    setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_format, config.identity)
     if config.backend != "vllm":
         # For the weight engine's host copies; vLLM's weights live in its engine process, so a
         # vLLM stage's worker keeps glibc's defaults, as vLLM's own server does.

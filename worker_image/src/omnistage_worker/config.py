@@ -201,6 +201,8 @@ class WorkerConfig:
     http_token: str | None = None
     # The leadership epoch the worker starts having obeyed (``--epoch``; 0: none).
     epoch: int = 0
+    # Prometheus /metrics beside gRPC (None: off; 0: any free port).
+    metrics_port: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -252,6 +254,11 @@ def _check_serving(config: WorkerConfig) -> None:
     """Port, initial state and level, token and TLS files."""
     if not 0 <= config.port <= 65535:
         raise ConfigError("--port", f"{config.port} is not a TCP port (0-65535)")
+    metrics = config.metrics_port
+    if metrics is not None and not 0 <= metrics <= 65535:
+        raise ConfigError("--metrics-port", f"{metrics} is not a TCP port (0-65535)")
+    if metrics and metrics in (config.port, config.http_port):
+        raise ConfigError("--metrics-port", f"{metrics} is already the gRPC or HTTP port")
     if config.initial_state not in ("active", "asleep"):
         raise ConfigError("--initial-state", f"{config.initial_state!r} (active or asleep)")
     if config.sleep_level not in (1, 2):

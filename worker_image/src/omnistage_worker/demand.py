@@ -77,6 +77,8 @@ class Demand:
         self._timeouts = 0
         self._full = 0
         self._watchers: set[asyncio.Event] = set()
+        # Told how long each held request waited once it goes on (the hold-time histogram).
+        self.on_served: Callable[[float], None] = lambda seconds: None
 
     @property
     def on_demand(self) -> bool:
@@ -158,7 +160,9 @@ class Demand:
             self.changed()
             raise
         self._served_after_hold += 1
-        self._hold_seconds += time.monotonic() - entry.since_monotonic
+        held = time.monotonic() - entry.since_monotonic
+        self._hold_seconds += held
+        self.on_served(held)
 
     def release(self) -> int:
         """The worker is Active: let every held request go on, oldest first; how many."""

@@ -76,10 +76,10 @@ def completion_logprobs(entries: Logprobs, offset: int = 0) -> JSON:
     }
 
 
-def _logprobs(parsed: Parsed, entries: Logprobs, chat: bool) -> JSON | None:
+def _logprobs(parsed: Parsed, entries: Logprobs, chat: bool, offset: int = 0) -> JSON | None:
     if parsed.logprobs is None:
         return None
-    return chat_logprobs(entries) if chat else completion_logprobs(entries)
+    return chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
 
 
 def answer_id(parsed: Parsed, chat: bool) -> str:
@@ -126,11 +126,13 @@ def chunk_body(
     text: str,
     first: bool = False,
     logprobs: Logprobs = (),
+    offset: int = 0,
 ) -> JSON:
-    """One streamed chunk carrying ``text`` of choice ``index``."""
+    """One streamed chunk carrying ``text`` of choice ``index`` (and the log probabilities
+    of its tokens; ``offset``: where the text starts in the choice's whole text)."""
     choice: JSON = {"index": index, "finish_reason": None, "logprobs": None}
     if parsed.logprobs is not None and logprobs:
-        choice["logprobs"] = _logprobs(parsed, logprobs, chat)
+        choice["logprobs"] = _logprobs(parsed, logprobs, chat, offset)
     if chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
@@ -155,10 +157,11 @@ def final_chunk_body(
     index: int,
     response: inference_service_pb2.GenerateResponse,
     logprobs: Logprobs = (),
+    offset: int = 0,
 ) -> JSON:
     """The last chunk of choice ``index``: no text, its finish reason (and the log
     probabilities its chunks did not carry)."""
-    body = chunk_body(parsed, model, chat, index=index, text="", logprobs=logprobs)
+    body = chunk_body(parsed, model, chat, index=index, text="", logprobs=logprobs, offset=offset)
     choice = body["choices"][0]
     choice["finish_reason"] = finish_reason(response.text, parsed.max_tokens)
     if chat:
@@ -183,12 +186,12 @@ def usage_chunk_body(
     }
 
 
-def image_body(responses: Sequence[inference_service_pb2.GenerateResponse]) -> JSON:
-    """An images response: one base64 PNG per response (no ``usage``: a diffusion stage
-    counts no tokens, and the images API's usage is in tokens)."""
+def image_body(responses: Sequence[inference_service_pb2.GenerateResponse], usage: JSON) -> JSON:
+    """An images response: one base64 PNG per response, and ``usage`` (:mod:`.image_usage`)."""
     return {
         "created": int(time.time()),
         "data": [{"b64_json": base64.b64encode(r.image.png).decode("ascii")} for r in responses],
+        "usage": usage,
     }
 
 

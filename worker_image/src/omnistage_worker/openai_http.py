@@ -27,6 +27,8 @@ from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker import openai_answers, openai_api
 from omnistage_worker.demand import retry_after_header
 from omnistage_worker.http_auth import BearerAuth
+from omnistage_worker.image_usage import image_usage
+from omnistage_worker.metrics_serve import HttpRequestCounter
 from omnistage_worker.openai_api import BadRequest, Parsed
 from omnistage_worker.openai_stream import ChunkQueue, sse_events
 from omnistage_worker.queued import UNSERVED_HEADER, ShuttingDown
@@ -233,7 +235,7 @@ class OpenAIApp:
             asyncio.ensure_future(
                 self.worker.generate(
                     r,
-                    on_chunk=sinks[i] if sinks is not None else None,
+                    on_text_chunk=sinks[i] if sinks is not None else None,
                     on_admitted=admission.admitted,
                 )
             )
@@ -248,7 +250,9 @@ class OpenAIApp:
         async def answer(call: _Call, body: Any) -> Response:
             parsed = call.parsed = openai_api.parse_image(body, self.model)
             responses = await _all(self._start(parsed, admission))
-            return JSONResponse(openai_answers.image_body(responses), headers=admission.header)
+            usage = image_usage(self.worker.runner, parsed.request, len(responses))
+            body = openai_answers.image_body(responses, usage)
+            return JSONResponse(body, headers=admission.header)
 
         return await _answered(request, self.limits.request_body_bytes, "image", answer)
 
@@ -356,6 +360,7 @@ class HttpServer:
         # A runner whose engine serves its own API (vLLM) brings its app behind the worker's gate.
         front = getattr(worker.runner, "http_front", None)
         app = front(worker) if callable(front) else OpenAIApp(worker).asgi
+        app = HttpRequestCounter(app, worker.metrics)
         config = uvicorn.Config(
             app,
             host=host,

@@ -1,6 +1,8 @@
 """Server-sent events of streamed completions: the chunks of ``n`` choices as the model makes
-them, each choice's last chunk with its finish reason (and its log probabilities), the usage
-chunk when asked, then ``[DONE]``."""
+them, each with the log probabilities of the tokens it carries (a token whose text is held
+back, e.g. a possible stop sequence, has them sent with the next text), each choice's last chunk
+with its finish reason (and the log probabilities not sent yet), the usage chunk when asked,
+then ``[DONE]``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from omnistage_worker.openai_api import Parsed
 log = logging.getLogger(__name__)
 
 Response_ = inference_service_pb2.GenerateResponse
+TextChunk = inference_service_pb2.TextChunk
 
 
 def sse(body: dict[str, Any] | str) -> bytes:
@@ -31,15 +34,15 @@ class ChunkQueue:
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.chunks: collections.deque[tuple[int, str]] = collections.deque()
+        self.chunks: collections.deque[tuple[int, TextChunk]] = collections.deque()
         self.wake = asyncio.Event()
 
     def sinks(self) -> list[Any]:
         """One chunk sink per choice (the runner calls it on the event loop)."""
 
-        def sink(index: int) -> Callable[[list[int], str], None]:
-            def put(ids: list[int], text: str) -> None:
-                self.chunks.append((index, text))
+        def sink(index: int) -> Callable[[TextChunk], None]:
+            def put(chunk: TextChunk) -> None:
+                self.chunks.append((index, chunk))
                 self.wake.set()
 
             return put
@@ -57,18 +60,33 @@ async def sse_events(
     """The stream of ``tasks`` (one per choice); the client going away cancels them."""
     finished: dict[int, Response_] = {}
     first = [True] * len(tasks)
+    held: list[list[Any]] = [[] for _ in tasks]  # log probabilities not sent yet
+    sent_logprobs = [0] * len(tasks)
+    offsets = [0] * len(tasks)  # the tokens' text sent so far (as the unstreamed answer counts)
     try:
         while len(finished) < len(tasks):
             events.wake.clear()
             while events.chunks:
-                index, text = events.chunks.popleft()
+                index, chunk = events.chunks.popleft()
+                held[index].extend(chunk.logprobs)
+                text = chunk.text
                 if text or first[index]:
                     yield sse(
                         openai_answers.chunk_body(
-                            parsed, model, chat, index=index, text=text, first=first[index]
+                            parsed,
+                            model,
+                            chat,
+                            index=index,
+                            text=text,
+                            first=first[index],
+                            logprobs=held[index],
+                            offset=offsets[index],
                         )
                     )
                     first[index] = False
+                    offsets[index] += sum(len(e.token) for e in held[index])
+                    sent_logprobs[index] += len(held[index])
+                    held[index] = []
             for index, task in enumerate(tasks):
                 if index not in finished and task.done():
                     response = finished[index] = task.result()
@@ -79,7 +97,8 @@ async def sse_events(
                             chat,
                             index=index,
                             response=response,
-                            logprobs=response.text.logprobs,
+                            logprobs=response.text.logprobs[sent_logprobs[index] :],
+                            offset=offsets[index],
                         )
                     )
             if len(finished) < len(tasks) and not events.chunks:

@@ -88,24 +88,27 @@ class PipelineServer:
         self,
         request: GenerateRequest,
         parsed: Parsed | None = None,
-        sink: Callable[[list[int], str], None] | None = None,
+        sink: Callable[[inference_service_pb2.TextChunk], None] | None = None,
     ) -> GenerateResponse:
         """One request through every stage; the last stage's response (``sink``: its text
         as the last stage generates it, over GenerateStream)."""
         prompt = request.prompt
         embeds: inference_service_pb2.PromptEmbeds | None = None
+        prompt_tokens = 0  # the client's prompt, as the first stage counted it
         for index, stage in enumerate(self.pipeline.stages[:-1]):
             rid = f"{request.request_id}.{stage.name}"
             if stage.passes is Passes.EMBEDS:
                 encode = inference_service_pb2.EncodeRequest(request_id=rid, prompt=prompt)
                 encoded = await self._call(index, parsed, lambda s, m=encode: s.Encode(m))
                 prompt, embeds = "", encoded.prompt_embeds
+                prompt_tokens = prompt_tokens or encoded.usage.prompt_tokens
             else:
                 first = GenerateRequest(request_id=rid, prompt=prompt, seed=request.seed)
                 if embeds is not None:
                     first.prompt_embeds.CopyFrom(embeds)
                 made = await self._call(index, parsed, lambda s, m=first: s.Generate(m))
                 prompt, embeds = made.text.text, None
+                prompt_tokens = prompt_tokens or made.usage.prompt_tokens
         final = GenerateRequest()
         final.CopyFrom(request)
         final.prompt = prompt
@@ -117,7 +120,7 @@ class PipelineServer:
             request = inference_service_pb2.GenerateStreamRequest(request=final)
             async for message in stub.GenerateStream(request):
                 if message.WhichOneof("event") == "chunk" and sink is not None:
-                    sink(list(message.chunk.token_ids), message.chunk.text)
+                    sink(message.chunk)
                 elif message.WhichOneof("event") == "done":
                     done: GenerateResponse = message.done
                     return done
@@ -126,6 +129,8 @@ class PipelineServer:
         call = streamed if sink is not None else (lambda s: s.Generate(final))
         response: GenerateResponse = await self._call(last, parsed, call)
         self.served += 1
+        if response.WhichOneof("output") != "text":
+            response.usage.prompt_tokens = prompt_tokens
         return response
 
     async def _call(self, index: int, parsed: Parsed | None, call: Any) -> Any:
@@ -177,7 +182,7 @@ class PipelineServer:
         responses = await self._all(parsed)
         if any(r.WhichOneof("output") != "image" for r in responses):
             raise BadRequest(None, f"pipeline {self.pipeline.name!r} makes text, not images")
-        return JSONResponse(openai_answers.image_body(responses))
+        return JSONResponse(openai_answers.image_body(responses, _image_usage(parsed, responses)))
 
     async def text(self, body: Any, chat: bool) -> Response:
         """``/v1/chat/completions`` or ``/v1/completions`` for a pipeline whose last stage
@@ -252,3 +257,19 @@ def grpc_targets(
     """Stage -> gRPC host:port: ``--grpc-route STAGE=HOST:PORT``, else the stage's Service."""
     stages = {s.name for p in pipelines for s in p.stages}
     return {s: explicit.get(s, f"{s}-worker.{namespace}.svc:{port}") for s in sorted(stages)}
+
+
+def _image_usage(parsed: Parsed, responses: list[GenerateResponse]) -> dict[str, Any]:
+    """``usage`` in the shape a diffusion stage answers (:mod:`.image_usage`): the client's
+    prompt as the pipeline's first stage counted it, once whatever ``n``; ``steps`` 0 when the
+    request left them to the last stage's default."""
+    prompt = responses[0].usage.prompt_tokens if responses else 0
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"text_tokens": prompt, "image_tokens": 0},
+        "output_tokens": 0,
+        "output_tokens_details": {"text_tokens": 0, "image_tokens": 0},
+        "total_tokens": prompt,
+        "images": len(responses),
+        "steps": parsed.request.num_inference_steps,
+    }

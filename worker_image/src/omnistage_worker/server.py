@@ -29,6 +29,7 @@ from omnistage_worker.demand_service import DemandServicer
 from omnistage_worker.embeds import MAX_MESSAGE_BYTES
 from omnistage_worker.health import HealthReporter
 from omnistage_worker.inference_service import InferenceServicer
+from omnistage_worker.metrics_serve import GrpcRequestCounter, MetricsServer
 from omnistage_worker.runners import create_runner
 from omnistage_worker.runners.base import ModelRunner
 from omnistage_worker.sleep_service import SleepServicer
@@ -53,7 +54,10 @@ class WorkerServer:
         self.worker = Worker(config, runner if runner is not None else create_runner(config))
         self.health = HealthReporter()
         self.worker.add_listener(self.health.update)
-        interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
+        # The counter first: it sees every answer, the bearer check's refusals included.
+        interceptors: list[grpc.aio.ServerInterceptor] = [GrpcRequestCounter(self.worker.metrics)]
+        if config.token:
+            interceptors.append(BearerTokenInterceptor(config.token))
         # Room for a pipeline's prompt embeds (checked against their own limit on arrival).
         self.server = grpc.aio.server(
             interceptors=interceptors,
@@ -87,6 +91,8 @@ class WorkerServer:
         self.health_port = 0
         self.http: HttpServer | None = None
         self.http_port = 0
+        self.metrics: MetricsServer | None = None
+        self.metrics_port = 0
         self._stopped = False
 
     async def start(self) -> int:
@@ -125,6 +131,12 @@ class WorkerServer:
                 log.info("the OpenAI HTTP API requires a bearer token (/health is open)")
             self.http_port = await self.http.start()
             log.info("OpenAI-compatible HTTP on %s:%d", config.host, self.http_port)
+        if config.metrics_port is not None:
+            self.metrics = MetricsServer(
+                self.worker.metrics.registry, config.host, config.metrics_port
+            )
+            self.metrics_port = await self.metrics.start()
+            log.info("Prometheus metrics on %s:%d", config.host, self.metrics_port)
         self._load_task = asyncio.ensure_future(self.worker.load())
         return self.port
 
@@ -147,6 +159,8 @@ class WorkerServer:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(0)
+        if self.metrics is not None:
+            await self.metrics.stop()
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -493,6 +493,7 @@ class SleepWake:
         ack = build_ack(outcome, self.worker.identity)
         ack.components.extend(component_memory(self.worker.controller))
         self.worker.last_ack = ack
+        self.worker.metrics.acked(ack)
         log.info(
             "ack %s task=%s ok=%s level=%d state=%s freed=%d used %d -> %d moved=%d in %.3fs%s%s",
             types_pb2.Operation.Name(ack.operation),
@@ -507,8 +508,16 @@ class SleepWake:
             outcome.seconds,
             " (noop)" if ack.noop else "",
             f" error: {ack.error}" if ack.error else "",
+            extra={
+                "task_id": ack.task_id,
+                "operation": _OPERATIONS[ack.operation],
+                "epoch": ack.epoch,
+            },
         )
         return ack
+
+
+_OPERATIONS = {types_pb2.OPERATION_SLEEP: "sleep", types_pb2.OPERATION_WAKE_UP: "wake_up"}
 
 
 def _capacity_shortfall(before: Reading, controller: SleepController) -> tuple[str, int]:

@@ -30,6 +30,7 @@ from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand import Demand
 from omnistage_worker.lane import DaemonLane
 from omnistage_worker.memory import MemoryProbe, Reading
+from omnistage_worker.metrics import WorkerMetrics
 from omnistage_worker.queued import Queued, ShuttingDown
 from omnistage_worker.runners.base import (
     ChunkSink,
@@ -91,6 +92,8 @@ class Worker:
         self._generate_lane = DaemonLane("omnistage-generate", runner.max_concurrency)
         self._sleep_wake = SleepWake(self)
         self.demand = Demand(config.activation, config.hold_timeout_s, config.max_held)
+        self.metrics = WorkerMetrics(self)
+        self.demand.on_served = self.metrics.hold_seconds.observe
         # Admitted requests not finished; set once a shutdown began (new ones are refused).
         self.queued = Queued()
         self.terminating = False
@@ -247,27 +250,22 @@ class Worker:
         on_text_chunk: TextChunkSink | None = None,
     ) -> inference_service_pb2.GenerateResponse:
         """Serve one request now, hold it (OnDemand, asleep or in a transition), or refuse it
-        with the reason (never dropped silently).
-
-        ``on_chunk`` receives the token ids and text of AR output as they are generated (on
-        the event loop); ``on_text_chunk`` receives the same as whole ``TextChunk`` messages
-        (with log probabilities); ``on_admitted`` is called once the request is past holding
-        and validation.
-        """
+        with the reason (never dropped silently). ``on_chunk`` gets AR output's ids and text as
+        generated (on the event loop), ``on_text_chunk`` the same as ``TextChunk`` messages
+        (with log probabilities); ``on_admitted`` is called once past holding and validation."""
         self.admissible(request)
-        sink = _thread_safe(_chunk_receiver(on_chunk, on_text_chunk))
-        serve_async: Any = getattr(self.runner, "agenerate", None)  # an engine's own batching
-
-        async def via_engine() -> inference_service_pb2.GenerateResponse:
-            response: inference_service_pb2.GenerateResponse = await serve_async(request, on_chunk)
-            return response
-
-        return await self.serve_call(
+        receiver = _chunk_receiver(on_chunk, on_text_chunk)
+        sink = _thread_safe(self.metrics.first_token(receiver, time.monotonic()))
+        engine: Any = getattr(self.runner, "agenerate", None)  # an engine's own batching
+        via_engine = lambda: engine(request, _ids_and_text(on_chunk, on_text_chunk))  # noqa: E731
+        response: inference_service_pb2.GenerateResponse = await self.serve_call(
             request.request_id,
             lambda: self.runner.generate(request, sink),
-            via_engine if serve_async is not None else None,
+            via_engine if engine is not None else None,
             on_admitted,
         )
+        self.metrics.served(response)
+        return response
 
     def admissible(self, request: inference_service_pb2.GenerateRequest) -> None:
         """Refuse a request that cannot be served here whatever the state (Refused)."""
@@ -286,8 +284,7 @@ class Worker:
         call_async: Callable[[], Awaitable[T]] | None,
         on_admitted: Callable[[], None] | None,
     ) -> T:
-        """Hold (OnDemand) or refuse until the worker can serve, then run ``call`` on the
-        generate lane (or ``call_async`` on the loop) as one request in flight."""
+        """Hold or refuse until servable, then ``call`` on the lane (``call_async``: the loop)."""
         self.demand.touch()
         deadline = time.monotonic() + self.demand.hold_timeout
         while (refusal := generate_refusal(self.current)) is not None:
@@ -436,3 +433,17 @@ def _thread_safe(sink: TextChunkSink | None) -> TextChunkSink | None:
         loop.call_soon_threadsafe(sink, chunk)
 
     return forward
+
+
+def _ids_and_text(
+    on_chunk: ChunkSink | None, on_text_chunk: TextChunkSink | None
+) -> ChunkSink | None:
+    """``on_chunk``, else ``on_text_chunk`` fed from the ids and text an engine streams."""
+    if on_chunk is not None or on_text_chunk is None:
+        return on_chunk
+    sink = on_text_chunk
+
+    def put(ids: list[int], text: str) -> None:
+        sink(inference_service_pb2.TextChunk(token_ids=ids, text=text))
+
+    return put

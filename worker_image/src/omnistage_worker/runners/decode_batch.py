@@ -11,12 +11,24 @@ which a stage that sleeps would have to tear down and rebuild around every weigh
 Here the running batch is one ``DynamicCache`` of shape ``[rows, heads, slots, dim]`` with a
 ``[rows, slots]`` attention mask: every step feeds each running row its pending token and each
 joining row its whole prompt, left-padded to the longest feed, in one forward pass (a joining
-row's past is all padding; a running row gets masked holes when prompts join). Positions are
-per row, so a row sees exactly the tokens it would see alone. Joins are gathered (at most every
-``JOIN_EVERY`` steps while rows run) and the holes they leave are compacted away once they
-outnumber the longest row. Finished rows are dropped from the cache at once and columns no row
-uses any more are trimmed, so when the last request ends the cache is gone: nothing of a batch
-stays on the device for a sleep to find.
+row's past is all padding; a running row gets masked holes when prompts join). Positions are per
+row, so a row sees exactly the tokens it would see alone. Waiting requests join at the next step
+while that pads the running rows little, else joins are gathered (:func:`join_now`); the holes
+they leave are compacted away once they outnumber the longest row. Finished rows are dropped
+from the cache at once and columns no row uses any more are trimmed, so when the last request
+ends the cache is gone: nothing of a batch stays on the device for a sleep to find.
+
+A step waits for the device once: its inputs go up without a wait (:func:`.to_device`), the
+token choice is batched over the rows (:mod:`.token_choice`), and the host reads the step's
+tokens and log probabilities back in one copy; what the host needs to trim the cache (each
+row's first column) it tracks itself.
+
+Known cost (measured on an H200, bench/results/README.md): with a padding mask, PyTorch's
+cuDNN attention builds a graph for each new shape (rows, cache length), about 1 ms of host time
+per layer: a 16-row step with holes at lengths never seen took 64 ms against 25 ms without
+holes. Shapes that recur hit its cache; a run with cuDNN left out served 16 clients worse
+(0.59 of batched ``generate`` against 0.75, and its steady state ran 1.24 x slower than the
+hole-free restart after a wake), so it stays in.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,14 +45,10 @@ from typing import Any
 import torch
 
 from omnistage.worker.v1 import inference_service_pb2
-from omnistage_worker.runners.sampling import (
-    Sampling,
-    choose,
-    new_generator,
-    token_logprobs,
-)
+from omnistage_worker.runners.sampling import Sampling
 from omnistage_worker.runners.serving_thread import ServingThread
 from omnistage_worker.runners.text_output import TextOutput
+from omnistage_worker.runners.token_choice import choose, new_generator, read_step, to_device
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +59,11 @@ Response = inference_service_pb2.GenerateResponse
 TextChunkSink = Any  # Callable[[inference_service_pb2.TextChunk], None]
 
 JOIN_EVERY = 8
-"""Steps between joins while the batch runs (joins are gathered, see ``_joining``)."""
+"""Steps a waiting request may wait for the next join while the batch runs ..."""
+JOIN_PADDING = 512
+"""... unless its join pads the running rows with at most this many tokens in all: then it joins
+at the next step (a step that small costs what a plain one does while the host, not the
+device, sets the pace; a request that waits leaves its slot idle). See :func:`join_now`."""
 MIN_HOLES = 64
 """Padding columns the cache may hold beyond its longest row before it is compacted ..."""
 HOLE_RATIO = 1.0
@@ -76,9 +89,11 @@ class Row:
 
     job: Job
     output: TextOutput
-    generator: torch.Generator | None
+    generator: random.Random | None
     seen: int = 0
     """Real (unmasked) tokens of this row in the cache: the position of its pending token."""
+    first: int = 0
+    """The cache column of this row's first token (columns before it are its padding)."""
     pending: int = -1
     """The token sampled last, fed at the next step."""
     logprobs: list[inference_service_pb2.TokenLogprob] = field(default_factory=list)
@@ -115,6 +130,10 @@ class DecodeBatcher(ServingThread):
         self._mask: torch.Tensor | None = None
         self.steps = 0
         self.compactions = 0
+        self.row_steps = 0
+        """Rows summed over steps (``row_steps / steps``: the mean batch)."""
+        self.join_steps = 0
+        self.step_seconds = 0.0
         self._joined_at = -JOIN_EVERY
 
     # -- callers' side ----------------------------------------------------------------------
@@ -151,16 +170,13 @@ class DecodeBatcher(ServingThread):
                     future.set_result(outcome)
 
     def _joining(self) -> list[Job]:
-        """The waiting requests that join at this step (under the lock).
-
-        A join feeds every running row padding up to the longest new prompt, so joins are
-        gathered: waiting requests join at once when the batch is empty or they fill it, else
-        at most every ``JOIN_EVERY`` steps (a request waits a few steps at most)."""
+        """The waiting requests that join at this step (under the lock), as :func:`join_now`
+        decides."""
         room = self.max_batch - len(self._rows)
         if not self._pending or room <= 0:
             return []
-        due = self.steps - self._joined_at >= JOIN_EVERY
-        if self._rows and len(self._pending) < room and not due:
+        waiting = [len(job.prompt_ids) for job in list(self._pending)[:room]]
+        if not join_now(waiting, len(self._rows), room, self.steps - self._joined_at):
             return []
         self._joined_at = self.steps
         return [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
@@ -171,6 +187,7 @@ class DecodeBatcher(ServingThread):
         """One step; on an error every request in the batch fails with it (and the batch's
         memory is dropped). Runs to completion before any future is resolved, so the tensors
         of the step are gone when a caller (or a draining sleep) sees its answer."""
+        began = time.perf_counter()
         try:
             with torch.inference_mode():
                 return self._step(joining)
@@ -179,6 +196,8 @@ class DecodeBatcher(ServingThread):
             failed = [row.job.future for row in self._rows] + [job.future for job in joining]
             self._rows, self._cache, self._mask = [], None, None
             return [(future, exc) for future in failed]
+        finally:
+            self.step_seconds += time.perf_counter() - began
 
     def _step(
         self, joining: list[Job]
@@ -189,11 +208,13 @@ class DecodeBatcher(ServingThread):
         rows = self._rows = self._rows + new_rows
         logits = self._forward(rows, feeds)
         self.steps += 1
+        self.row_steps += len(rows)
+        self.join_steps += bool(joining)
         tokens = choose(logits, [r.job.sampling for r in rows], [r.generator for r in rows])
         tops = [r.job.sampling.top_logprobs for r in rows]
-        logprobs = token_logprobs(logits, tokens, tops, self._decode_one)
-        del logits
-        for row, feed, token, logprob in zip(rows, feeds, tokens, logprobs, strict=True):
+        results = read_step(tokens, logits, tops, self._decode_one)  # the step's one wait
+        del logits, tokens
+        for row, feed, (token, logprob) in zip(rows, feeds, results, strict=True):
             row.seen += len(feed)
             row.batch_size = max(row.batch_size, len(rows))
             self._take(row, token, logprob)
@@ -205,7 +226,7 @@ class DecodeBatcher(ServingThread):
         streamed = job.sink is not None
         output = TextOutput(self._decode, list(job.request.stop), streamed)
         sampling = job.sampling
-        generator = None if sampling.greedy else new_generator(self._device, sampling.seed)
+        generator = None if sampling.greedy else new_generator(sampling.seed)
         return Row(job=job, output=output, generator=generator)
 
     def _grow(self, joining: int) -> None:
@@ -220,19 +241,23 @@ class DecodeBatcher(ServingThread):
     def _forward(self, rows: list[Row], feeds: list[list[int]]) -> torch.Tensor:
         """Feed each row its tokens (left-padded to the longest); the last position's logits."""
         width = max(len(f) for f in feeds)
-        ids = [[self._pad] * (width - len(f)) + f for f in feeds]
-        mask = [[0] * (width - len(f)) + [1] * len(f) for f in feeds]
-        positions = [
-            [0] * (width - len(f)) + list(range(row.seen, row.seen + len(f)))
-            for row, f in zip(rows, feeds, strict=True)
-        ]
-        device = self._device
-        new_mask = torch.tensor(mask, dtype=torch.long, device=device)
+        columns = 0 if self._mask is None else self._mask.shape[1]
+        ids, mask, positions = [], [], []
+        for row, feed in zip(rows, feeds, strict=True):
+            pad = width - len(feed)
+            if row.seen == 0:
+                row.first = columns + pad
+            ids.append([self._pad] * pad + feed)
+            mask.append([0] * pad + [1] * len(feed))
+            positions.append([0] * pad + list(range(row.seen, row.seen + len(feed))))
+        # One copy up for the three, queued without waiting.
+        inputs = to_device(torch.tensor([ids, mask, positions], dtype=torch.long), self._device)
+        new_mask = inputs[1]
         full_mask = new_mask if self._mask is None else torch.cat([self._mask, new_mask], dim=1)
         kwargs: dict[str, Any] = {
-            "input_ids": torch.tensor(ids, dtype=torch.long, device=device),
+            "input_ids": inputs[0],
             "attention_mask": full_mask,
-            "position_ids": torch.tensor(positions, dtype=torch.long, device=device),
+            "position_ids": inputs[2],
             "past_key_values": self._cache,
             "use_cache": True,
         }
@@ -283,9 +308,11 @@ class DecodeBatcher(ServingThread):
             self._cache, self._mask = None, None
         else:
             assert self._mask is not None
-            index = torch.tensor(keep, device=self._mask.device)
+            index = to_device(torch.tensor(keep), self._mask.device)
             mask = self._mask.index_select(0, index)
-            start = int(mask.any(dim=0).int().argmax())
+            start = min(row.first for row in self._rows)  # the first column a row still uses
+            for row in self._rows:
+                row.first -= start
             self._mask = mask[:, start:]
             for layer in self._cache.layers:
                 layer.keys = layer.keys.index_select(0, index)[:, :, start:]
@@ -306,6 +333,8 @@ class DecodeBatcher(ServingThread):
         # Stable: a row's padding columns first, then its tokens in their order.
         index = torch.argsort(mask, dim=1, stable=True)[:, -width:]
         self._mask = mask.gather(1, index)
+        for row in self._rows:
+            row.first = width - row.seen
         for layer in self._cache.layers:
             heads, dim = layer.keys.shape[1], layer.keys.shape[3]
             spread = index[:, None, :, None].expand(-1, heads, -1, dim)
@@ -336,6 +365,19 @@ class DecodeBatcher(ServingThread):
 
     def _decode_one(self, token_id: int) -> str:
         return str(self._tokenizer.decode([token_id]))
+
+
+def join_now(waiting: list[int], running: int, room: int, since_join: int) -> bool:
+    """Whether requests waiting with prompts of ``waiting`` tokens (those that fit) join at this
+    step: at once when nothing runs, when they fill the ``room`` left, when their join pads the
+    ``running`` rows with at most ``JOIN_PADDING`` tokens, or ``JOIN_EVERY`` steps after the
+    last join (``since_join`` steps ago); else they are gathered for a later join."""
+    if not waiting:
+        return False
+    padding = running * (max(waiting) - 1)
+    return (
+        not running or len(waiting) >= room or padding <= JOIN_PADDING or since_join >= JOIN_EVERY
+    )
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
