@@ -114,7 +114,7 @@ def child_reference(models: Path, requests: Path, device: str) -> Json:
 
 def stage(name: str, model: Path, node: str, tiny: bool, max_batch: int) -> Json:
     runner, backend = ("AR", "Transformers") if name == "encoder" else ("Diffusion", "Diffusers")
-    worker: Json = {"device": "cpu" if tiny else "cuda", "args": ["--max-batch", str(max_batch)]}
+    worker: Json = {"device": "cpu" if tiny else "cuda"}
     if not tiny:
         worker["dtype"] = "bfloat16"
     spec: Json = {
@@ -124,6 +124,7 @@ def stage(name: str, model: Path, node: str, tiny: bool, max_batch: int) -> Json
         "state": "Asleep", "sleepLevel": 1, "activation": {"policy": "OnDemand"},
         "colocation": {"group": "qwen", "priority": 0}, "gpus": 1, "worker": worker,
         "template": {"nodeSelector": {"kubernetes.io/hostname": node}},
+        "limits": {"maxBatch": max_batch},
     }  # fmt: skip
     if tiny:
         spec["vram"] = {"request": TINY_VRAM}

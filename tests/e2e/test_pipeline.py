@@ -157,9 +157,9 @@ def test_sixteen_clients_two_round_trips_and_outputs_equal_one_process(  # noqa:
             node,
             state="Asleep",
             vram_request=VRAM,
-            worker_args=["--max-batch", str(MAX_BATCH)],
         )
         manifest["spec"]["activation"] = {"policy": "OnDemand"}
+        manifest["spec"]["limits"] = {"maxBatch": MAX_BATCH}
         cluster.apply(manifest)
     cluster.apply(pipeline_manifest(maxBatch=MAX_BATCH, maxWait=MAX_WAIT))
     wait_for("enc Asleep", lambda: cluster.state("enc") == "Asleep", 180)
@@ -227,11 +227,9 @@ def test_a_lone_request_waits_for_its_batch_beside_the_awake_stage(  # noqa: PLR
     not worth a swap yet); without the policy the DiT would wake within a second."""
     wait_s = 6.0
     for name, kind in (("enc", "ar"), ("dit", "sd")):
-        manifest = stage_manifest(
-            name, kind, models, gpu.node, state="Asleep", vram_request=VRAM,
-            worker_args=["--max-batch", str(MAX_BATCH)],
-        )  # fmt: skip
+        manifest = stage_manifest(name, kind, models, gpu.node, state="Asleep", vram_request=VRAM)
         manifest["spec"]["activation"] = {"policy": "OnDemand"}
+        manifest["spec"]["limits"] = {"maxBatch": MAX_BATCH}
         cluster.apply(manifest)
     cluster.apply(pipeline_manifest(maxBatch=MAX_BATCH, maxWait=f"{wait_s:g}s"))
     wait_for("enc Asleep", lambda: cluster.state("enc") == "Asleep", 180)
