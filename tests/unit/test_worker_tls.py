@@ -29,7 +29,7 @@ def test_without_tls_the_grpc_port_is_probed_and_nothing_is_added() -> None:
     (worker,) = pod["spec"]["containers"]
     assert worker["readinessProbe"]["grpc"]["port"] == 50051
     assert worker["livenessProbe"]["grpc"]["port"] == 50051
-    assert [p["name"] for p in worker["ports"]] == ["grpc", "http"]
+    assert "health" not in [p["name"] for p in worker["ports"]]
     assert not {"--tls-cert", "--tls-key", "--health-port"} & set(worker["args"])
     assert all(v["name"] != "omnistage-tls" for v in pod["spec"]["volumes"])
 
