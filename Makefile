@@ -52,6 +52,7 @@ generate: setup
 	protos/generate.sh $(PY)
 	mkdir -p $(CHART_CRDS)
 	crds/chart-template.sh crds/omnistages.omnistage.io.yaml >$(CHART_CRDS)/omnistages.omnistage.io.yaml
+	crds/chart-template.sh crds/omnipipelines.omnistage.io.yaml >$(CHART_CRDS)/omnipipelines.omnistage.io.yaml
 
 check-generated: generate
 	git diff --exit-code -- protos/gen $(CHART_CRDS) || \

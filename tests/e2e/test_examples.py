@@ -15,6 +15,7 @@ import pytest
 from omnistage_operator.builders import build_worker_pod, owner_reference
 from omnistage_operator.spec import DesiredState, parse_stage
 from tests.cluster.controlplane import ControlPlane
+from tests.e2e.conftest import crd_established as pipeline_established
 from tests.e2e.test_crd_validation import CRD
 from tests.e2e.test_helm_support import crd_established
 from tests.examples import EXAMPLES_DIR, manifest_docs
@@ -37,6 +38,9 @@ def _dry_run(cp: ControlPlane, namespace: str, obj: dict[str, Any]) -> dict[str,
 def test_every_example_object_is_accepted(control_plane: ControlPlane, namespace: str) -> None:
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
     crd_established(control_plane)
+    pipelines = CRD.parent / "omnipipelines.omnistage.io.yaml"
+    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(pipelines))
+    pipeline_established(control_plane, "omnipipelines.omnistage.io")
     checked: set[str] = set()
     for path, doc in manifest_docs():
         if doc["apiVersion"].startswith(NOT_HERE):
@@ -53,4 +57,4 @@ def test_every_example_object_is_accepted(control_plane: ControlPlane, namespace
         pod["metadata"]["ownerReferences"] = []  # the owner was a dry run
         _dry_run(control_plane, namespace, pod)
         assert path.is_relative_to(EXAMPLES_DIR)
-    assert {"OmniStage", "PersistentVolumeClaim"} <= checked
+    assert {"OmniStage", "OmniPipeline", "PersistentVolumeClaim"} <= checked

@@ -27,7 +27,9 @@ KEEP = "helm.sh/resource-policy"
 
 
 def _crds(values: dict[str, Any] | None = None) -> list[Obj]:
-    return select(render(values), "CustomResourceDefinition")
+    """The rendered OmniStage CRD (OmniPipeline's: tests/unit/test_chart_pipelines.py)."""
+    crds = select(render(values), "CustomResourceDefinition")
+    return [c for c in crds if c["metadata"]["name"] == CRD_NAME]
 
 
 def test_the_template_is_a_fresh_generation_of_the_source() -> None:

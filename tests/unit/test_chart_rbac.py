@@ -27,6 +27,8 @@ def _grants(group: str, resource: str, verbs: str, name: str = "*") -> set[Rule]
 STAGE_RULES: set[Rule] = (
     _grants("omnistage.io", "omnistages", "get list watch patch update")
     | _grants("omnistage.io", "omnistages/status", "get patch update")
+    | _grants("omnistage.io", "omnipipelines", "get list watch")
+    | _grants("omnistage.io", "omnipipelines/status", "get patch")
     | _grants("", "pods", "get list watch create delete")
     | _grants("", "services", "get list watch create delete patch")
     | _grants("", "secrets", "create")
@@ -273,15 +275,21 @@ def test_users_get_omnistage_in_the_default_roles() -> None:
     }
     assert view_labels == {"view", "edit", "admin"}
     assert edit_labels == {"edit", "admin"}
-    assert flatten_rules(view["rules"]) == _grants(
-        "omnistage.io", "omnistages", "get list watch"
-    ) | _grants("omnistage.io", "omnistages/status", "get list watch")
+    read = "get list watch"
+    assert flatten_rules(view["rules"]) == (
+        _grants("omnistage.io", "omnistages", read)
+        | _grants("omnistage.io", "omnistages/status", read)
+        | _grants("omnistage.io", "omnipipelines", read)
+        | _grants("omnistage.io", "omnipipelines/status", read)
+    )
     assert flatten_rules(edit["rules"]) == _grants(
         "omnistage.io", "omnistages", "create update patch delete"
-    )
+    ) | _grants("omnistage.io", "omnipipelines", "create update patch delete")
     # Status is written by the operator alone, and nothing binds these roles to it.
     assert not any(
-        g[1] == "omnistages/status" and g[2] != "get" and g[2] not in ("list", "watch")
+        g[1] in ("omnistages/status", "omnipipelines/status")
+        and g[2] != "get"
+        and g[2] not in ("list", "watch")
         for g in flatten_rules(view["rules"]) | flatten_rules(edit["rules"])
     )
     bound = {b["roleRef"]["name"] for b in select(objs, "ClusterRoleBinding")}

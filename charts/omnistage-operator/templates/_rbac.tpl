@@ -14,6 +14,14 @@ can do: keep tests/unit/test_chart_rbac.py in step and say why in a comment.
 - apiGroups: ["omnistage.io"]
   resources: ["omnistages/status"]
   verbs: ["get", "patch", "update"]
+# OmniPipelines: read the stages and batch policy (an index and an event handler, no writes to
+# the object); status is the operator's alone (stages, queue per stage, swaps, batches).
+- apiGroups: ["omnistage.io"]
+  resources: ["omnipipelines"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["omnistage.io"]
+  resources: ["omnipipelines/status"]
+  verbs: ["get", "patch"]
 # Worker pods: one per stage; deleted when the stage goes and when a stage is fenced after a
 # failed sleep ACK. No update/patch: a pod is replaced, never edited; no pods/exec, pods/log.
 - apiGroups: [""]

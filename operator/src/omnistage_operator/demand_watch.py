@@ -138,6 +138,7 @@ class DemandWatcher:
                 deleting=bool(port.bodies[name]["metadata"].get("deletionTimestamp")),
                 asleep_asked_at=port.r.asleep_asked.get(key),
                 asleep_pending=key in port.r.asleep_restored,
+                batching=port.r.views.batching(port.ns, name),
             )
         view = shape_intents(intents, inputs, now)
         self._schedule(port.ns, port.group, view.recheck_at, now)
@@ -160,6 +161,11 @@ class DemandWatcher:
                 "lastRequestTime": format_timestamp(d.last_request) if d.last_request else None,
             }
         return {"demand": demand, "awakeReason": reason.value if reason is not None else None}
+
+    def report(self, namespace: str, name: str) -> DemandReport | None:
+        """A stage's latest demand report (None: no stream or no report yet)."""
+        stream = self._streams.get((namespace, name))
+        return stream.report if stream is not None else None
 
     def held(self, namespace: str, name: str) -> tuple[int, float | None]:
         """Held requests of a stage now and when the oldest was held."""

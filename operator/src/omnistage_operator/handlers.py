@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import kopf
@@ -33,6 +34,7 @@ from omnistage_operator import login  # noqa: F401  (registers kopf's login hand
 from omnistage_operator.kube import Kube
 from omnistage_operator.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
 from omnistage_operator.leadership import Leadership, SoleWriter
+from omnistage_operator.pipelines import PIPELINE_PLURAL, pipeline_keys
 from omnistage_operator.runner import GroupRunner
 from omnistage_operator.settings import Settings
 from omnistage_operator.spec import GROUP, PLURAL, VERSION
@@ -95,6 +97,34 @@ def worker_pods(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
     return pod_keys(body, namespace)
 
 
+@kopf.index(GROUP, VERSION, PIPELINE_PLURAL)
+def omnipipelines_by_stage(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
+    """OmniPipelines by each stage they name (a round reads its stages' batch policy here)."""
+    return pipeline_keys(body, namespace)
+
+
+@kopf.on.event(GROUP, VERSION, PIPELINE_PLURAL)
+async def pipeline_event(
+    type: str | None, body: kopf.Body, namespace: str | None, **_: Any
+) -> None:
+    """A pipeline appeared or changed: its stages' groups re-plan (their rounds write its
+    status); with none of its stages there, the leader writes that status itself."""
+    runner = _State.runner
+    if runner is None or type == "DELETED":
+        return
+    ns = namespace or "default"
+    groups = set()
+    for stage in (body.get("spec") or {}).get("stages") or []:
+        found = runner.views.stage(ns, str((stage or {}).get("name")))
+        if found is not None and group_of(found) is not None:
+            groups.add(group_of(found))
+    for group in groups:
+        _kick(ns, group)
+    if not groups and _State.leadership.leading():
+        plain = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
+        await runner.pipeline_status.after_round(ns, [plain], {}, None, now=time.time())
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     """kopf settings: our finalizer, progress kept in omnistage.io annotations, API timeouts."""
@@ -116,7 +146,9 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         settings.peering.name = ours.peering
         settings.peering.mandatory = True
     # kopf passes its indexes by name; they are live (kopf keeps them current).
-    views = GroupViews(kwargs["omnistages_by_group"], kwargs["worker_pods"])
+    views = GroupViews(
+        kwargs["omnistages_by_group"], kwargs["worker_pods"], kwargs["omnipipelines_by_stage"]
+    )
     _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership, views)
     log.info("omnistage operator started (namespaces: %s)", ",".join(ours.namespaces) or "all")
 

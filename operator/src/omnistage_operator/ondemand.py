@@ -17,7 +17,11 @@ stages by priority, then the most recent ask first):
   in between reads the patch back from ``status.asleepAskedAt`` (``asleep_pending``);
 - within ``minResidency`` of its wake an awake stage asks as if just now (``Residency``), so an
   equal- or lower-priority stage's demand cannot displace it; a higher priority still does
-  (the arbiter orders by priority first).
+  (the arbiter orders by priority first);
+- a stage of a pipeline (``batching``, :mod:`.pipelines`) collects a batch: its held requests
+  ask below every awake stage (``DEFERRED``: woken only where it fits beside them, so with room
+  for both at once and no swap) until ``maxBatch`` are held or the oldest waited ``maxWait``;
+  then they ask as any held requests do. The pipeline's ``minResidency`` applies too.
 
 ``recheck_at`` says when the answer changes without any new fact (an idle deadline, the end of
 a residency): the runner schedules a round then.
@@ -31,8 +35,13 @@ from enum import StrEnum
 
 from omnistage_operator.activation import Activation
 from omnistage_operator.arbiter import StageIntent, WorkerPhase
+from omnistage_operator.pipelines import Batching
 
-__all__ = ["AwakeReason", "Demand", "DemandInput", "DemandView", "shape_intents"]
+__all__ = ["DEFERRED", "AwakeReason", "Demand", "DemandInput", "DemandView", "shape_intents"]
+
+DEFERRED = -1.0
+"""The ask of held requests collecting a batch: older than any awake stage's (0.0), so it ranks
+after them and is admitted only into the room they leave."""
 
 _AWAKE = frozenset({WorkerPhase.ACTIVE, WorkerPhase.WAKING})
 _ARBITRATED = _AWAKE | {WorkerPhase.ASLEEP, WorkerPhase.SLEEPING}
@@ -70,6 +79,12 @@ class DemandInput:
     # Patched Asleep before this process saw it wake (read back from status after a restart):
     # it sleeps whenever it was seen awake.
     asleep_pending: bool = False
+    batching: Batching | None = None  # the batch policy of the stage's pipeline (None: none)
+
+    @property
+    def min_residency_s(self) -> float:
+        own = self.activation.min_residency_s
+        return own if self.batching is None else max(own, self.batching.min_residency_s)
 
 
 @dataclass(frozen=True)
@@ -117,6 +132,10 @@ def shape_intents(
         awake = inp.phase in _AWAKE
         if demand.held and inp.phase is not WorkerPhase.ACTIVE:
             asked = demand.oldest_hold_start if demand.oldest_hold_start is not None else now
+            due = None if inp.batching is None else inp.batching.due_at(demand.held, asked)
+            if due is not None and now < due:
+                asked = DEFERRED  # collecting its batch: only the room the awake stages leave
+                recheck.append(due)
             shaped[name] = replace(intent, want_active=True, requested_active_at=asked)
             reasons[name] = AwakeReason.DEMAND
             asks.add(name)
@@ -133,7 +152,7 @@ def shape_intents(
         if idle_at is not None:
             recheck.append(idle_at)
         since = inp.awake_since if inp.awake_since is not None else now
-        resident_until = since + inp.activation.min_residency_s
+        resident_until = since + inp.min_residency_s
         if now < resident_until:
             # Asks as if just now: no equal-priority demand displaces it before the end.
             shaped[name] = replace(intent, want_active=True, requested_active_at=resident_until)

@@ -49,6 +49,7 @@ from omnistage_operator.kube import (
 )
 from omnistage_operator.leadership import Leadership, LeadershipLost, SoleWriter
 from omnistage_operator.peaks import StagePeaks
+from omnistage_operator.pipeline_status import PipelineStatus, after_group_round
 from omnistage_operator.pods import (
     TERMINAL_PHASES,
     CrashBackoff,
@@ -164,6 +165,7 @@ class GroupRunner(StatusPublisher):
         self._token = self.credentials.shared
         # OnDemand stages: one demand stream per worker, each change kicks the group.
         self.demand = DemandWatcher(self.kick, lambda: self.leadership.epoch)
+        self.pipeline_status = PipelineStatus(kube, self.emit)
         ca = settings.worker_tls_ca
         self._ca: bytes | None = None
         if ca:
@@ -456,6 +458,7 @@ class GroupRunner(StatusPublisher):
             log.warning("group %s/%s: leadership lost; status not written", namespace, group)
             return False
         await self.publish(port, outcome)
+        await after_group_round(self, port, outcome)
         facts = port.facts.values()
         return (
             any(f.phase in _BUSY for f in facts)

@@ -17,6 +17,7 @@ from collections.abc import Collection, Hashable, Mapping
 from typing import Any
 
 from omnistage_operator.labels import GROUP_LABEL, STAGE_LABEL
+from omnistage_operator.pipelines import Batching, batching_for
 
 __all__ = ["GroupViews", "group_of", "pod_keys", "stage_keys"]
 
@@ -81,9 +82,10 @@ def _plain(value: Any) -> Any:
 class GroupViews:
     """A group's stages and pods from the two indexes, with this process's own changes."""
 
-    def __init__(self, stages: Index, pods: Index) -> None:
+    def __init__(self, stages: Index, pods: Index, pipelines: Index | None = None) -> None:
         self._stages = stages
         self._pods = pods
+        self._pipelines: Index = pipelines if pipelines is not None else {}
         self._created: dict[tuple[str, str], tuple[Body, float]] = {}  # pods just created
         self._gone: dict[str, float] = {}  # pod uid: when the API confirmed it gone
 
@@ -94,6 +96,18 @@ class GroupViews:
     def stage(self, namespace: str, name: str) -> Body | None:
         """One OmniStage by name, whatever its group."""
         return next(iter(self._stages.get(("name", namespace, name), ())), None)
+
+    def pipelines(self, namespace: str, stages: Collection[str]) -> list[Body]:
+        """The OmniPipelines naming any of ``stages`` (each once)."""
+        seen: dict[str, Body] = {}
+        for stage in stages:
+            for body in self._pipelines.get(("stage", namespace, stage), ()):
+                seen.setdefault(body["metadata"]["name"], body)
+        return [seen[k] for k in sorted(seen)]
+
+    def batching(self, namespace: str, stage: str) -> Batching | None:
+        """The batch policy of a stage's pipelines (None: in none)."""
+        return batching_for(list(self._pipelines.get(("stage", namespace, stage), ())), namespace)
 
     def pods(self, namespace: str, group: str, stages: Collection[str]) -> list[Body]:
         """Worker pods of ``stages`` (whatever their group label) and of the group's label."""

@@ -12,6 +12,7 @@ import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
 from omnistage_worker.demand import retry_after_header
+from omnistage_worker.encoding import encode
 from omnistage_worker.state import Worker
 from omnistage_worker.transitions import Refused
 
@@ -39,6 +40,18 @@ class InferenceServicer(inference_service_pb2_grpc.InferenceServiceServicer):
         except Exception as exc:
             log.exception("generate %r failed", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def Encode(
+        self, request: inference_service_pb2.EncodeRequest, context: Context
+    ) -> inference_service_pb2.EncodeResponse:
+        try:
+            return await encode(self.worker, request)
+        except Refused as exc:
+            await _abort(context, exc)
+        except Exception as exc:
+            log.exception("encode %r failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"encoding failed: {exc}")
         raise AssertionError("unreachable: context.abort raises")
 
     async def GenerateStream(

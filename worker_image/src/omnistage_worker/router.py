@@ -15,6 +15,10 @@ to the same URL after a short pause (the Service then sends it to the next ready
 to ``--retry-within`` seconds (15). A request that reached a model is never sent twice.
 ``--token-file`` makes the router require a bearer token (``/health`` stays open); the client's
 ``Authorization`` goes on to the stage.
+
+``--pipeline NAME=STAGE:embeds,STAGE`` serves a pipeline under ``NAME``: each request runs
+through the stages over their gRPC port (:mod:`.pipeline_serve`; ``--grpc-route
+STAGE=HOST:PORT`` names a stage's address, else ``STAGE-worker.NS.svc:--worker-grpc-port``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from omnistage_worker.config import ConfigError, parse_byte_flag, read_token
 from omnistage_worker.http_auth import BearerAuth
 from omnistage_worker.limits import DEFAULT_REQUEST_BODY_BYTES
 from omnistage_worker.openai_api import error_body
+from omnistage_worker.pipeline_def import parse_pipeline
+from omnistage_worker.pipeline_serve import PipelineServer, grpc_targets
 from omnistage_worker.queued import UNSERVED_HEADER
 
 log = logging.getLogger(__name__)
@@ -71,8 +77,11 @@ class Router:
         token: str | None = None,
         max_request_bytes: int = DEFAULT_REQUEST_BODY_BYTES,
         retry_within: float = RETRY_WITHIN_S,
+        *,
+        pipelines: Mapping[str, PipelineServer] | None = None,
     ) -> None:
         self.routes = {name: list(urls) for name, urls in routes.items()}
+        self.pipelines = dict(pipelines or {})
         self.created = int(time.time())
         self.max_request_bytes = max_request_bytes
         self.retry_within = retry_within
@@ -94,16 +103,18 @@ class Router:
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         yield
         await self.client.aclose()
+        for pipeline in self.pipelines.values():
+            await pipeline.close()
 
     async def models(self, request: Request) -> Response:
         data = [
             {"id": name, "object": "model", "created": self.created, "owned_by": "omnistage"}
-            for name in sorted(self.routes)
+            for name in sorted({*self.routes, *self.pipelines})
         ]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "models": sorted(self.routes)})
+        return JSONResponse({"status": "ok", "models": sorted({*self.routes, *self.pipelines})})
 
     async def forward(self, request: Request) -> Response:
         raw = await request.body()
@@ -119,9 +130,11 @@ class Router:
                 error_body("the request body is not JSON", "invalid_request_error"), 400
             )
         model = body.get("model") if isinstance(body, dict) else None
+        if isinstance(model, str) and model in self.pipelines:
+            return await self.pipelines[model].serve(request.url.path, body)
         targets = self.routes.get(model) if isinstance(model, str) else None
         if not targets:
-            known = ", ".join(sorted(self.routes))
+            known = ", ".join(sorted({*self.routes, *self.pipelines}))
             message = f"the model {model!r} does not exist here (models: {known})"
             return JSONResponse(
                 error_body(message, "invalid_request_error", "model", "model_not_found"), 404
@@ -223,16 +236,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=RETRY_WITHIN_S,
         help="seconds a request that never reached a model is sent again (default 15)",
     )
+    p.add_argument(
+        "--pipeline",
+        action="append",
+        default=[],
+        help="NAME=STAGE:embeds,STAGE (or STAGE:text): a pipeline served under NAME",
+    )
+    p.add_argument("--worker-grpc-port", type=int, default=50051, help="the stages' worker.port")
+    p.add_argument(
+        "--grpc-route", action="append", default=[], help="STAGE=HOST:PORT (a stage's gRPC)"
+    )
     args = p.parse_args(argv)
     try:
-        table = parse_routes(args.namespace, args.stage, args.worker_port, args.route)
+        pipelines = [parse_pipeline(text) for text in args.pipeline]
+        table: dict[str, list[str]] = {}
+        if args.stage or args.route or not pipelines:
+            table = parse_routes(args.namespace, args.stage, args.worker_port, args.route)
+        grpc_routes = dict(item.partition("=")[::2] for item in args.grpc_route)
+        targets = grpc_targets(pipelines, args.namespace, args.worker_grpc_port, grpc_routes)
         token = read_token(args.token_file) if args.token_file is not None else None
         limit = parse_byte_flag(args.max_request_bytes, "--max-request-bytes")
     except (ValueError, ConfigError) as exc:
         p.error(str(exc))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     log.info("routes: %s%s", table, " (bearer token required)" if token else "")
-    router = Router(table, token=token, max_request_bytes=limit, retry_within=args.retry_within)
+    router = Router(
+        table,
+        token=token,
+        max_request_bytes=limit,
+        retry_within=args.retry_within,
+        pipelines={p.name: PipelineServer(p, targets, args.retry_within) for p in pipelines},
+    )
     uvicorn.run(router.asgi, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

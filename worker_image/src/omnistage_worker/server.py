@@ -26,6 +26,7 @@ from omnistage.worker.v1 import (
 from omnistage_worker.auth import BearerTokenInterceptor
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand_service import DemandServicer
+from omnistage_worker.embeds import MAX_MESSAGE_BYTES
 from omnistage_worker.health import HealthReporter
 from omnistage_worker.inference_service import InferenceServicer
 from omnistage_worker.metrics_serve import GrpcRequestCounter, MetricsServer
@@ -63,7 +64,11 @@ class WorkerServer:
         )
         if self.reviewer is not None:
             interceptors.append(TokenReviewInterceptor(self.reviewer))
-        self.server = grpc.aio.server(interceptors=interceptors)
+        # Room for a pipeline's prompt embeds (checked against their own limit on arrival).
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+        )
         sleep_service_pb2_grpc.add_SleepServiceServicer_to_server(
             SleepServicer(self.worker), self.server
         )

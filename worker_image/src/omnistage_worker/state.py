@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -52,6 +52,7 @@ from omnistage_worker.transitions import (
 log = logging.getLogger(__name__)
 
 Listener = Callable[[Current], Awaitable[None]]
+T = TypeVar("T")
 
 
 class Worker:
@@ -249,13 +250,25 @@ class Worker:
         on_text_chunk: TextChunkSink | None = None,
     ) -> inference_service_pb2.GenerateResponse:
         """Serve one request now, hold it (OnDemand, asleep or in a transition), or refuse it
-        with the reason (never dropped silently).
+        with the reason (never dropped silently). ``on_chunk`` gets AR output's ids and text as
+        generated (on the event loop), ``on_text_chunk`` the same as ``TextChunk`` messages
+        (with log probabilities); ``on_admitted`` is called once past holding and validation."""
+        self.admissible(request)
+        receiver = _chunk_receiver(on_chunk, on_text_chunk)
+        sink = _thread_safe(self.metrics.first_token(receiver, time.monotonic()))
+        engine: Any = getattr(self.runner, "agenerate", None)  # an engine's own batching
+        via_engine = lambda: engine(request, _ids_and_text(on_chunk, on_text_chunk))  # noqa: E731
+        response: inference_service_pb2.GenerateResponse = await self.serve_call(
+            request.request_id,
+            lambda: self.runner.generate(request, sink),
+            via_engine if engine is not None else None,
+            on_admitted,
+        )
+        self.metrics.served(response)
+        return response
 
-        ``on_chunk`` receives the token ids and text of AR output as they are generated (on
-        the event loop); ``on_text_chunk`` receives the same as whole ``TextChunk`` messages
-        (with log probabilities); ``on_admitted`` is called once the request is past holding
-        and validation.
-        """
+    def admissible(self, request: inference_service_pb2.GenerateRequest) -> None:
+        """Refuse a request that cannot be served here whatever the state (Refused)."""
         if self.terminating:
             raise ShuttingDown("it arrived after the shutdown began")
         try:
@@ -263,9 +276,17 @@ class Worker:
             self.runner.validate(request)
         except (InvalidRequest, limits.OverLimit) as exc:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+
+    async def serve_call(
+        self,
+        request_id: str,
+        call: Callable[[], T],
+        call_async: Callable[[], Awaitable[T]] | None,
+        on_admitted: Callable[[], None] | None,
+    ) -> T:
+        """Hold or refuse until servable, then ``call`` on the lane (``call_async``: the loop)."""
         self.demand.touch()
-        arrived = time.monotonic()
-        deadline = arrived + self.demand.hold_timeout
+        deadline = time.monotonic() + self.demand.hold_timeout
         while (refusal := generate_refusal(self.current)) is not None:
             if not (self.demand.on_demand and holdable(self.current)):
                 raise refusal
@@ -284,26 +305,20 @@ class Worker:
             on_admitted()
 
         probe = self.probe
-        receiver = _chunk_receiver(on_chunk, on_text_chunk)
-        sink = _thread_safe(self.metrics.first_token(receiver, arrived))
-        serve_async = getattr(self.runner, "agenerate", None)  # an engine with its own batching
 
-        def serve() -> inference_service_pb2.GenerateResponse | None:
+        def serve() -> T | None:
             if not ticket.start():
                 return None  # it left the queue (client gone, or answered at shutdown)
             # on the lane's thread: a simulated device charges the request's activations
             with probe.serving() if probe is not None else contextlib.nullcontext():
-                return self.runner.generate(request, sink)
+                return call()
 
-        async def run() -> inference_service_pb2.GenerateResponse | None:
+        async def run() -> T | None:
             try:
-                if serve_async is not None:
+                if call_async is not None:
                     if not ticket.start():
                         return None  # it left the queue (client gone, or answered at shutdown)
-                    response: inference_service_pb2.GenerateResponse = await serve_async(
-                        request, _ids_and_text(on_chunk, on_text_chunk)
-                    )
-                    return response
+                    return await call_async()
                 return await self._generate_lane.run(serve)
             finally:
                 self.queued.done(ticket)
@@ -323,7 +338,7 @@ class Worker:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             if ticket.leave():
-                log.info("request %s left the queue: its caller went away", request.request_id)
+                log.info("request %s left the queue: its caller went away", request_id)
                 self.demand.changed()
             raise
         if not job.done():
@@ -331,7 +346,6 @@ class Worker:
         response = job.result()
         if response is None:
             raise ShuttingDown()
-        self.metrics.served(response)
         return response
 
     def terminate(self) -> int:
@@ -403,20 +417,6 @@ def _chunk_receiver(
     return receive
 
 
-def _ids_and_text(
-    on_chunk: ChunkSink | None, on_text_chunk: TextChunkSink | None
-) -> ChunkSink | None:
-    """``on_chunk``, else ``on_text_chunk`` fed from the ids and text an engine streams."""
-    if on_chunk is not None or on_text_chunk is None:
-        return on_chunk
-    sink = on_text_chunk
-
-    def put(ids: list[int], text: str) -> None:
-        sink(inference_service_pb2.TextChunk(token_ids=ids, text=text))
-
-    return put
-
-
 def _retrieved(job: asyncio.Future[Any]) -> None:
     """Mark a finished job's exception as seen (its caller may have gone)."""
     if not job.cancelled():
@@ -433,3 +433,17 @@ def _thread_safe(sink: TextChunkSink | None) -> TextChunkSink | None:
         loop.call_soon_threadsafe(sink, chunk)
 
     return forward
+
+
+def _ids_and_text(
+    on_chunk: ChunkSink | None, on_text_chunk: TextChunkSink | None
+) -> ChunkSink | None:
+    """``on_chunk``, else ``on_text_chunk`` fed from the ids and text an engine streams."""
+    if on_chunk is not None or on_text_chunk is None:
+        return on_chunk
+    sink = on_text_chunk
+
+    def put(ids: list[int], text: str) -> None:
+        sink(inference_service_pb2.TextChunk(token_ids=ids, text=text))
+
+    return put

@@ -91,7 +91,7 @@ def torch_dtype(name: str) -> torch.dtype | None:
 
 def validate_common(request: inference_service_pb2.GenerateRequest) -> None:
     """Checks every runner applies: a prompt, and no negative sizes."""
-    if not request.prompt:
+    if not request.prompt and not request.HasField("prompt_embeds"):
         raise InvalidRequest("prompt", "required (must not be empty)")
     for field, value, bound in (
         ("max_new_tokens", request.max_new_tokens, MAX_NEW_TOKENS),

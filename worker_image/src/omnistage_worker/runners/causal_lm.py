@@ -14,7 +14,12 @@ import torch
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.engine.placement import Block, blocks_of
-from omnistage_worker.runners.base import TextChunkSink, TorchRunner, safetensors_in
+from omnistage_worker.runners.base import (
+    InvalidRequest,
+    TextChunkSink,
+    TorchRunner,
+    safetensors_in,
+)
 from omnistage_worker.runners.decode_batch import DecodeBatcher, Job
 from omnistage_worker.runners.sampling import resolve_sampling, validate_sampling
 
@@ -83,8 +88,31 @@ class CausalLMRunner(TorchRunner):
         return {"model": found} if found else None
 
     def validate(self, request: inference_service_pb2.GenerateRequest) -> None:
+        if request.HasField("prompt_embeds"):
+            raise InvalidRequest("prompt_embeds", "an AR stage takes a prompt, not prompt embeds")
         super().validate(request)
         validate_sampling(request)
+
+    def encode(
+        self, request: inference_service_pb2.EncodeRequest
+    ) -> inference_service_pb2.EncodeResponse:
+        """The prompt's last hidden state (after the final norm) as prompt embeds, every
+        token unmasked; each prompt runs alone, so its embeds do not depend on the others."""
+        from omnistage_worker.embeds import pack
+
+        started = time.monotonic()
+        ids = [int(t) for t in self.tokenizer(request.prompt)["input_ids"]]
+        with self._generate_lock, torch.inference_mode():
+            tokens = torch.tensor([ids], device=self.device)
+            out = self.model.base_model(input_ids=tokens, attention_mask=torch.ones_like(tokens))
+            hidden = out.last_hidden_state[0]
+        response = inference_service_pb2.EncodeResponse(
+            request_id=request.request_id,
+            prompt_embeds=pack(hidden, torch.ones(len(ids), dtype=torch.int64)),
+        )
+        response.usage.prompt_tokens = len(ids)
+        response.duration.FromNanoseconds(int((time.monotonic() - started) * 1e9))
+        return response
 
     @property
     def max_concurrency(self) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
+from omnistage_worker.embeds import MAX_EMBEDS_BYTES
 from omnistage_worker.runners.base import (
     InvalidRequest,
     SleepController,
@@ -23,6 +24,13 @@ from omnistage_worker.runners.base import (
     safetensors_in,
 )
 from omnistage_worker.runners.components import discover
+from omnistage_worker.runners.diffusion_embeds import (
+    absent_components,
+    call_arguments,
+    check_embeds,
+    embeds_width,
+)
+from omnistage_worker.runners.diffusion_embeds import batch_key as embeds_key
 from omnistage_worker.runners.frames import png, to_pil, video_frames
 from omnistage_worker.runners.group_batch import GroupBatcher
 from omnistage_worker.runners.pipeline_call import (
@@ -69,6 +77,8 @@ class DiffusionRunner(TorchRunner):
         self._files = self._component_files()
         self.resolve_dtype([], [p for paths in self._files.values() for p in paths])
         kwargs: dict[str, Any] = {"local_files_only": True, "torch_dtype": self.dtype}
+        # Components saved as absent (a DiT stage whose text encoder is another stage).
+        kwargs.update(dict.fromkeys(absent_components(self.model_dir)))
         if self.config.variant:
             kwargs["variant"] = self.config.variant
         pipe = DiffusionPipeline.from_pretrained(str(self.model_dir), **kwargs)  # type: ignore[no-untyped-call]
@@ -156,6 +166,12 @@ class DiffusionRunner(TorchRunner):
             self._size_rules(), request.height, request.width, request.num_frames, self.makes_video
         )
         self._parameters(request)
+        self._embeds_shape(request)
+
+    def _embeds_shape(self, request: inference_service_pb2.GenerateRequest) -> Any:
+        owner = type(self.pipeline).__name__
+        width = embeds_width(self.pipeline)
+        return check_embeds(request, owner, self._call_params, width, MAX_EMBEDS_BYTES)
 
     def _parameters(self, request: inference_service_pb2.GenerateRequest) -> dict[str, Scalar]:
         values: dict[str, Scalar] = {}
@@ -194,6 +210,7 @@ class DiffusionRunner(TorchRunner):
         return (
             tuple(sorted(self._call_sizes(request).items())),
             tuple(sorted(self._parameters(request).items())),
+            embeds_key(request),
         )
 
     def _call_sizes(self, request: inference_service_pb2.GenerateRequest) -> dict[str, Any]:
@@ -224,9 +241,17 @@ class DiffusionRunner(TorchRunner):
         }
         kwargs.update(self._call_sizes(first))
         kwargs.update(self._parameters(first))
-        prompts = [r.prompt for r in requests]
+        prompts: Any = [r.prompt for r in requests]
+        prompts = prompts if len(requests) > 1 else prompts[0]
+        if first.HasField("prompt_embeds"):  # an encoder stage's output: no prompt
+            prompts = None
+            kwargs.update(
+                call_arguments(
+                    requests, self._call_params, device, self.pipeline.dtype, MAX_EMBEDS_BYTES
+                )
+            )
         with torch.inference_mode():
-            result = self.pipeline(prompts if len(requests) > 1 else prompts[0], **kwargs)
+            result = self.pipeline(prompts, **kwargs)
         seconds = time.monotonic() - started
         return [
             self._response(request, result, index, len(requests), seconds)

@@ -86,6 +86,7 @@ class GenerateRequest(_message.Message):
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_EMBEDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """request_id is echoed in the response."""
     prompt: _builtins.str
@@ -127,6 +128,13 @@ class GenerateRequest(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """stop are sequences that end AR generation (not included in the output); at most 4."""
 
+    @_builtins.property
+    def prompt_embeds(self) -> Global___PromptEmbeds:
+        """prompt_embeds replaces the prompt for diffusion runners whose pipeline takes prompt embeds
+        (an encoder stage's Encode output); prompt may then be empty. INVALID_ARGUMENT naming the
+        field when it does not fit (shape, dtype, size, a pipeline without prompt embeds).
+        """
+
     def __init__(
         self,
         *,
@@ -145,10 +153,11 @@ class GenerateRequest(_message.Message):
         temperature: _builtins.float | None = ...,
         top_p: _builtins.float | None = ...,
         top_logprobs: _builtins.int | None = ...,
+        prompt_embeds: Global___PromptEmbeds | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "temperature", b"temperature", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "prompt_embeds", b"prompt_embeds", "temperature", b"temperature", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "do_sample", b"do_sample", "guidance_scale", b"guidance_scale", "height", b"height", "max_new_tokens", b"max_new_tokens", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "parameters", b"parameters", "prompt", b"prompt", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "width", b"width"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_temperature", b"_temperature", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "do_sample", b"do_sample", "guidance_scale", b"guidance_scale", "height", b"height", "max_new_tokens", b"max_new_tokens", "num_frames", b"num_frames", "num_inference_steps", b"num_inference_steps", "parameters", b"parameters", "prompt", b"prompt", "prompt_embeds", b"prompt_embeds", "request_id", b"request_id", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "width", b"width"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
@@ -164,6 +173,108 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class PromptEmbeds(_message.Message):
+    """PromptEmbeds are an encoder's hidden states for one prompt, as a safetensors file (never a
+    pickle) holding two tensors: "prompt_embeds" [tokens, hidden] of dtype, and
+    "prompt_embeds_mask" [tokens] of I64 (1: a token, 0: padding). The receiver checks the file
+    against shape and dtype and its length against its limit before it reads any tensor.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAFETENSORS_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    safetensors: _builtins.bytes
+    """safetensors is the file's bytes."""
+    dtype: _builtins.str
+    """dtype is prompt_embeds' safetensors dtype: "F32", "F16" or "BF16"."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """shape is prompt_embeds' shape: [tokens, hidden]."""
+
+    def __init__(
+        self,
+        *,
+        safetensors: _builtins.bytes = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        dtype: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "safetensors", b"safetensors", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptEmbeds: _TypeAlias = PromptEmbeds  # noqa: Y015
+
+@_typing.final
+class EncodeRequest(_message.Message):
+    """EncodeRequest is one prompt to encode."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """request_id is echoed in the response."""
+    prompt: _builtins.str
+    """prompt is the text to encode."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt", b"prompt", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EncodeRequest: _TypeAlias = EncodeRequest  # noqa: Y015
+
+@_typing.final
+class EncodeResponse(_message.Message):
+    """EncodeResponse is an encoder's output for one prompt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_EMBEDS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    DURATION_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """request_id echoes the request."""
+    @_builtins.property
+    def prompt_embeds(self) -> Global___PromptEmbeds:
+        """prompt_embeds are the hidden states, for GenerateRequest.prompt_embeds of the next stage."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """usage counts the prompt's tokens."""
+
+    @_builtins.property
+    def duration(self) -> _duration_pb2.Duration:
+        """duration is the time spent encoding."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        prompt_embeds: Global___PromptEmbeds | None = ...,
+        usage: Global___Usage | None = ...,
+        duration: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "prompt_embeds", b"prompt_embeds", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "prompt_embeds", b"prompt_embeds", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EncodeResponse: _TypeAlias = EncodeResponse  # noqa: Y015
 
 @_typing.final
 class ParameterValue(_message.Message):

@@ -48,6 +48,11 @@ class InferenceServiceStub:
                 request_serializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamRequest.SerializeToString,
                 response_deserializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.Encode = channel.unary_unary(
+                '/omnistage.worker.v1.InferenceService/Encode',
+                request_serializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.EncodeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -73,6 +78,15 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Encode(self, request, context):
+        """Encode runs an AR stage as a text encoder: the model's last hidden state for the prompt,
+        the prompt embeds a diffusion stage of a pipeline takes (GenerateRequest.prompt_embeds).
+        Held, drained and refused like Generate; UNIMPLEMENTED for runners that cannot encode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -85,6 +99,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamRequest.FromString,
                     response_serializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.EncodeRequest.FromString,
+                    response_serializer=omnistage_dot_worker_dot_v1_dot_inference__service__pb2.EncodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -145,6 +164,33 @@ class InferenceService:
             '/omnistage.worker.v1.InferenceService/GenerateStream',
             omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamRequest.SerializeToString,
             omnistage_dot_worker_dot_v1_dot_inference__service__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.worker.v1.InferenceService/Encode',
+            omnistage_dot_worker_dot_v1_dot_inference__service__pb2.EncodeRequest.SerializeToString,
+            omnistage_dot_worker_dot_v1_dot_inference__service__pb2.EncodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,11 @@ class InferenceServiceStub:
     generated token as it is produced, then the complete response; for diffusion runners the
     complete response only.
     """
+    Encode: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.EncodeRequest, _inference_service_pb2.EncodeResponse]
+    """Encode runs an AR stage as a text encoder: the model's last hidden state for the prompt,
+    the prompt embeds a diffusion stage of a pipeline takes (GenerateRequest.prompt_embeds).
+    Held, drained and refused like Generate; UNIMPLEMENTED for runners that cannot encode.
+    """
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
@@ -60,6 +65,11 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """GenerateStream runs one request and streams its output: for AR runners one chunk per
     generated token as it is produced, then the complete response; for diffusion runners the
     complete response only.
+    """
+    Encode: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.EncodeRequest, _inference_service_pb2.EncodeResponse]  # type: ignore[assignment]
+    """Encode runs an AR stage as a text encoder: the model's last hidden state for the prompt,
+    the prompt embeds a diffusion stage of a pipeline takes (GenerateRequest.prompt_embeds).
+    Held, drained and refused like Generate; UNIMPLEMENTED for runners that cannot encode.
     """
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -86,6 +96,17 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         """GenerateStream runs one request and streams its output: for AR runners one chunk per
         generated token as it is produced, then the complete response; for diffusion runners the
         complete response only.
+        """
+
+    @_abc_1.abstractmethod
+    def Encode(
+        self,
+        request: _inference_service_pb2.EncodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_service_pb2.EncodeResponse, _abc.Awaitable[_inference_service_pb2.EncodeResponse]]:
+        """Encode runs an AR stage as a text encoder: the model's last hidden state for the prompt,
+        the prompt embeds a diffusion stage of a pipeline takes (GenerateRequest.prompt_embeds).
+        Held, drained and refused like Generate; UNIMPLEMENTED for runners that cannot encode.
         """
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,416 @@
+"""A Qwen-Image-shaped pipeline through omnistage on one GPU: resident, batch-swapped, per request.
+
+Run on the lent GPU host from a copy of the repository with the bundle of ``bench.gpu_bundle``
+(the control-plane binaries and the packages the host lacks, diffusers included)::
+
+    python3 bench/pipeline.py --bundle ../.gpubundle --out $OUT/pipeline.json
+
+or rehearse it here on the CPU (tiny models, localnode's simulated GPU)::
+
+    .venv/bin/python bench/pipeline.py --tiny --out /tmp/pipeline.json
+
+It builds the two stages of ``bench/qwen_image_like.py`` with random bf16 weights (encoder about
+15 GiB, DiT + VAE about 38 GiB: 55 GiB of disk in ``--work``), then, on the real control plane
+with localnode on the real GPU, the operator and ``omnistage-router`` serving the OmniPipeline
+``qwen-image`` (encoder ``passes: Embeds`` -> DiT), runs ``--clients`` closed-loop clients of
+``--requests`` image requests each (fixed ``--size`` and ``--steps``) three times:
+
+1. ``resident``: both stages fit (no ballast): the reference images/s;
+2. ``batched``: a ballast process leaves room for the larger stage only; the pipeline's batch
+   policy (``--max-batch``, ``--max-wait``) swaps the stages per batch;
+3. ``per_request``: the same ballast, one request in flight at a time and ``maxBatch: 1``,
+   ``maxWait: 0s``: every request swaps the stages twice (the naive baseline).
+
+The JSON holds each run's images/s, swaps and batches (the pipeline's status), the NVML
+sampler's peak of the device's used memory against the room (an outside process, every
+``--period`` s), and ``--check`` outputs of the batched run compared with the same pipeline run
+in one process (``bit_identical`` and the largest pixel difference). ``summary`` holds
+``batched_of_resident`` and ``batched_over_per_request`` (the issue asks >= 0.7 and >= 3).
+Not yet run on the GPU host: no committed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for _p in reversed(
+    [ROOT / "operator/src", ROOT / "worker_image/src", ROOT / "protos/gen/python", ROOT]
+):
+    sys.path.insert(0, str(_p))
+
+from bench import gpu_e2e  # noqa: E402
+from bench.gpu_e2e_analysis import GiB  # noqa: E402
+
+Json = dict[str, Any]
+GPU_E2E = ROOT / "bench" / "gpu_e2e.py"
+CRDS = [
+    ROOT / "crds" / "omnistages.omnistage.io.yaml",
+    ROOT / "crds" / "omnipipelines.omnistage.io.yaml",
+]
+PROMPTS = ["the cat sat on the mat", "a dog ran in the park", "a bird can fly over the tree"]
+TINY_ROOM = 5_000_000  # simulated GPU with room for one tiny stage (as tests/e2e/test_pipeline)
+TINY_VRAM = "3500k"
+
+
+def log(msg: str) -> None:
+    print(f"[pipeline {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- children ----------------------------------------------------------------------------
+
+
+def child_build(models: Path, tiny: bool) -> Json:
+    import torch
+
+    from bench.qwen_image_like import FULL, TINY, build_dit, build_encoder
+
+    size, device = (TINY, "cpu") if tiny else (FULL, "cuda")
+    out: Json = {}
+    for name, build in (("encoder", build_encoder), ("dit", build_dit)):
+        path = models / name
+        if not (path / ".done").exists():
+            start = time.monotonic()
+            build(size, path, device)
+            (path / ".done").write_text("")
+            out[f"{name}_build_seconds"] = round(time.monotonic() - start, 1)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        out[f"{name}_weight_bytes"] = sum(f.stat().st_size for f in path.rglob("*.safetensors"))
+    return out
+
+
+def child_reference(models: Path, requests: Path, device: str) -> Json:
+    """PNG bytes (base64) of each request, the pipeline run in this one process."""
+    import torch
+
+    from tests.worker.pipeline_reference import InProcessPipeline
+
+    todo = json.loads(requests.read_text())
+    dtype = torch.bfloat16 if device == "cuda" else None
+    pipe = InProcessPipeline(models / "encoder", models / "dit", device, dtype)
+    out = []
+    for r in todo:
+        fields = {"height": r["size"], "width": r["size"], "num_inference_steps": r["steps"]}
+        png = pipe.images([r["prompt"]], [r["seed"]], fields)[0]
+        out.append(base64.b64encode(png).decode())
+    return {"images": out}
+
+
+# ---- one run -----------------------------------------------------------------------------
+
+
+def stage(name: str, model: Path, node: str, tiny: bool, max_batch: int) -> Json:
+    runner, backend = ("AR", "Transformers") if name == "encoder" else ("Diffusion", "Diffusers")
+    worker: Json = {"device": "cpu" if tiny else "cuda"}
+    if not tiny:
+        worker["dtype"] = "bfloat16"
+    spec: Json = {
+        "runner": runner, "backend": backend, "image": "omnistage/worker:bench",
+        "model": {"path": "/models/m", "mountPath": "/models/m",
+                  "volume": {"hostPath": {"path": str(model), "type": "Directory"}}},
+        "state": "Asleep", "sleepLevel": 1, "activation": {"policy": "OnDemand"},
+        "colocation": {"group": "qwen", "priority": 0}, "gpus": 1, "worker": worker,
+        "template": {"nodeSelector": {"kubernetes.io/hostname": node}},
+        "limits": {"maxBatch": max_batch},
+    }  # fmt: skip
+    if tiny:
+        spec["vram"] = {"request": TINY_VRAM}
+    return {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniStage",
+            "metadata": {"name": name}, "spec": spec}  # fmt: skip
+
+
+def pipeline(max_batch: int, max_wait: str) -> Json:
+    return {
+        "apiVersion": "omnistage.io/v1alpha1", "kind": "OmniPipeline",
+        "metadata": {"name": "qwen-image"},
+        "spec": {"stages": [{"name": "encoder", "passes": "Embeds"}, {"name": "dit"}],
+                 "batching": {"maxBatch": max_batch, "maxWait": max_wait}},
+    }  # fmt: skip
+
+
+def wait(what: str, check: Any, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} not within {timeout}s")
+
+
+async def drive(base: str, args: argparse.Namespace, serial: bool) -> tuple[float, list[Json]]:
+    """``--clients`` clients of ``--requests`` each; seconds taken and every answer."""
+    import httpx
+
+    gate = asyncio.Semaphore(1 if serial else args.clients)
+    answers: list[Json] = []
+
+    async def client(c: int, http: httpx.AsyncClient) -> None:
+        for r in range(args.requests):
+            body = {"model": "qwen-image", "prompt": PROMPTS[(c + r) % len(PROMPTS)],
+                    "seed": c * 1000 + r, "size": f"{args.size}x{args.size}",
+                    "num_inference_steps": args.steps}  # fmt: skip
+            async with gate:
+                reply = await http.post(f"{base}/v1/images/generations", json=body)
+            if reply.status_code != 200:
+                raise RuntimeError(f"request {c}/{r}: {reply.status_code} {reply.text[:500]}")
+            answers.append({**body, "b64": reply.json()["data"][0]["b64_json"]})
+
+    async with httpx.AsyncClient(timeout=3600) as http:
+        start = time.monotonic()
+        await asyncio.gather(*(client(c, http) for c in range(args.clients)))
+        return time.monotonic() - start, answers
+
+
+def one_run(cp: Any, kind: str, args: argparse.Namespace, models: Path, work: Path) -> Json:
+    """One of the three runs in its own namespace, localnode, operator and router."""
+    from tests.cluster.procs import free_port, terminate
+
+    ns = cp.create_namespace(f"pipe-{kind.replace('_', '-')}")
+    room = None if kind == "resident" else TINY_ROOM
+    memory = (room or 80 * GiB) if args.tiny else 0
+    nodes, mode = gpu_e2e.start_localnode(
+        cp.kubeconfig, 1, memory or args.device_bytes, not args.tiny, work / f"ln-{kind}"
+    )
+    out: Json = {"run": kind, "localnode": mode}
+    op = router = None
+    with nodes:
+        try:
+            extra = ("--wake-margin-bytes", "16384") if args.tiny else ()
+            op = gpu_e2e.Operator(cp.kubeconfig, ns, work, extra)
+            op.wait_healthy()
+            node = nodes.node_names[0]
+            serial = kind == "per_request"
+            batch, max_wait = (1, "0s") if serial else (args.max_batch, args.max_wait)
+            for name in ("encoder", "dit"):
+                cp.apply(stage(name, models / name, node, args.tiny, args.max_batch), namespace=ns)
+            cp.apply(pipeline(batch, max_wait), namespace=ns)
+
+            def asleep() -> bool:
+                states = [cp.get_json("omnistage", n, namespace=ns).get("status", {}).get("state")
+                          for n in ("encoder", "dit")]  # fmt: skip
+                return states == ["Asleep", "Asleep"]
+
+            wait("both stages loaded and asleep", asleep, 1800)
+            targets = {}
+            for name in ("encoder", "dit"):
+                pod = cp.get_json("pod", f"{name}-worker", namespace=ns)
+                port = pod["spec"]["containers"][0]["ports"][0]["containerPort"]
+                targets[name] = f"{pod['status']['podIP']}:{port}"
+            port = free_port()
+            router_log = (work / f"router-{kind}.log").open("ab")
+            router = subprocess.Popen(
+                [sys.executable, "-m", "omnistage_worker.router", "--host", "127.0.0.1",
+                 "--port", str(port), "--pipeline", "qwen-image=encoder:embeds,dit",
+                 *[f"--grpc-route={k}={v}" for k, v in targets.items()]],
+                stdout=router_log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            base = f"http://127.0.0.1:{port}"
+            wait("router", lambda: _up(base), 60)
+            warm = argparse.Namespace(**{**vars(args), "clients": 1, "requests": 1})
+            asyncio.run(drive(base, warm, serial))  # both stages woken once, outside the timing
+
+            def counters() -> tuple[int, int]:
+                got = cp.get_json("omnipipeline", "qwen-image", namespace=ns).get("status", {})
+                return int(got.get("swaps") or 0), int(got.get("batches") or 0)
+
+            time.sleep(2.0)  # the warm-up's last round written to status
+            before = counters()
+            seconds, answers = asyncio.run(drive(base, args, serial))
+            time.sleep(2.0)
+            after = counters()
+            out.update({
+                "seconds": round(seconds, 3), "images": len(answers),
+                "images_per_s": round(len(answers) / seconds, 4),
+                "swaps": after[0] - before[0], "batches": after[1] - before[1],
+                "policy": {"maxBatch": batch, "maxWait": max_wait, "serial": serial},
+                "window": [time.time() - seconds, time.time()],
+            })  # fmt: skip
+            out["answers"] = answers[: args.check]
+            log(f"{kind}: {out['images_per_s']} images/s, swaps {out['swaps']}")
+        finally:
+            if router is not None:
+                terminate(router)
+            if op is not None:
+                op.stop()
+    return out
+
+
+def _up(base: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=1) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+# ---- the whole benchmark -----------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> Json:
+    from tests.cluster.build import binaries_in, find_binaries
+    from tests.cluster.controlplane import ControlPlane
+
+    work: Path = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    report: Json = {
+        "benchmark": "pipeline",
+        "command": " ".join(shlex.quote(a) for a in ["python3", *sys.argv]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+    }
+    if args.tiny:
+        binaries = find_binaries()
+    else:
+        report["bundle"] = gpu_e2e.unpack_bundle(args.bundle, work)
+        binaries = binaries_in(work / "bin")
+        devices = gpu_e2e.nvml_devices()
+        report["machine"].update(gpu=devices[0]["name"], driver=devices[0]["driver"])
+        args.device_bytes = devices[0]["total_bytes"]
+    report["versions"] = gpu_e2e.versions()
+    models = work / "models"
+    report["models"] = _child(["build", str(models)] + (["--tiny"] if args.tiny else []), 3600)
+    sampler = None
+    samples = work / "nvml.samples"
+    if not args.tiny:
+        sampler = subprocess.Popen([sys.executable, str(GPU_E2E), "sampler", str(samples),
+                                    str(args.period), "0"])  # fmt: skip
+    runs: list[Json] = []
+    try:
+        with ControlPlane(binaries=binaries) as cp:
+            for crd in CRDS:
+                cp.kubectl("apply", "--server-side", "-f", str(crd))
+            for kind in ("resident", "batched", "per_request"):
+                ballast = None
+                if kind != "resident" and not args.tiny:
+                    weights = {"llm_weight_bytes": report["models"]["encoder_weight_bytes"],
+                               "sd_weight_bytes": report["models"]["dit_weight_bytes"]}  # fmt: skip
+                    ballast, room = gpu_e2e.start_ballast(work, weights)
+                try:
+                    result = one_run(cp, kind, args, models, work)
+                    if ballast is not None:
+                        result["room"] = room
+                    runs.append(result)
+                finally:
+                    if ballast is not None:
+                        ballast.terminate()
+                        ballast.wait(60)
+    finally:
+        if sampler is not None:
+            sampler.terminate()
+            sampler.wait(60)
+    report["runs"] = runs
+    report["reference"] = compare(runs[1]["answers"], models, work, args)
+    if not args.tiny:
+        report["memory"] = peaks(samples, runs)
+    for r in runs:
+        r.pop("answers", None)
+    by = {r["run"]: r["images_per_s"] for r in runs}
+    report["summary"] = {
+        "batched_of_resident": round(by["batched"] / by["resident"], 3),
+        "batched_over_per_request": round(by["batched"] / by["per_request"], 3),
+        "swaps": {r["run"]: r["swaps"] for r in runs},
+        "outputs_checked": report["reference"]["checked"],
+        "bit_identical": report["reference"]["bit_identical"],
+    }
+    return report
+
+
+def compare(answers: list[Json], models: Path, work: Path, args: argparse.Namespace) -> Json:
+    """The batched run's first answers against the pipeline run in one process."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    todo = [{"prompt": a["prompt"], "seed": a["seed"], "size": args.size, "steps": args.steps}
+            for a in answers]  # fmt: skip
+    path = work / "reference-requests.json"
+    path.write_text(json.dumps(todo))
+    ref = _child(["reference", str(models), str(path), "cpu" if args.tiny else "cuda"], 3600)
+
+    def pixels(b64: str) -> Any:
+        return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), np.int16)
+
+    diffs = [
+        int(np.abs(pixels(a["b64"]) - pixels(r)).max())
+        for a, r in zip(answers, ref["images"], strict=True)
+    ]
+    same = sum(a["b64"] == r for a, r in zip(answers, ref["images"], strict=True))
+    return {"checked": len(diffs), "bit_identical": same, "max_pixel_diff": max(diffs, default=0)}
+
+
+def peaks(samples: Path, runs: list[Json]) -> Json:
+    """The device's most used memory in each timed window (the outside sampler's readings)."""
+    from bench.gpu_e2e_analysis import read_samples
+
+    readings, _ = read_samples(samples)
+    out: Json = {}
+    for r in runs:
+        lo, hi = r["window"]
+        inside = [s for s in readings if lo <= s.t <= hi]
+        out[r["run"]] = {
+            "samples": len(inside),
+            "peak_used_bytes": max((s.used for s in inside), default=0),
+        }
+    return out
+
+
+def _child(args: list[str], timeout: float) -> Json:
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args],
+                          capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args[0]} failed:\n{proc.stderr[-4000:]}")
+    data: Json = json.loads(proc.stdout.strip().splitlines()[-1])
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "build":
+        print(json.dumps(child_build(Path(argv[1]), "--tiny" in argv)))
+        return 0
+    if argv and argv[0] == "reference":
+        print(json.dumps(child_reference(Path(argv[1]), Path(argv[2]), argv[3])))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bundle", type=Path, default=ROOT.parent / ".gpubundle")
+    p.add_argument("--work", type=Path, default=Path("/tmp/omnistage-pipeline"))
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pipeline.json")
+    p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (a rehearsal)")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=4, help="requests per client")
+    p.add_argument("--size", type=int, default=512, help="image side in pixels")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-wait", default="2s")
+    p.add_argument("--check", type=int, default=8, help="outputs compared with one process")
+    p.add_argument("--period", type=float, default=0.005, help="NVML sampler period (s)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.size, args.steps = min(args.size, 32), min(args.steps, 2)
+    args.device_bytes = 0
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["summary"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
