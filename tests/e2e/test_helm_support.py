@@ -157,13 +157,14 @@ def describe_release(control_plane: ControlPlane, name: str, namespace: str) -> 
     docs = [d for d in yaml.safe_load_all(manifest) if d]
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
-    (token_volume,) = [v for v in pod["volumes"] if v["name"] == "worker-token"]
+    # workerCredentials.mode=kubernetes mounts no token Secret: token_secret is then "".
+    token_volumes = [v for v in pod["volumes"] if v["name"] == "worker-token"]
     return InstalledRelease(
         name=name,
         namespace=namespace,
         fullname=deployment["metadata"]["name"],
         service_account=pod["serviceAccountName"],
-        token_secret=token_volume["secret"]["secretName"],
+        token_secret=token_volumes[0]["secret"]["secretName"] if token_volumes else "",
     )
 
 
