@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omnistage_worker.engine import pinning
+from omnistage_worker.engine.activity import Activity
 from omnistage_worker.engine.pinning import ChunkPinner, split_copy
 from omnistage_worker.engine.weights import WeightEngine
 
@@ -113,6 +114,26 @@ def test_hold_keeps_the_pinned_prefix_still() -> None:
     pinner.release()
 
 
+def test_pinning_waits_for_model_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No chunk is locked while a request runs; a steady load still lets it end."""
+    monkeypatch.setattr(pinning, "MAX_WAIT_S", DEADLINE_S)
+    runs = Activity()
+    locker = GatedMlock(allowed=1000)
+    with runs.busy():
+        pinner = ChunkPinner(4 * CHUNK, locker, chunk_bytes=CHUNK, pause_s=0.0, activity=runs)
+        pinner._thread.join(0.2)  # a window for a pinner that did not wait
+        assert locker.calls == [] and pinner.pinned_bytes == 0
+    pinner.finish()
+    assert pinner.done
+    pinner.release()
+
+    monkeypatch.setattr(pinning, "MAX_WAIT_S", 0.01)
+    with runs.busy():  # never idle: one chunk per MAX_WAIT_S
+        pinner = ChunkPinner(4 * CHUNK, locker, chunk_bytes=CHUNK, pause_s=0.0, activity=runs)
+        poll(lambda: pinner.done, "pinned under a steady load")
+    pinner.release()
+
+
 def test_split_copy_never_crosses_a_chunk() -> None:
     src = torch.arange(10 * CHUNK + 123, dtype=torch.int64).to(torch.uint8)
     dst = torch.zeros_like(src)
@@ -128,7 +149,8 @@ def model() -> torch.nn.Module:
 
 def run(net: torch.nn.Module) -> torch.Tensor:
     with torch.no_grad():
-        return net(torch.ones(2, 64))
+        out: torch.Tensor = net(torch.ones(2, 64))
+    return out
 
 
 @pytest.mark.parametrize("wait", [False, True])

@@ -3,8 +3,12 @@
 ``cuMemHostRegister`` of a 16.6 GiB buffer took 4.3 s on the H200 and held the driver's lock for
 all of it: the first forward (1.5 s alone) ran 4.3 s beside it. A :class:`ChunkPinner` registers
 the buffer one chunk at a time (each its own registration), in order, and pauses between chunks,
-so another thread's driver calls wait at most one chunk. The pages of a chunk are faulted in
-before its registration, outside the driver's lock, where the kernel allows it.
+so another thread's driver calls wait at most one chunk. It also steps aside while the worker
+runs the model (:data:`REQUESTS`, entered by the warm-up and every request): measured on the
+H200 with pauses alone, the first requests after Active ran about 8x slower beside it (the
+driver let them run only in the pauses), so a chunk starts only when no request is running,
+or after :data:`MAX_WAIT_S` of waiting (pinning still ends under a steady load). The pages of
+a chunk are faulted in before its registration, outside the driver's lock, where possible.
 
 A copy between the host buffer and the device goes through :func:`split_copy`, piece by piece at
 chunk boundaries (one piece never spans two registrations), while :meth:`ChunkPinner.hold` keeps
@@ -24,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from omnistage_worker.engine.activity import REQUESTS, Activity
 from omnistage_worker.engine.host_memory import PORTABLE, HostBuffer, _driver, cuda_context
 
 log = logging.getLogger(__name__)
@@ -33,6 +38,9 @@ CHUNK_BYTES = 64 << 20
 
 PAUSE_S = 0.002
 """Left to other threads after each chunk (adds about 12% to the pinning's own time)."""
+
+MAX_WAIT_S = 0.5
+"""Longest a chunk waits for the requests to stop (a steady load loses 16 ms in each 0.5 s)."""
 
 _MADV_POPULATE_WRITE = 23
 """Linux >= 5.14: fault pages in (contents kept) without holding anyone else's lock."""
@@ -82,6 +90,7 @@ class ChunkPinner:
         *,
         chunk_bytes: int | None = None,
         pause_s: float | None = None,
+        activity: Activity | None = None,
     ) -> None:
         chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         pause_s = PAUSE_S if pause_s is None else pause_s
@@ -91,6 +100,7 @@ class ChunkPinner:
         self.chunk_bytes = chunk_bytes
         self._locker = locker
         self._pause_s = pause_s
+        self._activity = REQUESTS if activity is None else activity
         self._lock = threading.Lock()
         self._hurry = threading.Event()
         self._stop = threading.Event()
@@ -121,6 +131,8 @@ class ChunkPinner:
             while not self._stop.is_set() and not self.done:
                 start = self.pinned_bytes
                 length = min(self.chunk_bytes, self.buffer.nbytes - start)
+                if not self._hurry.is_set():
+                    self._activity.wait_idle(MAX_WAIT_S)
                 self._populate(start, length)
                 # Locked outside ``_lock``: a copy meanwhile takes this chunk as pageable (right
                 # either way); only the prefix it copies at the locked rate is published under it.
