@@ -25,6 +25,7 @@ from omnistage_operator.builders import (
     build_token_secret,
     build_worker_pod,
     owner_reference,
+    vllm_args,
 )
 from omnistage_operator.conditions import MEMORY_RELEASED, READY, Reason, set_condition
 from omnistage_operator.quantities import format_bytes
@@ -343,6 +344,31 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
         ("spec.vllm.tensorParallelSize", "must equal spec.gpus"),
     ),
     (
+        "vllm-auto-tool-choice-without-parser",
+        _vllm({"enableAutoToolChoice": True}),
+        ("spec.vllm.toolCallParser", "is required when spec.vllm.enableAutoToolChoice"),
+    ),
+    (
+        "vllm-tool-parser-without-auto-tool-choice",
+        _vllm({"toolCallParser": "hermes"}),
+        ("spec.vllm.toolCallParser", "needs spec.vllm.enableAutoToolChoice true"),
+    ),
+    (
+        "vllm-tool-parser-not-a-name",
+        _vllm({"enableAutoToolChoice": True, "toolCallParser": "hermes; rm -rf"}),
+        ("spec.vllm.toolCallParser", "should match"),
+    ),
+    (
+        "vllm-reasoning-parser-too-long",
+        _vllm({"reasoningParser": "r" * 65}),
+        ("spec.vllm.reasoningParser", "Too long"),
+    ),
+    (
+        "vllm-chat-template-relative",
+        _vllm({"chatTemplate": "templates/chat.jinja"}),
+        ("spec.vllm.chatTemplate", "should match"),
+    ),
+    (
         "vllm-no-flag-in-worker-args",
         _set("spec.worker.args", ["--no-vllm-enable-prefix-caching"]),
         ("spec.worker.args", "--vllm-*"),
@@ -510,6 +536,22 @@ def test_vllm_engine_args_are_accepted_and_reach_the_worker(
     assert args[args.index("--vllm-max-num-seqs") + 1] == "128"
     assert args[args.index("--vllm-kv-cache-dtype") + 1] == "fp8"
     assert "--no-vllm-enable-prefix-caching" in args and "--vllm-enable-chunked-prefill" in args
+
+
+def test_vllm_chat_options_are_accepted_and_reach_the_worker(
+    cluster: ControlPlane, namespace: str
+) -> None:
+    manifest = good("chat")
+    chat = {"enableAutoToolChoice": True, "toolCallParser": "llama3_json",
+            "reasoningParser": "deepseek_r1", "chatTemplate": "/templates/chat.jinja"}  # fmt: skip
+    _vllm(chat)(manifest)
+    apply(cluster, namespace, manifest)
+    stage = parse_stage(get(cluster, namespace, "chat"))
+    args = vllm_args(stage)
+    assert "--vllm-enable-auto-tool-choice" in args
+    assert args[args.index("--vllm-tool-call-parser") + 1] == "llama3_json"
+    assert args[args.index("--vllm-reasoning-parser") + 1] == "deepseek_r1"
+    assert args[args.index("--vllm-chat-template") + 1] == "/templates/chat.jinja"
 
 
 def _example_docs() -> list[dict[str, Any]]:

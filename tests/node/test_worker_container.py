@@ -3,8 +3,10 @@
 A tiny causal LM (built here from a config, nothing downloaded) is mounted read-only by
 hostPath; the worker runs as the image's user 65532 with a read-only root filesystem and no
 capabilities; the kubelet's own gRPC readiness probe must pass, then a client on the host calls
-Generate on the pod IP through the CNI bridge. Needs ``make images`` (the worker image) and the
-prerequisites of test_realnode.py.
+Generate on the pod IP through the CNI bridge. Then the chart's operator (``helm install`` on
+the node) hands over between a tiny AR and a tiny diffusion stage whose workers run in
+containers there. Needs ``make images`` (the worker image) and the prerequisites of
+test_realnode.py; not in CI (marker ``worker_image``: the image is 5.5 GB).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import grpc
 import pytest
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
-from tests.cluster.build import BuildError, find_kubelet
+from tests.cluster.build import BuildError, find_kubelet, find_node_binary
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.podwait import is_ready, wait_pod
+from tests.e2e.conftest import wait_for
+from tests.node.chart import install_on_node, operator_pod
 from tests.node.images import IMAGES, PAUSE, archive_path
 from tests.node.realnode import RealNode
-from tests.worker.tiny_models import build_causal_lm
+from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.worker_image]
 WORKER = IMAGES["worker"]
@@ -39,6 +43,7 @@ def models() -> Iterator[Path]:
     """A world-readable directory holding the tiny model (the container's user is 65532)."""
     root = Path(tempfile.mkdtemp(prefix="omnistage-node-models-"))
     build_causal_lm(root / "ar")
+    build_diffusion_pipeline(root / "sd")
     for directory, _dirs, files in os.walk(root):
         os.chmod(directory, 0o755)
         for name in files:
@@ -50,14 +55,14 @@ def models() -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def worker_node(control_plane: ControlPlane) -> Iterator[RealNode]:
     try:
-        kubelet = find_kubelet()
+        kubelet, proxy = find_kubelet(), find_node_binary("kube-proxy")
     except BuildError as exc:
         pytest.fail(str(exc), pytrace=False)
-    archives = (archive_path(PAUSE), archive_path(WORKER))
+    archives = (archive_path(PAUSE), archive_path(WORKER), archive_path(IMAGES["operator"]))
     for archive in archives:
         if not archive.is_file():
             pytest.fail(f"{archive} is missing: run `make images`", pytrace=False)
-    with RealNode(control_plane, kubelet, archives) as node:
+    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy) as node:
         yield node
 
 
@@ -129,3 +134,82 @@ def test_worker_image_serves_generate_behind_a_kubelet_grpc_probe(
     reply = asyncio.run(generate())
     assert len(reply.text.token_ids) == 3
     assert reply.text.text.strip(), reply
+
+
+# Host accounting (gpus: 0): each worker reports the host's RAM as its device, so two stages of
+# this request fit only one at a time and the group hands the memory over.
+HANDOVER_REQUEST = "12Gi"
+
+
+def _stage(name: str, kind: str, node: str, models: Path, state: str) -> dict[str, Any]:
+    runner, backend = {"ar": ("AR", "Transformers"), "sd": ("Diffusion", "Diffusers")}[kind]
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniStage",
+        "metadata": {"name": name},
+        "spec": {
+            "runner": runner,
+            "backend": backend,
+            "image": WORKER.ref,
+            "model": {
+                "path": f"/models/{kind}",
+                "mountPath": "/models",
+                "volume": {"hostPath": {"path": str(models), "type": "Directory"}},
+            },
+            "state": state,
+            "colocation": {"group": "g"},
+            "gpus": 0,
+            "vram": {"request": HANDOVER_REQUEST},
+            "worker": {"device": "cpu", "dtype": "float32"},
+            "template": {"nodeSelector": {"kubernetes.io/hostname": node}},
+        },
+    }
+
+
+def test_chart_hands_over_between_worker_containers(
+    worker_node: RealNode, control_plane: ControlPlane, models: Path
+) -> None:
+    """helm install on the node, two stages whose workers run in containers, a hand-over."""
+    cp = control_plane
+    release_ns = cp.create_namespace("omnistage-system")
+    stages = cp.create_namespace("stages")
+    release = install_on_node(cp, worker_node.name, release_ns, [stages])
+
+    def state(name: str) -> str | None:
+        status = cp.get_json("omnistage", name, namespace=stages).get("status") or {}
+        value: str | None = status.get("state")
+        return value
+
+    try:
+        operator_pod(cp, release, worker_node.container_logs)
+        cp.apply(_stage("ar", "ar", worker_node.name, models, "Active"), namespace=stages)
+        cp.apply(_stage("sd", "sd", worker_node.name, models, "Asleep"), namespace=stages)
+        wait_for("ar Active", lambda: state("ar") == "Active", 300)
+        wait_for("sd Asleep", lambda: state("sd") == "Asleep", 120)
+        cp.kubectl(
+            "patch",
+            "omnistage",
+            "sd",
+            "-n",
+            stages,
+            "--type",
+            "merge",
+            "-p",
+            '{"spec":{"state":"Active"}}',
+        )
+        wait_for("sd Active", lambda: state("sd") == "Active", 300)
+        ar = cp.get_json("omnistage", "ar", namespace=stages)["status"]
+        assert ar["state"] == "Waiting" and ar["waitingFor"] == ["sd"], ar
+        assert (ar["lastAck"]["op"], ar["lastAck"]["ok"]) == ("sleep", True), ar
+        for name in ("ar", "sd"):  # the workers ran in containers on the node, never restarted
+            pod = cp.get_json("pod", f"{name}-worker", namespace=stages)
+            assert pod["spec"]["nodeName"] == worker_node.name
+            assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        cp.kubectl("delete", "omnistage", "ar", "sd", "-n", stages, "--timeout=120s")
+    finally:
+        cp.helm("uninstall", release.name, "--namespace", release_ns, "--wait")
+        unfinalize = ["--type", "merge", "-p", '{"metadata":{"finalizers":null}}']
+        for name in ("ar", "sd"):
+            cp.kubectl("patch", "omnistage", name, "-n", stages, *unfinalize, check=False)
+        for ns in (stages, release_ns):
+            cp.delete_namespace(ns)

@@ -175,3 +175,99 @@ def test_worker_refuses_bad_batching_flags(tmp_path: Path, flags: list[str], fla
     with pytest.raises(ConfigError) as info:
         config_from_args(build_parser({}).parse_args([*base, *flags]))
     assert info.value.flag == flag
+
+
+def test_chat_options_reach_the_worker_and_vllm_serve_flags(tmp_path: Path) -> None:
+    """spec.vllm's tool, reasoning and chat template options become --vllm-* flags, then
+    vLLM's serve flags (the worker test checks they reach vLLM's app state)."""
+    from omnistage_worker.runners.vllm_serve import serve_argv
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0].content }}")
+    manifest = body(gpus=1, vllm={
+        "enableAutoToolChoice": True, "toolCallParser": "hermes",
+        "reasoningParser": "deepseek_r1", "chatTemplate": str(template),
+    })  # fmt: skip
+    settings = parse_stage(manifest).vllm
+    assert (settings.enable_auto_tool_choice, settings.tool_call_parser) == (True, "hermes")
+    assert (settings.reasoning_parser, settings.chat_template) == ("deepseek_r1", str(template))
+    args = args_of(manifest)
+    assert "--vllm-enable-auto-tool-choice" in args
+    assert args[args.index("--vllm-tool-call-parser") + 1] == "hermes"
+    local = [a for a in args if not a.startswith("--host=")]
+    local[local.index("--model") + 1] = str(tmp_path)
+    local = [a for a in local if a not in {"--token-file", "/var/run/secrets/omnistage/token"}]
+    engine = config_from_args(build_parser({}).parse_args(local)).vllm
+    assert (engine.enable_auto_tool_choice, engine.tool_call_parser) == (True, "hermes")
+    assert (engine.reasoning_parser, engine.chat_template) == ("deepseek_r1", template)
+    argv = serve_argv(config_from_args(build_parser({}).parse_args(local)), 0.5, tokenizer=True)
+    assert "--enable-auto-tool-choice" in argv
+    assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
+    assert argv[argv.index("--reasoning-parser") + 1] == "deepseek_r1"
+    assert argv[argv.index("--chat-template") + 1] == str(template)
+    # Unset, no flag: vLLM's defaults (no tools, no reasoning split, the tokenizer's template).
+    plain = args_of(body(gpus=1, vllm={"maxModelLen": 64}))
+    assert not [a for a in plain if "tool" in a or "reasoning" in a or "template" in a]
+
+
+@pytest.mark.parametrize(
+    ("vllm", "field"),
+    [
+        ({"toolCallParser": "hermes"}, "spec.vllm.toolCallParser"),
+        ({"enableAutoToolChoice": True}, "spec.vllm.toolCallParser"),
+        (
+            {"enableAutoToolChoice": "yes", "toolCallParser": "hermes"},
+            "spec.vllm.enableAutoToolChoice",
+        ),
+        ({"reasoningParser": 3}, "spec.vllm.reasoningParser"),
+        ({"chatTemplate": ["/t"]}, "spec.vllm.chatTemplate"),
+    ],
+)
+def test_unreadable_or_unpaired_chat_options_are_refused_naming_the_field(
+    vllm: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_stage(body(gpus=1, vllm=vllm))
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--vllm-tool-call-parser", "hermes"], "--vllm-tool-call-parser"),
+        (["--vllm-enable-auto-tool-choice"], "--vllm-tool-call-parser"),
+        (
+            ["--vllm-enable-auto-tool-choice", "--vllm-tool-call-parser", "x; rm"],
+            "--vllm-tool-call-parser",
+        ),
+        (["--vllm-reasoning-parser", "Deep Seek"], "--vllm-reasoning-parser"),
+        (["--vllm-chat-template", "/nowhere/chat.jinja"], "--vllm-chat-template"),
+        (["--vllm-chat-template", "chat.jinja"], "--vllm-chat-template"),
+    ],
+)
+def test_worker_refuses_bad_chat_flags(tmp_path: Path, flags: list[str], flag: str) -> None:
+    base = ["--runner", "ar", "--backend", "vllm", "--model", str(tmp_path), "--device", "cuda"]
+    with pytest.raises(ConfigError) as info:
+        config_from_args(build_parser({}).parse_args([*base, *flags]))
+    assert info.value.flag == flag
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--enable-auto-tool-choice", "--tool-call-parser", "nosuch"], "--vllm-tool-call-parser"),
+        (["--reasoning-parser", "nosuch"], "--vllm-reasoning-parser"),
+    ],
+)
+def test_parsers_vllm_has_not_registered_are_refused_before_the_engine_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], flag: str
+) -> None:
+    """vLLM's own name check (``vllm serve`` runs it before loading), here the stand-in's."""
+    from omnistage_worker.runners.vllm_serve import parse_serve_args
+    from tests.fakevllm.models import STANDIN_PATH
+
+    monkeypatch.syspath_prepend(str(STANDIN_PATH))
+    assert parse_serve_args(["--model", str(tmp_path), "--reasoning-parser", "qwen3"])
+    with pytest.raises(ConfigError) as info:
+        parse_serve_args(["--model", str(tmp_path), *flags])
+    assert info.value.flag == flag

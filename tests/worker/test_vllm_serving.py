@@ -154,6 +154,29 @@ async def test_asleep_stage_holds_requests_at_the_front_until_woken(
     assert (await engine._call("state"))["added_while_asleep"] == 0
 
 
+async def test_tool_reasoning_and_chat_template_options_reach_vllms_app(
+    start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
+) -> None:
+    """spec.vllm's chat options, as the worker's flags, reach vLLM's app state; the chat
+    template file is what renders a chat (the prompt the engine counts is the template's)."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[turn] {{ m.content }} {% endfor %}[answer]")
+    w = await start(
+        start_worker, tmp_path, enable_auto_tool_choice=True, tool_call_parser="hermes",
+        reasoning_parser="deepseek_r1", chat_template=template,
+    )  # fmt: skip
+    runner: Any = w.server.worker.runner
+    state = runner.app.state
+    assert (state.enable_auto_tools, state.tool_parser) == (True, "hermes")
+    assert state.reasoning_parser == "deepseek_r1"
+    assert state.chat_template == template.read_text()
+    answer = await client(w).chat.completions.create(
+        model="llm", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens == len(engine_of(w).encode("[turn] hi [answer]"))
+
+
 def engine_of(w: WorkerHandle) -> Any:
     """The stand-in AsyncLLM of a worker (for its test-only ``state`` call)."""
     runner: Any = w.server.worker.runner

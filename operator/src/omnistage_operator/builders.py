@@ -134,12 +134,6 @@ READINESS_SERVICE: Final = "omnistage.worker.v1.SleepService"
 LIVENESS_SERVICE: Final = ""
 WORKER_COMMAND: Final = ("omnistage-worker",)
 TERMINATION_GRACE_SECONDS: Final = 30
-# What the restricted Pod Security Standard asks (the image's USER 65532 is non-root).
-POD_SECURITY_CONTEXT: Final = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-CONTAINER_SECURITY_CONTEXT: Final = {
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-}
 
 INITIAL_STATE_ANNOTATION: Final = "omnistage.io/initial-state"
 SLEEP_LEVEL_ANNOTATION: Final = "omnistage.io/initial-sleep-level"
@@ -279,6 +273,15 @@ def vllm_args(stage: StageSpec) -> list[str]:
     ):
         if value is not None:
             args.append(f"--vllm-{flag}" if value else f"--no-vllm-{flag}")
+    if engine.enable_auto_tool_choice:
+        args.append("--vllm-enable-auto-tool-choice")
+    for flag, text in (
+        ("tool-call-parser", engine.tool_call_parser),
+        ("reasoning-parser", engine.reasoning_parser),
+        ("chat-template", engine.chat_template),
+    ):
+        if text is not None:
+            args += [f"--vllm-{flag}", text]
     return args
 
 
@@ -498,7 +501,6 @@ def _worker_container(
         # A worker that exits at start (bad model path, refused flag) says why in its
         # termination message; without one, the kubelet keeps its last log lines instead.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     resources: dict[str, Any] = copy.deepcopy(dict(stage.template.resources or {}))
     if claim is not None:
@@ -523,7 +525,6 @@ def _pod_spec(
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "enableServiceLinks": False,
-        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
     }
     if claim is not None:
         pod_spec["resourceClaims"] = [{"name": POD_CLAIM_REF, "resourceClaimName": claim}]

@@ -28,7 +28,8 @@ Dataclasses (frozen; mapping-valued fields are excluded from hashing):
     ``Placement(mode, node_name, devices)``, ``WorkerSettings(port, device, args, dtype,
     http_port, tls)`` (``tls``: :mod:`omnistage_operator.worker_tls`),
     ``VllmSettings(max_model_len, gpu_memory_utilization, enforce_eager, max_num_seqs,
-    kv_cache_dtype, enable_prefix_caching, enable_chunked_prefill, tensor_parallel_size)``
+    kv_cache_dtype, enable_prefix_caching, enable_chunked_prefill, tensor_parallel_size,
+    enable_auto_tool_choice, tool_call_parser, reasoning_parser, chat_template)``
     (``spec.vllm``),
     ``TemplateOverrides(resources, env, volumes, volume_mounts, node_selector, tolerations,
     annotations, labels, service_account_name, priority_class_name, extras)`` (``extras``:
@@ -327,6 +328,11 @@ class VllmSettings:
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     tensor_parallel_size: int | None = None  # when given, equal to spec.gpus (the CRD's rule)
+    # Chat serving: tool calls, reasoning, the chat template (a path in the pod).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -581,9 +587,19 @@ def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
         if value is not None and not isinstance(value, bool):
             raise SpecError(f"spec.vllm.{key}", f"must be true or false, got {value!r}")
         flags[key] = value
-    dtype = vllm.get("kvCacheDtype")
-    if dtype is not None and not isinstance(dtype, str):
-        raise SpecError("spec.vllm.kvCacheDtype", f"must be a string, got {dtype!r}")
+    auto = vllm.get("enableAutoToolChoice", False)
+    if not isinstance(auto, bool):
+        raise SpecError("spec.vllm.enableAutoToolChoice", f"must be true or false, got {auto!r}")
+    text: dict[str, str | None] = {}
+    for key in ("kvCacheDtype", "toolCallParser", "reasoningParser", "chatTemplate"):
+        value = vllm.get(key)
+        if value is not None and not isinstance(value, str):
+            raise SpecError(f"spec.vllm.{key}", f"must be a string, got {value!r}")
+        text[key] = value
+    if auto != (text["toolCallParser"] is not None):  # also the CRD's rule
+        raise SpecError(
+            "spec.vllm.toolCallParser", "is given exactly when spec.vllm.enableAutoToolChoice is"
+        )
     seqs = vllm.get("maxNumSeqs")
     tp = vllm.get("tensorParallelSize")
     return VllmSettings(
@@ -591,10 +607,14 @@ def _parse_vllm(spec: Mapping[str, Any]) -> VllmSettings:
         gpu_memory_utilization=None if util is None else float(util),
         enforce_eager=eager,
         max_num_seqs=None if seqs is None else _int(seqs, "spec.vllm.maxNumSeqs", 0),
-        kv_cache_dtype=dtype,
+        kv_cache_dtype=text["kvCacheDtype"],
         enable_prefix_caching=flags["enablePrefixCaching"],
         enable_chunked_prefill=flags["enableChunkedPrefill"],
         tensor_parallel_size=None if tp is None else _int(tp, "spec.vllm.tensorParallelSize", 0),
+        enable_auto_tool_choice=auto,
+        tool_call_parser=text["toolCallParser"],
+        reasoning_parser=text["reasoningParser"],
+        chat_template=text["chatTemplate"],
     )
 
 

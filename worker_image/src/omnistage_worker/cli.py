@@ -250,6 +250,12 @@ def _vllm_flags(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="chunked prefill (default: vLLM's)",
     )
+    g.add_argument(
+        "--vllm-enable-auto-tool-choice", action="store_true", help="tool calls (needs a parser)"
+    )
+    g.add_argument("--vllm-tool-call-parser", help="vLLM's tool_call_parser, e.g. hermes")
+    g.add_argument("--vllm-reasoning-parser", help="vLLM's reasoning_parser, e.g. deepseek_r1")
+    g.add_argument("--vllm-chat-template", type=Path, help="a Jinja chat template file")
 
 
 def vllm_args(args: argparse.Namespace) -> VllmArgs:
@@ -266,6 +272,10 @@ def vllm_args(args: argparse.Namespace) -> VllmArgs:
         kv_cache_dtype=args.vllm_kv_cache_dtype,
         enable_prefix_caching=args.vllm_enable_prefix_caching,
         enable_chunked_prefill=args.vllm_enable_chunked_prefill,
+        enable_auto_tool_choice=args.vllm_enable_auto_tool_choice,
+        tool_call_parser=args.vllm_tool_call_parser,
+        reasoning_parser=args.vllm_reasoning_parser,
+        chat_template=args.vllm_chat_template,
     )
 
 

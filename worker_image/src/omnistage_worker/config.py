@@ -128,6 +128,11 @@ class VllmArgs:
     kv_cache_dtype: str | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
+    # Chat serving (vLLM's frontend options): tool calls, reasoning, a chat template file.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: Path | None = None
 
     def utilization(self, total: int, free: int) -> float:
         """The ``gpu_memory_utilization`` for a device of ``total`` bytes, ``free`` now.
@@ -328,6 +333,29 @@ def _check_vllm_args(args: VllmArgs) -> None:
         raise ConfigError(
             "--vllm-attention-backend", f"{backend!r} is not a backend name (e.g. TRITON_ATTN)"
         )
+    _check_chat_args(args)
+
+
+def _check_chat_args(args: VllmArgs) -> None:
+    """Tool and reasoning parsers are names; the chat template is a readable file."""
+    for flag, name in (
+        ("--vllm-tool-call-parser", args.tool_call_parser),
+        ("--vllm-reasoning-parser", args.reasoning_parser),
+    ):
+        if name is not None and not _PARSER.fullmatch(name):
+            raise ConfigError(flag, f"{name!r} is not a parser name (e.g. hermes, deepseek_r1)")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ConfigError(
+            "--vllm-tool-call-parser",
+            "give it exactly with --vllm-enable-auto-tool-choice (vLLM uses the parser only "
+            "for automatic tool choice, and automatic tool choice needs it)",
+        )
+    template = args.chat_template
+    if template is not None and not (template.is_absolute() and template.is_file()):
+        raise ConfigError("--vllm-chat-template", f"{template} is not a file (an absolute path)")
+
+
+_PARSER = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 
 
 _VARIANT = re.compile(r"^[A-Za-z0-9_]+$")

@@ -36,6 +36,7 @@ class AsyncEngineArgs:
     enable_chunked_prefill: bool | None = None
     disable_log_stats: bool = False
     enable_log_requests: bool = False
+    reasoning_parser: str = ""  # vLLM's StructuredOutputsConfig.reasoning_parser
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -61,6 +62,7 @@ class AsyncEngineArgs:
         parser.add_argument("--enable-chunked-prefill", action=bool_opt, default=None)
         parser.add_argument("--disable-log-stats", action="store_true", default=False)
         parser.add_argument("--enable-log-requests", action=bool_opt, default=False)
+        parser.add_argument("--reasoning-parser", default="")
         return parser  # fmt: skip
 
     @classmethod
@@ -106,6 +108,7 @@ class AsyncEngineArgs:
             parallel_config=SimpleNamespace(tensor_parallel_size=self.tensor_parallel_size),
             compilation_config=SimpleNamespace(enforce_eager=self.enforce_eager),
             lora_config=None,
+            structured_outputs_config=SimpleNamespace(reasoning_parser=self.reasoning_parser),
             engine_args=self,
             usage_context=usage_context,
         )

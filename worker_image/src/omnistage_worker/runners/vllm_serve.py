@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from omnistage_worker.config import WorkerConfig
+from omnistage_worker.config import ConfigError, WorkerConfig
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def serve_argv(config: WorkerConfig, utilization: float, tokenizer: bool) -> list[str]:
@@ -55,6 +57,15 @@ def serve_argv(config: WorkerConfig, utilization: float, tokenizer: bool) -> lis
     ):
         if value is not None:
             argv.append(f"--{flag}" if value else f"--no-{flag}")
+    if engine.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    for flag, text in (
+        ("tool-call-parser", engine.tool_call_parser),
+        ("reasoning-parser", engine.reasoning_parser),
+        ("chat-template", None if engine.chat_template is None else str(engine.chat_template)),
+    ):
+        if text is not None:
+            argv += [f"--{flag}", text]
     return argv
 
 
@@ -66,7 +77,26 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     args: argparse.Namespace = parser.parse_args(argv)
     validate_parsed_serve_args(args)
+    check_parser_names(args)
     return args
+
+
+def check_parser_names(args: argparse.Namespace) -> None:
+    """vLLM's own check that the tool and reasoning parsers are registered (``vllm serve``
+    runs it before the engine starts), as a :class:`ConfigError` naming the worker's flag."""
+    from vllm.entrypoints.openai import api_server
+
+    check = getattr(api_server, "validate_api_server_args", None)
+    if check is None:
+        return
+    try:
+        check(args)
+    except AttributeError:  # flags this check does not read: vLLM's app still refuses the name
+        log.warning("vLLM's parser name check did not run on these serve flags", exc_info=True)
+    except KeyError as exc:
+        message = str(exc.args[0]) if exc.args else str(exc)
+        flag = "--vllm-reasoning-parser" if "reasoning" in message else "--vllm-tool-call-parser"
+        raise ConfigError(flag, message) from exc
 
 
 def start_engine(args: argparse.Namespace) -> Any:

@@ -298,14 +298,45 @@ async def init_app_state(
     state.vllm_config = engine_client.vllm_config
     state.args = args
     state.served_model_names = args.served_model_name or [args.model]
-    template = args.chat_template
-    if template is None:
-        from pathlib import Path
+    # What vLLM's OpenAIServingChat keeps: tool calls only with auto tool choice and a parser.
+    state.enable_auto_tools = args.enable_auto_tool_choice
+    state.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    state.reasoning_parser = engine_client.vllm_config.structured_outputs_config.reasoning_parser
+    state.chat_template = _chat_template(args)
 
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """``--chat-template`` (a file is read, as vLLM's ``load_chat_template``), else the
+    tokenizer's."""
+    from pathlib import Path
+
+    template: str | None = args.chat_template
+    if template is not None and Path(template).is_file():
+        return Path(template).read_text()
+    if template is None:
         config = Path(args.model) / "tokenizer_config.json"
         if config.is_file():
-            template = json.loads(config.read_text()).get("chat_template")
-    state.chat_template = template
+            found: str | None = json.loads(config.read_text()).get("chat_template")
+            return found
+    return template
+
+
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def validate_api_server_args(args: argparse.Namespace) -> None:
+    """As vLLM's (``vllm serve`` runs it before the engine starts): registered parser names."""
+    if args.enable_auto_tool_choice and args.tool_call_parser not in TOOL_PARSERS:
+        raise KeyError(
+            f"invalid tool call parser: {args.tool_call_parser} "
+            f"(chose from {{ {','.join(TOOL_PARSERS)} }})"
+        )
+    if args.reasoning_parser and args.reasoning_parser not in REASONING_PARSERS:
+        raise KeyError(
+            f"invalid reasoning parser: {args.reasoning_parser} "
+            f"(chose from {{ {','.join(REASONING_PARSERS)} }})"
+        )
 
 
 def main() -> None:
@@ -320,6 +351,7 @@ def main() -> None:
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args()
     validate_parsed_serve_args(args)
+    validate_api_server_args(args)
 
     async def serve() -> None:
         engine = AsyncLLM.from_vllm_config(
