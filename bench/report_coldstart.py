@@ -33,8 +33,8 @@ def first_forward_lines(path: Path) -> list[str]:
         f"while the engine page-locked its {pinned['pin_gib']:g} GiB host copy in the "
         f"background (as it does right after activation; the pinning took "
         f"{pinned['pin_s']:.2f} s, one registration): the first forward waited for the "
-        "pinning. The engine now page-locks it in 64 MiB chunks with pauses "
-        "(`engine/pinning.py`); the warm-up row above is measured with it.",
+        "pinning. The engine now page-locks it in 64 MiB chunks, each started only while no "
+        "request or warm-up runs (`engine/pinning.py`); the rows above are measured with it.",
     ]
 
 
