@@ -323,7 +323,10 @@ def render() -> str:
     coldstart = _load("coldstart.json")
     if coldstart:
         lines += coldstart_section(
-            coldstart, _load("coldstart_no_bytecode.json"), RESULTS / "first_forward.jsonl"
+            coldstart,
+            _load("coldstart_no_bytecode.json"),
+            RESULTS / "first_forward.jsonl",
+            _load("coldstart_02dfee4.json"),
         )
     lines.append(END)
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker import prestart
+from omnistage_worker.engine import activity
 from omnistage_worker.memory import build_probe, feed_accounting
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ def _load_blocking(worker: Worker) -> None:
         stats = controller.activate()
         verb = "activated"
         prestart.mark("weights on device")
-        runner.warm_up()  # the first request finds the kernels loaded
+        with activity.REQUESTS.busy():  # the host copy's pinning waits for it
+            runner.warm_up()  # the first request finds the kernels loaded
         worker.release_cached()
         prestart.mark("warm-up done")
     else:

@@ -28,6 +28,7 @@ from omnistage_worker import limits, loading, termination
 from omnistage_worker.component_sleep import asleep_components
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand import Demand
+from omnistage_worker.engine import activity
 from omnistage_worker.lane import DaemonLane
 from omnistage_worker.memory import MemoryProbe, Reading
 from omnistage_worker.metrics import WorkerMetrics
@@ -310,7 +311,8 @@ class Worker:
             if not ticket.start():
                 return None  # it left the queue (client gone, or answered at shutdown)
             # on the lane's thread: a simulated device charges the request's activations
-            with probe.serving() if probe is not None else contextlib.nullcontext():
+            serving = probe.serving() if probe is not None else contextlib.nullcontext()
+            with serving, activity.REQUESTS.busy():  # the host copy's pinning steps aside
                 return call()
 
         async def run() -> T | None:

@@ -18,6 +18,7 @@ the slots placed there (``slots=``), side by side (see :mod:`.sharded`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -31,6 +32,13 @@ import torch
 from omnistage_worker.engine.attributes import AttributeTensor, attribute_tensors, unmovable
 from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture, release_in_background
 from omnistage_worker.engine.layout import CopyRun, Layout, SlotSpec, plan_layout
+from omnistage_worker.engine.pinning import (
+    CHUNK_BYTES,
+    ChunkPinner,
+    CudaLocker,
+    PageLocker,
+    split_copy,
+)
 from omnistage_worker.engine.reload import FileLoader, FileRun
 from omnistage_worker.engine.safetensors_index import TensorEntry, read_indexes
 from omnistage_worker.engine.slots import (
@@ -79,6 +87,8 @@ class WeightEngine:
         slots: Sequence[Slot] | None = None,
         host_copy: bool = True,
         skip: Collection[tuple[str, str]] = (),
+        host_locker: PageLocker | None = None,
+        wait_for_pin: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.modules = dict(modules)
@@ -107,6 +117,10 @@ class WeightEngine:
         self._flat: torch.Tensor | None = None
         self._host: HostBuffer | None = None
         self._host_future: HostBufferFuture | None = None
+        self._pinner: ChunkPinner | None = None
+        self._host_locker = host_locker
+        self._wait_for_pin = wait_for_pin
+        """Sleeping before the pinning is done: finish it (True), else copy the rest pageable."""
         self._host_valid = False
         self._releasing: list[threading.Thread] = []
         self._kept: dict[int, torch.Tensor] = {}
@@ -156,6 +170,7 @@ class WeightEngine:
     def host_bytes(self) -> int:
         """Host bytes held for the weights (level-1 buffer and level-2 kept tensors)."""
         held = self._host.nbytes if self._host is not None else 0
+        held += self._pinner.buffer.nbytes if self._pinner is not None else 0
         return held + self.host_kept_bytes
 
     # ---- setup ---------------------------------------------------------------------------
@@ -260,6 +275,8 @@ class WeightEngine:
         ]
 
     def _take_host(self) -> HostBuffer:
+        if self._pinner is not None:
+            return self._pinner.buffer
         if self._host is None:
             if self._host_future is not None:
                 self._host = self._host_future.result()
@@ -269,18 +286,37 @@ class WeightEngine:
         return self._host
 
     def _start_host_prep(self) -> None:
-        if self._host is None and self._host_future is None:
-            self._host_future = HostBufferFuture(self._layout.total_bytes, pin=self._cuda)
+        if self._host is not None or self._host_future is not None or self._pinner is not None:
+            return
+        locker = self._host_locker or (CudaLocker() if self._cuda else None)
+        if locker is None:
+            self._host_future = HostBufferFuture(self._layout.total_bytes, pin=False)
+        else:  # page-locked chunk by chunk: the first forward does not wait for the driver
+            self._pinner = ChunkPinner(self._layout.total_bytes, locker)
+
+    def _host_held(self) -> contextlib.AbstractContextManager[int]:
+        """Keeps the chunked pinning still during a copy with the host copy."""
+        if self._pinner is None:
+            return contextlib.nullcontext(0)
+        return self._pinner.hold(wait=self._wait_for_pin)
+
+    def _chunk(self) -> int:
+        return self._pinner.chunk_bytes if self._pinner is not None else CHUNK_BYTES
 
     def _drop_host(self) -> None:
         """Give the host copy back; unpinning (about 0.04 s per GiB) runs in the background."""
         if self._host_future is not None:
             self._host = self._host_future.result()
             self._host_future = None
+        self._releasing = [t for t in self._releasing if t.is_alive()]
         if self._host is not None:
-            self._releasing = [t for t in self._releasing if t.is_alive()]
             self._releasing.append(release_in_background(self._host))
             self._host = None
+        if self._pinner is not None:
+            thread = threading.Thread(target=self._pinner.release, name="omnistage-host-unpin")
+            thread.start()
+            self._releasing.append(thread)
+            self._pinner = None
         self._host_valid = False
 
     def _offload_loose(self) -> None:
@@ -402,8 +438,7 @@ class WeightEngine:
             if slot.entry is not None or slot.key in self._kept:
                 continue
             if from_host:
-                assert self._host is not None
-                source = self._view(self._host.tensor, slot)
+                source = self._view(self._take_host().tensor, slot)
             else:
                 source = slot.tensors[0].data
             self._kept[slot.key] = source.to("cpu", copy=True)
@@ -438,19 +473,31 @@ class WeightEngine:
             raise EngineError("cannot go from level 2 to level 1 without waking first")
         # awake -> asleep
         moved = 0
-        reused = reuse_host and self._host is not None and self._host_valid
+        has_host = self._host is not None or self._pinner is not None
+        reused = reuse_host and has_host and self._host_valid
         if level == 1 and reused and self._flat_intact():
             pass  # the host copy already holds these bytes
         elif level == 1:
             host = self._take_host().tensor
-            if self._flat_intact():
-                assert self._flat is not None
-                host.copy_(self._flat, non_blocking=True)
-            else:
-                for slot in self._slots:
-                    self._view(host, slot).copy_(slot.tensors[0].data, non_blocking=True)
-            moved = self._layout.total_bytes
-            self._sync()
+            chunk = self._chunk()
+            with self._host_held():
+                if self._flat_intact():
+                    assert self._flat is not None
+                    split_copy(host, self._flat, 0, chunk)
+                else:
+                    for slot in self._slots:
+                        if slot.nbytes == 0:
+                            continue
+                        place = self._offsets[slot.key]
+                        source = slot.tensors[0].data.contiguous().reshape(-1).view(torch.uint8)
+                        split_copy(
+                            host[place.offset : place.offset + slot.nbytes],
+                            source,
+                            place.offset,
+                            chunk,
+                        )
+                moved = self._layout.total_bytes
+                self._sync()
             self._host_valid = True
         else:
             moved = self._keep_unbacked(from_host=False)
@@ -473,8 +520,9 @@ class WeightEngine:
             host = self._take_host()
             if not self._host_valid:
                 raise EngineError("the host copy is not valid")
-            flat.copy_(host.tensor, non_blocking=True)
-            self._sync()
+            with self._host_held():
+                split_copy(flat, host.tensor, 0, self._chunk())
+                self._sync()
             moved = self._layout.total_bytes
             if not self.host_copy:
                 self._drop_host()  # a level-2 stage keeps no host copy while awake
@@ -490,7 +538,7 @@ class WeightEngine:
         self._bind_views(flat)
         self._restore_loose()
         self.level = 0
-        if self._pin_in_background and self._host is None:
+        if self._pin_in_background:
             self._start_host_prep()
         return TransferStats(moved, time.perf_counter() - started)
 
