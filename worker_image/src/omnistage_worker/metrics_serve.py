@@ -9,17 +9,17 @@ counted as ``other``, so a scanner cannot grow the label set).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 import uvicorn
 from prometheus_client import CollectorRegistry, make_asgi_app
 
+from omnistage_worker.asgi_serve import InLoopServer
 from omnistage_worker.metrics import WorkerMetrics
 
 __all__ = ["GrpcRequestCounter", "HttpRequestCounter", "MetricsServer"]
@@ -37,15 +37,7 @@ HTTP_ROUTES = frozenset(
 _NO_RESPONSE = "500"
 
 
-class _Server(uvicorn.Server):
-    """uvicorn inside the worker's loop: the worker's own SIGTERM handling stays in charge."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-class MetricsServer:
+class MetricsServer(InLoopServer):
     """Serves ``registry`` in the Prometheus text format on ``host:port`` (every path)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
@@ -57,27 +49,7 @@ class MetricsServer:
             lifespan="off",
             access_log=False,
         )
-        self._server = _Server(config)
-        self._task: asyncio.Task[None] | None = None
-        self.port = 0
-
-    async def start(self) -> int:
-        """Bind and serve; the bound port."""
-        self._task = asyncio.ensure_future(self._server.serve())
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-                raise RuntimeError("the metrics server ended before it started")
-            await asyncio.sleep(0.01)
-        self.port = int(self._server.servers[0].sockets[0].getsockname()[1])
-        return self.port
-
-    async def stop(self) -> None:
-        if self._task is None:
-            return
-        self._server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        super().__init__(config, "metrics")
 
 
 class HttpRequestCounter:

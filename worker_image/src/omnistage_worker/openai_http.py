@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker import openai_answers, openai_api
+from omnistage_worker.asgi_serve import InLoopServer
 from omnistage_worker.demand import retry_after_header
 from omnistage_worker.http_auth import BearerAuth
 from omnistage_worker.image_usage import image_usage
@@ -345,15 +346,7 @@ def _chat_template(runner: Any) -> openai_api.ChatTemplate:
     return render
 
 
-class _Server(uvicorn.Server):
-    """uvicorn inside the worker's loop: the worker's own SIGTERM handling stays in charge."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-class HttpServer:
+class HttpServer(InLoopServer):
     """Runs :class:`OpenAIApp` on ``host:port`` in the current event loop."""
 
     def __init__(self, worker: Worker, host: str, port: int, grace: float = 30.0) -> None:
@@ -373,25 +366,4 @@ class HttpServer:
             # connection the server is closing (a request lost to that race is never served).
             timeout_keep_alive=KEEP_ALIVE_S,
         )
-        self._server = _Server(config)
-        self._task: asyncio.Task[None] | None = None
-        self.port = 0
-
-    async def start(self) -> int:
-        """Bind and serve; the bound port."""
-        self._task = asyncio.ensure_future(self._server.serve())
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-                raise RuntimeError("the HTTP server ended before it started")
-            await asyncio.sleep(0.01)
-        self.port = int(self._server.servers[0].sockets[0].getsockname()[1])
-        return self.port
-
-    async def stop(self) -> None:
-        """Stop accepting, let open responses end, close."""
-        if self._task is None:
-            return
-        self._server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        super().__init__(config, "HTTP")
