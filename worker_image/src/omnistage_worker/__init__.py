@@ -8,7 +8,8 @@ carried out, measured, acked), ``transitions`` (their pure decisions), ``status`
 per device kind: NVML, accounting), ``health``, ``auth``, ``sleep_service``,
 ``inference_service``, ``runners`` (diffusers, transformers, vLLM), ``engine`` (weight
 movement for the torch runners), ``metrics`` and ``metrics_serve`` (Prometheus, request
-counting), ``asgi_serve`` (uvicorn in the worker's loop, for the OpenAI API and /metrics) and ``jsonlog`` (text or JSON log lines, shared with the operator).
+counting), ``asgi_serve`` (uvicorn in the worker's loop, for the OpenAI API and /metrics) and
+``jsonlog`` (text or JSON log lines, shared with the operator).
 
 Decisions a user of the worker should know:
 

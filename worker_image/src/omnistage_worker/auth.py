@@ -22,42 +22,48 @@ PROTECTED_PREFIXES = (
 STREAMING_PREFIXES = ("/omnistage.worker.v1.DemandService/",)
 
 
-def token_matches(header: str | bytes | None, token: str) -> bool:
-    """Whether an ``authorization`` value is ``Bearer <token>`` (constant-time compare)."""
+def bearer_of(header: str | bytes | None) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` value, or None."""
     if header is None:
-        return False
+        return None
     text = header.decode("utf-8", "replace") if isinstance(header, bytes) else header
     scheme, _, given = text.strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())
+    return given.strip() or None if scheme.lower() == "bearer" else None
+
+
+def token_matches(header: str | bytes | None, token: str) -> bool:
+    """Whether an ``authorization`` value is ``Bearer <token>`` (constant-time compare)."""
+    given = bearer_of(header)
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
 
 
 _DENIED = "this method needs 'authorization: Bearer <token>' metadata with the worker's token"
 
 
-async def _deny(request: Any, context: Any) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+def _deny_handler(method: str, reason: str) -> grpc.RpcMethodHandler:
+    """Aborts UNAUTHENTICATED with ``reason``; a stream handler for a streaming ``method``."""
+
+    async def deny(request: Any, context: Any) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    async def deny_stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        yield None  # pragma: no cover - abort raises
+
+    if method.startswith(STREAMING_PREFIXES):
+        return grpc.unary_stream_rpc_method_handler(deny_stream)
+    return grpc.unary_unary_rpc_method_handler(deny)
 
 
-async def _deny_stream(request: Any, context: Any) -> AsyncIterator[Any]:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-    yield None  # pragma: no cover - abort raises
+class ProtectedMethodsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses protected methods (UNAUTHENTICATED) when :meth:`refusal` gives a reason."""
 
-
-_DENY = grpc.unary_unary_rpc_method_handler(_deny)
-_DENY_STREAM = grpc.unary_stream_rpc_method_handler(_deny_stream)
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses protected methods without the right bearer token (UNAUTHENTICATED)."""
-
-    def __init__(self, token: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
-        self._token = token
+    def __init__(self, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
         self._prefixes = prefixes
 
-    def __repr__(self) -> str:  # never show the token
-        return f"BearerTokenInterceptor(prefixes={self._prefixes!r})"
+    async def refusal(self, header: str | bytes | None) -> str | None:
+        """Why a call with this ``authorization`` value is refused; None to let it through."""
+        raise NotImplementedError
 
     async def intercept_service(
         self,
@@ -69,6 +75,21 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return await continuation(handler_call_details)
         metadata = handler_call_details.invocation_metadata or ()
         header = next((value for key, value in metadata if key == "authorization"), None)
-        if token_matches(header, self._token):
+        reason = await self.refusal(header)
+        if reason is None:
             return await continuation(handler_call_details)
-        return _DENY_STREAM if method.startswith(STREAMING_PREFIXES) else _DENY
+        return _deny_handler(method, reason)
+
+
+class BearerTokenInterceptor(ProtectedMethodsInterceptor):
+    """Refuses protected methods without the right bearer token (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str, prefixes: tuple[str, ...] = PROTECTED_PREFIXES) -> None:
+        super().__init__(prefixes)
+        self._token = token
+
+    def __repr__(self) -> str:  # never show the token
+        return f"BearerTokenInterceptor(prefixes={self._prefixes!r})"
+
+    async def refusal(self, header: str | bytes | None) -> str | None:
+        return None if token_matches(header, self._token) else _DENIED

@@ -20,15 +20,14 @@ import os
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 
-from omnistage_worker.auth import PROTECTED_PREFIXES, STREAMING_PREFIXES
+from omnistage_worker.auth import PROTECTED_PREFIXES, ProtectedMethodsInterceptor, bearer_of
 
 __all__ = [
     "DEFAULT_AUDIENCE",
@@ -92,15 +91,6 @@ def in_cluster_server(env: Mapping[str, str] = os.environ) -> str:
     if not host or not port:
         return ""
     return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-
-
-def bearer_of(header: str | bytes | None) -> str | None:
-    """The token of an ``authorization: Bearer <token>`` value, or None."""
-    if header is None:
-        return None
-    text = header.decode("utf-8", "replace") if isinstance(header, bytes) else header
-    scheme, _, given = text.strip().partition(" ")
-    return given.strip() or None if scheme.lower() == "bearer" else None
 
 
 def remaining_s(token: str, now: float) -> float | None:
@@ -220,41 +210,14 @@ class TokenReviewer:
         return why
 
 
-def _deny_handlers(reason: str) -> tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]:
-    async def deny(request: Any, context: Any) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-
-    async def deny_stream(request: Any, context: Any) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-        yield None  # pragma: no cover - abort raises
-
-    return (
-        grpc.unary_unary_rpc_method_handler(deny),
-        grpc.unary_stream_rpc_method_handler(deny_stream),
-    )
-
-
-class TokenReviewInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class TokenReviewInterceptor(ProtectedMethodsInterceptor):
     """Refuses protected methods unless the bearer token reviews as the operator's."""
 
     def __init__(
         self, reviewer: TokenReviewer, prefixes: tuple[str, ...] = PROTECTED_PREFIXES
     ) -> None:
+        super().__init__(prefixes)
         self._reviewer = reviewer
-        self._prefixes = prefixes
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method: str = handler_call_details.method
-        if not method.startswith(self._prefixes):
-            return await continuation(handler_call_details)
-        metadata = handler_call_details.invocation_metadata or ()
-        header = next((value for key, value in metadata if key == "authorization"), None)
-        reason = await self._reviewer.refusal(bearer_of(header))
-        if reason is None:
-            return await continuation(handler_call_details)
-        unary, stream = _deny_handlers(reason)
-        return stream if method.startswith(STREAMING_PREFIXES) else unary
+    async def refusal(self, header: str | bytes | None) -> str | None:
+        return await self._reviewer.refusal(bearer_of(header))
