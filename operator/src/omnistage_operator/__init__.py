@@ -16,7 +16,9 @@ status and its conditions          ``status``, ``conditions`` (pure): one functi
 the worker pod, Service, claim     ``builders`` (pure): manifests from a ``StageSpec``
 one hand-over round                ``handover``: observe, sleep, ACK or fence, checkpoint, wake
                                      (against the ``GroupPort`` protocol)
-a round's Kubernetes side          ``port`` (``KubeGroupPort``)
+a round's Kubernetes side          ``port`` (``KubeGroupPort``: the orders), on ``port_facts``
+                                     (GetStatus as facts, intents) and ``port_listing`` (the
+                                     listing, pods deleted before a round acts)
 a group's stages and pods          ``views``: from kopf's indexes (watches), no LIST per round
 the loop per group, what survives  ``runner`` (``GroupRunner``): kicks, asks, fences, learned
   between rounds                     needs, back-offs, worker channels, the token Secret
