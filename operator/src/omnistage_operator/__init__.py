@@ -22,6 +22,8 @@ a round's Kubernetes side          ``port`` (``KubeGroupPort``: the orders), on 
 a group's stages and pods          ``views``: from kopf's indexes (watches), no LIST per round
 the loop per group, what survives  ``runner`` (``GroupRunner``): kicks, asks, fences, learned
   between rounds                     needs, back-offs, worker channels, the token Secret
+                                     (its halves: ``group_loops``, ``round_memory``,
+                                     ``group_claims``)
 status writes and Events           ``publisher``
 Kubernetes API calls               ``kube``: kr8s objects, one delete-and-confirm-gone, Events,
                                      per-round request counting

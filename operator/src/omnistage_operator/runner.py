@@ -5,6 +5,9 @@ namespace's worker-token Secret.
 ``kick`` marks a group dirty and its loop runs rounds until nothing new was asked (kicks during a
 round coalesce into one more round). A round runs only while this operator leads; it builds a
 ``port.KubeGroupPort``, runs ``handover.run_round`` against it and publishes the stages' status.
+
+Its halves live apart: the loops (``group_loops``), what a round taught (``round_memory``), the
+group claim (``group_claims``), status and Events (``publisher``).
 """
 
 from __future__ import annotations
@@ -14,10 +17,8 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage_operator import conditions as cond
 from omnistage_operator import metrics, stage_metrics
 from omnistage_operator.arbiter import (
     WorkerPhase,
@@ -25,12 +26,12 @@ from omnistage_operator.arbiter import (
 from omnistage_operator.builders import (
     build_token_secret,
     claim_name,
-    pod_claim_name,
     service_name,
 )
-from omnistage_operator.claim_slices import allocated_uuids
 from omnistage_operator.demand_watch import DemandWatcher
 from omnistage_operator.facts import AckFacts
+from omnistage_operator.group_claims import GroupClaims
+from omnistage_operator.group_loops import GroupLoops, _Loop
 from omnistage_operator.handover import (
     FenceFailed,
     RoundOutcome,
@@ -56,15 +57,15 @@ from omnistage_operator.pods import (
 )
 from omnistage_operator.port import KubeGroupPort
 from omnistage_operator.publisher import StatusPublisher
+from omnistage_operator.round_memory import RoundMemory
 from omnistage_operator.settings import Settings
 from omnistage_operator.sleep_tasks import SleepTracker
-from omnistage_operator.spec import PlacementMode, SpecError, StageSpec, parse_stage
+from omnistage_operator.spec import SpecError, StageSpec, parse_stage
 from omnistage_operator.status import (
     format_timestamp,
 )
 from omnistage_operator.views import GroupViews, group_of
-from omnistage_operator.wake_backoff import REASON as WAKE_OOM
-from omnistage_operator.wake_backoff import WakeBackoff, oom_message
+from omnistage_operator.wake_backoff import WakeBackoff
 from omnistage_operator.worker_client import WorkerClient
 
 __all__ = ["GroupRunner"]
@@ -85,16 +86,7 @@ _BUSY = frozenset(
 )
 
 
-@dataclass
-class _Loop:
-    dirty: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    followup: asyncio.TimerHandle | None = None
-    backoff_s: float = 0.2
-    last_round: float = float("-inf")  # monotonic end of the group's last round
-
-
-class GroupRunner(StatusPublisher):
+class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
     """Serialized hand-over loops per group, plus what must survive between rounds."""
 
     def __init__(
@@ -201,41 +193,6 @@ class GroupRunner(StatusPublisher):
             )
             self._clients[key] = client
         return client
-
-    def claim_for(self, spec: StageSpec) -> str | None:
-        """The group claim a stage's pod references (none in explicit placement)."""
-        if self.settings.placement == "explicit" or spec.placement.mode is PlacementMode.EXPLICIT:
-            return None
-        return pod_claim_name(spec)
-
-    async def claim_uuids(
-        self, namespace: str, group: str, specs: Mapping[str, StageSpec]
-    ) -> tuple[str, ...] | None:
-        """GPU UUIDs the group's claim was allocated (from the ResourceSlices' ``uuid``
-        attribute), for the device-identity check; None without a claim (Explicit placement:
-        the workers are checked against each other), before allocation, or when the API does
-        not let this operator read claims and slices (the check is then skipped, logged once)."""
-        if not any(self.claim_for(spec) is not None for spec in specs.values()):
-            return None
-        name = claim_name(group)
-        cache_key = f"{namespace}/{name}"
-        try:
-            claim = await self.kube.get(CLAIMS, namespace, name)
-            if claim is None:
-                return None
-            uid = claim["metadata"].get("uid", "")
-            cached = self._claims.get(cache_key)
-            if cached is not None and cached[0] == uid:
-                return cached[1]  # an allocation does not change while the claim lives
-            uuids = await allocated_uuids(self.kube, claim)
-        except KubeError as exc:
-            if cache_key not in self._claim_errors:
-                self._claim_errors.add(cache_key)
-                log.warning("%s: device identity not checked: %s", cache_key, exc)
-            return None
-        if uuids is not None:
-            self._claims[cache_key] = (uid, uuids)
-        return uuids
 
     async def fence_started(self, namespace: str, name: str, reason: str) -> None:
         """Record a fence before its delete: in memory and in ``status.fencePending`` (raises
@@ -362,53 +319,6 @@ class GroupRunner(StatusPublisher):
         self.stage_problems.pop(key, None)
         self.demand.drop(namespace, name)
 
-    def kick_all(self) -> None:
-        """Ask for a round of every group seen so far (e.g. on becoming the leader)."""
-        for namespace, group in list(self._loops):
-            self.kick(namespace, group)
-
-    def kick(self, namespace: str, group: str) -> None:
-        """Ask for a round of the group (coalesced with one in progress)."""
-        loop = self._loops.setdefault((namespace, group), _Loop())
-        loop.dirty.set()
-        if loop.task is None or loop.task.done():
-            loop.task = asyncio.create_task(self._run(namespace, group, loop))
-
-    def resync(self, namespace: str, group: str, interval_s: float) -> None:
-        """A resync timer fired (one per stage): kick the group unless one of its rounds ended
-        within most of ``interval_s``, so a group gets one resync round per interval whatever
-        its stage count, and none while events keep it busy."""
-        loop = self._loops.get((namespace, group))
-        if loop is not None and time.monotonic() - loop.last_round < 0.9 * interval_s:
-            return
-        self.kick(namespace, group)
-
-    def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
-        if loop.followup is not None:
-            loop.followup.cancel()
-        loop.followup = asyncio.get_running_loop().call_later(delay, self.kick, namespace, group)
-
-    async def _run(self, namespace: str, group: str, loop: _Loop) -> None:
-        while loop.dirty.is_set():
-            loop.dirty.clear()
-            try:
-                busy = await self.round(namespace, group)
-                loop.last_round = time.monotonic()
-            except Exception:
-                log.exception("round of group %s/%s failed; retrying", namespace, group)
-                metrics.ROUNDS.labels(namespace, group, "error").inc()
-                loop.backoff_s = min(loop.backoff_s * 2, 5.0)
-                self._followup(namespace, group, loop, loop.backoff_s)
-                return
-            retry = self._retry_in.pop((namespace, group), None)
-            if busy:
-                self._followup(namespace, group, loop, loop.backoff_s)
-                loop.backoff_s = min(loop.backoff_s * 1.5, 2.0)
-            else:
-                loop.backoff_s = 0.2
-                if retry is not None:  # a crash back-off ends: create the stage's pod then
-                    self._followup(namespace, group, loop, retry + 0.05)
-
     async def round(self, namespace: str, group: str) -> bool:
         """One round; True when something is still in progress (poll again soon).
 
@@ -467,57 +377,6 @@ class GroupRunner(StatusPublisher):
             or bool(outcome.stage_errors)
             or bool(outcome.started_active)
         )
-
-    def _remember(self, namespace: str, outcome: RoundOutcome) -> None:
-        """Keep what a round learned beyond the round: needs, and the workers' own words on a
-        sleep or wake that did not go through (until one does)."""
-        for name, need in outcome.learned_needs.items():
-            self.learned[(namespace, name)] = need
-        for s in outcome.sleeps:
-            key = (namespace, s.order.stage)
-            problems = self.component_problems if s.order.components else self.sleep_problems
-            if s.ok:
-                problems.pop(key, None)
-            else:
-                problems[key] = (s.reason.value, s.message)
-            if s.order.components and s.refusal is not None and not s.refusal.worker_failed:
-                self.component_refused[key] = s.order.components
-            deepening = not s.order.releases_memory and not s.order.components
-            if deepening and s.refusal is not None and not s.refusal.worker_failed:
-                self.deepen_refused[key] = s.order.level
-        for name in outcome.wakes:
-            if name not in outcome.wake_errors:
-                self.wake_problems.pop((namespace, name), None)
-                if name in outcome.component_wakes:
-                    self.component_problems.pop((namespace, name), None)
-        for name in outcome.started + outcome.started_active:
-            self.stage_problems.pop((namespace, name), None)
-        for name, err in outcome.stage_errors.items():
-            self.stage_problems[(namespace, name)] = (cond.Reason.STAGE_ERROR.value, err)
-        for name, err in outcome.wake_errors.items():
-            refused = name in outcome.wake_refusals
-            reason = cond.Reason.WAKE_REFUSED if refused else cond.Reason.ACK_FAILED
-            into = (
-                self.component_problems if name in outcome.component_wakes else self.wake_problems
-            )
-            into[(namespace, name)] = (reason.value, err)
-
-    def _note_wake_oom(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
-        """Wakes that ran out of device memory: back off (doubling), say so with the figures
-        (the stage's Ready condition and an Event); a wake that went through ends it."""
-        now = time.time()
-        for name, ack in outcome.wakes.items():
-            if ack.ok:
-                self.wake_backoffs.pop((port.ns, name), None)
-        for name, ack in outcome.wake_oom.items():
-            key = (port.ns, name)
-            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_oom(now, ack.needed_bytes)
-            self.wake_backoffs[key] = backoff
-            message = oom_message(ack, self.learned.get(key, 0), backoff, now)
-            self.wake_problems[key] = (WAKE_OOM, message)
-            log.warning("%s/%s: %s", port.ns, name, message)
-            if name in port.bodies:
-                self.emit(port.bodies[name], WAKE_OOM, message, warning=True)
 
     async def cleanup_stage(self, body: Mapping[str, Any]) -> None:
         """Delete a stage's pod (until confirmed gone), Service, and the claim of an empty group."""
