@@ -29,7 +29,8 @@ from omnistage_operator.builders import (
 )
 from omnistage_operator.conditions import MEMORY_RELEASED, READY, Reason, set_condition
 from omnistage_operator.quantities import format_bytes
-from omnistage_operator.spec import DesiredState, PlacementMode, parse_stage
+from omnistage_operator.spec import DesiredState, PlacementMode
+from omnistage_operator.spec_parse import parse_stage
 from tests.cluster.controlplane import ControlPlane
 from tests.e2e.conftest import crd_established
 from tests.examples import stage_docs

@@ -27,7 +27,8 @@ from omnistage_operator.builders import (
     worker_args,
     worker_device,
 )
-from omnistage_operator.spec import DesiredState, StageSpec, parse_stage
+from omnistage_operator.spec import DesiredState, StageSpec
+from omnistage_operator.spec_parse import parse_stage
 
 TOKEN = "s3cr3t-token-value-7f9a"
 

@@ -29,7 +29,7 @@ from omnistage_operator.handover import (
     WorkerRefused,
     run_round,
 )
-from omnistage_operator.spec import parse_stage
+from omnistage_operator.spec_parse import parse_stage
 
 GI = 1 << 30
 CAP = 16 * GI

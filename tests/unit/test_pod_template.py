@@ -17,7 +17,8 @@ from omnistage_operator.pod_template import (
     PodExtras,
     parse_pod_extras,
 )
-from omnistage_operator.spec import RESERVED_VOLUMES, DesiredState, SpecError, parse_stage
+from omnistage_operator.spec import RESERVED_VOLUMES, DesiredState, SpecError
+from omnistage_operator.spec_parse import parse_stage
 
 OWNER = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniStage", "name": "s", "uid": "u",
          "controller": True, "blockOwnerDeletion": True}  # fmt: skip

@@ -9,13 +9,8 @@ from typing import Any
 import pytest
 
 from omnistage_operator.builders import build_worker_pod, pod_spec_hash, worker_args
-from omnistage_operator.spec import (
-    RESERVED_ARGS,
-    RESERVED_VOLUMES,
-    DesiredState,
-    SpecError,
-    parse_stage,
-)
+from omnistage_operator.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredState, SpecError
+from omnistage_operator.spec_parse import parse_stage
 from tests.unit.test_pod_template import OWNER, body
 
 

@@ -5,7 +5,8 @@ Where things are (pure modules: no kopf, no network; unit-tested in milliseconds
 =================================  ==========================================================
 a concern                          its module
 =================================  ==========================================================
-the OmniStage's types, parsing     ``spec`` (the CRD's schema and CEL refuse bad manifests first)
+the OmniStage's types, parsing     ``spec`` (types), ``spec_parse`` (a stored body to a
+                                     ``StageSpec``; the CRD's schema and CEL refuse first)
 quantities, byte formatting        ``quantities`` (re-exports ``omnistage_worker.quantities``)
 who holds memory, who sleeps       ``arbiter`` (pure): admission, sleep and fence orders, the
   first, who waits and why           wake gate (``plan``)

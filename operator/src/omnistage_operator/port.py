@@ -60,7 +60,8 @@ from omnistage_operator.pods import (
     exit_message,
 )
 from omnistage_operator.remembered import adopt_status
-from omnistage_operator.spec import DesiredState, SpecError, StageSpec, parse_stage
+from omnistage_operator.spec import DesiredState, SpecError, StageSpec
+from omnistage_operator.spec_parse import parse_stage
 from omnistage_operator.status import (
     parse_timestamp,
     persisted_facts,

@@ -58,7 +58,8 @@ from omnistage_operator.port import KubeGroupPort
 from omnistage_operator.publisher import StatusPublisher
 from omnistage_operator.settings import Settings
 from omnistage_operator.sleep_tasks import SleepTracker
-from omnistage_operator.spec import PlacementMode, SpecError, StageSpec, parse_stage
+from omnistage_operator.spec import PlacementMode, SpecError, StageSpec
+from omnistage_operator.spec_parse import parse_stage
 from omnistage_operator.status import (
     format_timestamp,
 )
