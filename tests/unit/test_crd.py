@@ -211,7 +211,6 @@ def test_reserved_names_in_the_cel_rules_are_the_operators() -> None:
     flag the operator writes is among them), so the two never drift apart."""
     import re
 
-    from omnistage_operator.builders import worker_args
     from omnistage_operator.spec import (
         RESERVED_ARG_PREFIXES,
         RESERVED_ARGS,
@@ -219,6 +218,7 @@ def test_reserved_names_in_the_cel_rules_are_the_operators() -> None:
         DesiredState,
     )
     from omnistage_operator.spec_parse import parse_stage
+    from omnistage_operator.worker_command import worker_args
 
     text = CRD_PATH.read_text()
     args_rule = text[text.index("self.all(a, !a.startsWith('--')") :]

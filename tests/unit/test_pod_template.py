@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import build_worker_pod, pod_spec_hash
+from omnistage_operator.builders import build_worker_pod
+from omnistage_operator.pod_hash import pod_spec_hash
 from omnistage_operator.pod_template import (
     DEFAULT_CONTAINER_SECURITY_CONTEXT,
     DEFAULT_POD_SECURITY_CONTEXT,

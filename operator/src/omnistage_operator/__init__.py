@@ -15,6 +15,8 @@ a group's per-device memory        ``memory`` (pure)
 pods, claims, slices as facts      ``pods`` (pure): exit reasons, crash back-off, claim UUIDs
 status and its conditions          ``status``, ``conditions`` (pure): one function per condition
 the worker pod, Service, claim     ``builders`` (pure): manifests from a ``StageSpec``
+the worker's command line, the     ``worker_command``, ``pod_hash``, ``token_secret``
+  pod's spec hash, token Secret
 one hand-over round                ``handover``: observe, sleep, ACK or fence, checkpoint, wake
                                      (against the ``GroupPort`` protocol)
 a round's Kubernetes side          ``port`` (``KubeGroupPort``)

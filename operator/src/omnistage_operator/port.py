@@ -31,7 +31,6 @@ from omnistage_operator.builders import (
     build_worker_pod,
     can_start_asleep,
     owner_reference,
-    pod_spec_hash,
 )
 from omnistage_operator.conditions import Reason
 from omnistage_operator.facts import AckFacts, WorkerReport
@@ -53,6 +52,7 @@ from omnistage_operator.memory import group_memory
 from omnistage_operator.ondemand import DemandView
 from omnistage_operator.peaks import StagePeaks
 from omnistage_operator.peaks import from_status as peaks_from_status
+from omnistage_operator.pod_hash import pod_spec_hash
 from omnistage_operator.pods import (
     RESET_AFTER_S,
     TERMINAL_PHASES,

@@ -22,12 +22,7 @@ from omnistage_operator import metrics, stage_metrics
 from omnistage_operator.arbiter import (
     WorkerPhase,
 )
-from omnistage_operator.builders import (
-    build_token_secret,
-    claim_name,
-    pod_claim_name,
-    service_name,
-)
+from omnistage_operator.builders import claim_name, pod_claim_name, service_name
 from omnistage_operator.claim_slices import allocated_uuids
 from omnistage_operator.demand_watch import DemandWatcher
 from omnistage_operator.facts import AckFacts
@@ -63,6 +58,7 @@ from omnistage_operator.spec_parse import parse_stage
 from omnistage_operator.status import (
     format_timestamp,
 )
+from omnistage_operator.token_secret import build_token_secret
 from omnistage_operator.views import GroupViews, group_of
 from omnistage_operator.wake_backoff import REASON as WAKE_OOM
 from omnistage_operator.wake_backoff import WakeBackoff, oom_message
