@@ -15,7 +15,8 @@ from omnistage_operator.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredStat
 from omnistage_operator.worker_command import worker_args
 from omnistage_worker import config as worker_config
 from omnistage_worker import limits as worker_limits
-from omnistage_worker.cli import build_parser, request_limits
+from omnistage_worker.cli import build_parser
+from omnistage_worker.flag_groups import request_limits
 from tests.unit.test_builders import container, make
 from tests.unit.test_crd import CRD_PATH, prop
 
