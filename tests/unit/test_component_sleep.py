@@ -17,9 +17,9 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    footprint,
-    plan,
 )
+from omnistage_operator.arbiter.demand import footprint
+from omnistage_operator.arbiter.plan import plan
 from omnistage_operator.components import component_status, components_verdict
 from omnistage_operator.facts import AckFacts
 from omnistage_operator.handover import (

@@ -53,8 +53,8 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    admission_order,
 )
+from omnistage_operator.arbiter.admission import admission_order
 from omnistage_operator.facts import AckFacts, DeviceFigures, WorkerReport
 from omnistage_operator.handover import (
     FenceFailed,

@@ -64,9 +64,9 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    claim_too_small,
-    plan,
 )
+from omnistage_operator.arbiter.admission import claim_too_small
+from omnistage_operator.arbiter.plan import plan
 from omnistage_operator.facts import AckFacts, ack_contradiction, memory_need
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.sleep_tasks import SleepTracker
