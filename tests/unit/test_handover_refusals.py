@@ -30,8 +30,8 @@ from omnistage_operator.handover import (
     RoundPolicy,
     WorkerRefused,
     WorkerUnavailable,
-    run_round,
 )
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.leadership import LeadershipLost
 
 GI = 1 << 30

@@ -31,12 +31,8 @@ from omnistage_operator.builders import (
 from omnistage_operator.claim_slices import allocated_uuids
 from omnistage_operator.demand_watch import DemandWatcher
 from omnistage_operator.facts import AckFacts
-from omnistage_operator.handover import (
-    FenceFailed,
-    RoundOutcome,
-    RoundPolicy,
-    run_round,
-)
+from omnistage_operator.handover import FenceFailed, RoundOutcome, RoundPolicy
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.kube import (
     CLAIMS,
     OMNISTAGE,
