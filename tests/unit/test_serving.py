@@ -13,7 +13,8 @@ from omnistage_operator.builders import build_worker_pod, pod_spec_hash, worker_
 from omnistage_operator.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredState, SpecError
 from omnistage_worker import config as worker_config
 from omnistage_worker import limits as worker_limits
-from omnistage_worker.cli import build_parser, request_limits
+from omnistage_worker.cli import build_parser
+from omnistage_worker.flag_groups import request_limits
 from tests.unit.test_builders import container, make
 from tests.unit.test_crd import CRD_PATH, prop
 
