@@ -8,8 +8,9 @@ a concern                          its module
 the OmniStage's types, parsing     ``spec`` (types), ``spec_parse`` (a stored body to a
                                      ``StageSpec``; the CRD's schema and CEL refuse first)
 quantities, byte formatting        ``quantities`` (re-exports ``omnistage_worker.quantities``)
-who holds memory, who sleeps       ``arbiter`` (pure): admission, sleep and fence orders, the
-  first, who waits and why           wake gate (``plan``)
+who holds memory, who sleeps       ``arbiter`` (pure package): ``plan`` over ``demand``,
+  first, who waits and why           ``admission``, ``sleeps`` (sleep and fence orders),
+                                     ``components``, ``gate`` (the wake gate's blockers)
 what workers report                ``facts`` (pure): GetStatus and ACKs as typed facts
 a group's per-device memory        ``memory`` (pure)
 pods, claims, slices as facts      ``pods`` (pure): exit reasons, crash back-off, claim UUIDs
@@ -17,8 +18,9 @@ status and its conditions          ``status``, ``conditions`` (pure): one functi
 the worker pod, Service, claim     ``builders`` (pure): manifests from a ``StageSpec``
 the worker's command line, the     ``worker_command``, ``pod_hash``, ``token_secret``
   pod's spec hash, token Secret
-one hand-over round                ``handover``: observe, sleep, ACK or fence, checkpoint, wake
-                                     (against the ``GroupPort`` protocol)
+one hand-over round                ``handover``: ``rounds`` (observe, sleep, ACK or fence,
+                                     checkpoint, wake; against the ``GroupPort`` protocol),
+                                     ``orders`` (one sleep, fence or wake)
 a round's Kubernetes side          ``port`` (``KubeGroupPort``)
 a group's stages and pods          ``views``: from kopf's indexes (watches), no LIST per round
 the loop per group, what survives  ``runner`` (``GroupRunner``): kicks, asks, fences, learned

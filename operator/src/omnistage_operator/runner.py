@@ -26,12 +26,8 @@ from omnistage_operator.builders import claim_name, pod_claim_name, service_name
 from omnistage_operator.claim_slices import allocated_uuids
 from omnistage_operator.demand_watch import DemandWatcher
 from omnistage_operator.facts import AckFacts
-from omnistage_operator.handover import (
-    FenceFailed,
-    RoundOutcome,
-    RoundPolicy,
-    run_round,
-)
+from omnistage_operator.handover import FenceFailed, RoundOutcome, RoundPolicy
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.kube import (
     CLAIMS,
     OMNISTAGE,
