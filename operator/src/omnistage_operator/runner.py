@@ -4,7 +4,8 @@ namespace's worker-token Secret.
 
 ``kick`` marks a group dirty and its loop runs rounds until nothing new was asked (kicks during a
 round coalesce into one more round). A round runs only while this operator leads; it builds a
-``port.KubeGroupPort``, runs ``handover.run_round`` against it and publishes the stages' status.
+``port.KubeGroupPort``, runs ``handover.rounds.run_round`` against it and publishes the stages'
+status.
 """
 
 from __future__ import annotations
