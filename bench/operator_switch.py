@@ -88,8 +88,8 @@ def _budget(log: Path, since: float, until: float) -> dict[str, float] | None:
         when = _log_time(line)
         if when is None or when < since - 0.002 or when > until + 0.002:
             continue
-        for mark, text in (("sleep", "omnistage_operator.handover: sleep "),
-                           ("wake", "omnistage_operator.handover: wake "),
+        for mark, text in (("sleep", "omnistage_operator.handover.orders: sleep "),
+                           ("wake", "omnistage_operator.handover.orders: wake "),
                            ("end", "hand-over ")):  # fmt: skip
             if text in line and mark not in marks:
                 marks[mark] = when

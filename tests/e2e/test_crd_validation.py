@@ -22,14 +22,15 @@ import pytest
 from omnistage_operator.builders import (
     build_group_claim,
     build_service,
-    build_token_secret,
     build_worker_pod,
     owner_reference,
-    vllm_args,
 )
 from omnistage_operator.conditions import MEMORY_RELEASED, READY, Reason, set_condition
 from omnistage_operator.quantities import format_bytes
-from omnistage_operator.spec import DesiredState, PlacementMode, parse_stage
+from omnistage_operator.spec import DesiredState, PlacementMode
+from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.token_secret import build_token_secret
+from omnistage_operator.worker_command import vllm_args
 from tests.cluster.controlplane import ControlPlane
 from tests.e2e.conftest import crd_established
 from tests.examples import stage_docs

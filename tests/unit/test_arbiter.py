@@ -13,14 +13,16 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    admission_order,
+)
+from omnistage_operator.arbiter.admission import admission_order
+from omnistage_operator.arbiter.demand import (
     context_charge,
-    device_mismatches,
     footprint,
     may_hold_memory,
-    plan,
     usable_memory,
 )
+from omnistage_operator.arbiter.gate import device_mismatches
+from omnistage_operator.arbiter.plan import plan
 
 GI = 1 << 30
 ACTIVE = StageFacts(WorkerPhase.ACTIVE, used_bytes=6 * GI, active_footprint=6 * GI)

@@ -12,22 +12,21 @@ import pytest
 
 from omnistage_operator.builders import (
     INITIAL_STATE_ANNOTATION,
-    TOKEN_SHA256_ANNOTATION,
     build_group_claim,
     build_service,
-    build_token_secret,
     build_worker_pod,
     can_start_asleep,
     claim_name,
     owner_reference,
     pod_claim_name,
     pod_name,
-    pod_spec_hash,
     service_name,
-    worker_args,
-    worker_device,
 )
-from omnistage_operator.spec import DesiredState, StageSpec, parse_stage
+from omnistage_operator.pod_hash import pod_spec_hash
+from omnistage_operator.spec import DesiredState, StageSpec
+from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.token_secret import TOKEN_SHA256_ANNOTATION, build_token_secret
+from omnistage_operator.worker_command import worker_args, worker_device
 
 TOKEN = "s3cr3t-token-value-7f9a"
 

@@ -17,19 +17,14 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    footprint,
-    plan,
 )
+from omnistage_operator.arbiter.demand import footprint
+from omnistage_operator.arbiter.plan import plan
 from omnistage_operator.components import component_status, components_verdict
 from omnistage_operator.facts import AckFacts
-from omnistage_operator.handover import (
-    GroupObservation,
-    RoundOutcome,
-    RoundPolicy,
-    WorkerRefused,
-    run_round,
-)
-from omnistage_operator.spec import parse_stage
+from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy, WorkerRefused
+from omnistage_operator.handover.rounds import run_round
+from omnistage_operator.spec_parse import parse_stage
 
 GI = 1 << 30
 CAP = 16 * GI

@@ -18,7 +18,7 @@ from omnistage_operator import spec as S
 from omnistage_operator import status
 from omnistage_operator.conditions import ConditionStatus
 from omnistage_operator.quantities import QUANTITY_PATTERN
-from omnistage_operator.spec import parse_stage
+from omnistage_operator.spec_parse import parse_stage
 from tests.examples import MANIFESTS, stage_docs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,14 +211,14 @@ def test_reserved_names_in_the_cel_rules_are_the_operators() -> None:
     flag the operator writes is among them), so the two never drift apart."""
     import re
 
-    from omnistage_operator.builders import worker_args
     from omnistage_operator.spec import (
         RESERVED_ARG_PREFIXES,
         RESERVED_ARGS,
         RESERVED_ENV,
         DesiredState,
-        parse_stage,
     )
+    from omnistage_operator.spec_parse import parse_stage
+    from omnistage_operator.worker_command import worker_args
 
     text = CRD_PATH.read_text()
     args_rule = text[text.index("self.all(a, !a.startsWith('--')") :]

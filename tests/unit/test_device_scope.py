@@ -10,8 +10,8 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    plan,
 )
+from omnistage_operator.arbiter.plan import plan
 
 GI = 1 << 30
 TOTAL = 16 * GI

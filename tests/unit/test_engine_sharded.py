@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from omnistage_worker.engine import hooks
+from omnistage_worker.engine.flat_weights import EngineError
 from omnistage_worker.engine.placement import (
     Block,
     blocks_of,
@@ -24,7 +25,6 @@ from omnistage_worker.engine.placement import (
     split_contiguous,
 )
 from omnistage_worker.engine.sharded import ShardedEngine
-from omnistage_worker.engine.weights import EngineError
 
 CPU2 = [torch.device("cpu"), torch.device("cpu")]
 

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from omnistage_operator.builders import service_name
-from omnistage_operator.spec import Backend, Runner, parse_stage
+from omnistage_operator.spec import Backend, Runner
+from omnistage_operator.spec_parse import parse_stage
 from tests.examples import HELM_VALUES, manifest_docs, stage_docs
 from tests.unit.test_chart_support import render, select
 

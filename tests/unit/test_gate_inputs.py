@@ -16,8 +16,8 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    plan,
 )
+from omnistage_operator.arbiter.plan import plan
 from omnistage_operator.facts import AckFacts, DeviceFigures, WorkerReport, ack_contradiction
 from omnistage_operator.footprints import OTHER_TENANTS, device_need
 from omnistage_operator.peaks import StagePeaks, from_status, to_status

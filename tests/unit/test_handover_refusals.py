@@ -30,8 +30,8 @@ from omnistage_operator.handover import (
     RoundPolicy,
     WorkerRefused,
     WorkerUnavailable,
-    run_round,
 )
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.leadership import LeadershipLost
 
 GI = 1 << 30
@@ -392,7 +392,7 @@ def test_a_refused_deepening_is_not_ordered_again() -> None:
 def test_a_stage_loading_asleep_does_not_hold_up_the_groups_wakes() -> None:
     """Issue 19: a worker loading in a pod created asleep (weights into host memory, only its
     context on the device) blocked every wake of its group for its whole load."""
-    from omnistage_operator.arbiter import plan
+    from omnistage_operator.arbiter.plan import plan
     from omnistage_operator.port_facts import loading_asleep
 
     intents = {"a": StageIntent("a", False), "b": StageIntent("b", True, vram_request=4 * GI)}

@@ -11,8 +11,8 @@ from omnistage_operator.handover import (
     RoundOutcome,
     RoundPolicy,
     WorkerUnavailable,
-    run_round,
 )
+from omnistage_operator.handover.rounds import run_round
 
 
 class StartingWorkerPort:

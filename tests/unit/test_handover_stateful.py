@@ -1,7 +1,7 @@
 """Property-based tests of the arbiter driven through the real hand-over round, on GPU physics.
 
-``run_round`` (operator/src/omnistage_operator/handover.py) runs against a simulated fleet whose
-device behaves like a real GPU in everything the operator can observe (issue 14):
+``run_round`` (operator/src/omnistage_operator/handover/rounds.py) runs against a simulated fleet
+whose device behaves like a real GPU in everything the operator can observe (issue 14):
 
 - a driver reserve: free memory is below the total even when nothing runs;
 - a CUDA context per started worker process, held while the process lives, asleep or not;
@@ -53,8 +53,8 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    admission_order,
 )
+from omnistage_operator.arbiter.admission import admission_order
 from omnistage_operator.facts import AckFacts, DeviceFigures, WorkerReport
 from omnistage_operator.handover import (
     FenceFailed,
@@ -63,8 +63,8 @@ from omnistage_operator.handover import (
     RoundPolicy,
     WorkerRefused,
     WorkerUnavailable,
-    run_round,
 )
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.memory import group_memory
 
 MI = 1 << 20

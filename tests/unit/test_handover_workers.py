@@ -28,8 +28,8 @@ from omnistage_operator.handover import (
     RoundOutcome,
     RoundPolicy,
     WorkerUnavailable,
-    run_round,
 )
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.worker_client import WorkerClient
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from omnistage_operator.activation import Activation, ActivationPolicy
-from omnistage_operator.arbiter import StageIntent, WorkerPhase, admission_order
+from omnistage_operator.arbiter import StageIntent, WorkerPhase
+from omnistage_operator.arbiter.admission import admission_order
 from omnistage_operator.ondemand import AwakeReason, Demand, DemandInput, shape_intents
 
 ON = Activation(ActivationPolicy.ON_DEMAND, idle_after_s=30.0, min_residency_s=10.0)

@@ -8,14 +8,9 @@ from typing import Any
 import pytest
 
 from omnistage_operator.activation import Activation, ActivationPolicy
-from omnistage_operator.arbiter import (
-    GroupMemory,
-    StageFacts,
-    StageIntent,
-    WorkerPhase,
-    admission_order,
-    plan,
-)
+from omnistage_operator.arbiter import GroupMemory, StageFacts, StageIntent, WorkerPhase
+from omnistage_operator.arbiter.admission import admission_order
+from omnistage_operator.arbiter.plan import plan
 from omnistage_operator.ondemand import DEFERRED, Demand, DemandInput, shape_intents
 from omnistage_operator.pipelines import (
     Batching,

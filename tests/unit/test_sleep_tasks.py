@@ -18,7 +18,8 @@ from omnistage_operator.arbiter import (
     WorkerPhase,
 )
 from omnistage_operator.facts import AckFacts, DeviceFigures
-from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy, run_round
+from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.sleep_tasks import SleepTracker
 
 GI = 1 << 30

@@ -15,8 +15,8 @@ from omnistage_operator.spec import (
     SpecError,
     StageSpec,
     WorkerDevice,
-    parse_stage,
 )
+from omnistage_operator.spec_parse import parse_stage
 
 
 def body(**spec: Any) -> dict[str, Any]:

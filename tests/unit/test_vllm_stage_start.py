@@ -19,10 +19,11 @@ from omnistage_operator.arbiter import (
     StageFacts,
     StageIntent,
     WorkerPhase,
-    plan,
 )
+from omnistage_operator.arbiter.plan import plan
 from omnistage_operator.facts import AckFacts
-from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy, run_round
+from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.status import Phase, StageObservation, build_status
 
 GI = 1 << 30

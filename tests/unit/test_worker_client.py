@@ -20,7 +20,7 @@ from omnistage_operator.groups import GroupRunner, KubeGroupPort
 from omnistage_operator.handover import WorkerRefused, WorkerUnauthenticated, WorkerUnavailable
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.settings import Settings
-from omnistage_operator.spec import parse_stage
+from omnistage_operator.spec_parse import parse_stage
 from omnistage_operator.worker_client import WorkerClient
 
 

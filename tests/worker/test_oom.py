@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from omnistage.worker.v1 import types_pb2
-from omnistage_worker.engine.weights import EngineError
+from omnistage_worker.engine.flat_weights import EngineError
 from omnistage_worker.memory import DeviceReading, Reading
 from omnistage_worker.oom import is_out_of_memory, needed_bytes, shortfall_in_message
 

@@ -5,17 +5,22 @@ Where things are (pure modules: no kopf, no network; unit-tested in milliseconds
 =================================  ==========================================================
 a concern                          its module
 =================================  ==========================================================
-the OmniStage's types, parsing     ``spec`` (the CRD's schema and CEL refuse bad manifests first)
+the OmniStage's types, parsing     ``spec`` (types), ``spec_parse`` (a stored body to a
+                                     ``StageSpec``; the CRD's schema and CEL refuse first)
 quantities, byte formatting        ``quantities`` (re-exports ``omnistage_worker.quantities``)
-who holds memory, who sleeps       ``arbiter`` (pure): admission, sleep and fence orders, the
-  first, who waits and why           wake gate (``plan``)
+who holds memory, who sleeps       ``arbiter`` (pure package): ``plan`` over ``demand``,
+  first, who waits and why           ``admission``, ``sleeps`` (sleep and fence orders),
+                                     ``components``, ``gate`` (the wake gate's blockers)
 what workers report                ``facts`` (pure): GetStatus and ACKs as typed facts
 a group's per-device memory        ``memory`` (pure)
 pods, claims, slices as facts      ``pods`` (pure): exit reasons, crash back-off, claim UUIDs
 status and its conditions          ``status``, ``conditions`` (pure): one function per condition
 the worker pod, Service, claim     ``builders`` (pure): manifests from a ``StageSpec``
-one hand-over round                ``handover``: observe, sleep, ACK or fence, checkpoint, wake
-                                     (against the ``GroupPort`` protocol)
+the worker's command line, the     ``worker_command``, ``pod_hash``, ``token_secret``
+  pod's spec hash, token Secret
+one hand-over round                ``handover``: ``rounds`` (observe, sleep, ACK or fence,
+                                     checkpoint, wake; against the ``GroupPort`` protocol),
+                                     ``orders`` (one sleep, fence or wake)
 a round's Kubernetes side          ``port`` (``KubeGroupPort``: the orders), on ``port_facts``
                                      (GetStatus as facts, intents) and ``port_listing`` (the
                                      listing, pods deleted before a round acts)

@@ -1,7 +1,9 @@
 """Pure builders of the child objects of an OmniStage, as plain dicts (no kopf, no network).
 
 Every function returns a fresh dict the caller may mutate; nothing is shared with the
-``StageSpec`` it came from. The token *value* only ever appears in ``build_token_secret``.
+``StageSpec`` it came from. The worker's command line is :mod:`omnistage_operator.worker_command`,
+the pod's spec hash :mod:`omnistage_operator.pod_hash`, the token Secret
+:mod:`omnistage_operator.token_secret`.
 
 Public API (stable):
 
@@ -9,24 +11,14 @@ Names and constants:
     ``pod_name(stage_name) -> "<stage>-worker"``, ``service_name(stage_name) -> "<stage>-worker"``,
     ``claim_name(group) -> "omnistage-<group>-gpus"``, ``pod_claim_name(stage) -> str | None``
     (the group claim a stage's pod references: DRA mode with ``gpus > 0``, else ``None``).
-    ``TOKEN_SECRET_NAME="omnistage-worker-token"``, ``TOKEN_SECRET_KEY="token"``,
-    ``TOKEN_MOUNT_DIR="/var/run/secrets/omnistage"``, ``TOKEN_FILE`` (``TOKEN_MOUNT_DIR/token``),
+    ``TOKEN_VOLUME="omnistage-token"``, ``MODEL_VOLUME="model"``,
     ``DEFAULT_DEVICE_CLASS="gpu.nvidia.com"``, ``CONTAINER_NAME="worker"``, ``PORT_NAME="grpc"``,
     ``POD_CLAIM_REF="gpus"``, ``READINESS_SERVICE="omnistage.worker.v1.SleepService"``,
     ``LIVENESS_SERVICE=""``, ``WORKER_COMMAND=["omnistage-worker"]``,
     annotation keys ``INITIAL_STATE_ANNOTATION``, ``SLEEP_LEVEL_ANNOTATION``,
-    ``GENERATION_ANNOTATION``, ``POD_SPEC_HASH_ANNOTATION``, ``TOKEN_SHA256_ANNOTATION``.
+    ``GENERATION_ANNOTATION``, ``POD_SPEC_HASH_ANNOTATION``.
 Builders:
     ``owner_reference(body) -> dict`` (controller=true, blockOwnerDeletion=true)
-    ``worker_args(stage, *, initial_state, sleep_level=None) -> list[str]`` (always with
-    ``--device``: see ``worker_device(stage) -> "cpu" | "cuda"``)
-    ``pod_spec_hash(stage) -> str``: 16 hex digits over the spec fields a running pod cannot
-    follow (image, runner, backend, model, gpus, placement, worker, template, group); the pod
-    carries it as ``omnistage.io/pod-spec-hash``, so a differing hash means "recreate the
-    pod". ``state``, ``sleepLevel``, ``priority`` and ``vram`` are left out: they are
-    followed over gRPC or by the arbiter without a restart (except for a VLLM stage: its
-    ``vllm_args``, ``vram.request`` included, fix the engine's memory budget at its start).
-    ``vllm_args(stage) -> list[str]``: the ``--vllm-*`` worker flags of a VLLM stage.
     ``build_worker_pod(stage, *, initial_state, owner, claim_name=<pod_claim_name(stage)>,
     token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict`` (a stage that cannot
     start asleep, see ``can_start_asleep(stage)``: false for VLLM, whose worker refuses
@@ -34,7 +26,6 @@ Builders:
     the stage is admitted and the measured free memory covers it)
     ``build_service(stage, *, owner) -> dict``
     ``build_group_claim(namespace, group, gpus, device_class=DEFAULT_DEVICE_CLASS) -> dict``
-    ``build_token_secret(namespace, token, name=TOKEN_SECRET_NAME) -> dict``
 
 Decisions beyond the contract:
     ``restartPolicy: Never``: a worker's initial state is fixed in its args, so a kubelet
@@ -52,35 +43,27 @@ Decisions beyond the contract:
 
 from __future__ import annotations
 
-import base64
 import copy
-import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any, Final
 
-from omnistage_operator.labels import (
-    MANAGED_BY_LABEL,
-    MANAGER,
-    group_labels,
-    stage_labels,
-    stage_selector,
-)
+from omnistage_operator.labels import group_labels, stage_labels, stage_selector
 from omnistage_operator.model_source import source_init_container
-from omnistage_operator.pod_template import apply_pod_extras, hash_payload
-from omnistage_operator.serving import Serving, serving_args, serving_volume
+from omnistage_operator.pod_hash import pod_spec_hash
+from omnistage_operator.pod_template import apply_pod_extras
+from omnistage_operator.serving import serving_volume
 from omnistage_operator.spec import (
     API_VERSION,
-    DEFAULT_METRICS_PORT,
     KIND,
     TOKEN_MOUNT_DIR,
     Backend,
     DesiredState,
     PlacementMode,
     StageSpec,
-    WorkerDevice,
 )
-from omnistage_operator.worker_tls import HEALTH_PORT_NAME, probe_port, tls_args, tls_volume
+from omnistage_operator.token_secret import TOKEN_SECRET_KEY, TOKEN_SECRET_NAME
+from omnistage_operator.worker_command import worker_args
+from omnistage_operator.worker_tls import HEALTH_PORT_NAME, probe_port, tls_volume
 
 __all__ = [
     "CONTAINER_NAME",
@@ -96,32 +79,19 @@ __all__ = [
     "PORT_NAME",
     "READINESS_SERVICE",
     "SLEEP_LEVEL_ANNOTATION",
-    "TOKEN_FILE",
-    "TOKEN_MOUNT_DIR",
-    "TOKEN_SECRET_KEY",
-    "TOKEN_SECRET_NAME",
-    "TOKEN_SHA256_ANNOTATION",
     "TOKEN_VOLUME",
     "WORKER_COMMAND",
     "build_group_claim",
     "build_service",
-    "build_token_secret",
     "build_worker_pod",
     "can_start_asleep",
     "claim_name",
     "owner_reference",
     "pod_claim_name",
     "pod_name",
-    "pod_spec_hash",
     "service_name",
-    "vllm_args",
-    "worker_args",
-    "worker_device",
 ]
 
-TOKEN_SECRET_NAME: Final = "omnistage-worker-token"
-TOKEN_SECRET_KEY: Final = "token"
-TOKEN_FILE: Final = f"{TOKEN_MOUNT_DIR}/{TOKEN_SECRET_KEY}"
 TOKEN_VOLUME: Final = "omnistage-token"
 MODEL_VOLUME: Final = "model"
 DEFAULT_DEVICE_CLASS: Final = "gpu.nvidia.com"
@@ -139,7 +109,6 @@ INITIAL_STATE_ANNOTATION: Final = "omnistage.io/initial-state"
 SLEEP_LEVEL_ANNOTATION: Final = "omnistage.io/initial-sleep-level"
 GENERATION_ANNOTATION: Final = "omnistage.io/spec-generation"
 POD_SPEC_HASH_ANNOTATION: Final = "omnistage.io/pod-spec-hash"
-TOKEN_SHA256_ANNOTATION: Final = "omnistage.io/token-sha256"
 
 _NOT_GIVEN: Final = "\0not-given"
 
@@ -186,163 +155,6 @@ def can_start_asleep(stage: StageSpec) -> bool:
     """Whether the stage's worker can start asleep without touching the GPU (not vLLM: it
     allocates device memory while loading, so its pod may only start once admitted)."""
     return stage.backend is not Backend.VLLM
-
-
-def worker_device(stage: StageSpec) -> str:
-    """The worker's ``--device``: the spec's cpu/cuda, else (unset or auto) cuda when the stage
-    has GPUs and cpu when ``gpus`` is 0. The worker itself knows no "auto" and defaults to cpu,
-    which would silently run a GPU stage on the CPU."""
-    device = stage.worker.device
-    if device is None or device is WorkerDevice.AUTO:
-        return "cuda" if stage.gpus > 0 else "cpu"
-    return device.value
-
-
-def worker_args(
-    stage: StageSpec,
-    *,
-    initial_state: DesiredState,
-    sleep_level: int | None = None,
-    epoch: int = 0,
-) -> list[str]:
-    """The worker's command-line arguments, in the contract's order. ``epoch``: the leadership
-    epoch of the operator that makes the pod (``--epoch``; the worker refuses older orders, and
-    epoch 0, from its start)."""
-    level = stage.sleep_level if sleep_level is None else sleep_level
-    if level not in (1, 2):
-        raise ValueError(f"sleep level must be 1 or 2, got {level}")
-    args = [
-        "--runner",
-        stage.runner.cli,
-        "--backend",
-        stage.backend.cli,
-        "--model",
-        stage.model.path,
-        "--host=$(POD_IP)",
-        "--port",
-        str(stage.worker.port),
-        "--initial-state",
-        DesiredState(initial_state).cli,
-        "--sleep-level",
-        str(level),
-        "--token-file",
-        TOKEN_FILE,
-    ]
-    args += ["--device", worker_device(stage)]
-    if stage.gpus > 1:  # the model spans the stage's devices (the first gpus the pod sees)
-        args += ["--gpus", str(stage.gpus)]
-    if epoch > 0:
-        args += ["--epoch", str(epoch)]
-    args += ["--drain-timeout", str(stage.drain_timeout_s)]
-    args += ["--http-port", str(stage.worker.http_port)]
-    args += ["--metrics-port", str(stage.worker.metrics_port)]
-    if stage.activation.on_demand:
-        args += ["--activation", stage.activation.policy.cli]
-        args += ["--hold-timeout", f"{stage.activation.hold_timeout_s:g}"]
-    if stage.worker.dtype is not None:
-        args += ["--dtype", stage.worker.dtype]
-    if stage.backend is Backend.VLLM:
-        args += vllm_args(stage)
-    args += serving_args(stage.serving)
-    args += tls_args(stage.worker.tls)
-    args += list(stage.worker.args)
-    return args
-
-
-def vllm_args(stage: StageSpec) -> list[str]:
-    """The ``--vllm-*`` flags of a VLLM stage: ``spec.vllm``, tensor parallel size = ``gpus``,
-    and, without ``gpuMemoryUtilization``, ``vram.request`` (the worker divides it by the
-    device's total memory)."""
-    engine = stage.vllm
-    args = ["--vllm-tensor-parallel-size", str(max(1, stage.gpus))]
-    if engine.max_model_len is not None:
-        args += ["--vllm-max-model-len", str(engine.max_model_len)]
-    if engine.gpu_memory_utilization is not None:
-        args += ["--vllm-gpu-memory-utilization", repr(engine.gpu_memory_utilization)]
-    elif stage.vram_request_bytes is not None:
-        args += ["--vllm-memory-bytes", str(stage.vram_request_bytes)]
-    if engine.enforce_eager:
-        args.append("--vllm-enforce-eager")
-    if engine.max_num_seqs is not None:
-        args += ["--vllm-max-num-seqs", str(engine.max_num_seqs)]
-    if engine.kv_cache_dtype is not None:
-        args += ["--vllm-kv-cache-dtype", engine.kv_cache_dtype]
-    for flag, value in (
-        ("enable-prefix-caching", engine.enable_prefix_caching),
-        ("enable-chunked-prefill", engine.enable_chunked_prefill),
-    ):
-        if value is not None:
-            args.append(f"--vllm-{flag}" if value else f"--no-vllm-{flag}")
-    if engine.enable_auto_tool_choice:
-        args.append("--vllm-enable-auto-tool-choice")
-    for flag, text in (
-        ("tool-call-parser", engine.tool_call_parser),
-        ("reasoning-parser", engine.reasoning_parser),
-        ("chat-template", engine.chat_template),
-    ):
-        if text is not None:
-            args += [f"--vllm-{flag}", text]
-    return args
-
-
-def pod_spec_hash(stage: StageSpec) -> str:
-    """A short digest of the spec fields that need a new pod when they change."""
-    tpl = stage.template
-    payload: dict[str, object] = {
-        "image": stage.image,
-        "runner": stage.runner.value,
-        "backend": stage.backend.value,
-        "model": [stage.model.path, stage.model.mount_path, stage.model.volume],
-        "gpus": stage.gpus,
-        "group": stage.group,
-        "placement": [
-            stage.placement.mode.value,
-            stage.placement.node_name,
-            stage.placement.devices,
-        ],
-        "worker": [
-            stage.worker.port,
-            None if stage.worker.device is None else stage.worker.device.value,
-            stage.worker.args,
-            stage.worker.dtype,
-            stage.worker.http_port,
-            # Only when changed: pods made before the field existed keep their hash.
-            *([m] if (m := stage.worker.metrics_port) != DEFAULT_METRICS_PORT else []),
-        ],
-        "activation": [stage.activation.policy.value, stage.activation.hold_timeout_s],
-        "template": [
-            tpl.resources,
-            tpl.env,
-            tpl.volumes,
-            tpl.volume_mounts,
-            tpl.node_selector,
-            tpl.tolerations,
-            tpl.annotations,
-            tpl.labels,
-            tpl.service_account_name,
-            tpl.priority_class_name,
-        ],
-    }
-    if stage.backend is Backend.VLLM:  # the engine's memory budget is fixed when it starts
-        payload["vllm"] = vllm_args(stage)
-    if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
-        payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
-    if stage.model.source is not None:  # (the same)
-        src = stage.model.source
-        payload["modelSource"] = [src.url, src.repo, src.revision, src.token_secret, src.token_key]
-    if stage.worker.tls.enabled:  # (the same)
-        payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
-    extras = hash_payload(tpl.extras)  # (the same)
-    if extras is not None:
-        payload["podExtras"] = extras
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=_jsonable)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _jsonable(value: object) -> object:
-    if isinstance(value, Mapping):
-        return dict(value)
-    raise TypeError(f"cannot hash {type(value).__name__}")
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
@@ -606,26 +418,4 @@ def build_group_claim(
                 ]
             }
         },
-    }
-
-
-def build_token_secret(namespace: str, token: str, name: str = TOKEN_SECRET_NAME) -> dict[str, Any]:
-    """The Secret holding the workers' bearer token (base64 ``data``, as the API returns it).
-
-    The ``omnistage.io/token-sha256`` annotation lets the operator see whether the stored
-    token is current without decoding it, and never needs logging the token itself.
-    """
-    if not token:
-        raise ValueError("the worker token must not be empty")
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {MANAGED_BY_LABEL: MANAGER},
-            "annotations": {TOKEN_SHA256_ANNOTATION: hashlib.sha256(token.encode()).hexdigest()},
-        },
-        "type": "Opaque",
-        "data": {TOKEN_SECRET_KEY: base64.b64encode(token.encode()).decode("ascii")},
     }

@@ -80,7 +80,8 @@ def device_need(
     total: int | None,
 ) -> DeviceNeed | None:
     """What ``intent`` needs on each of ``devices`` (see the module docstring); ``total`` is its
-    footprint summed over its devices (``arbiter.footprint``). None: unknown (the whole group)."""
+    footprint summed over its devices (``arbiter.demand.footprint``). None: unknown (the whole
+    group)."""
     gpus = max(1, intent.gpus)
     measured = measured_per_device(fact, devices, gpus) if memory.devices else None
     need: DeviceNeed | None = None

@@ -12,7 +12,7 @@
   GPU, as in CI) uses the accounting figures of its GPU stages' workers (``gpus`` > 0) as one
   device, as before; a ``gpus: 0`` stage's figures are never used in a group with GPU stages.
 - ``claim_uuids``: the devices the group's claim allocated (DRA), checked by the arbiter against
-  every worker's (``arbiter.device_mismatches``).
+  every worker's (``arbiter.gate.device_mismatches``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from omnistage_operator.builders import (
     build_service,
     build_worker_pod,
     owner_reference,
-    pod_spec_hash,
 )
 from omnistage_operator.facts import AckFacts
 from omnistage_operator.handover import (
@@ -42,6 +41,7 @@ from omnistage_operator.labels import (
 )
 from omnistage_operator.memory import group_memory
 from omnistage_operator.peaks import StagePeaks
+from omnistage_operator.pod_hash import pod_spec_hash
 from omnistage_operator.port_facts import FactsPort, loading_asleep
 from omnistage_operator.port_listing import _built_from
 from omnistage_operator.spec import DesiredState

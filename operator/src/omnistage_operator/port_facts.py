@@ -21,7 +21,6 @@ from omnistage_operator.arbiter import (
 from omnistage_operator.builders import (
     INITIAL_STATE_ANNOTATION,
     can_start_asleep,
-    pod_spec_hash,
 )
 from omnistage_operator.conditions import Reason
 from omnistage_operator.facts import WorkerReport
@@ -35,6 +34,7 @@ from omnistage_operator.labels import (
 )
 from omnistage_operator.peaks import StagePeaks
 from omnistage_operator.peaks import from_status as peaks_from_status
+from omnistage_operator.pod_hash import pod_spec_hash
 from omnistage_operator.pods import (
     RESET_AFTER_S,
     TERMINAL_PHASES,

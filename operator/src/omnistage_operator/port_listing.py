@@ -15,7 +15,6 @@ from omnistage_operator.arbiter import (
 )
 from omnistage_operator.builders import (
     POD_SPEC_HASH_ANNOTATION,
-    pod_spec_hash,
 )
 from omnistage_operator.facts import WorkerReport
 from omnistage_operator.handover import (
@@ -28,10 +27,12 @@ from omnistage_operator.labels import (
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.ondemand import DemandView
 from omnistage_operator.peaks import StagePeaks
+from omnistage_operator.pod_hash import pod_spec_hash
 from omnistage_operator.pods import (
     TERMINAL_PHASES,
 )
-from omnistage_operator.spec import SpecError, StageSpec, parse_stage
+from omnistage_operator.spec import SpecError, StageSpec
+from omnistage_operator.spec_parse import parse_stage
 
 if TYPE_CHECKING:
     from omnistage_operator.runner import GroupRunner

@@ -4,7 +4,8 @@ namespace's worker-token Secret.
 
 ``kick`` marks a group dirty and its loop runs rounds until nothing new was asked (kicks during a
 round coalesce into one more round). A round runs only while this operator leads; it builds a
-``port.KubeGroupPort``, runs ``handover.run_round`` against it and publishes the stages' status.
+``port.KubeGroupPort``, runs ``handover.rounds.run_round`` against it and publishes the stages'
+status.
 
 Its halves live apart: the loops (``group_loops``), what a round taught (``round_memory``), the
 group claim (``group_claims``), status and Events (``publisher``).
@@ -24,7 +25,6 @@ from omnistage_operator.arbiter import (
     WorkerPhase,
 )
 from omnistage_operator.builders import (
-    build_token_secret,
     claim_name,
     service_name,
 )
@@ -36,8 +36,8 @@ from omnistage_operator.handover import (
     FenceFailed,
     RoundOutcome,
     RoundPolicy,
-    run_round,
 )
+from omnistage_operator.handover.rounds import run_round
 from omnistage_operator.kube import (
     CLAIMS,
     OMNISTAGE,
@@ -60,10 +60,12 @@ from omnistage_operator.publisher import StatusPublisher
 from omnistage_operator.round_memory import RoundMemory
 from omnistage_operator.settings import Settings
 from omnistage_operator.sleep_tasks import SleepTracker
-from omnistage_operator.spec import SpecError, StageSpec, parse_stage
+from omnistage_operator.spec import SpecError, StageSpec
+from omnistage_operator.spec_parse import parse_stage
 from omnistage_operator.status import (
     format_timestamp,
 )
+from omnistage_operator.token_secret import build_token_secret
 from omnistage_operator.views import GroupViews, group_of
 from omnistage_operator.wake_backoff import WakeBackoff
 from omnistage_operator.worker_client import WorkerClient

@@ -1,6 +1,6 @@
 """The wake gate of one plan: measured free memory per device, less what this plan's wakes take.
 
-Pure logic used by :func:`.arbiter.plan` (fails closed: no measured free memory, no wake).
+Pure logic used by :func:`.arbiter.plan.plan` (fails closed: no measured free memory, no wake).
 """
 
 from __future__ import annotations

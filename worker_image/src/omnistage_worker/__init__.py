@@ -1,15 +1,16 @@
 """omnistage worker: serves one model stage and sleeps/wakes it with measured ACKs.
 
-Modules: ``cli`` (flags), ``config`` (validation), ``quantities`` (the Kubernetes quantity
-grammar, shared with the operator), ``server`` (grpc.aio server), ``state`` (the worker: state,
-measuring, Generate), ``loading`` (load and the initial state), ``sleep_wake`` (Sleep and WakeUp
-carried out, measured, acked), ``transitions`` (their pure decisions), ``status`` (GetStatus),
-``lane`` (the worker's threads), ``acks`` (Ack building, task-id memory), ``memory`` (a probe
-per device kind: NVML, accounting), ``health``, ``auth``, ``sleep_service``,
-``inference_service``, ``runners`` (diffusers, transformers, vLLM), ``engine`` (weight
-movement for the torch runners), ``metrics`` and ``metrics_serve`` (Prometheus, request
-counting), ``asgi_serve`` (uvicorn in the worker's loop, for the OpenAI API and /metrics) and
-``jsonlog`` (text or JSON log lines, shared with the operator).
+Modules: ``cli`` (flags; ``flag_groups``: limits, vLLM), ``config`` (validation), ``quantities``
+(the Kubernetes quantity grammar, shared with the operator), ``server`` (grpc.aio server),
+``state`` (the worker: state, measuring, Generate; ``chunk_sinks``: its streamed chunks),
+``loading`` (load and the initial state), ``sleep_wake`` (Sleep and WakeUp carried out, measured,
+acked; ``transition_acks``: their lock, task ids, epochs and Acks; ``wake_capacity``),
+``transitions`` (their pure decisions), ``status`` (GetStatus), ``lane`` (the worker's threads),
+``acks`` (Ack building, task-id memory), ``memory`` (a probe per device kind: NVML, accounting),
+``health``, ``auth``, ``sleep_service``, ``inference_service``, ``runners`` (diffusers,
+transformers, vLLM), ``engine`` (weight movement for the torch runners), ``metrics`` and
+``metrics_serve`` (Prometheus, request counting), ``asgi_serve`` (uvicorn in the worker's loop, for
+the OpenAI API and /metrics) and ``jsonlog`` (text or JSON log lines, shared with the operator).
 
 Decisions a user of the worker should know:
 

@@ -21,19 +21,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 
 from omnistage.worker.v1 import types_pb2
-from omnistage_worker.acks import AckCache, Outcome, TaskIdConflict, build_ack, replayed
-from omnistage_worker.component_sleep import asleep_components, component_memory, groups_to_sleep
+from omnistage_worker.acks import Outcome
+from omnistage_worker.component_sleep import asleep_components, groups_to_sleep
 from omnistage_worker.memory import Reading
 from omnistage_worker.oom import is_out_of_memory, needed_bytes, wake_allocation
 from omnistage_worker.runners.base import SleepController, Stats
+from omnistage_worker.transition_acks import AckedTransitions, Start
 from omnistage_worker.transitions import (
     Plan,
     Refused,
@@ -43,9 +42,7 @@ from omnistage_worker.transitions import (
     plan_wake,
     residual_error,
 )
-
-if TYPE_CHECKING:
-    from omnistage_worker.state import Worker
+from omnistage_worker.wake_capacity import capacity_shortfall
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +50,8 @@ SLEEP = types_pb2.OPERATION_SLEEP
 WAKE = types_pb2.OPERATION_WAKE_UP
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-class _Start:
-    """When a transition began: wall clock for the Ack, monotonic clock for its duration."""
-
-    def __init__(self) -> None:
-        self.at = _now()
-        self.monotonic = time.monotonic()
-
-
-class SleepWake:
-    """Sleep and WakeUp of one worker: the lock that serializes them and their task ids."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self._lock = asyncio.Lock()
-        self._acks = AckCache(worker.config.ack_cache_size)
-
-    @property
-    def busy(self) -> bool:
-        """Whether a transition holds the lock (the engine may be moving tensors)."""
-        return self._lock.locked()
+class SleepWake(AckedTransitions):
+    """Sleep and WakeUp of one worker, inside the lock, task ids and Acks of its frame."""
 
     async def sleep(
         self,
@@ -107,48 +82,6 @@ class SleepWake:
         """Wake up; the Ack of this task id (replayed when seen before)."""
         return await self._once(task_id, "wake-up", epoch, lambda: self._wake(task_id, epoch))
 
-    # -- task ids and epochs --------------------------------------------------------------
-
-    async def _once(
-        self,
-        task_id: str,
-        key: str,
-        epoch: int,
-        run: Callable[[], Awaitable[types_pb2.Ack]],
-    ) -> types_pb2.Ack:
-        """Run ``run`` for a new task id; join (replay) the transition of a known one."""
-        # A stale leader learns nothing, not even a replayed Ack; its id is not remembered.
-        check_epoch(epoch, self.worker.epoch)
-        try:
-            existing = self._acks.get(task_id, key)
-        except TaskIdConflict as exc:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        if existing is not None:
-            log.info("task %s repeated: returning its first ack", task_id)
-            return replayed(await asyncio.shield(existing))
-
-        async def guarded() -> types_pb2.Ack:
-            try:
-                return await run()
-            except BaseException:
-                self._acks.discard(task_id)  # refused or crashed: the id may be retried
-                raise
-
-        task = asyncio.ensure_future(guarded())
-        self._acks.put(task_id, key, task)
-        return await asyncio.shield(task)
-
-    def witness(self, epoch: int) -> None:
-        """A reader of this worker's status leads at ``epoch``: remember it like an order's."""
-        self._obey(epoch)
-
-    def _obey(self, epoch: int) -> None:
-        """Remember ``epoch`` as obeyed (epoch 0, no election, never lowers it)."""
-        worker = self.worker
-        if epoch > worker.epoch:
-            log.info("obeying leadership epoch %d (was %d)", epoch, worker.epoch)
-            worker.epoch = epoch
-
     # -- sleep ----------------------------------------------------------------------------
 
     async def _sleep(
@@ -161,7 +94,7 @@ class SleepWake:
             self._refuse_level(plan, level)
             self._obey(epoch)
             if plan is Plan.NOOP:
-                start = _Start()
+                start = Start()
                 reading = worker.measure()
                 return self._finish(
                     self._outcome(task_id, SLEEP, reading, reading, start, epoch=epoch, noop=True)
@@ -169,7 +102,7 @@ class SleepWake:
             if plan is Plan.RECHECK:
                 # Failed its residual check: go deeper when asked, return cached blocks to the
                 # device again, measure again; ASLEEP only when within the bound.
-                start = _Start()
+                start = Start()
                 before = worker.measure()
                 target = max(level, worker.require_controller().level)
                 return await self._put_to_sleep(
@@ -206,12 +139,12 @@ class SleepWake:
         previous = (worker.state, worker.level)
         await worker.set_state(types_pb2.WORKER_STATE_SLEEPING, worker.level)
         timeout = worker.config.drain_timeout_s if drain_timeout is None else drain_timeout
-        drain: _Start | None = None
+        drain: Start | None = None
         if plan is Plan.SLEEP and worker.inflight:
-            drain = _Start()
+            drain = Start()
             if not await self._drain(timeout):
                 return await self._drain_ran_out(task_id, epoch, previous, drain, within=timeout)
-        start = _Start()
+        start = Start()
         before = worker.measure()
         if plan is Plan.SLEEP:
             worker.note_peak(before)  # still Active: the weights have not moved yet
@@ -234,13 +167,13 @@ class SleepWake:
         task_id: str,
         epoch: int,
         previous: tuple[types_pb2.WorkerState.ValueType, int],
-        drain: _Start,
+        drain: Start,
         *,
         within: float,
     ) -> types_pb2.Ack:
         """The drain ran out: back to the state before, and a not-ok Ack (nothing moved)."""
         worker = self.worker
-        start = _Start()
+        start = Start()
         await worker.set_state(*previous)
         reading = worker.measure()
         worker.note_peak(reading)
@@ -260,9 +193,9 @@ class SleepWake:
         level: int,
         *,
         before: Reading,
-        start: _Start,
+        start: Start,
         epoch: int,
-        drain: _Start | None = None,
+        drain: Start | None = None,
         what: str = "sleep",
     ) -> types_pb2.Ack:
         """Move the weights off the device to ``level``, return cached blocks, measure, ack."""
@@ -333,15 +266,15 @@ class SleepWake:
             self._obey(epoch)
             await worker.set_state(types_pb2.WORKER_STATE_SLEEPING, 0)
             timeout = worker.config.drain_timeout_s if drain_timeout is None else drain_timeout
-            drain: _Start | None = None
+            drain: Start | None = None
             if worker.inflight:
-                drain = _Start()
+                drain = Start()
                 if not await self._drain(timeout):
                     previous = (types_pb2.WORKER_STATE_ACTIVE, 0)
                     return await self._drain_ran_out(
                         task_id, epoch, previous, drain, within=timeout
                     )
-            start = _Start()
+            start = Start()
             before = worker.measure()
             worker.note_peak(before)
             moved: dict[str, Any] = {}
@@ -382,7 +315,7 @@ class SleepWake:
             check_epoch(epoch, worker.epoch)  # a newer leader may have been obeyed meanwhile
             plan = plan_wake(worker.current)
             self._obey(epoch)
-            start = _Start()
+            start = Start()
             before = worker.measure()
             peak = worker.peak_active  # the Ack reports the peak before this transition
 
@@ -394,7 +327,7 @@ class SleepWake:
             if plan is Plan.NOOP and not asleep_components(worker.controller):
                 return self._finish(outcome(before, noop=True))
             controller = worker.require_controller()
-            shortfall, short_by = _capacity_shortfall(before, controller)
+            shortfall, short_by = capacity_shortfall(before, controller)
             if shortfall:
                 log.warning("wake refused: %s", shortfall)
                 return self._finish(outcome(before, error=shortfall, needed_bytes=short_by))
@@ -450,101 +383,3 @@ class SleepWake:
             await self._settle_asleep(worker.measure(), controller.level)
         except Exception as again:
             await worker.fail(f"{error}; putting it back to sleep failed too: {again}")
-
-    # -- acks -----------------------------------------------------------------------------
-
-    def _outcome(
-        self,
-        task_id: str,
-        operation: types_pb2.Operation.ValueType,
-        before: Reading,
-        after: Reading,
-        start: _Start,
-        *,
-        drain: _Start | None = None,
-        **extra: Any,
-    ) -> Outcome:
-        """What a transition did, as of now, in the worker's current state and level.
-
-        ``start`` is when the transition itself began; ``drain``, when a sleep began waiting
-        for in-flight requests before it (the wait lasted until ``start``).
-        """
-        worker = self.worker
-        extra.setdefault("peak_active", worker.peak_active)
-        if drain is not None:
-            extra["drain_started_at"] = drain.at
-            extra["drain_seconds"] = max(0.0, start.monotonic - drain.monotonic)
-        return Outcome(
-            task_id,
-            operation,
-            worker.state,
-            worker.level,
-            before,
-            after,
-            start.at,
-            _now(),
-            time.monotonic() - start.monotonic,
-            residual_bound=worker.residual_bound,
-            **extra,
-        )
-
-    def _finish(self, outcome: Outcome) -> types_pb2.Ack:
-        """Write ``outcome`` as the Ack, remember it as the last one, log it."""
-        ack = build_ack(outcome, self.worker.identity)
-        ack.components.extend(component_memory(self.worker.controller))
-        self.worker.last_ack = ack
-        self.worker.metrics.acked(ack)
-        log.info(
-            "ack %s task=%s ok=%s level=%d state=%s freed=%d used %d -> %d moved=%d in %.3fs%s%s",
-            types_pb2.Operation.Name(ack.operation),
-            ack.task_id,
-            ack.ok,
-            outcome.level,
-            types_pb2.WorkerState.Name(ack.state),
-            ack.freed_bytes,
-            ack.used_before_bytes,
-            ack.used_after_bytes,
-            ack.bytes_moved,
-            outcome.seconds,
-            " (noop)" if ack.noop else "",
-            f" error: {ack.error}" if ack.error else "",
-            extra={
-                "task_id": ack.task_id,
-                "operation": _OPERATIONS[ack.operation],
-                "epoch": ack.epoch,
-            },
-        )
-        return ack
-
-
-_OPERATIONS = {types_pb2.OPERATION_SLEEP: "sleep", types_pb2.OPERATION_WAKE_UP: "wake_up"}
-
-
-def _capacity_shortfall(before: Reading, controller: SleepController) -> tuple[str, int]:
-    """On an accounted device, refuse a wake that would not fit, as a GPU would OOM: the
-    reason and how many bytes more it needs ("" and 0 when it fits)."""
-    if before.source != types_pb2.MEMORY_SOURCE_ACCOUNTING:
-        return "", 0
-    # What the wake allocates: the engine's flat buffer (weights plus alignment padding).
-    from omnistage_worker.engine.sharded import ShardedEngine
-
-    if isinstance(controller, ShardedEngine) and len(before.devices) == len(controller.shards):
-        short = []
-        more = 0
-        for device, shard in zip(before.devices, controller.shards, strict=True):
-            need = shard.flat_bytes - shard.device_bytes()
-            if need > device.free:
-                short.append(f"{device.device} needs {need} bytes, {device.free} free")
-                more += need - device.free
-        if not short:
-            return "", 0
-        reason = "not enough free device memory to wake: " + "; ".join(short) + " (accounting)"
-        return reason, more
-    need = int(getattr(controller, "flat_bytes", controller.weights_bytes))
-    need -= controller.device_bytes()
-    if need <= before.free:
-        return "", 0
-    return (
-        f"not enough free device memory to wake: need {need} bytes, "
-        f"{before.free} free of {before.total} (accounting)"
-    ), need - before.free

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_pb2
-from omnistage_worker import limits, loading, termination
+from omnistage_worker import chunk_sinks, limits, loading, termination
 from omnistage_worker.component_sleep import asleep_components
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.demand import Demand
@@ -255,10 +255,10 @@ class Worker:
         generated (on the event loop), ``on_text_chunk`` the same as ``TextChunk`` messages
         (with log probabilities); ``on_admitted`` is called once past holding and validation."""
         self.admissible(request)
-        receiver = _chunk_receiver(on_chunk, on_text_chunk)
-        sink = _thread_safe(self.metrics.first_token(receiver, time.monotonic()))
+        receiver = chunk_sinks.chunk_receiver(on_chunk, on_text_chunk)
+        sink = chunk_sinks.thread_safe(self.metrics.first_token(receiver, time.monotonic()))
         engine: Any = getattr(self.runner, "agenerate", None)  # an engine's own batching
-        via_engine = lambda: engine(request, _ids_and_text(on_chunk, on_text_chunk))  # noqa: E731
+        via_engine = lambda: engine(request, chunk_sinks.ids_and_text(on_chunk, on_text_chunk))  # noqa: E731
         response: inference_service_pb2.GenerateResponse = await self.serve_call(
             request.request_id,
             lambda: self.runner.generate(request, sink),
@@ -403,49 +403,7 @@ class Worker:
         self._generate_lane.close()
 
 
-def _chunk_receiver(
-    on_chunk: ChunkSink | None, on_text_chunk: TextChunkSink | None
-) -> TextChunkSink | None:
-    """One sink that hands each chunk to whichever receivers the caller gave (None: none)."""
-    if on_chunk is None and on_text_chunk is None:
-        return None
-
-    def receive(chunk: inference_service_pb2.TextChunk) -> None:
-        if on_chunk is not None:
-            on_chunk(list(chunk.token_ids), chunk.text)
-        if on_text_chunk is not None:
-            on_text_chunk(chunk)
-
-    return receive
-
-
 def _retrieved(job: asyncio.Future[Any]) -> None:
     """Mark a finished job's exception as seen (its caller may have gone)."""
     if not job.cancelled():
         job.exception()
-
-
-def _thread_safe(sink: TextChunkSink | None) -> TextChunkSink | None:
-    """``sink`` called on the current event loop, from whichever thread generates."""
-    if sink is None:
-        return None
-    loop = asyncio.get_running_loop()
-
-    def forward(chunk: inference_service_pb2.TextChunk) -> None:
-        loop.call_soon_threadsafe(sink, chunk)
-
-    return forward
-
-
-def _ids_and_text(
-    on_chunk: ChunkSink | None, on_text_chunk: TextChunkSink | None
-) -> ChunkSink | None:
-    """``on_chunk``, else ``on_text_chunk`` fed from the ids and text an engine streams."""
-    if on_chunk is not None or on_text_chunk is None:
-        return on_chunk
-    sink = on_text_chunk
-
-    def put(ids: list[int], text: str) -> None:
-        sink(inference_service_pb2.TextChunk(token_ids=ids, text=text))
-
-    return put

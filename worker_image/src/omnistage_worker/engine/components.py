@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from omnistage_worker.engine.flat_weights import EngineError, WeightFiles
 from omnistage_worker.engine.slots import iter_bindings
-from omnistage_worker.engine.weights import EngineError, TransferStats, WeightEngine, WeightFiles
+from omnistage_worker.engine.weights import TransferStats, WeightEngine
 
 log = logging.getLogger(__name__)
 

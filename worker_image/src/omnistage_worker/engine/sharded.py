@@ -18,9 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from omnistage_worker.engine.flat_weights import EngineError, WeightFiles
 from omnistage_worker.engine.placement import DeviceMap, assign_ordinals
 from omnistage_worker.engine.slots import Slot, collect_slots
-from omnistage_worker.engine.weights import EngineError, TransferStats, WeightEngine, WeightFiles
+from omnistage_worker.engine.weights import TransferStats, WeightEngine
 
 
 class ShardedEngine:

@@ -1,0 +1,83 @@
+"""The digest of the spec fields a running worker pod cannot follow (pure, no network).
+
+Public API (stable):
+    ``pod_spec_hash(stage) -> str``: 16 hex digits over the spec fields a running pod cannot
+    follow (image, runner, backend, model, gpus, placement, worker, template, group); the pod
+    carries it as ``omnistage.io/pod-spec-hash``, so a differing hash means "recreate the
+    pod". ``state``, ``sleepLevel``, ``priority`` and ``vram`` are left out: they are
+    followed over gRPC or by the arbiter without a restart (except for a VLLM stage: its
+    ``vllm_args``, ``vram.request`` included, fix the engine's memory budget at its start).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+
+from omnistage_operator.pod_template import hash_payload
+from omnistage_operator.serving import Serving, serving_args
+from omnistage_operator.spec import DEFAULT_METRICS_PORT, Backend, StageSpec
+from omnistage_operator.worker_command import vllm_args
+
+__all__ = ["pod_spec_hash"]
+
+
+def pod_spec_hash(stage: StageSpec) -> str:
+    """A short digest of the spec fields that need a new pod when they change."""
+    tpl = stage.template
+    payload: dict[str, object] = {
+        "image": stage.image,
+        "runner": stage.runner.value,
+        "backend": stage.backend.value,
+        "model": [stage.model.path, stage.model.mount_path, stage.model.volume],
+        "gpus": stage.gpus,
+        "group": stage.group,
+        "placement": [
+            stage.placement.mode.value,
+            stage.placement.node_name,
+            stage.placement.devices,
+        ],
+        "worker": [
+            stage.worker.port,
+            None if stage.worker.device is None else stage.worker.device.value,
+            stage.worker.args,
+            stage.worker.dtype,
+            stage.worker.http_port,
+            # Only when changed: pods made before the field existed keep their hash.
+            *([m] if (m := stage.worker.metrics_port) != DEFAULT_METRICS_PORT else []),
+        ],
+        "activation": [stage.activation.policy.value, stage.activation.hold_timeout_s],
+        "template": [
+            tpl.resources,
+            tpl.env,
+            tpl.volumes,
+            tpl.volume_mounts,
+            tpl.node_selector,
+            tpl.tolerations,
+            tpl.annotations,
+            tpl.labels,
+            tpl.service_account_name,
+            tpl.priority_class_name,
+        ],
+    }
+    if stage.backend is Backend.VLLM:  # the engine's memory budget is fixed when it starts
+        payload["vllm"] = vllm_args(stage)
+    if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
+        payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
+    if stage.model.source is not None:  # (the same)
+        src = stage.model.source
+        payload["modelSource"] = [src.url, src.repo, src.revision, src.token_secret, src.token_key]
+    if stage.worker.tls.enabled:  # (the same)
+        payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
+    extras = hash_payload(tpl.extras)  # (the same)
+    if extras is not None:
+        payload["podExtras"] = extras
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=_jsonable)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"cannot hash {type(value).__name__}")
