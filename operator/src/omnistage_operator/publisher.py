@@ -232,7 +232,8 @@ class StatusPublisher:
             previous = self.published.get(key) or body.get("status") or {}
             status = build_status(obs, previous, now)
             self._extend_status(status, port, name, now)
-            stage_metrics.observe(port.ns, port.group, name, status)
+            if not body["metadata"].get("deletionTimestamp"):  # its series go with it (forget)
+                stage_metrics.observe(port.ns, port.group, name, status)
             self._condition_events(body, previous, status)
             self._wait_event(body, previous, status)
             if _same(status, self.published.get(key)):
@@ -244,7 +245,8 @@ class StatusPublisher:
             patches.append(self._patch_status(port.ns, name, status))
         for name, (body, exc) in port.invalid.items():
             status = {"state": "Failed", "observedGeneration": body["metadata"].get("generation")}
-            stage_metrics.observe(port.ns, port.group, name, status)
+            if not body["metadata"].get("deletionTimestamp"):
+                stage_metrics.observe(port.ns, port.group, name, status)
             if _same(status, self.published.get((port.ns, name))):
                 continue
             self.published[(port.ns, name)] = status
