@@ -663,7 +663,7 @@ def check_cluster(binaries: Any, work: Path, devices: list[Json], args: argparse
     with ControlPlane(binaries=binaries, controller_manager=args.controller_manager) as cp:
         out["control_plane_start_s"] = round(cp.timings["start"], 2)
         cp.kubectl("apply", "--server-side", "-f", str(crd))
-        cp.kubectl("wait", "--for=condition=Established", "crd/omnistages.omnistage.io")
+        cp.wait_crd_established("omnistages.omnistage.io")
         ns = cp.create_namespace("gpu")
         nodes, mode = start_localnode(cp.kubeconfig, max(1, len(devices)),
                                 devices[0]["total_bytes"] if devices else 80 * GiB,
@@ -703,7 +703,7 @@ def cluster_run(
         with ControlPlane(binaries=binaries, controller_manager=args.controller_manager) as cp:
             out["control_plane_start_s"] = round(cp.timings["start"], 2)
             cp.kubectl("apply", "--server-side", "-f", str(crd))
-            cp.kubectl("wait", "--for=condition=Established", "crd/omnistages.omnistage.io")
+            cp.wait_crd_established("omnistages.omnistage.io")
             ns = cp.create_namespace("gpu")
             os.environ["KUBECONFIG"] = str(cp.kubeconfig)
             if devices:

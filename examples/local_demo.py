@@ -196,7 +196,7 @@ def run(keep: bool) -> None:
     with ControlPlane() as cp, LocalNodes(cp.kubeconfig, nodes=1, gpus=1, gpu_memory=GPU_MEMORY):
         demo = Demo(cp, workdir)
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-        cp.kubectl("wait", "--for=condition=Established", "crd/omnistages.omnistage.io")
+        cp.wait_crd_established("omnistages.omnistage.io")
         cp.kubectl("create", "namespace", NAMESPACE)
         demo.start_operator()
         try:

@@ -286,6 +286,23 @@ class ControlPlane(Lifecycle):
         data: dict[str, Any] = json.loads(self.kubectl("get", *args, *ns, "-o", "json").stdout)
         return data
 
+    def wait_crd_established(self, name: str, timeout: float = 60.0) -> None:
+        """Poll the CRD ``name`` until its Established condition is True.
+
+        ``kubectl wait --for=condition=Established`` fails at once when it reads the CRD before
+        the API server wrote any condition (``.status.conditions accessor error``), which a
+        loaded machine hits; this polls instead, failing after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            crd = self.get_json("crd", name)
+            conditions = (crd.get("status") or {}).get("conditions") or []
+            if any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CRD {name} not Established after {timeout:.0f}s: {conditions}")
+            time.sleep(0.2)
+
     def apply(
         self, manifest: dict[str, Any] | list[dict[str, Any]] | str, namespace: str | None = None
     ) -> str:

@@ -62,16 +62,8 @@ def _free_port() -> int:
 
 
 def crd_established(cp: ControlPlane, name: str = "omnistages.omnistage.io") -> None:
-    """Wait for the CRD's Established condition. ``kubectl wait`` alone fails at once when it
-    reads the CRD before the API server wrote any condition (``.status.conditions accessor
-    error``), which a loaded machine hits: poll the condition instead."""
-
-    def established() -> bool:
-        crd = cp.get_json("crd", name)
-        conditions = (crd.get("status") or {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
-
-    wait_for(f"CRD {name} Established", established, 60)
+    """Wait for the CRD's Established condition (polled: see ControlPlane.wait_crd_established)."""
+    cp.wait_crd_established(name)
 
 
 @pytest.fixture(scope="session")

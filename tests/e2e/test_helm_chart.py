@@ -234,7 +234,7 @@ def test_install_creates_a_locked_down_operator(
     ]:
         args = [kind, name] + (["-n", namespace] if namespace else [])
         assert control_plane.kubectl("get", *args, check=False).returncode == 0, (kind, name)
-    control_plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=30s")
+    control_plane.wait_crd_established(CRD_NAME)
     notes = control_plane.helm("get", "notes", release.name, "-n", ns).stdout
     assert f"kubectl -n {ns} rollout status deployment/{release.fullname}" in notes
     assert "Serving OmniStages in: every namespace (RBAC scope: Cluster)" in notes
@@ -449,9 +449,7 @@ def test_upgrade_keeps_the_token_and_uninstall_keeps_user_data(
         assert "--ack-retries=5" in args, "the upgrade was not applied"
         assert worker_token(control_plane, release) == token, "helm upgrade changed the token"
 
-        control_plane.kubectl(
-            "wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=30s"
-        )
+        control_plane.wait_crd_established(CRD_NAME)
         control_plane.kubectl("create", "-f", "-", input=_omnistage("kept", stages))
 
         uninstall_chart(control_plane, release)
@@ -485,7 +483,7 @@ def test_peering_install_creates_the_peering_and_its_grants(control_plane: Contr
     for crd in ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
         if control_plane.kubectl("get", "crd", crd, check=False).returncode != 0:
             control_plane.kubectl("create", "-f", str(crds), check=False)
-        control_plane.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=30s")
+        control_plane.wait_crd_established(crd)
     # helm reads the API list from discovery: wait until it serves the new group.
     wait_for(
         "kopf.dev/v1 in API discovery",

@@ -25,6 +25,7 @@ from tests.node.images import IMAGES, VERSION
 from tests.unit.test_chart_support import CHART_DIR
 
 OPERATOR_IMAGE = IMAGES["operator"]
+CRD_DIR = Path(__file__).resolve().parents[2] / "crds"
 PSS_ENFORCE = "pod-security.kubernetes.io/enforce"
 
 
@@ -44,7 +45,17 @@ def node_values(node: str, watch: list[str]) -> dict[str, Any]:
         "replicaCount": 1,
         "nodeSelector": {"kubernetes.io/hostname": node},
         "watch": {"namespaces": watch},
+        # The CRDs are applied server-side before (apply_crds): another release or an earlier
+        # test on the same control plane may already own them, which helm refuses to adopt.
+        "crds": {"enabled": False},
     }
+
+
+def apply_crds(cp: ControlPlane) -> None:
+    """Every CRD of ``crds/`` applied server-side (as a user with ``crds.enabled=false``)."""
+    cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_DIR))
+    for crd in sorted(CRD_DIR.glob("*.yaml")):
+        cp.wait_crd_established(crd.stem)
 
 
 def install_on_node(
@@ -52,6 +63,7 @@ def install_on_node(
 ) -> InstalledRelease:
     """``helm install`` the chart into ``namespace`` with :func:`node_values`."""
     check_chart_crd_copy()
+    apply_crds(cp)
     with tempfile.TemporaryDirectory(prefix="omnistage-values-") as tmp:
         values = Path(tmp) / "values.yaml"
         values.write_text(yaml.safe_dump(node_values(node, watch)))
