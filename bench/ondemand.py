@@ -51,7 +51,6 @@ from tests.cluster.localnode import LocalNodes  # noqa: E402
 from tests.e2e.conftest import (  # noqa: E402
     CAPACITY,
     OperatorProcess,
-    crd_established,
     stage_manifest,
 )
 from tests.worker.tiny_models import build_causal_lm  # noqa: E402
@@ -294,7 +293,7 @@ def main() -> int:
     models = {"ar": build_causal_lm(work / "ar")}
     with ControlPlane() as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
-        crd_established(cp)
+        cp.wait_crd_established("omnistages.omnistage.io")
         ns = cp.create_namespace("bench")
         with LocalNodes(cp.kubeconfig, nodes=1, gpus=1, gpu_memory=CAPACITY,
                         name_prefix="bench-") as nodes:  # fmt: skip

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from omnistage_operator.kube import OMNISTAGE, Kube  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
-from tests.e2e.conftest import CAPACITY, OperatorProcess, crd_established, stage_manifest  # noqa: E402
+from tests.e2e.conftest import CAPACITY, OperatorProcess, stage_manifest  # noqa: E402
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline  # noqa: E402
 
 
@@ -169,7 +169,7 @@ def main() -> int:
     models = {"ar": build_causal_lm(work / "ar"), "sd": build_diffusion_pipeline(work / "sd")}
     with ControlPlane() as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
-        crd_established(cp)
+        cp.wait_crd_established("omnistages.omnistage.io")
         ns = cp.create_namespace("bench")
         with LocalNodes(cp.kubeconfig, nodes=1, gpus=1, gpu_memory=CAPACITY,
                         name_prefix="bench-") as nodes:  # fmt: skip

@@ -54,7 +54,7 @@ from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.kubeconfig import load_kubeconfig  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
 from tests.cluster.localnode.api import Api  # noqa: E402
-from tests.e2e.conftest import OperatorProcess, crd_established  # noqa: E402
+from tests.e2e.conftest import OperatorProcess  # noqa: E402
 
 GiB = 1024**3
 GPUS_PER_NODE = 8
@@ -338,7 +338,7 @@ def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
     started = time.monotonic()
     with ControlPlane() as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
-        crd_established(cp)
+        cp.wait_crd_established("omnistages.omnistage.io")
         ns = cp.create_namespace("scale")
         with LocalNodes(
             cp.kubeconfig, nodes=node_count, gpus=GPUS_PER_NODE, gpu_memory=80 * GiB,

@@ -61,15 +61,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def crd_established(cp: ControlPlane, name: str = "omnistages.omnistage.io") -> None:
-    """Wait for the CRD's Established condition (polled: see ControlPlane.wait_crd_established)."""
-    cp.wait_crd_established(name)
-
-
 @pytest.fixture(scope="session")
 def omnistage_crd(control_plane: ControlPlane) -> ControlPlane:
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    crd_established(control_plane)
+    control_plane.wait_crd_established(CRD.stem)
     return control_plane
 
 

@@ -32,7 +32,6 @@ from omnistage_operator.spec_parse import parse_stage
 from omnistage_operator.token_secret import build_token_secret
 from omnistage_operator.worker_command import vllm_args
 from tests.cluster.controlplane import ControlPlane
-from tests.e2e.conftest import crd_established
 from tests.examples import stage_docs
 
 pytestmark = pytest.mark.cluster
@@ -61,7 +60,7 @@ def good(name: str = "stage") -> dict[str, Any]:
 def cluster(control_plane: ControlPlane) -> ControlPlane:
     """The control plane with the CRD applied and established."""
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    crd_established(control_plane)
+    control_plane.wait_crd_established("omnistages.omnistage.io")
     return control_plane
 
 

@@ -16,9 +16,7 @@ from omnistage_operator.builders import build_worker_pod, owner_reference
 from omnistage_operator.spec import DesiredState
 from omnistage_operator.spec_parse import parse_stage
 from tests.cluster.controlplane import ControlPlane
-from tests.e2e.conftest import crd_established as pipeline_established
 from tests.e2e.test_crd_validation import CRD
-from tests.e2e.test_helm_support import crd_established
 from tests.examples import EXAMPLES_DIR, manifest_docs
 
 pytestmark = pytest.mark.cluster
@@ -38,10 +36,10 @@ def _dry_run(cp: ControlPlane, namespace: str, obj: dict[str, Any]) -> dict[str,
 
 def test_every_example_object_is_accepted(control_plane: ControlPlane, namespace: str) -> None:
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    crd_established(control_plane)
+    control_plane.wait_crd_established("omnistages.omnistage.io")
     pipelines = CRD.parent / "omnipipelines.omnistage.io.yaml"
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(pipelines))
-    pipeline_established(control_plane, "omnipipelines.omnistage.io")
+    control_plane.wait_crd_established("omnipipelines.omnistage.io")
     checked: set[str] = set()
     for path, doc in manifest_docs():
         if doc["apiVersion"].startswith(NOT_HERE):

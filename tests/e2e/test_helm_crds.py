@@ -26,7 +26,6 @@ from tests.e2e.test_helm_support import (
     CRD_SOURCE,
     CRD_TEMPLATE,
     apply_crd,
-    crd_established,
     describe_release,
     install_chart,
     uninstall_chart,
@@ -118,7 +117,7 @@ def test_upgrade_applies_the_new_crd_and_keeps_stages(
         crd = cp.get_json("crd", CRD_NAME)
         assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release.name
         assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-        crd_established(cp)
+        cp.wait_crd_established(CRD_NAME)
 
         def served() -> bool:
             proc = create(cp, stage("after", stages, **{NEW_FIELD: "served"}))

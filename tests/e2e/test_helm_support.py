@@ -30,7 +30,6 @@ import pytest
 import yaml
 
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.procs import wait_for
 from tests.unit.test_chart_support import CHART_DIR, REPO_ROOT
 
 CRD_NAME = "omnistages.omnistage.io"
@@ -84,18 +83,7 @@ def check_chart_crd_copy() -> None:
 def apply_crd(control_plane: ControlPlane) -> None:
     """The CRD applied server-side (as a user with ``crds.enabled=false`` does), Established."""
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_SOURCE))
-    crd_established(control_plane)
-
-
-def crd_established(control_plane: ControlPlane) -> None:
-    """Poll the CRD's Established condition (``kubectl wait`` fails at once when it reads the
-    CRD before the API server wrote any condition)."""
-
-    def established() -> bool:
-        conditions = control_plane.get_json("crd", CRD_NAME).get("status", {}).get("conditions")
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions or [])
-
-    wait_for(f"CRD {CRD_NAME} Established", established, 60, interval=0.2)
+    control_plane.wait_crd_established(CRD_NAME)
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

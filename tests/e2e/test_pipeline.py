@@ -35,7 +35,6 @@ from tests.e2e.conftest import (
     Gpu,
     OperatorProcess,
     _free_port,
-    crd_established,
     stage_manifest,
     stage_port,
     wait_for,
@@ -62,7 +61,7 @@ VRAM = "3500k"
 @pytest.fixture(scope="session")
 def pipeline_crd(omnistage_crd: ControlPlane) -> ControlPlane:
     omnistage_crd.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(PIPELINE_CRD))
-    crd_established(omnistage_crd, "omnipipelines.omnistage.io")
+    omnistage_crd.wait_crd_established("omnipipelines.omnistage.io")
     return omnistage_crd
 
 

@@ -15,7 +15,6 @@ from omnistage_operator.spec import DesiredState
 from omnistage_operator.spec_parse import parse_stage
 from tests.cluster.controlplane import ControlPlane
 from tests.e2e.test_crd_validation import CRD, Mutation, _set, apply, get, good
-from tests.e2e.test_helm_support import crd_established
 
 pytestmark = pytest.mark.cluster
 
@@ -163,7 +162,7 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
 @pytest.fixture
 def cluster(control_plane: ControlPlane) -> ControlPlane:
     control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    crd_established(control_plane)
+    control_plane.wait_crd_established(CRD.stem)
     return control_plane
 
 
