@@ -20,7 +20,13 @@ JSON = dict[str, Any]
 def image_usage(runner: Any, request: inference_service_pb2.GenerateRequest, images: int) -> JSON:
     """The ``usage`` of ``images`` made for ``request`` by ``runner`` (a diffusion runner)."""
     pipeline = getattr(runner, "pipeline", None)
-    prompt = prompt_tokens(pipeline, request.prompt)
+    steps = request.num_inference_steps or default_steps(pipeline)
+    return usage_of_images(prompt_tokens(pipeline, request.prompt), images, steps)
+
+
+def usage_of_images(prompt: int, images: int, steps: int) -> JSON:
+    """The images API's ``usage`` for ``images`` made from a ``prompt``-token prompt, plus ours:
+    ``images`` and ``steps`` (denoising steps per image)."""
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"text_tokens": prompt, "image_tokens": 0},
@@ -28,7 +34,7 @@ def image_usage(runner: Any, request: inference_service_pb2.GenerateRequest, ima
         "output_tokens_details": {"text_tokens": 0, "image_tokens": 0},
         "total_tokens": prompt,
         "images": images,
-        "steps": request.num_inference_steps or default_steps(pipeline),
+        "steps": steps,
     }
 
 

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
 from omnistage_worker import openai_answers, openai_api
 from omnistage_worker.embeds import MAX_MESSAGE_BYTES
+from omnistage_worker.image_usage import usage_of_images
 from omnistage_worker.openai_api import BadRequest, Parsed, error_body
 from omnistage_worker.openai_stream import ChunkQueue, sse_events
 from omnistage_worker.pipeline_def import Passes, PipelineDef
@@ -264,12 +265,4 @@ def _image_usage(parsed: Parsed, responses: list[GenerateResponse]) -> dict[str,
     prompt as the pipeline's first stage counted it, once whatever ``n``; ``steps`` 0 when the
     request left them to the last stage's default."""
     prompt = responses[0].usage.prompt_tokens if responses else 0
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"text_tokens": prompt, "image_tokens": 0},
-        "output_tokens": 0,
-        "output_tokens_details": {"text_tokens": 0, "image_tokens": 0},
-        "total_tokens": prompt,
-        "images": len(responses),
-        "steps": parsed.request.num_inference_steps,
-    }
+    return usage_of_images(prompt, len(responses), parsed.request.num_inference_steps)
