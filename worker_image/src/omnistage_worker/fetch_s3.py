@@ -237,8 +237,12 @@ def fetch_s3(
         (dest / RECORD).unlink(missing_ok=True)  # incomplete until every file is in
         downloaded = 0
         for name, obj in objects.items():
-            if not unchanged(kept, name, obj, dest):
+            if unchanged(kept, name, obj, dest):
+                continue
+            try:
                 downloaded += client.download(obj, dest / name)
+            except httpx.HTTPError as exc:  # (the store went away mid-way: run again)
+                raise FetchError(f"{bucket.url(obj.key)}: {exc}") from None
     for name in set((kept or {}).get("objects") or {}) - set(objects):
         (dest / safe_name(name)).unlink(missing_ok=True)  # gone from the store
     entries = {n: {"etag": o.etag, "size": o.size} for n, o in objects.items()}
