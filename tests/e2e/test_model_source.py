@@ -1,7 +1,9 @@
 """``spec.model.source`` on localnode: the init container fetches the tiny model from a local
 hub that speaks the Hugging Face Hub's protocol (or from a local S3-protocol server that checks
 signatures, with the key pair from a Secret), the stage serves it, and a replaced pod finds it
-in the volume (a hostPath standing in for a PersistentVolumeClaim) and downloads nothing.
+in the volume (a hostPath standing in for a PersistentVolumeClaim) and downloads nothing. A
+wrong secret shows as the store's SignatureDoesNotMatch on the pod; fixing the Secret lets the
+init container's next run through.
 """
 
 from __future__ import annotations
@@ -79,11 +81,16 @@ def test_s3_model_is_fetched_signed_once_and_survives_pod_replacement(
     volume.mkdir()
     with LocalS3() as s3:
         count = s3.put_dir("org/tiny-llama", tiny_models["ar"])
-        cluster.cp.kubectl(
-            "create", "secret", "generic", "store-keys", "-n", cluster.namespace,
-            f"--from-literal=AWS_ACCESS_KEY_ID={s3.keys.access_key_id}",
-            f"--from-literal=AWS_SECRET_ACCESS_KEY={s3.keys.secret_access_key}",
-        )  # fmt: skip
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "store-keys"},
+            "stringData": {
+                "AWS_ACCESS_KEY_ID": s3.keys.access_key_id,
+                "AWS_SECRET_ACCESS_KEY": "not-the-secret",
+            },
+        }
+        cluster.apply(secret)
         manifest = stage_manifest("from-s3", "ar", tiny_models, gpu_node, group="gs3")
         manifest["spec"]["model"] = {
             "path": f"{volume}/tiny-llama",
@@ -100,6 +107,21 @@ def test_s3_model_is_fetched_signed_once_and_survives_pod_replacement(
             },
         }
         cluster.apply(manifest)
+
+        def refused() -> bool:  # the store's verdict, on the pod where a user looks
+            statuses = ((cluster.pod("from-s3") or {}).get("status") or {}).get(
+                "initContainerStatuses"
+            ) or [{}]
+            ended = [statuses[0].get("state", {}), statuses[0].get("lastState", {})]
+            return any(
+                "SignatureDoesNotMatch" in (e.get("terminated") or {}).get("message", "")
+                for e in ended
+            )
+
+        wait_for("the wrong secret refused by the store", refused, 120)
+        assert cluster.state("from-s3") != "Active"
+        secret["stringData"]["AWS_SECRET_ACCESS_KEY"] = s3.keys.secret_access_key
+        cluster.apply(secret)  # fixed: the init container's next run signs right
         wait_for("from-s3 Active", lambda: cluster.state("from-s3") == "Active", 240)
         listings, downloads = s3.gets()
         assert downloads == count  # every object once, each request signed and accepted
