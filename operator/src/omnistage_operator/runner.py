@@ -111,6 +111,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
             margin_bytes=settings.wake_margin_bytes,
             retry_window_s=settings.sleep_timeout_s,
             transition_allowance_s=settings.sleep_timeout_s,
+            round_wait_s=settings.round_wait_s,
         )
         self.asks: dict[StageKey, float] = {}
         self.created: set[str] = set()  # pod uids this process created
