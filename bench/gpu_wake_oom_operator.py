@@ -157,15 +157,15 @@ def worker_report(cp: Any, ns: str) -> Any:
     """The worker's own GetStatus (``WorkerReport``), dialled at its pod IP."""
     from omnistage_operator.handover import WorkerUnavailable
     from omnistage_operator.worker_client import WorkerClient
-    from tests.e2e.conftest import stage_port
 
     pod = cp.get_json("pod", f"{STAGE}-worker", namespace=ns)
     ip = pod.get("status", {}).get("podIP")
     if not ip:
         return None
+    ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
 
     async def call() -> Any:
-        client = WorkerClient(f"{ip}:{stage_port(pod)}", token=TOKEN)
+        client = WorkerClient(f"{ip}:{ports[0] if ports else 50051}", token=TOKEN)
         try:
             return await client.get_status(2.0)
         except WorkerUnavailable:
