@@ -345,7 +345,6 @@ def checks(out: Json, acks: list[Any], args: argparse.Namespace) -> dict[str, bo
 
 def run(args: argparse.Namespace) -> Json:
     from tests.cluster.build import binaries_in, find_binaries
-    from tests.cluster.controlplane import ControlPlane
 
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -369,6 +368,8 @@ def run(args: argparse.Namespace) -> Json:
     tenant_dir = work / "tenant"
     if not args.tiny:
         worker_shim(work, tenant_dir)
+    from tests.cluster.controlplane import ControlPlane  # its packages: the bundle's
+
     crd = ROOT / "crds" / "omnistages.omnistage.io.yaml"
     with ControlPlane(binaries=binaries, controller_manager=False) as cp:
         cp.kubectl("apply", "--server-side", "-f", str(crd))
