@@ -1,0 +1,177 @@
+"""The import graph of the project's own packages, read with ``ast`` (nothing is imported).
+
+Every import is an edge, marked by where it stands: ``module`` (run at import), ``typing`` (under
+``if TYPE_CHECKING:``) or ``function`` (inside a function body, run when called). A typing-only
+edge is still a dependency in the design, so circles are looked for over all three kinds.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+KINDS = ("module", "typing", "function")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``source`` imports ``target`` at ``line``; ``kind`` is one of ``KINDS``."""
+
+    source: str
+    target: str
+    line: int
+    kind: str
+
+
+def modules_under(root: Path) -> dict[str, Path]:
+    """Every module below a source root, by dotted name (a package by its ``__init__``)."""
+    found: dict[str, Path] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+def _imports(tree: ast.AST) -> Iterator[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Each import statement with its kind; a function body outranks TYPE_CHECKING."""
+
+    def walk(node: ast.AST, kind: str) -> Iterator[tuple[ast.Import | ast.ImportFrom, str]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                yield child, kind
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                yield from walk(child, "function")
+            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+                inner = "function" if kind == "function" else "typing"
+                for stmt in child.body:
+                    yield from walk(ast.Module(body=[stmt], type_ignores=[]), inner)
+                for stmt in child.orelse:
+                    yield from walk(ast.Module(body=[stmt], type_ignores=[]), kind)
+            else:
+                yield from walk(child, kind)
+
+    yield from walk(tree, "module")
+
+
+def _base(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` names."""
+    if node.level == 0:
+        return node.module or ""
+    parts = module.split(".")
+    package = parts if is_package else parts[:-1]
+    package = package[: len(package) - (node.level - 1)]
+    return ".".join([*package, *([node.module] if node.module else [])])
+
+
+def edges_of(module: str, path: Path, known: set[str]) -> list[Edge]:
+    """The imports of one module that name a module in ``known`` (the project's own)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found: list[Edge] = []
+    for node, kind in _imports(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            base = _base(module, is_package, node)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                targets.append(sub if sub in known else base)
+        for name in targets:
+            target = _owner(name, known)
+            if target and target != module:
+                found.append(Edge(module, target, node.lineno, kind))
+    return found
+
+
+def _owner(name: str, known: set[str]) -> str:
+    """The project module a dotted name lies in (``a.b.C`` -> ``a.b``); empty when none."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def import_graph(roots: list[Path]) -> dict[str, list[Edge]]:
+    """Each project module's edges to other project modules, over every source root."""
+    paths: dict[str, Path] = {}
+    for root in roots:
+        paths.update(modules_under(root))
+    known = set(paths)
+    return {name: edges_of(name, path, known) for name, path in sorted(paths.items())}
+
+
+def circles(graph: dict[str, list[Edge]]) -> list[list[Edge]]:
+    """One circle through each strongly connected group of modules (Tarjan), as its edges."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for edge in graph.get(node, []):
+            if edge.target not in index:
+                connect(edge.target)
+                low[node] = min(low[node], low[edge.target])
+            elif edge.target in on_stack:
+                low[node] = min(low[node], index[edge.target])
+        if low[node] == index[node]:
+            group: set[str] = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.add(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return [_circle_in(graph, group) for group in groups]
+
+
+def _circle_in(graph: dict[str, list[Edge]], group: set[str]) -> list[Edge]:
+    """A shortest path from the group's first module back to itself (breadth first)."""
+    start = min(group)
+    came: dict[str, Edge] = {}
+    frontier = [start]
+    while frontier:
+        nxt: list[str] = []
+        for node in frontier:
+            for edge in graph[node]:
+                if edge.target not in group:
+                    continue
+                if edge.target == start:
+                    path = [edge]
+                    while path[0].source != start:
+                        path.insert(0, came[path[0].source])
+                    return path
+                if edge.target not in came:
+                    came[edge.target] = edge
+                    nxt.append(edge.target)
+        frontier = nxt
+    raise AssertionError(f"no circle through {start}")  # a strongly connected group has one
+
+
+def describe(circle: list[Edge]) -> str:
+    """``a -[typing @12]-> b -[module @3]-> a``."""
+    text = circle[0].source
+    for edge in circle:
+        text += f" -[{edge.kind} @{edge.line}]-> {edge.target}"
+    return text
