@@ -175,3 +175,63 @@ def describe(circle: list[Edge]) -> str:
     for edge in circle:
         text += f" -[{edge.kind} @{edge.line}]-> {edge.target}"
     return text
+
+
+# A path's methods that read or write files (``open`` is left out: other objects have one).
+PATH_IO = frozenset(
+    {"read_text", "read_bytes", "write_text", "write_bytes", "iterdir", "unlink", "mkdir", "glob"}
+    | {"rglob", "rmdir", "touch", "symlink_to", "hardlink_to"}
+)
+
+
+@dataclass(frozen=True)
+class Use:
+    """A library name a module uses (``grpc.StatusCode``, ``kr8s``) at ``line``; ``kind``: where
+    the import it came through stands (``KINDS``)."""
+
+    name: str
+    line: int
+    kind: str
+
+
+def library_uses(path: Path) -> list[Use]:
+    """What a module imports from outside the project, as dotted names, by line; a module
+    imported whole and used only through its attributes counts as those attributes
+    (``grpc.StatusCode``); a call to the builtin ``open`` counts as ``open``, a call of a
+    path's file method (``PATH_IO``) as ``pathlib.Path.<method>``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    attributes: dict[str, list[tuple[str, int]]] = {}
+    bare: set[str] = set()
+    wrapped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            attributes.setdefault(node.value.id, []).append((node.attr, node.lineno))
+            wrapped.add(id(node.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and id(node) not in wrapped:
+            bare.add(node.id)
+    uses: list[Use] = []
+    for node, kind in _imports(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module:
+                uses += [Use(f"{node.module}.{a.name}", node.lineno, kind) for a in node.names]
+            continue
+        for alias in node.names:
+            local = alias.asname or alias.name.split(".")[0]
+            named = alias.name if alias.asname else local
+            through = attributes.get(local, [])
+            if local in bare or not through:
+                uses.append(Use(alias.name, node.lineno, kind))
+            uses += [Use(f"{named}.{attr}", line, kind) for attr, line in through]
+    for node in ast.walk(tree):
+        func = node.func if isinstance(node, ast.Call) else None
+        if isinstance(func, ast.Name) and func.id == "open":
+            uses.append(Use("open", func.lineno, "module"))
+        elif isinstance(func, ast.Attribute) and func.attr in PATH_IO:
+            uses.append(Use(f"pathlib.Path.{func.attr}", func.lineno, "module"))
+    return sorted(uses, key=lambda u: (u.line, u.name))
+
+
+def within(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``name`` is one of ``prefixes`` or lies below one (``a.b`` is within ``a``)."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
