@@ -41,8 +41,6 @@ command line, settings, metrics    ``cli``, ``settings``, ``metrics``, ``labels`
 per-stage, per-device gauges       ``stage_metrics``: from the published status; ACK verdicts
 =================================  ==========================================================
 
-``groups`` re-exports ``GroupRunner``, ``KubeGroupPort`` and ``group_of`` for old imports.
-
 Decisions beyond the design contract:
 
 - Every replica runs kopf; only the Lease holder acts (rounds, pods, status, orders). A
