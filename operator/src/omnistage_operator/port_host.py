@@ -19,6 +19,7 @@ from omnistage_operator.kube import Kube
 from omnistage_operator.leadership import Leadership
 from omnistage_operator.ondemand import DemandView
 from omnistage_operator.peaks import StagePeaks
+from omnistage_operator.pod_hash import PodProfile
 from omnistage_operator.pods import CrashBackoff
 from omnistage_operator.remembered import Memory
 from omnistage_operator.settings import Settings
@@ -106,6 +107,9 @@ class PortHost(Memory, Protocol):
 
     @property
     def credentials(self) -> WorkerCredentials: ...
+
+    @property
+    def pod_profile(self) -> PodProfile: ...
 
     @property
     def demand(self) -> DemandShaper: ...
