@@ -266,7 +266,6 @@ def run(args: argparse.Namespace) -> Json:
 
     from bench.pipeline_host import RunStore, size_for_disk
     from tests.cluster.build import binaries_in, find_binaries
-    from tests.cluster.controlplane import ControlPlane
 
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -302,6 +301,8 @@ def run(args: argparse.Namespace) -> Json:
     store = RunStore(work, key)
     todo = [k for k in ("resident", "batched", "per_request") if store.done(k) is None]
     if todo:
+        from tests.cluster.controlplane import ControlPlane  # needs the bundle's packages
+
         with ControlPlane(binaries=binaries) as cp:
             for crd in CRDS:
                 cp.kubectl("apply", "--server-side", "-f", str(crd))
