@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> Json:
     if todo:
         from tests.cluster.controlplane import ControlPlane  # needs the bundle's packages
 
-        with ControlPlane(binaries=binaries) as cp:
+        with ControlPlane(binaries=binaries, controller_manager=args.tiny) as cp:
             for crd in CRDS:
                 cp.kubectl("apply", "--server-side", "-f", str(crd))
             for kind in todo:
