@@ -31,6 +31,7 @@ difference). ``summary`` holds ``batched_of_resident`` and ``batched_over_per_re
 issue asks >= 0.7 and >= 3). Finished runs are kept in ``--work``/runs.json: the same command
 run again goes on from there (one device call runs at most 10 minutes). The DiT keeps
 Qwen-Image's 60 blocks unless the disk cannot hold both stages (then fewer; ``size`` says so).
+On the device tool, carry ``bench/pipeline_carry.sh``'s tar and the bundle (both fit 64 MiB).
 """
 
 from __future__ import annotations
