@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from omnistage_worker.runners.token_choice import to_device
+
 COLUMN_BUCKET = 64
 """Columns are allocated in multiples of this."""
 WIDTH_BUCKET = 8
@@ -127,9 +129,8 @@ class BucketCache(Cache):
 
     def clear(self, slots: Sequence[int]) -> None:
         """Mask out everything ``slots`` held (they are free, or a new row takes them)."""
-        if slots:
-            index = torch.tensor(list(slots), device=self.mask.device)
-            self.mask.index_fill_(0, index, False)
+        for slot in slots:  # a fill each (no index to copy up: the host does not wait)
+            self.mask[slot] = False
 
     def attention(self, fed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Write the step's fed-token mask ``fed`` ``[slots, width]`` at ``at``; the step's 4D
@@ -176,7 +177,7 @@ class BucketCache(Cache):
         joins left inside the rows go too (each slot's tokens move to the right end). Returns
         the cache and each kept slot's first column in it."""
         device = self.mask.device
-        index = torch.tensor(list(keep), device=device)
+        index = to_device(torch.tensor(list(keep)), device)
         mask = self.mask.index_select(0, index)
         start = min(firsts)
         longest = max(seen)
