@@ -1,9 +1,12 @@
 """Staggered arrivals give the batch's attention a few recurring shapes, not a new one per step
 (cuDNN builds an attention graph per new masked shape, about 1 ms of host time per layer on an
-H200), and every request still gets the tokens it gets alone."""
+H200), every request still gets the tokens it gets alone, and the batch's cache is freed as
+the last request ends (not left to Python's cycle collector, after a sleep has measured)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,8 @@ def test_staggered_joins_reuse_a_few_attention_shapes(lm_dir: Path) -> None:
         request = inference_service_pb2.GenerateRequest()
         return Job(request, prompt(i), 24 + 5 * (i % 4), Sampling(greedy=True), sink)
 
+    caches: list[weakref.ref[Any]] = []
+    gc.disable()  # what frees the cache must be its last reference going, not a collection
     try:
         alone = [
             list(batcher.submit(job(i)).result(timeout=60).text.token_ids) for i in range(JOBS)
@@ -58,6 +63,8 @@ def test_staggered_joins_reuse_a_few_attention_shapes(lm_dir: Path) -> None:
 
             def sink(chunk: inference_service_pb2.TextChunk) -> None:
                 count[0] += 1
+                if not caches:
+                    caches.append(weakref.ref(batcher._cache))
                 if count[0] == 4 and i + 1 < JOBS:
                     futures[i + 1] = batcher.submit(chained(i + 1))
 
@@ -66,7 +73,9 @@ def test_staggered_joins_reuse_a_few_attention_shapes(lm_dir: Path) -> None:
         futures[0] = batcher.submit(chained(0))
         together = [list(futures[i].result(timeout=60).text.token_ids) for i in range(JOBS)]
         steps = batcher.steps - steps
+        assert caches[0]() is None  # the batch ended: its cache is gone
     finally:
+        gc.enable()
         batcher.close()
         for hook in hooks:
             hook.remove()

@@ -50,21 +50,21 @@ def width_bucket(width: int) -> int:
 
 
 class BucketLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
-    """One layer's keys and values in the cache's buffers, written in place."""
+    """One layer's keys and values, ``[slots, heads, columns, dim]``, written in place at
+    ``at`` (which its cache moves; the layer keeps no reference to the cache, so dropping the
+    cache frees its buffers at once, without waiting for Python's cycle collector)."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, owner: BucketCache) -> None:
+    def __init__(self, slots: int, columns: int, at: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._owner = owner
+        self.slots, self.columns, self.at = slots, columns, at
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        owner = self._owner
         for name, states in (("keys", key_states), ("values", value_states)):
             heads, dim = states.shape[1], states.shape[3]
-            shape = (owner.slots, heads, owner.columns, dim)
-            setattr(self, name, states.new_zeros(shape))
+            setattr(self, name, states.new_zeros((self.slots, heads, self.columns, dim)))
         self.is_initialized = True
 
     def update(
@@ -73,19 +73,19 @@ class BucketLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         assert self.keys is not None and self.values is not None
-        at, width = self._owner.at, key_states.shape[2]
+        at, width = self.at, key_states.shape[2]
         self.keys[:, :, at : at + width] = key_states
         self.values[:, :, at : at + width] = value_states
         return self.keys, self.values
 
     def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        return self._owner.columns, 0
+        return self.columns, 0
 
     def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
-        return self._owner.at
+        return self.at
 
     def get_max_length(self) -> int:
-        return self._owner.columns
+        return self.columns
 
 
 class BucketCache(Cache):
@@ -110,7 +110,7 @@ class BucketCache(Cache):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.own) <= layer_idx:
-            self._add(BucketLayer(self))
+            self._add(BucketLayer(self.slots, self.columns, self.at))
         return self.own[layer_idx].update(key_states, value_states)
 
     def _add(self, layer: BucketLayer) -> None:
@@ -151,6 +151,8 @@ class BucketCache(Cache):
 
     def advance(self, width: int) -> None:
         self.at += width
+        for layer in self.own:
+            layer.at = self.at
 
     def nbytes(self) -> int:
         """Bytes of the buffers and the mask."""
@@ -203,7 +205,7 @@ class BucketCache(Cache):
         kept_mask = mask[:, start : self.at] if order is None else mask.gather(1, order)
         cache.mask[:kept, :used] = kept_mask
         for layer in self.own:
-            new = BucketLayer(cache)
+            new = BucketLayer(cache.slots, cache.columns, used)
             assert layer.keys is not None and layer.values is not None
             for name in ("keys", "values"):
                 old: torch.Tensor = getattr(layer, name)
