@@ -223,14 +223,20 @@ async def run(a: argparse.Namespace) -> Json:
     if a.rounds:
         bare_env = {**env, "VLLM_SERVER_DEV_MODE": "1"} if a.bare_sleep_first else env
         bare = start_bare(a, model, bare_env, work / "bare.log")
-        stage = start_stage(a, model, env, work / "stage.log", "ondemand")
+        stage: Server | None = None
         try:
+            # one after the other: an engine's memory profiling at start must not see another
+            # engine's allocations come and go
+            await ready_for_load(a, bare, "/v1/models", a.bare_sleep_first)
+            stage = start_stage(a, model, env, work / "stage.log", "ondemand")
+            await ready_for_load(a, stage, "/health", False)
             report |= await alternate(a, bare, stage)
             if a.swap_seconds > 0:
                 report["swaps"] = await swapping(a, stage, report["stage"])
         finally:
             bare.stop()
-            stage.stop()
+            if stage is not None:
+                stage.stop()
         a.phases = []
     if "bare" in a.phases:
         bare_env = {**env, "VLLM_SERVER_DEV_MODE": "1"} if a.bare_sleep_first else env
@@ -314,8 +320,6 @@ async def alternate(a: argparse.Namespace, bare: Server, stage: Server) -> Json:
     """Both servers up on the GPU at once; ``--rounds`` steady loads of each, alternating
     (bare first in even rounds, the stage first in odd ones), so drift of the machine falls
     on both alike."""
-    await ready_for_load(a, bare, "/v1/models", a.bare_sleep_first)
-    await ready_for_load(a, stage, "/health", False)
     rounds: list[Json] = []
     for n in range(a.rounds):
         pair = (bare, stage) if n % 2 == 0 else (stage, bare)
