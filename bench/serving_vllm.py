@@ -19,8 +19,15 @@ completions back to back from a fixed mix of prompt/output lengths (prompts as t
 (``stream_options.include_usage``), TTFT is the time to the first streamed text. ``--smoke``
 runs the same code on CPU with the stand-in engine (tests/fakevllm) on a simulated GPU.
 
+``--rounds N`` runs 1 and 2 side by side instead: both servers up on the GPU at once (the
+stage once bare is up), N steady loads of each, alternating, so the machine's drift falls on
+both. Each steady load records the CPU seconds of every process and thread of the server's
+tree (``bench/proc_account.py``); ``--py-spy`` profiles one more load of each server's top
+process (vLLM's API server, the stage's worker).
+
     python3 bench/serving_vllm.py --workdir /tmp/vllmserve --out bench/results/serving_vllm.json
     python bench/serving_vllm.py --smoke --workdir /tmp/vllmserve-smoke --out /tmp/s.json
+    python3 bench/serving_vllm.py --rounds 4 --utilization 0.45 --out serving_vllm_h200.json
 """
 
 from __future__ import annotations
