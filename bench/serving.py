@@ -6,7 +6,7 @@ On the GPU host's H100 (the exact command is in bench/results/README.md):
 
 1. Builds a Llama-shaped causal LM of 16.6 GiB (bf16, random weights, from a config) and
    measures the same weights' batched ``model.generate`` (batch 1, 16, 64; 64 new tokens each,
-   greedy, fixed lengths) in this process, then frees it.
+   greedy, fixed lengths; the median of three calls) in this process, then frees it.
 2. Starts the real ``omnistage-worker`` (AR runner, transformers, ``--max-batch 64``,
    OnDemand) with its OpenAI HTTP API, lets its host copy's page-locking (background start-up
    work) end, and drives it with 1, 16 and 64 concurrent HTTP clients
@@ -94,6 +94,11 @@ SMOKE = Plan("cpu", "float32", 8, (1, 4, 8), (1, 4, 8), 2.0, 0.5, 3.0, 1.0, 8,
 # -- models -----------------------------------------------------------------------------------
 
 
+GENERATE_RUNS = 3
+"""Timed ``generate`` calls per batch size (the median counts): on the lent H200 one call's
+time varied by up to a quarter between runs of the same hour (bench/results/README.md)."""
+
+
 def build_llm_and_measure_generate(work: Path, plan: Plan, smoke: bool) -> Json:
     """Build (or reuse) the model, save it, and time its batched ``generate`` here."""
     import torch
@@ -135,16 +140,20 @@ def build_llm_and_measure_generate(work: Path, plan: Plan, smoke: bool) -> Json:
             "do_sample": False,
             "pad_token_id": tokenizer.pad_token_id,
         }
+        runs = []
         with torch.inference_mode():
             model.generate(**encoded, **kwargs)  # warm
-            sync(device)
-            began = time.perf_counter()
-            output = model.generate(**encoded, **kwargs)
-            sync(device)
-            seconds = time.perf_counter() - began
+            for _ in range(GENERATE_RUNS):
+                sync(device)
+                began = time.perf_counter()
+                output = model.generate(**encoded, **kwargs)
+                sync(device)
+                runs.append(time.perf_counter() - began)
+        seconds = statistics.median(runs)
         tokens = int((output.shape[1] - encoded["input_ids"].shape[1]) * batch)
         out["generate"][str(batch)] = {
             "seconds": seconds,
+            "runs_seconds": runs,
             "tokens": tokens,
             "tokens_per_s": tokens / seconds,
         }
