@@ -83,3 +83,43 @@ def test_staggered_joins_reuse_a_few_attention_shapes(lm_dir: Path) -> None:
     assert steps >= 60, steps
     distinct = set(shapes)
     assert len(distinct) <= 16, (steps, sorted(distinct))
+
+
+def test_a_sliding_window_model_runs_alone_as_generate_does(lm_dir: Path) -> None:
+    """With ``max_batch`` 1 (what the runner sets for sliding-window layers) a request runs in
+    the model's own cache, unpadded: past the window its tokens are ``generate``'s."""
+    import torch
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    from omnistage_worker.runners.decode_batch import DecodeBatcher, Job
+    from omnistage_worker.runners.sampling import Sampling
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_dir)
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model: Any = MistralForCausalLM(config)
+    model.eval()
+    ids = [int(t) for t in tokenizer("the cat sat on the mat")["input_ids"]]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    expected = [int(t) for t in out[0, len(ids) :]]  # up to its EOS, if it picks one
+    assert len(expected) > 12  # three windows of 4
+    batcher = DecodeBatcher(
+        model, tokenizer=tokenizer, device=torch.device("cpu"), max_batch=1, eos_ids=set(), pad_id=3
+    )
+    try:
+        job = Job(inference_service_pb2.GenerateRequest(), ids, 24, Sampling(greedy=True), None)
+        answer = batcher.submit(job).result(timeout=60)
+    finally:
+        batcher.close()
+    assert list(answer.text.token_ids)[: len(expected)] == expected
+    assert batcher.cache_bytes() == 0

@@ -27,7 +27,9 @@ row's first column) it tracks itself.
 Shapes: with a padding mask, PyTorch's cuDNN attention builds a graph for each new shape
 (slots, fed width, columns), about 1 ms of host time per layer on an H200 (a 16-row step at
 cache lengths never seen took 64 ms against 25 ms; bench/results/README.md). So slots, columns
-and fed widths come in buckets (:mod:`.kv_buckets`) and the shapes recur.
+and fed widths come in buckets (:mod:`.kv_buckets`) and the shapes recur. With ``max_batch`` 1
+(what the runner sets for a model with sliding-window layers) the one row runs in the model's
+own cache instead, unpadded and unmasked, so its layers keep their windows.
 """
 
 from __future__ import annotations
@@ -137,6 +139,10 @@ class DecodeBatcher(ServingThread):
         self._pending: deque[Job] = deque()
         self._rows: list[Row] = []
         self._cache: BucketCache | None = None
+        self._alone: Any = None
+        """With ``max_batch`` 1: the one row's cache, the model's own (no padding, no mask:
+        what a model with sliding-window layers needs, whose windows the buckets' one mask
+        cannot follow)."""
         self.steps = 0
         self.compactions = 0
         self.row_steps = 0
@@ -155,7 +161,12 @@ class DecodeBatcher(ServingThread):
     def cache_bytes(self) -> int:
         """Bytes the running batch holds in its KV cache and mask (0 when idle)."""
         cache = self._cache
-        return 0 if cache is None else cache.nbytes()
+        total = 0 if cache is None else cache.nbytes()
+        for layer in getattr(self._alone, "layers", None) or ():
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
 
     # -- the batch's thread -----------------------------------------------------------------
 
@@ -197,8 +208,9 @@ class DecodeBatcher(ServingThread):
                 return self._step(joining)
         except Exception as exc:
             log.exception("a batch step failed (%d rows)", len(self._rows) + len(joining))
-            failed = [row.job.future for row in self._rows] + [job.future for job in joining]
-            self._rows, self._cache = [], None
+            futures = [row.job.future for row in self._rows] + [job.future for job in joining]
+            failed = list({id(future): future for future in futures}.values())
+            self._rows, self._cache, self._alone = [], None, None
             return [(future, exc) for future in failed]
         finally:
             self.step_seconds += time.perf_counter() - began
@@ -208,10 +220,14 @@ class DecodeBatcher(ServingThread):
     ) -> list[tuple[concurrent.futures.Future[Response], Response | BaseException]]:
         new_rows = [self._new_row(job) for job in joining]
         feeds = [[row.pending] for row in self._rows] + [job.prompt_ids for job in joining]
-        width = width_bucket(max(len(feed) for feed in feeds))
-        cache = self._place(self._rows, new_rows, width)
-        rows = self._rows = self._rows + new_rows
-        logits = self._forward(cache, rows, feeds, width)
+        rows = self._rows + new_rows
+        if self.max_batch == 1:
+            logits = self._forward_alone(rows[0], feeds[0])
+        else:
+            width = width_bucket(max(len(feed) for feed in feeds))
+            cache = self._place(self._rows, new_rows, width)
+            logits = self._forward(cache, rows, feeds, width)
+        self._rows = rows
         self.steps += 1
         self.row_steps += len(rows)
         self.join_steps += bool(joining)
@@ -306,6 +322,23 @@ class DecodeBatcher(ServingThread):
             logits = logits[: len(order)]
         return logits.float()
 
+    def _forward_alone(self, row: Row, feed: list[int]) -> torch.Tensor:
+        """One row's step in the model's own cache, unpadded and unmasked."""
+        positions = list(range(row.seen, row.seen + len(feed)))
+        inputs = to_device(torch.tensor([feed, positions], dtype=torch.long), self._device)
+        kwargs: dict[str, Any] = {
+            "input_ids": inputs[:1],
+            "position_ids": inputs[1:],
+            "past_key_values": self._alone,
+            "use_cache": True,
+        }
+        if self._keeps_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self._model(**kwargs)
+        self._alone = out.past_key_values
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
+
     def _take(
         self, row: Row, token: int, logprob: inference_service_pb2.TokenLogprob | None
     ) -> None:
@@ -342,7 +375,7 @@ class DecodeBatcher(ServingThread):
             return []
         self._rows = [row for row in self._rows if not row.finish]
         if not self._rows:
-            self._cache = None
+            self._cache = self._alone = None
         elif self._cache is not None:
             self._cache.clear([row.slot for row in done])
         return [(row.job.future, self._response(row)) for row in done]
