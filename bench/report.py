@@ -91,11 +91,18 @@ def grpc_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _load_avg(machine: dict[str, Any]) -> str:
+    """The machine's load average at the end of a run, when recorded."""
+    load = machine.get("load_avg_at_end")
+    return f", load average {load[0]:.1f}" if load else ""
+
+
 def operator_section(data: dict[str, Any]) -> list[str]:
     o, total = data["overhead_ms"], data["patch_to_active_ms"]
     text = (
         f"Operator overhead per hand-over, `bench/operator_switch.py` on the local control plane "
-        f"({data['machine']['cpus']} cores, {data['date'][:10]}), {data['switches']} hand-overs: "
+        f"({data['machine']['cpus']} cores{_load_avg(data['machine'])}, {data['date'][:10]}), "
+        f"{data['switches']} hand-overs: "
         f"p50 {o['p50']:.0f} ms, p95 {o['p95']:.0f} ms (targets {data['targets_ms']['p50']} and "
         f"{data['targets_ms']['p95']} ms), from the patch to status Active minus the workers' own "
         f"sleep and wake durations; patch to Active in all: p50 {total['p50']:.0f} ms, "
