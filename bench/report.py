@@ -129,7 +129,14 @@ def operator_section(data: dict[str, Any]) -> list[str]:
             f"p50 {before['overhead_ms']['p50']:.0f} ms, CPU "
             f"{before['operator_cpu_ms_per_switch']:.0f} ms and "
             f"{before['round_api_requests_per_switch']:.1f} requests per hand-over; ratio now/then "
-            f"{ratio['overhead_p50']:.2f} (p50), {ratio['operator_cpu_per_switch']:.2f} (CPU)."
+            f"{ratio['overhead_p50']:.2f} (overhead p50), "
+            f"{ratio['operator_cpu_per_switch']:.2f} (CPU)"
+            + (
+                f", {ratio['patch_to_active_p50']:.2f} (patch to Active p50: the workers' own "
+                "transitions, slowed by what runs beside them on the starved machine, included)."
+                if "patch_to_active_p50" in ratio
+                else "."
+            )
         )
     return ["", text]
 
