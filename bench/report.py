@@ -91,17 +91,54 @@ def grpc_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _load_avg(machine: dict[str, Any]) -> str:
+    """The machine's load average at the end of a run, when recorded."""
+    load = machine.get("load_avg_at_end")
+    return f", load average {load[0]:.1f}" if load else ""
+
+
 def operator_section(data: dict[str, Any]) -> list[str]:
     o, total = data["overhead_ms"], data["patch_to_active_ms"]
-    return [
-        "",
+    text = (
         f"Operator overhead per hand-over, `bench/operator_switch.py` on the local control plane "
-        f"({data['machine']['cpus']} cores, {data['date'][:10]}), {data['switches']} hand-overs: "
+        f"({data['machine']['cpus']} cores{_load_avg(data['machine'])}, {data['date'][:10]}), "
+        f"{data['switches']} hand-overs: "
         f"p50 {o['p50']:.0f} ms, p95 {o['p95']:.0f} ms (targets {data['targets_ms']['p50']} and "
         f"{data['targets_ms']['p95']} ms), from the patch to status Active minus the workers' own "
         f"sleep and wake durations; patch to Active in all: p50 {total['p50']:.0f} ms, "
-        f"p95 {total['p95']:.0f} ms.",
-    ]
+        f"p95 {total['p95']:.0f} ms."
+    )
+    budget = data.get("budget_p50_ms")
+    if budget:
+        text += (
+            f" Its steps (p50, from the operator's log): patch to the Sleep order "
+            f"{budget['front']:.0f} ms, Sleep order to WakeUp order {budget['sleep']:.0f} ms, "
+            f"WakeUp order to the round's end {budget['wake']:.0f} ms, round's end to Active "
+            f"seen by a watch {budget['publish']:.0f} ms."
+        )
+    if "operator_cpu_ms_per_switch" in data:
+        text += (
+            f" Operator CPU {data['operator_cpu_ms_per_switch']:.0f} ms and "
+            f"{data['round_api_requests_per_switch']:.1f} API requests per hand-over."
+        )
+    before = data.get("against")
+    if before:
+        ratio = data["current_over_against"]
+        text += (
+            f" Against the operator of `{before['rev']}` in turns in the same run (same load): "
+            f"p50 {before['overhead_ms']['p50']:.0f} ms, CPU "
+            f"{before['operator_cpu_ms_per_switch']:.0f} ms and "
+            f"{before['round_api_requests_per_switch']:.1f} requests per hand-over; ratio now/then "
+            f"{ratio['overhead_p50']:.2f} (overhead p50), "
+            f"{ratio['operator_cpu_per_switch']:.2f} (CPU)"
+            + (
+                f", {ratio['patch_to_active_p50']:.2f} (patch to Active p50: the workers' own "
+                "transitions, slowed by what runs beside them on the starved machine, included)."
+                if "patch_to_active_p50" in ratio
+                else "."
+            )
+        )
+    return ["", text]
 
 
 def gpu_e2e_section(data: dict[str, Any]) -> list[str]:

@@ -52,7 +52,8 @@ Decisions beyond the design contract:
   The ask time is ``status.requestedActiveAt``, persisted before kopf marks the change handled.
 - Worker pods are always created asleep; every grab of device memory is a WakeUp through the
   ACK gate (with ``restartPolicy: Never`` from the builders, no restart takes memory either).
-- Before any wake the sleepers' ACKs are written to their status (the round's checkpoint).
+- Before any wake the sleepers' ACKs are sent to their status (the round's checkpoint); the
+  wake does not wait for the API's answer, the round's end does (its publish comes after).
 - A worker that is Loading, Sleeping or Waking is waited for, not sent a competing order.
 - A pod whose containers ended (phase Failed/Succeeded) holds nothing; it is deleted (and the
   deletion confirmed) before the stage gets a new pod. A pod that exists but whose worker does

@@ -31,6 +31,7 @@ from typing import Any
 import kopf
 
 from omnistage_operator import login  # noqa: F401  (registers kopf's login handlers)
+from omnistage_operator.diffbase import LeanDiffBaseStorage
 from omnistage_operator.kube import Kube
 from omnistage_operator.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
 from omnistage_operator.leadership import Leadership, SoleWriter
@@ -131,7 +132,8 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     ours = _State.settings or Settings()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="omnistage.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    # kopf's own essence, built without copying status (diffbase: a hand-over's largest cost)
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(
         prefix="omnistage.io", key="last-handled-configuration"
     )
     settings.watching.server_timeout = 300

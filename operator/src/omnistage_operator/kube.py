@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -70,25 +70,31 @@ def _clip(text: str, limit: int) -> str:
 @dataclass
 class Tally:
     """API requests made, and the objects the reads among them returned (GET: one, LIST: its
-    items)."""
+    items); ``sink`` hears each request as it ends (requests, objects), a request of a task
+    that outlives the context (an Event posted last) included."""
 
     requests: int = 0
     objects: int = 0
+    sink: Callable[[int, int], None] | None = None
 
     def count(self, body: Any, *, read: bool) -> None:
-        self.requests += 1
+        objects = 0
         if read:
             items = body.get("items") if isinstance(body, Mapping) else None
-            self.objects += len(items) if isinstance(items, list) else int(body is not None)
+            objects = len(items) if isinstance(items, list) else int(body is not None)
+        self.requests += 1
+        self.objects += objects
+        if self.sink is not None:
+            self.sink(1, objects)
 
 
 _TALLY: ContextVar[Tally | None] = ContextVar("omnistage_api_tally", default=None)
 
 
 @contextlib.contextmanager
-def tallied() -> Iterator[Tally]:
+def tallied(sink: Callable[[int, int], None] | None = None) -> Iterator[Tally]:
     """Count the API requests of this context (and the tasks it starts) into a ``Tally``."""
-    tally = Tally()
+    tally = Tally(sink=sink)
     token = _TALLY.set(tally)
     try:
         yield tally

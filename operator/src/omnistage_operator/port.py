@@ -29,6 +29,7 @@ from omnistage_operator.builders import (
     owner_reference,
 )
 from omnistage_operator.facts import AckFacts
+from omnistage_operator.group_claims import claim_holders
 from omnistage_operator.handover import (
     FenceFailed,
     GroupObservation,
@@ -90,7 +91,8 @@ class KubeGroupPort(FactsPort):
         # group's healthy stages are not put to sleep for it.
         arbitrated = [n for n in names if n not in self.held_back]
         if not self._claims_read:
-            self._claim_uuids = await self.r.claim_uuids(self.ns, self.group, self.specs)
+            holders = claim_holders(self.pods.values())
+            self._claim_uuids = await self.r.claim_uuids(self.ns, self.group, self.specs, holders)
             self._claims_read = True
         claim_uuids = self._claim_uuids
         memory = group_memory(

@@ -78,6 +78,9 @@ class RoundView(Protocol):
     @property
     def demand_idle(self) -> set[str]: ...
 
+    @property
+    def held_events(self) -> list[tuple[Mapping[str, Any], str, str, bool]]: ...
+
 
 class DemandShaper(Protocol):
     """The demand streams as a round uses them (``demand_watch.DemandWatcher``)."""
@@ -182,7 +185,11 @@ class PortHost(Memory, Protocol):
     def claim_for(self, spec: StageSpec) -> str | None: ...
 
     async def claim_uuids(
-        self, namespace: str, group: str, specs: Mapping[str, StageSpec]
+        self,
+        namespace: str,
+        group: str,
+        specs: Mapping[str, StageSpec],
+        holders: frozenset[str] = frozenset(),
     ) -> tuple[str, ...] | None: ...
 
     async def ensure_secret(self, namespace: str) -> None: ...

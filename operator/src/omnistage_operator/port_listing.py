@@ -61,6 +61,8 @@ class ListingPort:
         # Stages that asked for Active for held requests in this round: (held, oldest hold).
         self.demand_asked: dict[str, tuple[int, float | None]] = {}
         self.demand_idle: set[str] = set()  # stages found idle in this round
+        # Events of this round's status, posted after its last status write (publisher).
+        self.held_events: list[tuple[Mapping[str, Any], str, str, bool]] = []
         self._listed = False
         # The claim's device UUIDs, read with the listing (a round reads them once, again only
         # after it created or deleted a pod): not a GET on every observe of the hand-over path.

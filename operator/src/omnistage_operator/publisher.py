@@ -6,6 +6,10 @@ Kubernetes side knows (per-device figures, the crash and wake back-offs, a pendi
 Asleep: read back by a restarted operator, ``remembered``), patches status only where it
 changed, and records Events: the round's own (Slept, Woken, refusals, PodCreated) and a Warning
 whenever a condition takes a reason a user must hear about.
+
+The Events of a round's status are posted after its status writes (the checkpoint's after the
+round's last publish): on a single event loop, posting them first would put them ahead of the
+status writes and the wake on the hand-over's path.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +62,9 @@ __all__ = ["StatusPublisher"]
 log = logging.getLogger(__name__)
 
 StageKey = tuple[str, str]
+HeldEvent = tuple[Mapping[str, Any], str, str, bool]  # body, reason, message, warning
+# While a publish builds its status: where its Events wait (the port's ``held_events``).
+_HELD: ContextVar[list[HeldEvent] | None] = ContextVar("omnistage_held_events", default=None)
 # Condition reasons that are news for a user: an Event (Warning) when a condition takes one.
 _WARN_REASONS = frozenset(
     {
@@ -98,10 +106,18 @@ class StatusPublisher:
     def emit(
         self, body: Mapping[str, Any], reason: str, message: str, *, warning: bool = False
     ) -> None:
-        """Record an Event without blocking the hand-over."""
+        """Record an Event without blocking the hand-over (inside a publish: once its status is
+        written)."""
         meta = body["metadata"]
         level = logging.WARNING if warning else logging.INFO
         log.log(level, "%s/%s %s: %s", meta.get("namespace"), meta["name"], reason, message)
+        held = _HELD.get()
+        if held is not None:
+            held.append((body, reason, message, warning))
+            return
+        self._post(body, reason, message, warning)
+
+    def _post(self, body: Mapping[str, Any], reason: str, message: str, warning: bool) -> None:
         task = asyncio.create_task(
             self.kube.event(body, reason=reason, message=message, warning=warning)
         )
@@ -181,7 +197,24 @@ class StatusPublisher:
                 self.emit(body, "IdleSleep", f"no request for {idle_after:g}s: put to sleep")
 
     async def publish(self, port: RoundView, outcome: RoundOutcome, *, events: bool = True) -> None:
-        """Patch every stage's status from the facts (only where it changed)."""
+        """Patch every stage's status from the facts (only where it changed); then post the
+        Events (a checkpoint's, ``events=False``, wait for the round's last publish)."""
+        token = _HELD.set(port.held_events)
+        try:
+            patches = self._status_patches(port, outcome, events=events)
+        finally:
+            _HELD.reset(token)
+        await asyncio.gather(*patches)
+        if events:
+            held = list(port.held_events)
+            port.held_events.clear()
+            for body, reason, message, warning in held:
+                self._post(body, reason, message, warning)
+
+    def _status_patches(
+        self, port: RoundView, outcome: RoundOutcome, *, events: bool
+    ) -> list[Coroutine[Any, Any, None]]:
+        """Build every stage's status; the patches of those that changed (not started)."""
         if events:
             self._events(port, outcome)
         decision = outcome.decision
@@ -250,7 +283,7 @@ class StatusPublisher:
             self.published[(port.ns, name)] = status
             self.emit(body, "SpecInvalid", str(exc), warning=True)
             patches.append(self._patch_status(port.ns, name, status))
-        await asyncio.gather(*patches)
+        return patches
 
     def _extend_status(
         self, status: dict[str, Any], port: RoundView, name: str, now: datetime

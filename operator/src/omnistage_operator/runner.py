@@ -146,7 +146,8 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         self.component_problems: dict[StageKey, tuple[str, str]] = {}
         self.component_refused: dict[StageKey, tuple[str, ...]] = {}
         self.stage_problems: dict[StageKey, tuple[str, str]] = {}  # per-stage round errors
-        self._claims: dict[str, tuple[str, tuple[str, ...]]] = {}  # claim key: (uid, uuids)
+        # claim key: (uid, uuids, the scheduled pods' uids when read)
+        self._claims: dict[str, tuple[str, tuple[str, ...], frozenset[str]]] = {}
         self._claim_errors: set[str] = set()
         self._retry_in: dict[GroupKey, float] = {}
         self.published: dict[StageKey, dict[str, Any]] = {}
@@ -334,12 +335,15 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         if not self.leadership.leading():
             log.debug("group %s/%s: not leading, no round", namespace, group)
             return False
-        with tallied() as tally:
-            try:
-                return await self._round(namespace, group)
-            finally:
-                metrics.ROUND_API_REQUESTS.labels(namespace, group).inc(tally.requests)
-                metrics.ROUND_API_OBJECTS.labels(namespace, group).inc(tally.objects)
+        requests = metrics.ROUND_API_REQUESTS.labels(namespace, group)
+        objects = metrics.ROUND_API_OBJECTS.labels(namespace, group)
+
+        def counted(n: int, read: int) -> None:  # as each request ends (late Events too)
+            requests.inc(n)
+            objects.inc(read)
+
+        with tallied(counted):
+            return await self._round(namespace, group)
 
     async def _round(self, namespace: str, group: str) -> bool:
         port = KubeGroupPort(self, namespace, group)

@@ -21,8 +21,9 @@ a simulated fleet in the property tests. One round:
    is fenced (pod deleted, deletion confirmed); a fence not confirmed stays pending (the kube
    side persists ``RoundOutcome.fence_pending``, and the arbiter keeps the gate closed);
 4. observe again and plan with this hand-over's bookkeeping (who had to sleep or be fenced, who
-   ACKed ok, who was fenced); publish that (``checkpoint``: the sleep ACKs land in status
-   first), then wake what the arbiter now allows. A wake refused for lack of memory teaches the
+   ACKed ok, who was fenced); publish that (``checkpoint``: started, its status built and
+   its writes sent, before the first wake; finished before the round ends, so before its
+   publish), then wake what the arbiter now allows. A wake refused for lack of memory teaches the
    stage's need (``RoundOutcome.learned_needs``, persisted by the kube side and given back as
    ``StageFacts.learned_need``); it is not asked again until the memory is there, and never when
    the need exceeds the device (``LargerThanDevice``). A wake that ran out of memory during its
@@ -152,6 +153,7 @@ async def run_round(
         decision = _plan(obs, tracker.handover(), policy, started)
 
     handover: Handover | None = tracker.handover()
+    checkpoint: asyncio.Future[None] | None = None
     busy = tracker.running  # a stage with a sleep in flight gets no second order
     sleeps = [o for o in decision.sleep if o.stage not in busy]
     fences = [o for o in decision.fence if o.stage not in busy]
@@ -178,48 +180,68 @@ async def run_round(
         decision = _plan(obs, handover, policy, started)
         out.decision, out.observation = decision, obs
         if out.sleeps or out.fences:
-            await port.checkpoint(out)
+            # Started (its status built, its writes sent) before any wake; awaited before the
+            # round ends, so a later write of the same status never lands first.
+            checkpoint = asyncio.ensure_future(port.checkpoint(out))
+            await asyncio.sleep(0)
         tracker.close_if_idle()
 
-    if decision.wake or decision.start or decision.component_wakes:
-        hid = out.handover_id or new_id()
-        out.handover_id = hid
-        for name in decision.start:
-            await _start(port, name, out, active=True)
-        for name in decision.component_wakes + decision.wake:
-            if name in tracker.running:
-                continue  # its own sleep's ACK is not in yet: never woken on a guess
-            parts = name in decision.component_wakes  # an Active stage's footprint grows
-            task_id = f"{hid}-{name}-wake{'-parts' if parts else ''}"
-            if tracker.handover_id == hid:  # a hand-over open across rounds: a fresh id
-                task_id = tracker.task_id(f"wake:{name}", task_id)
-            try:
-                result = await _wake(port, name, task_id, policy)
-            except Exception as exc:  # isolated per stage
-                out.stage_errors[name] = _failure(name, "wake", exc)
-                continue
-            need: int | None = None
-            if isinstance(result, str):
-                out.wake_errors[name] = result
-            elif isinstance(result, Refusal):
-                out.wake_refusals[name] = result
-                out.wake_errors[name] = f"refused ({result.code}): {result.message}"
-                need = result.need_bytes
-            else:
-                out.wakes[name] = result
-                if not result.ok:
-                    out.wake_errors[name] = result.error or "wake ACK not ok"
-                    need = memory_need(result.error)
-                    if result.needed_bytes > 0:
-                        out.wake_oom[name] = result
-                        need = max(need or 0, oom_need(result))
-            if parts:
-                out.component_wakes.add(name)
-            elif need is not None:
-                out.learned_needs[name] = need
-        obs = _remember(await port.observe(), out)
-        decision = _plan(obs, handover, policy, started)
+    try:
+        if decision.wake or decision.start or decision.component_wakes:
+            await _wake_allowed(port, policy, new_id, tracker, decision=decision, out=out)
+            obs = _remember(await port.observe(), out)
+            decision = _plan(obs, handover, policy, started)
+    finally:
+        if checkpoint is not None:  # its writes land before any later one (the publish)
+            await checkpoint
 
     out.decision = decision
     out.observation = obs
     return out
+
+
+async def _wake_allowed(
+    port: GroupPort,
+    policy: RoundPolicy,
+    new_id: Callable[[], str],
+    tracker: SleepTracker,
+    *,
+    decision: Decision,
+    out: RoundOutcome,
+) -> None:
+    """Step 4's wakes (and starts Active) of what the arbiter allows; results into ``out``."""
+    hid = out.handover_id or new_id()
+    out.handover_id = hid
+    for name in decision.start:
+        await _start(port, name, out, active=True)
+    for name in decision.component_wakes + decision.wake:
+        if name in tracker.running:
+            continue  # its own sleep's ACK is not in yet: never woken on a guess
+        parts = name in decision.component_wakes  # an Active stage's footprint grows
+        task_id = f"{hid}-{name}-wake{'-parts' if parts else ''}"
+        if tracker.handover_id == hid:  # a hand-over open across rounds: a fresh id
+            task_id = tracker.task_id(f"wake:{name}", task_id)
+        try:
+            result = await _wake(port, name, task_id, policy)
+        except Exception as exc:  # isolated per stage
+            out.stage_errors[name] = _failure(name, "wake", exc)
+            continue
+        need: int | None = None
+        if isinstance(result, str):
+            out.wake_errors[name] = result
+        elif isinstance(result, Refusal):
+            out.wake_refusals[name] = result
+            out.wake_errors[name] = f"refused ({result.code}): {result.message}"
+            need = result.need_bytes
+        else:
+            out.wakes[name] = result
+            if not result.ok:
+                out.wake_errors[name] = result.error or "wake ACK not ok"
+                need = memory_need(result.error)
+                if result.needed_bytes > 0:
+                    out.wake_oom[name] = result
+                    need = max(need or 0, oom_need(result))
+        if parts:
+            out.component_wakes.add(name)
+        elif need is not None:
+            out.learned_needs[name] = need

@@ -1,0 +1,67 @@
+"""The lean diff base builds kopf's own essence of a stage, from the body without its status."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, cast
+
+import kopf
+import pytest
+
+from omnistage_operator.diffbase import LeanDiffBaseStorage, lean_body
+
+PREFIX, KEY = "omnistage.io", "last-handled-configuration"
+
+
+def _stage() -> dict[str, Any]:
+    handled = json.dumps({"spec": {"state": "Asleep"}}) + "\n"
+    return {
+        "apiVersion": "omnistage.io/v1alpha1",
+        "kind": "OmniStage",
+        "metadata": {
+            "name": "sd",
+            "namespace": "ns",
+            "uid": "u-1",
+            "resourceVersion": "42",
+            "generation": 3,
+            "labels": {"app": "x"},
+            "annotations": {
+                f"{PREFIX}/{KEY}": handled,
+                f"{PREFIX}/touch-dummy": "x",
+                "kubectl.kubernetes.io/last-applied-configuration": "{}",
+                "team": "imaging",
+            },
+            "finalizers": ["omnistage.io/finalizer"],
+            "managedFields": [
+                {"manager": f"m{i}", "fieldsV1": {"f:status": {}}} for i in range(40)
+            ],
+        },
+        "spec": {"state": "Active", "colocation": {"group": "g1"}, "model": {"path": "/m"}},
+        "status": {
+            "state": "Waking",
+            "conditions": [
+                {"type": f"C{i}", "status": "True", "message": "m" * 200} for i in range(8)
+            ],
+            "devices": [{"uuid": f"GPU-{i}", "usedBytes": i} for i in range(8)],
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "extra", [None, ["status.state"], [("metadata", "generation")], ["spec.state"]]
+)
+def test_the_essence_is_kopfs_own(extra: list[Any] | None) -> None:
+    raw = _stage()
+    kopfs = kopf.AnnotationsDiffBaseStorage(prefix=PREFIX, key=KEY)
+    lean = LeanDiffBaseStorage(prefix=PREFIX, key=KEY)
+    want = kopfs.build(body=kopf.Body(cast(Any, copy.deepcopy(raw))), extra_fields=extra)
+    got = lean.build(body=kopf.Body(cast(Any, raw)), extra_fields=extra)
+    assert got == want
+    assert raw == _stage()  # the body is not changed
+
+
+def test_the_lean_body_leaves_out_status_and_managed_fields() -> None:
+    lean = lean_body(_stage())
+    assert "status" not in lean and set(lean["metadata"]) == {"labels", "annotations"}
+    assert "status" in lean_body(_stage(), ["status.state"])
