@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from omnistage_operator.model_source import source_hash_fields
 from omnistage_operator.pod_template import hash_payload
 from omnistage_operator.serving import Serving, serving_args
 from omnistage_operator.spec import DEFAULT_METRICS_PORT, Backend, StageSpec
@@ -84,8 +85,7 @@ def pod_spec_hash(stage: StageSpec, profile: PodProfile = DEFAULT_PROFILE) -> st
     if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
         payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
     if stage.model.source is not None:  # (the same)
-        src = stage.model.source
-        payload["modelSource"] = [src.url, src.repo, src.revision, src.token_secret, src.token_key]
+        payload["modelSource"] = source_hash_fields(stage.model.source)
     if stage.worker.tls.enabled:  # (the same)
         payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
     if profile != DEFAULT_PROFILE:  # (the same)

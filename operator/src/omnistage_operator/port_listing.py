@@ -35,7 +35,7 @@ from omnistage_operator.spec import SpecError, StageSpec
 from omnistage_operator.spec_parse import parse_stage
 
 if TYPE_CHECKING:
-    from omnistage_operator.runner import GroupRunner
+    from omnistage_operator.port_host import PortHost
 
 __all__ = ["ListingPort"]
 
@@ -45,7 +45,7 @@ _TERMINAL = TERMINAL_PHASES
 class ListingPort:
     """The state of one round of one group, and its listing."""
 
-    def __init__(self, runner: GroupRunner, namespace: str, group: str) -> None:
+    def __init__(self, runner: PortHost, namespace: str, group: str) -> None:
         self.r = runner
         self.ns = namespace
         self.group = group

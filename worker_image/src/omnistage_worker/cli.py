@@ -29,7 +29,6 @@ from omnistage_worker.config import (
     DEFAULT_MAX_HELD,
     DEFAULT_PORT,
     DEFAULT_RESIDUAL_SLACK,
-    DTYPES,
     ConfigError,
     Identity,
     WorkerConfig,
@@ -37,6 +36,7 @@ from omnistage_worker.config import (
     parse_device,
     read_token,
 )
+from omnistage_worker.dtype_choices import DTYPES
 from omnistage_worker.flag_groups import limit_flags, request_limits, vllm_args, vllm_flags
 from omnistage_worker.host_allocator import fix_mmap_threshold
 from omnistage_worker.jsonlog import LOG_FORMATS, JsonFormatter, configure_logging
