@@ -5,7 +5,7 @@ Network's NetworkPolicy implementation: nftables rules send the first packet of 
 to or from a selected pod to an NFQUEUE, where it is judged against the policies) from the Go
 module proxy through the wrapper module ``tests/node/netpolbuild``, like the other binaries
 (:mod:`tests.cluster.build`: the same Go caches under ``$OMNISTAGE_CACHE``, CGO off). The binary
-and ``build.json`` (seconds, cold or warm) land in ``netpol-bin/<key>/``, the key naming the
+and ``build.json`` (seconds, date) land in ``netpol-bin/<key>/``, the key naming the
 version and a hash of go.mod, go.sum and the link flags; a second run finds them and returns.
 
 ``--print-bin`` prints the binary's path (fails if not built); ``--regen`` rewrites the wrapper
@@ -80,8 +80,6 @@ def ensure_enforcer(quiet: bool = False) -> Path:
 def _build(directory: Path, quiet: bool) -> None:
     go = go_binary()
     gocache = cache_root() / "go" / "build"
-    # warm when the Go cache already holds this module's packages (an earlier build)
-    cold = not any((cache_root() / "netpol-bin").glob("knp-*/build.json"))
     staging = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -95,7 +93,6 @@ def _build(directory: Path, quiet: bool) -> None:
     seconds = time.monotonic() - start
     record = {
         "seconds": round(seconds, 1),
-        "cold": cold,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "cpus": os.cpu_count(),
         "module": f"{MODULE}@{VERSION}",
@@ -142,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             record = json.loads((path.parent / "build.json").read_text())
             print(
                 f"{NAME} ready: {path} ({time.monotonic() - start:.1f}s now; recorded build: "
-                f"{record['seconds']}s, cold={record['cold']}, {record['date']})"
+                f"{record['seconds']}s, {record['date']})"
             )
         return 0
     except BuildError as exc:
