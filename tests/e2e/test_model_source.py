@@ -9,6 +9,7 @@ init container's next run through.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,7 +82,7 @@ def test_s3_model_is_fetched_signed_once_and_survives_pod_replacement(
     volume.mkdir()
     with LocalS3() as s3:
         count = s3.put_dir("org/tiny-llama", tiny_models["ar"])
-        secret = {
+        secret: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": {"name": "store-keys"},
