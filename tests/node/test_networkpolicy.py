@@ -4,8 +4,9 @@ Needs what ``tests/node/test_realnode.py`` needs, plus the enforcer (``python -m
 tests.node.netpol_build``; ``make e2e-node`` builds it) and ``nft``. With the chart installed
 (its policy for a stage namespace admitting HTTP from a namespace the user names), a stand-in
 stage pod (the operator image serving the worker's HTTP and gRPC ports) is reached on HTTP from
-that namespace and on gRPC from the operator's pods, while a pod of another namespace times out
-on both; once the policy is deleted the same pod gets through (so enforcement was on).
+that namespace and from pods with the stage's router's labels, on gRPC from pods with the
+operator's labels, while a pod of another namespace times out on both; once the policy is
+deleted the same pod gets through (so enforcement was on).
 """
 
 from __future__ import annotations
@@ -84,11 +85,25 @@ def test_the_charts_policy_admits_its_clients_and_refuses_another_namespace(
     for ns in (release_ns, stages, apps, other):
         enforce_restricted(cp, ns)
     allow_apps = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": apps}}}
-    extra = {"networkPolicy": {"httpIngressFrom": [allow_apps], "httpFromSameNamespace": False}}
+    extra = {
+        "networkPolicy": {"httpIngressFrom": [allow_apps], "httpFromSameNamespace": False},
+        # a router group for the stage (its pod never starts: the worker image is not on the
+        # node and is never pulled; the policy admits the router pods' labels)
+        "router": {
+            "enabled": True,
+            "image": {"pullPolicy": "Never"},
+            "groups": [{"name": "g", "stages": ["stage"], "namespace": stages}],
+        },
+    }
     release = install_on_node(cp, node.name, release_ns, [stages], extra=extra)
     try:
         deployment = cp.get_json("deployment", release.fullname, namespace=release_ns)
         operator_labels = deployment["spec"]["selector"]["matchLabels"]
+        routers = cp.get_json(
+            "deployments", "-l", "app.kubernetes.io/component=router", namespace=stages
+        )
+        (router,) = routers["items"]
+        router_labels = router["spec"]["selector"]["matchLabels"]
         cp.apply(stand_in(node.name, "stage", WORKER_LABELS), namespace=stages)
         pod = wait_pod(
             cp, stages, "stage", lambda p: bool(p.get("status", {}).get("podIP")), "given an IP"
@@ -101,12 +116,14 @@ def test_the_charts_policy_admits_its_clients_and_refuses_another_namespace(
             {
                 "from-apps": (apps, {}, [HTTP_PORT, GRPC_PORT]),
                 "from-operator": (release_ns, operator_labels, [GRPC_PORT]),
+                "from-router": (stages, router_labels, [HTTP_PORT, GRPC_PORT]),
                 "from-other": (other, {}, [HTTP_PORT, GRPC_PORT]),
             },
         )
         assert found == {
             "from-apps": {HTTP_PORT: "open", GRPC_PORT: "timeout"},
             "from-operator": {GRPC_PORT: "open"},
+            "from-router": {HTTP_PORT: "open", GRPC_PORT: "timeout"},
             "from-other": {HTTP_PORT: "timeout", GRPC_PORT: "timeout"},
         }, netpol.verdicts()
         # enforcement off for the stand-in: the refused namespace gets through
