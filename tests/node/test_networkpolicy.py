@@ -53,6 +53,11 @@ def policed_node(control_plane: ControlPlane) -> Iterator[tuple[RealNode, Enforc
     assert netpol.leftovers() == []
 
 
+def _started(pod: dict[str, Any]) -> bool:
+    statuses = pod.get("status", {}).get("containerStatuses") or [{}]
+    return bool(pod["status"].get("podIP")) and statuses[0].get("started") is True
+
+
 def _finished(pod: dict[str, Any]) -> bool:
     return pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
 
@@ -105,9 +110,7 @@ def test_the_charts_policy_admits_its_clients_and_refuses_another_namespace(
         (router,) = routers["items"]
         router_labels = router["spec"]["selector"]["matchLabels"]
         cp.apply(stand_in(node.name, "stage", WORKER_LABELS), namespace=stages)
-        pod = wait_pod(
-            cp, stages, "stage", lambda p: bool(p.get("status", {}).get("podIP")), "given an IP"
-        )
+        pod = wait_pod(cp, stages, "stage", _started, "started", timeout=120)
         ip = pod["status"]["podIP"]
         found = _probe_all(
             cp,
