@@ -143,7 +143,12 @@ def describe_release(control_plane: ControlPlane, name: str, namespace: str) -> 
     """Names of the release's objects, read from its rendered Deployment."""
     manifest = control_plane.helm("get", "manifest", name, "--namespace", namespace).stdout
     docs = [d for d in yaml.safe_load_all(manifest) if d]
-    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (deployment,) = [  # the operator's (router groups add Deployments of their own)
+        d
+        for d in docs
+        if d["kind"] == "Deployment"
+        and d["spec"]["selector"]["matchLabels"].get("app.kubernetes.io/component") == "operator"
+    ]
     pod = deployment["spec"]["template"]["spec"]
     # workerCredentials.mode=kubernetes mounts no token Secret: token_secret is then "".
     token_volumes = [v for v in pod["volumes"] if v["name"] == "worker-token"]

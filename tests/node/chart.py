@@ -59,14 +59,21 @@ def apply_crds(cp: ControlPlane) -> None:
 
 
 def install_on_node(
-    cp: ControlPlane, node: str, namespace: str, watch: list[str], name: str = "omni"
+    cp: ControlPlane,
+    node: str,
+    namespace: str,
+    watch: list[str],
+    *,
+    name: str = "omni",
+    extra: dict[str, Any] | None = None,
 ) -> InstalledRelease:
-    """``helm install`` the chart into ``namespace`` with :func:`node_values`."""
+    """``helm install`` the chart into ``namespace`` with :func:`node_values` (top-level keys
+    of ``extra`` added or replaced)."""
     check_chart_crd_copy()
     apply_crds(cp)
     with tempfile.TemporaryDirectory(prefix="omnistage-values-") as tmp:
         values = Path(tmp) / "values.yaml"
-        values.write_text(yaml.safe_dump(node_values(node, watch)))
+        values.write_text(yaml.safe_dump({**node_values(node, watch), **(extra or {})}))
         cp.helm("install", name, str(CHART_DIR), "--namespace", namespace, "--values", str(values))
     return describe_release(cp, name, namespace)
 
