@@ -425,10 +425,12 @@ def reflow(source: str, inserted: Iterable[str]) -> str:
     names = tuple(inserted)
     prose = prose_lines(source)
     lines = source.split("\n")
+    carried: set[int] = set()  # lines that took the tail of the line before
     i = 0
     while i < len(lines):
         line = lines[i]
-        if len(line) <= LINE_LENGTH or i not in prose or not any(n in line for n in names):
+        ours = i in carried or any(n in line for n in names)
+        if len(line) <= LINE_LENGTH or i not in prose or not ours:
             i += 1
             continue
         indent = line[: len(line) - len(line.lstrip())]
@@ -456,6 +458,7 @@ def reflow(source: str, inserted: Iterable[str]) -> str:
         lines[i] = head
         if joins:
             lines[i + 1] = cont + tail + " " + nxt_body
+            carried.add(i + 1)
         else:
             lines.insert(i + 1, cont + tail)
             prose = {n + 1 if n > i else n for n in prose} | {i + 1}
