@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.localnode.runtime import LOG_ANNOTATION
 from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -35,6 +36,15 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum over every series of ``name`` whose labels include ``labels``."""
     wanted = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and wanted <= set(ls))
+
+
+def _log_object(line: str) -> bool:
+    """The line is one JSON log object."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and {"level", "logger", "message"} <= obj.keys()
 
 
 @pytest.fixture
@@ -98,6 +108,20 @@ def test_handover_metrics_and_json_logs(
     assert value(worker, "omnistage_worker_state", state="ACTIVE") == 1
     woken = "omnistage_worker_transitions_total"
     assert value(worker, woken, operation="wake_up", result="ok") == 1
+
+    # The worker logs as the operator does: JSON lines, one object each (the pod got the
+    # operator's format; nothing in the stage's spec asked for it).
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env.get("OMNISTAGE_LOG_FORMAT") == "json"
+    worker_log = Path(pod["metadata"]["annotations"][f"{LOG_ANNOTATION}worker"])
+    worker_lines = [  # (localnode, the kubelet's stand-in, marks each container start)
+        line
+        for line in worker_log.read_text().splitlines()
+        if line.strip() and not line.startswith("--- localnode:")
+    ]
+    assert worker_lines
+    others = [line for line in worker_lines if not _log_object(line)]
+    assert not others, "\n".join(others)
 
     # A deleted stage's series go (not left at their last value).
     cluster.cp.kubectl("delete", "omnistage", "ar", "-n", ns, "--wait=false")

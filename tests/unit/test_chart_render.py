@@ -167,6 +167,7 @@ def test_default_args_follow_the_operator_contract() -> None:
         "--sleep-timeout=60",
         "--wake-timeout=600",
         "--ack-retries=3",
+        "--round-wait=5",
         "--leader-election",
         f"--lease-name={FULLNAME}",
         "--lease-duration=15",
@@ -185,6 +186,7 @@ def test_operator_values_become_flags() -> None:
             "sleepTimeoutSeconds": 5,
             "wakeTimeoutSeconds": 30,
             "ackRetries": 2,
+            "roundWaitSeconds": 1.5,
             "extraArgs": ["--verbose"],
             "extraEnv": [{"name": "TZ", "value": "UTC"}],
         },
@@ -198,6 +200,7 @@ def test_operator_values_become_flags() -> None:
         "--sleep-timeout=5",
         "--wake-timeout=30",
         "--ack-retries=2",
+        "--round-wait=1.5",
         "--verbose",
         "--worker-tls-ca=/var/run/secrets/omnistage-tls/ca.crt",
     ):
@@ -481,7 +484,12 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
         "rbac": {"scope": "Namespaced"},
         "watch": {"namespaces": ["team-a", "team-b"]},
         "ports": {"metrics": 9090, "liveness": 9091},
-        "operator": {"placement": "explicit", "sleepTimeoutSeconds": 7, "ackRetries": 4},
+        "operator": {
+            "placement": "explicit",
+            "sleepTimeoutSeconds": 7,
+            "ackRetries": 4,
+            "roundWaitSeconds": 2,
+        },
         "workerTLS": {"caSecret": "worker-ca"},
     }
     objs = render({**values, "peering": {"enabled": True, "name": "p"}}, api_versions=PEERING_APIS)
@@ -495,6 +503,7 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
     assert settings.device_class == "gpu.nvidia.com"
     assert (settings.sleep_timeout_s, settings.wake_timeout_s) == (7.0, 600.0)
     assert settings.ack_retries == 4
+    assert settings.round_wait_s == 2.0
     assert parse_settings(_args(render()), environ={}).peering is None, "standalone by default"
 
 

@@ -45,6 +45,8 @@ def test_unknown_keys_are_refused(values: Obj, named: str) -> None:
         ({"ports": {"liveness": 70000}}, "/ports/liveness"),
         ({"operator": {"ackRetries": 0}}, "/operator/ackRetries"),
         ({"operator": {"sleepTimeoutSeconds": "60"}}, "/operator/sleepTimeoutSeconds"),
+        ({"operator": {"roundWaitSeconds": 0}}, "/operator/roundWaitSeconds"),
+        ({"operator": {"roundWaitSeconds": 601}}, "/operator/roundWaitSeconds"),
         ({"watch": {"namespaces": ["Not_A_Namespace"]}}, "/watch/namespaces/0"),
         ({"networkPolicy": {"workerPorts": []}}, "/networkPolicy/workerPorts"),
         (

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from omnistage_operator.builders import service_name
+from omnistage_operator.model_source import S3Source
 from omnistage_operator.spec import Backend, Runner
 from omnistage_operator.spec_parse import parse_stage
 from tests.examples import HELM_VALUES, manifest_docs, stage_docs
@@ -30,6 +31,7 @@ def test_one_example_per_kind_of_stage() -> None:
         "OnDemand": any(s.activation.on_demand for s in stages),
         "worker TLS": any(s.worker.tls.enabled for s in stages),
         "shared /dev/shm": any(s.template.extras.shm_size for s in stages),
+        "model from an object store": any(isinstance(s.model.source, S3Source) for s in stages),
     }
     assert [k for k, found in kinds.items() if not found] == []
 

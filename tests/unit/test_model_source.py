@@ -16,6 +16,7 @@ from omnistage_operator.spec_parse import parse_stage
 from tests.unit.test_pod_template import OWNER, body
 
 HUB = {"url": "https://hub.example", "repo": "org/model"}
+S3 = {"endpoint": "http://minio.storage:9000", "bucket": "models"}
 
 
 def _model(**model: Any) -> dict[str, Any]:
@@ -66,7 +67,15 @@ def test_without_a_volume_the_model_goes_to_an_empty_dir() -> None:
     [
         (_model(source={"hub": {**HUB, "repo": "no-slash"}}), "spec.model.source.hub.repo"),
         (_model(source={"hub": {**HUB, "url": "ftp://x"}}), "spec.model.source.hub.url"),
-        (_model(source={}), "spec.model.source.hub"),
+        (_model(source={}), "spec.model.source"),
+        (_model(source={"hub": HUB, "s3": S3}), "spec.model.source"),
+        (_model(source={"s3": {**S3, "bucket": "Has_Capitals"}}), "spec.model.source.s3.bucket"),
+        (_model(source={"s3": {**S3, "endpoint": "s3.example"}}),
+         "spec.model.source.s3.endpoint"),
+        (_model(source={"s3": {**S3, "region": "US East"}}), "spec.model.source.s3.region"),
+        (_model(source={"s3": {**S3, "pathStyle": "yes"}}), "spec.model.source.s3.pathStyle"),
+        (_model(source={"s3": {**S3, "credentialsSecret": {"accessKeyIdKey": "id"}}}),
+         "spec.model.source.s3.credentialsSecret"),
         (
             _model(source={"hub": HUB},
                    volume={"persistentVolumeClaim": {"claimName": "m", "readOnly": True}}),
@@ -80,9 +89,36 @@ def test_bad_source_is_refused_naming_the_field(model: dict[str, Any], field: st
     assert info.value.field == field
 
 
+def test_an_s3_source_fetches_with_the_credentials_secret() -> None:
+    s3 = {**S3, "prefix": "org/model", "region": "eu-west-1", "pathStyle": True,
+          "credentialsSecret": {"name": "store", "secretAccessKeyKey": "secret"}}  # fmt: skip
+    pvc = {"persistentVolumeClaim": {"claimName": "models"}}
+    spec = _pod(_model(volume=pvc, source={"s3": s3}))["spec"]
+    (fetch,) = spec["initContainers"]
+    assert fetch["command"] == ["python3", "-m", "omnistage_worker.fetch_s3"]
+    assert fetch["args"] == [
+        "--endpoint", "http://minio.storage:9000", "--bucket", "models", "--prefix", "org/model",
+        "--region", "eu-west-1", "--path-style", "--dest", "/models/org/model",
+    ]  # fmt: skip
+    assert fetch["env"] == [
+        {"name": "AWS_ACCESS_KEY_ID",
+         "valueFrom": {"secretKeyRef": {"name": "store", "key": "AWS_ACCESS_KEY_ID"}}},
+        {"name": "AWS_SECRET_ACCESS_KEY",
+         "valueFrom": {"secretKeyRef": {"name": "store", "key": "secret"}}},
+    ]  # fmt: skip
+    assert fetch["volumeMounts"] == [{"name": "model", "mountPath": "/models"}]
+    plain = _pod(_model(source={"s3": S3}))["spec"]["initContainers"][0]
+    assert "env" not in plain and "--path-style" not in plain["args"]  # anonymous, virtual-hosted
+    assert plain["args"][plain["args"].index("--region") + 1] == "us-east-1"
+
+
 def test_the_source_is_part_of_the_pod_hash() -> None:
     plain = pod_spec_hash(parse_stage(body()))
     assert plain == "29ea4d4a8175baf3"  # unchanged for stages without a source
     one = pod_spec_hash(parse_stage(body(model=_model(source={"hub": HUB}))))
+    assert one == "1364bee53996dde3"  # unchanged for stages with a hub source, as before S3
     other = {"hub": {**HUB, "revision": "v2"}}
     assert one != plain and one != pod_spec_hash(parse_stage(body(model=_model(source=other))))
+    s3 = pod_spec_hash(parse_stage(body(model=_model(source={"s3": S3}))))
+    moved = {"s3": {**S3, "prefix": "other"}}
+    assert s3 not in (plain, one, pod_spec_hash(parse_stage(body(model=_model(source=moved)))))

@@ -15,6 +15,7 @@ def test_defaults_follow_the_contract() -> None:
     assert (s.metrics_port, s.liveness_port) == (8080, 8081)
     assert s.peering is None and s.placement == "dra" and s.device_class == "gpu.nvidia.com"
     assert (s.sleep_timeout_s, s.wake_timeout_s, s.ack_retries) == (60.0, 600.0, 3)
+    assert s.round_wait_s == 5.0
     assert s.worker_token() is None
 
 
@@ -42,11 +43,27 @@ def test_environment_and_flags(tmp_path: Path) -> None:
         (["--liveness-port", "70000"], "--liveness-port"),
         (["--sleep-timeout", "-1"], "--sleep-timeout"),
         (["--ack-retries", "0"], "--ack-retries"),
+        (["--round-wait", "0"], "--round-wait"),
+        (["--round-wait", "-2"], "--round-wait"),
+        (["--round-wait", "601"], "--round-wait"),
+        (["--round-wait", "soon"], "--round-wait"),
     ],
 )
 def test_bad_values_name_the_flag(argv: list[str], field: str) -> None:
     with pytest.raises(SettingsError, match=field):
         parse_settings(argv, {})
+
+
+def test_the_round_wait_from_flag_or_environment_reaches_the_groups_round_policy() -> None:
+    from omnistage_operator.runner import GroupRunner
+
+    assert parse_settings([], {"OMNISTAGE_ROUND_WAIT": "0.5"}).round_wait_s == 0.5
+    s = parse_settings(["--round-wait", "12"], {"OMNISTAGE_ROUND_WAIT": "0.5"})
+    assert s.round_wait_s == 12.0
+    runner = GroupRunner(object(), s)  # type: ignore[arg-type]  # no API call is made
+    assert runner.policy.round_wait_s == 12.0
+    with pytest.raises(SettingsError, match="--round-wait"):
+        parse_settings([], {"OMNISTAGE_ROUND_WAIT": "0"})
 
 
 def test_empty_token_file_is_refused(tmp_path: Path) -> None:

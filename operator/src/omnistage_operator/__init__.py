@@ -23,7 +23,8 @@ one hand-over round                ``handover``: ``rounds`` (observe, sleep, ACK
                                      ``orders`` (one sleep, fence or wake)
 a round's Kubernetes side          ``port`` (``KubeGroupPort``: the orders), on ``port_facts``
                                      (GetStatus as facts, intents) and ``port_listing`` (the
-                                     listing, pods deleted before a round acts)
+                                     listing, pods deleted before a round acts), typed
+                                     against ``port_host`` (the runner as the port uses it)
 a group's stages and pods          ``views``: from kopf's indexes (watches), no LIST per round
 the loop per group, what survives  ``runner`` (``GroupRunner``): kicks, asks, fences, learned
   between rounds                     needs, back-offs, worker channels, the token Secret
@@ -39,8 +40,6 @@ kopf wiring                        ``handlers`` (thin: indexes, kicks, asks, cle
 command line, settings, metrics    ``cli``, ``settings``, ``metrics``, ``labels``
 per-stage, per-device gauges       ``stage_metrics``: from the published status; ACK verdicts
 =================================  ==========================================================
-
-``groups`` re-exports ``GroupRunner``, ``KubeGroupPort`` and ``group_of`` for old imports.
 
 Decisions beyond the design contract:
 

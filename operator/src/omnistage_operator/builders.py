@@ -20,7 +20,9 @@ Names and constants:
 Builders:
     ``owner_reference(body) -> dict`` (controller=true, blockOwnerDeletion=true)
     ``build_worker_pod(stage, *, initial_state, owner, claim_name=<pod_claim_name(stage)>,
-    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None) -> dict`` (a stage that cannot
+    token_secret_name=TOKEN_SECRET_NAME, sleep_level=None, epoch=0, profile=DEFAULT_PROFILE)
+    -> dict`` (``profile``: the operator's log format, passed as ``OMNISTAGE_LOG_FORMAT`` unless
+    the stage's env sets it, and credentials, both in the pod's spec hash; a stage that cannot
     start asleep, see ``can_start_asleep(stage)``: false for VLLM, whose worker refuses
     ``--initial-state asleep``, always starts Active: the operator creates its pod only once
     the stage is admitted and the measured free memory covers it)
@@ -49,7 +51,7 @@ from typing import Any, Final
 
 from omnistage_operator.labels import group_labels, stage_labels, stage_selector
 from omnistage_operator.model_source import source_init_container
-from omnistage_operator.pod_hash import pod_spec_hash
+from omnistage_operator.pod_hash import DEFAULT_PROFILE, PodProfile, pod_spec_hash
 from omnistage_operator.pod_template import apply_pod_extras
 from omnistage_operator.serving import serving_volume
 from omnistage_operator.spec import (
@@ -104,6 +106,7 @@ READINESS_SERVICE: Final = "omnistage.worker.v1.SleepService"
 LIVENESS_SERVICE: Final = ""
 WORKER_COMMAND: Final = ("omnistage-worker",)
 TERMINATION_GRACE_SECONDS: Final = 30
+LOG_FORMAT_ENV: Final = "OMNISTAGE_LOG_FORMAT"  # the worker's --log-format default
 
 INITIAL_STATE_ANNOTATION: Final = "omnistage.io/initial-state"
 SLEEP_LEVEL_ANNOTATION: Final = "omnistage.io/initial-sleep-level"
@@ -161,7 +164,7 @@ def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
 
 
-def _worker_env(stage: StageSpec) -> list[dict[str, Any]]:
+def _worker_env(stage: StageSpec, profile: PodProfile) -> list[dict[str, Any]]:
     env = [
         _field_env("POD_IP", "status.podIP"),
         _field_env("POD_NAME", "metadata.name"),
@@ -171,6 +174,9 @@ def _worker_env(stage: StageSpec) -> list[dict[str, Any]]:
     ]
     if stage.placement.mode is PlacementMode.EXPLICIT:
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": ",".join(stage.placement.devices)})
+    own = {var.get("name") for var in stage.template.env}
+    if profile.log_format != DEFAULT_PROFILE.log_format and LOG_FORMAT_ENV not in own:
+        env.append({"name": LOG_FORMAT_ENV, "value": profile.log_format})
     env += [copy.deepcopy(dict(var)) for var in stage.template.env]
     return env
 
@@ -193,6 +199,7 @@ def build_worker_pod(
     token_secret_name: str = TOKEN_SECRET_NAME,
     sleep_level: int | None = None,
     epoch: int = 0,
+    profile: PodProfile = DEFAULT_PROFILE,
 ) -> dict[str, Any]:
     """The stage's worker Pod.
 
@@ -201,6 +208,7 @@ def build_worker_pod(
     ``pod_claim_name(stage)``; pass ``None`` for no DRA claim. ``sleep_level`` overrides the
     spec's level for an asleep start. ``epoch``: the creating leader's epoch (``--epoch``); it
     is not part of ``pod_spec_hash``, so a new leader does not replace running pods.
+    ``profile``: the operator's settings every worker pod is built with (in the hash).
     """
     if not can_start_asleep(stage):
         initial_state = DesiredState.ACTIVE  # its pod exists only once admitted (arbiter)
@@ -208,7 +216,9 @@ def build_worker_pod(
     if stage.placement.mode is PlacementMode.EXPLICIT and claim is not None:
         raise ValueError("a stage with Explicit placement does not use a DRA claim")
     mounts, volumes = _pod_volumes(stage, token_secret_name)
-    container = _worker_container(stage, initial_state, sleep_level, claim, mounts, epoch=epoch)
+    container = _worker_container(
+        stage, initial_state, sleep_level, claim, mounts, epoch=epoch, profile=profile
+    )
     level = stage.sleep_level if sleep_level is None else sleep_level
     spec = _pod_spec(stage, container, volumes, claim)
     apply_pod_extras(stage.template.extras, spec, container)
@@ -227,7 +237,7 @@ def build_worker_pod(
         INITIAL_STATE_ANNOTATION: DesiredState(initial_state).value,
         SLEEP_LEVEL_ANNOTATION: str(level),
         GENERATION_ANNOTATION: str(stage.generation),
-        POD_SPEC_HASH_ANNOTATION: pod_spec_hash(stage),
+        POD_SPEC_HASH_ANNOTATION: pod_spec_hash(stage, profile),
     }
     return {
         "apiVersion": "v1",
@@ -287,6 +297,7 @@ def _worker_container(
     mounts: list[dict[str, Any]],
     *,
     epoch: int = 0,
+    profile: PodProfile = DEFAULT_PROFILE,
 ) -> dict[str, Any]:
     """The worker container: command, args, env, gRPC probes, mounts and resources."""
     port = stage.worker.port
@@ -305,7 +316,7 @@ def _worker_container(
         "args": worker_args(
             stage, initial_state=initial_state, sleep_level=sleep_level, epoch=epoch
         ),
-        "env": _worker_env(stage),
+        "env": _worker_env(stage, profile),
         "ports": ports,
         "readinessProbe": _grpc_probe(probed, READINESS_SERVICE, period=5, failures=3),
         "livenessProbe": _grpc_probe(probed, LIVENESS_SERVICE, period=10, failures=6),

@@ -27,7 +27,7 @@ from omnistage_operator.ondemand import AwakeReason, Demand, DemandInput, Demand
 from omnistage_operator.status import format_timestamp
 
 if TYPE_CHECKING:
-    from omnistage_operator.port import KubeGroupPort
+    from omnistage_operator.port_host import RoundView
     from omnistage_operator.worker_client import WorkerClient
 
 __all__ = ["DemandReport", "DemandWatcher", "report_from_proto"]
@@ -105,7 +105,7 @@ class DemandWatcher:
     # -- the round's view ------------------------------------------------------------------
 
     def shape(
-        self, port: KubeGroupPort, intents: Mapping[str, StageIntent], now: float | None = None
+        self, port: RoundView, intents: Mapping[str, StageIntent], now: float | None = None
     ) -> DemandView:
         """Open or close the group's streams, then the intents shaped by demand."""
         now = time.time() if now is None else now

@@ -7,6 +7,9 @@ Public API (stable):
     pod". ``state``, ``sleepLevel``, ``priority`` and ``vram`` are left out: they are
     followed over gRPC or by the arbiter without a restart (except for a VLLM stage: its
     ``vllm_args``, ``vram.request`` included, fix the engine's memory budget at its start).
+    ``pod_spec_hash(stage, profile)``: the same, with the operator's own settings that shape
+    every worker pod (:class:`PodProfile`: log format, worker credentials), so changing them
+    replaces the pods; the default profile adds nothing (older pods keep their hash).
 """
 
 from __future__ import annotations
@@ -14,17 +17,33 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
 
+from omnistage_operator.model_source import source_hash_fields
 from omnistage_operator.pod_template import hash_payload
 from omnistage_operator.serving import Serving, serving_args
 from omnistage_operator.spec import DEFAULT_METRICS_PORT, Backend, StageSpec
 from omnistage_operator.worker_command import vllm_args
 
-__all__ = ["pod_spec_hash"]
+__all__ = ["DEFAULT_PROFILE", "PodProfile", "pod_spec_hash"]
 
 
-def pod_spec_hash(stage: StageSpec) -> str:
-    """A short digest of the spec fields that need a new pod when they change."""
+@dataclass(frozen=True)
+class PodProfile:
+    """The operator's settings that every worker pod is built with."""
+
+    log_format: str = "text"  # the worker's --log-format (OMNISTAGE_LOG_FORMAT)
+    # The worker flags of Kubernetes-issued credentials; empty: the shared token's Secret.
+    credential_args: tuple[str, ...] = ()
+
+
+DEFAULT_PROFILE: Final = PodProfile()
+
+
+def pod_spec_hash(stage: StageSpec, profile: PodProfile = DEFAULT_PROFILE) -> str:
+    """A short digest of the spec fields (and operator settings) that need a new pod when they
+    change."""
     tpl = stage.template
     payload: dict[str, object] = {
         "image": stage.image,
@@ -66,10 +85,11 @@ def pod_spec_hash(stage: StageSpec) -> str:
     if stage.serving != Serving():  # (absent when default: the pods of older specs stay)
         payload["serving"] = [*serving_args(stage.serving), stage.serving.auth_secret]
     if stage.model.source is not None:  # (the same)
-        src = stage.model.source
-        payload["modelSource"] = [src.url, src.repo, src.revision, src.token_secret, src.token_key]
+        payload["modelSource"] = source_hash_fields(stage.model.source)
     if stage.worker.tls.enabled:  # (the same)
         payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
+    if profile != DEFAULT_PROFILE:  # (the same)
+        payload["operator"] = [profile.log_format, list(profile.credential_args)]
     extras = hash_payload(tpl.extras)  # (the same)
     if extras is not None:
         payload["podExtras"] = extras

@@ -1,6 +1,6 @@
 """What the API server's pod, claim and ResourceSlice objects say, read as plain facts (pure).
 
-No I/O and no clock: callers pass ``now``. Used by ``groups`` to tell a worker that exited from
+No I/O and no clock: callers pass ``now``. Used by ``port_facts`` to tell a worker that exited from
 one that is starting, to back off before recreating a crashing worker, and to learn which GPU
 UUIDs a group's claim was allocated.
 

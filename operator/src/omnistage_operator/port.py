@@ -132,7 +132,7 @@ class KubeGroupPort(FactsPort):
         state = DesiredState.ACTIVE if active else DesiredState.ASLEEP
         pod = self.r.credentials.adapt(build_worker_pod(
             spec, initial_state=state, owner=owner, claim_name=claim,
-            epoch=self.r.leadership.epoch,
+            epoch=self.r.leadership.epoch, profile=self.r.pod_profile,
         ))  # fmt: skip
         created = await self.r.kube.create_returning(PODS, self.ns, pod)
         if created is not None:
@@ -236,7 +236,7 @@ class KubeGroupPort(FactsPort):
         self.r.emit(
             body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
         )
-        spec_hash = pod_spec_hash(self.specs[stage])
+        spec_hash = pod_spec_hash(self.specs[stage], self.r.pod_profile)
         if (
             pod is not None
             and rep is not None

@@ -263,7 +263,7 @@ class FactsPort(ListingPort):
             key = (self.ns, name)
             pod = self.pods.get(name)
             fact = self.facts[name]
-            spec_hash = pod_spec_hash(self.specs[name])
+            spec_hash = pod_spec_hash(self.specs[name], self.r.pod_profile)
             counted = self.r.backoffs.get(key)
             if counted is not None and not counted.current(spec_hash):
                 del self.r.backoffs[key]

@@ -27,7 +27,7 @@ from omnistage_operator.labels import (
 from omnistage_operator.leadership import LeadershipLost
 from omnistage_operator.ondemand import DemandView
 from omnistage_operator.peaks import StagePeaks
-from omnistage_operator.pod_hash import pod_spec_hash
+from omnistage_operator.pod_hash import PodProfile, pod_spec_hash
 from omnistage_operator.pods import (
     TERMINAL_PHASES,
 )
@@ -35,7 +35,7 @@ from omnistage_operator.spec import SpecError, StageSpec
 from omnistage_operator.spec_parse import parse_stage
 
 if TYPE_CHECKING:
-    from omnistage_operator.runner import GroupRunner
+    from omnistage_operator.port_host import PortHost
 
 __all__ = ["ListingPort"]
 
@@ -45,7 +45,7 @@ _TERMINAL = TERMINAL_PHASES
 class ListingPort:
     """The state of one round of one group, and its listing."""
 
-    def __init__(self, runner: GroupRunner, namespace: str, group: str) -> None:
+    def __init__(self, runner: PortHost, namespace: str, group: str) -> None:
         self.r = runner
         self.ns = namespace
         self.group = group
@@ -98,7 +98,7 @@ class ListingPort:
         for pod in orphans:
             await self._fence_orphan(pod)
         for name, pod in list(self.pods.items()):
-            if _outdated(pod, self.specs[name]):
+            if _outdated(pod, self.specs[name], self.r.pod_profile):
                 await self._replace_outdated(name, pod)
                 del self.pods[name]
 
@@ -162,11 +162,12 @@ def _built_from(pod: Mapping[str, Any], spec_hash: str) -> bool:
     return built is None or built == spec_hash
 
 
-def _outdated(pod: Mapping[str, Any], spec: StageSpec) -> bool:
-    """The pod was built from another version of the fields a pod is made of."""
+def _outdated(pod: Mapping[str, Any], spec: StageSpec, profile: PodProfile) -> bool:
+    """The pod was built from another version of the fields (or operator settings) a pod is
+    made of."""
     if (pod.get("status") or {}).get("phase") in _TERMINAL or pod["metadata"].get(
         "deletionTimestamp"
     ):
         return False  # ended or already going: the round's usual path handles it
     built = (pod["metadata"].get("annotations") or {}).get(POD_SPEC_HASH_ANNOTATION)
-    return built is not None and built != pod_spec_hash(spec)
+    return built is not None and built != pod_spec_hash(spec, profile)

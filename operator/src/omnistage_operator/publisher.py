@@ -50,7 +50,7 @@ from omnistage_operator.wake_backoff import to_status as wake_backoff_status
 
 if TYPE_CHECKING:
     from omnistage_operator.demand_watch import DemandWatcher
-    from omnistage_operator.port import KubeGroupPort
+    from omnistage_operator.port_host import RoundView
 
 __all__ = ["StatusPublisher"]
 
@@ -108,7 +108,7 @@ class StatusPublisher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _events(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+    def _events(self, port: RoundView, outcome: RoundOutcome) -> None:
         for s in outcome.sleeps:
             body = port.bodies.get(s.order.stage)
             if body is None:
@@ -158,7 +158,7 @@ class StatusPublisher:
             if body is not None:
                 self.emit(body, cond.Reason.STAGE_ERROR.value, err, warning=True)
 
-    def _demand_events(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
+    def _demand_events(self, port: RoundView, outcome: RoundOutcome) -> None:
         """Events and metrics of demand-driven wakes (a swap when another stage slept) and of
         idle sleeps."""
         slept = [s.order.stage for s in outcome.sleeps if s.ok]
@@ -180,9 +180,7 @@ class StatusPublisher:
                 idle_after = port.specs[name].activation.idle_after_s
                 self.emit(body, "IdleSleep", f"no request for {idle_after:g}s: put to sleep")
 
-    async def publish(
-        self, port: KubeGroupPort, outcome: RoundOutcome, *, events: bool = True
-    ) -> None:
+    async def publish(self, port: RoundView, outcome: RoundOutcome, *, events: bool = True) -> None:
         """Patch every stage's status from the facts (only where it changed)."""
         if events:
             self._events(port, outcome)
@@ -255,7 +253,7 @@ class StatusPublisher:
         await asyncio.gather(*patches)
 
     def _extend_status(
-        self, status: dict[str, Any], port: KubeGroupPort, name: str, now: datetime
+        self, status: dict[str, Any], port: RoundView, name: str, now: datetime
     ) -> None:
         """Per-device figures and the crash back-off, which ``build_status`` does not know."""
         key = (port.ns, name)
@@ -343,7 +341,7 @@ def _same(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:
     return a == b
 
 
-def _asked_at(asked: float | None, port: KubeGroupPort, name: str) -> float | None:
+def _asked_at(asked: float | None, port: RoundView, name: str) -> float | None:
     """``status.requestedActiveAt``: the manual ask, or the held requests' oldest hold."""
     if port.specs[name].wants_active:
         return asked

@@ -51,6 +51,7 @@ from omnistage_operator.kube import (
 from omnistage_operator.leadership import Leadership, LeadershipLost, SoleWriter
 from omnistage_operator.peaks import StagePeaks
 from omnistage_operator.pipeline_status import PipelineStatus, after_group_round
+from omnistage_operator.pod_hash import PodProfile
 from omnistage_operator.pods import (
     TERMINAL_PHASES,
     CrashBackoff,
@@ -111,6 +112,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
             margin_bytes=settings.wake_margin_bytes,
             retry_window_s=settings.sleep_timeout_s,
             transition_allowance_s=settings.sleep_timeout_s,
+            round_wait_s=settings.round_wait_s,
         )
         self.asks: dict[StageKey, float] = {}
         self.created: set[str] = set()  # pod uids this process created
@@ -157,6 +159,8 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         self._ids = itertools.count(1)
         self.credentials = settings.worker_credentials()
         self._token = self.credentials.shared
+        # What every worker pod is built with: a change of either replaces the pods.
+        self.pod_profile = PodProfile(settings.log_format, self.credentials.pod_flags())
         # OnDemand stages: one demand stream per worker, each change kicks the group.
         self.demand = DemandWatcher(self.kick, lambda: self.leadership.epoch)
         self.pipeline_status = PipelineStatus(kube, self.emit)

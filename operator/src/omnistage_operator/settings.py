@@ -20,6 +20,7 @@ __all__ = ["Settings", "SettingsError", "parse_settings"]
 
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+ROUND_WAIT_MAX_S = 600.0  # the chart's schema has the same bounds
 
 
 class SettingsError(ValueError):
@@ -47,6 +48,9 @@ class Settings:
     status_timeout_s: float = 3.0
     fence_timeout_s: float = 120.0
     resync_interval_s: float = 10.0
+    # How long a group's round waits for the sleeps it sent without requests in flight before
+    # it goes on (a draining sleep never holds the round; a later round takes its ACK).
+    round_wait_s: float = 5.0
     wake_margin_bytes: int = 64 << 20
     retry_backoff_s: float = 0.25
     # Leader election (leader.Elector); off: this process is the sole writer (epoch 0).
@@ -102,6 +106,16 @@ def _positive(value: str, flag: str, kind: type[float] | type[int]) -> float | i
     return number
 
 
+def _round_wait(value: str) -> float:
+    seconds = float(_positive(value, "--round-wait", float))
+    if not 0 < seconds <= ROUND_WAIT_MAX_S:
+        raise SettingsError(
+            f"--round-wait: must be more than 0 and at most {ROUND_WAIT_MAX_S:.0f} seconds, "
+            f"got {value!r}"
+        )
+    return seconds
+
+
 def _flag(value: str, name: str) -> bool:
     v = value.strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -145,6 +159,12 @@ def parse_settings(
     p.add_argument("--ack-retries", default=env.get("OMNISTAGE_ACK_RETRIES", "3"))
     p.add_argument("--fence-timeout", default=env.get("OMNISTAGE_FENCE_TIMEOUT", "120"))
     p.add_argument("--resync-interval", default=env.get("OMNISTAGE_RESYNC_INTERVAL", "10"))
+    p.add_argument(
+        "--round-wait",
+        default=env.get("OMNISTAGE_ROUND_WAIT", "5"),
+        help="seconds a group's round waits for the sleeps it sent (no requests in flight) "
+        "before going on; a later round takes their ACKs",
+    )
     p.add_argument(
         "--wake-margin-bytes", default=env.get("OMNISTAGE_WAKE_MARGIN_BYTES", str(64 << 20))
     )
@@ -218,6 +238,7 @@ def parse_settings(
         ack_retries=int(_positive(a.ack_retries, "--ack-retries", int)),
         fence_timeout_s=float(_positive(a.fence_timeout, "--fence-timeout", float)),
         resync_interval_s=float(_positive(a.resync_interval, "--resync-interval", float)),
+        round_wait_s=_round_wait(a.round_wait),
         wake_margin_bytes=int(_positive(a.wake_margin_bytes, "--wake-margin-bytes", int)),
         leader_election=bool(a.leader_election),
         lease_name=a.lease_name,

@@ -52,7 +52,7 @@ from omnistage_operator.model_source import ModelSource
 from omnistage_operator.pod_template import SHM_VOLUME, PodExtras
 from omnistage_operator.serving import HTTP_TOKEN_VOLUME, SERVING_ARGS, Serving
 from omnistage_operator.worker_tls import TLS_ARGS, TLS_VOLUME, WorkerTls
-from omnistage_worker.config import DTYPES
+from omnistage_worker.dtype_choices import DTYPES
 
 __all__ = [
     "API_VERSION",

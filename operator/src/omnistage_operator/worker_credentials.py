@@ -63,6 +63,10 @@ class SharedToken:
         """The worker Pod as built (it mounts the shared token's Secret)."""
         return pod
 
+    def pod_flags(self) -> tuple[str, ...]:
+        """What this mode adds to every worker pod's command (none: the Secret is mounted)."""
+        return ()
+
     @property
     def shared(self) -> str | None:
         """The token to copy into each stage namespace's Secret."""
@@ -106,6 +110,10 @@ class ProjectedToken:
     def adapt(self, pod: dict[str, Any]) -> dict[str, Any]:
         """The worker Pod accepting this operator's Kubernetes-issued tokens only."""
         return for_token_review(pod, self.worker_args())
+
+    def pod_flags(self) -> tuple[str, ...]:
+        """What this mode adds to every worker pod's command."""
+        return tuple(self.worker_args())
 
     @property
     def shared(self) -> None:

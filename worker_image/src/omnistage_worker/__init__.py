@@ -1,10 +1,12 @@
 """omnistage worker: serves one model stage and sleeps/wakes it with measured ACKs.
 
-Modules: ``cli`` (flags; ``flag_groups``: limits, vLLM), ``config`` (validation), ``quantities``
+Modules: ``cli`` (flags; ``flag_groups``: limits, vLLM), ``config`` (validation), ``dtype_choices``
+(``--dtype``, shared with the operator's CRD), ``quantities``
 (the Kubernetes quantity grammar, shared with the operator), ``server`` (grpc.aio server),
 ``state`` (the worker: state, measuring, Generate; ``chunk_sinks``: its streamed chunks),
 ``loading`` (load and the initial state), ``sleep_wake`` (Sleep and WakeUp carried out, measured,
 acked; ``transition_acks``: their lock, task ids, epochs and Acks; ``wake_capacity``),
+``worker_parts`` (the worker as those parts and ``status`` see it: protocols),
 ``transitions`` (their pure decisions), ``status`` (GetStatus), ``lane`` (the worker's threads),
 ``acks`` (Ack building, task-id memory), ``memory`` (a probe per device kind: NVML, accounting),
 ``health``, ``auth``, ``sleep_service``, ``inference_service``, ``runners`` (diffusers,

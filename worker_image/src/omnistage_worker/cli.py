@@ -29,7 +29,6 @@ from omnistage_worker.config import (
     DEFAULT_MAX_HELD,
     DEFAULT_PORT,
     DEFAULT_RESIDUAL_SLACK,
-    DTYPES,
     ConfigError,
     Identity,
     WorkerConfig,
@@ -37,10 +36,12 @@ from omnistage_worker.config import (
     parse_device,
     read_token,
 )
+from omnistage_worker.dtype_choices import DTYPES
 from omnistage_worker.flag_groups import limit_flags, request_limits, vllm_args, vllm_flags
 from omnistage_worker.host_allocator import fix_mmap_threshold
-from omnistage_worker.jsonlog import LOG_FORMATS, configure_logging
+from omnistage_worker.jsonlog import LOG_FORMATS, JsonFormatter, configure_logging
 from omnistage_worker.kube_access import KubeconfigError, access_from_kubeconfig
+from omnistage_worker.stray_output import capture_stray_output, real_stream
 from omnistage_worker.token_review import (
     DEFAULT_AUDIENCE,
     SA_DIR,
@@ -277,10 +278,13 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 def setup_logging(level: str, form: str = "text", identity: Identity | None = None) -> None:
     """Progress lines on stderr: text, or JSON objects carrying the worker's identity."""
     fields = {} if identity is None else {"stage": identity.stage, "pod": identity.pod}
-    configure_logging(sys.stderr, level, form, {k: v for k, v in fields.items() if v})
+    own = {k: v for k, v in fields.items() if v}
+    configure_logging(real_stream(sys.stderr), level, form, own)
     if form == "json":
         # Progress bars (model loading) are not log lines; tqdm reads this when imported.
         os.environ.setdefault("TQDM_DISABLE", "1")
+        # Libraries' own handlers and prints (transformers, diffusers, vLLM) become JSON too.
+        capture_stray_output(JsonFormatter(own))
 
 
 def run_loop(config: WorkerConfig) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from omnistage_worker.dtype_choices import DTYPES
 from omnistage_worker.limits import RequestLimits
 from omnistage_worker.quantities import QuantityError, parse_quantity
 
@@ -35,7 +36,6 @@ RUNNER_BACKENDS: Final[dict[str, tuple[str, ...]]] = {
     "ar": ("transformers", "vllm"),
 }
 BACKENDS: Final = ("diffusers", "transformers", "vllm")
-DTYPES: Final = ("auto", "float32", "float16", "bfloat16")
 
 _DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
 

@@ -14,12 +14,12 @@ from omnistage_worker.memory import build_probe, feed_accounting
 
 if TYPE_CHECKING:
     from omnistage_worker.runners.base import SleepController
-    from omnistage_worker.state import Worker
+    from omnistage_worker.worker_parts import WorkerParts
 
 log = logging.getLogger(__name__)
 
 
-async def load(worker: Worker) -> None:
+async def load(worker: WorkerParts) -> None:
     """Load the model and bring it to the initial state; FAILED with the reason on error."""
     try:
         await worker.transition_lane.run(lambda: _load_blocking(worker))
@@ -39,7 +39,7 @@ async def load(worker: Worker) -> None:
     worker.loaded.set()
 
 
-def _load_blocking(worker: Worker) -> None:
+def _load_blocking(worker: WorkerParts) -> None:
     """On the transition lane: the probe and its baseline first, then the weights."""
     config = worker.config
     started = time.monotonic()

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 
 if TYPE_CHECKING:
-    from omnistage_worker.state import Worker
+    from omnistage_worker.worker_parts import WorkerReadings
 
 __all__ = ["EXPORTED", "WorkerMetrics"]
 
@@ -63,7 +63,7 @@ EXPORTED = frozenset(
 class WorkerMetrics:
     """The worker's metrics and the calls that record them."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: WorkerReadings) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -179,7 +179,7 @@ class WorkerMetrics:
 class _Live(Collector):
     """Gauges read from the worker at scrape time."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: WorkerReadings) -> None:
         self.worker = worker
 
     def collect(self) -> Iterator[Metric]:
@@ -236,7 +236,7 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
 
 
-def _memory(worker: Worker) -> Iterator[Metric]:
+def _memory(worker: WorkerReadings) -> Iterator[Metric]:
     """Per-device memory, measured now (the last measurement while a transition runs)."""
     reading = worker.snapshot()
     if reading is None:

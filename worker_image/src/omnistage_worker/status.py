@@ -9,10 +9,10 @@ from omnistage_worker.acks import device_figures, identity_proto, level_proto
 from omnistage_worker.component_sleep import component_memory
 
 if TYPE_CHECKING:
-    from omnistage_worker.state import Worker
+    from omnistage_worker.worker_parts import WorkerReadings
 
 
-def planned_weights(worker: Worker) -> list[int]:
+def planned_weights(worker: WorkerReadings) -> list[int]:
     """The weight bytes the device map places on each device, in the order the worker measures
     its devices (one engine per device, in device order), resident or asleep."""
     from omnistage_worker.engine.sharded import ShardedEngine
@@ -25,7 +25,7 @@ def planned_weights(worker: Worker) -> list[int]:
     return [int(controller.weights_bytes)]
 
 
-def build_status(worker: Worker) -> sleep_service_pb2.GetStatusResponse:
+def build_status(worker: WorkerReadings) -> sleep_service_pb2.GetStatusResponse:
     """The GetStatus answer: state, model, measured memory (fresh when idle), last Ack."""
     config = worker.config
     reading = worker.snapshot()

@@ -27,7 +27,7 @@ from omnistage_worker.memory import Reading
 from omnistage_worker.transitions import Refused, check_epoch
 
 if TYPE_CHECKING:
-    from omnistage_worker.state import Worker
+    from omnistage_worker.worker_parts import WorkerParts
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class AckedTransitions:
     """The frame of a worker's transitions: the lock that serializes them, their task ids,
     the leadership epochs obeyed, and the Acks written."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: WorkerParts) -> None:
         self.worker = worker
         self._lock = asyncio.Lock()
         self._acks = AckCache(worker.config.ack_cache_size)

@@ -1,7 +1,7 @@
 """Executes the arbiter's decisions for one group: sleeps, ACK checks, fencing, then wakes.
 
 ``run_round`` is written against ``GroupPort`` (observe, probe, start, sleep, wake, fence), so the
-same code runs against real workers and the Kubernetes API (``groups.KubeGroupPort``) and against
+same code runs against real workers and the Kubernetes API (``port.KubeGroupPort``) and against
 a simulated fleet in the property tests. One round:
 
 1. observe every stage (GetStatus of every reachable worker, pods from the API) and plan;
