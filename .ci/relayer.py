@@ -136,6 +136,7 @@ MOVES: dict[str, str] = {
     f"{WK}.termination": f"{WK}.control.termination",
     f"{WK}.lane": f"{WK}.control.lane",
     f"{WK}.chunk_sinks": f"{WK}.control.chunk_sinks",
+    f"{WK}.prestart": f"{WK}.control.prestart",
     f"{WK}.worker_parts": f"{WK}.control.worker_parts",
     # worker: serving
     f"{WK}.server": f"{WK}.serving.server",
@@ -170,7 +171,7 @@ TOP: dict[str, set[str]] = {
     OP: {"cli"},
     WK: {
         "cli", "flag_groups", "config", "dtype_choices", "limits", "quantities", "state",
-        "metrics", "prestart", "fetch", "fetch_s3", "sigv4", "host_allocator", "jsonlog",
+        "metrics", "fetch", "fetch_s3", "sigv4", "host_allocator", "jsonlog",
         "stray_output", "engine", "memory", "runners",
     },
 }  # fmt: skip
@@ -229,6 +230,11 @@ README_TABLE = template("readme_table.md")
 OPERATOR_DOC_TABLE = template("operator_init.txt")
 
 WORKER_DOC_MODULES = template("worker_init.txt")
+
+# New files from templates, written once (a later run leaves them as they are).
+NEW_FILES: list[tuple[str, str]] = [
+    ("test_layers.py", "tests/unit/test_layers.py"),  # imports point down the layers
+]
 
 # (file, start marker, end marker (kept), new text): templates replacing a section.
 SECTIONS: list[tuple[str, str, str, str]] = [
@@ -316,6 +322,17 @@ def make_packages(dry: bool, log: list[str]) -> None:
             init.parent.mkdir(parents=True, exist_ok=True)
             init.write_text(f'"""{PACKAGES.get(pkg, pkg)}"""\n')
             git("add", str(init))
+
+
+def add_files(dry: bool, log: list[str]) -> None:
+    for name, dest in NEW_FILES:
+        if Path(dest).exists():
+            log.append(f"skip {dest}: exists")
+            continue
+        log.append(f"add {dest} (from relayer_templates/{name})")
+        if not dry:
+            Path(dest).write_text(template(name), encoding="utf-8")
+            git("add", dest)
 
 
 def move(dry: bool, log: list[str]) -> None:
@@ -559,6 +576,7 @@ def main() -> int:
     log: list[str] = []
     make_packages(args.dry_run, log)
     move(args.dry_run, log)
+    add_files(args.dry_run, log)
     changed = [] if args.dry_run else rewrite(False, log)
     if not args.dry_run:
         tidy(changed, log)
