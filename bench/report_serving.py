@@ -49,6 +49,15 @@ def serving_section(data: dict[str, Any], earlier: dict[str, Any] | None = None)
     lines.append(
         f"| **16 clients of batched** | | | **{s['torch_16_clients_of_batched']:.2f}** (goal 0.8) |"
     )
+    settled = data.get("settle")
+    if settled:
+        done = "ended" if settled["host_copy_pinned"] else "had not ended"
+        lines += [
+            "",
+            f"Before the windows the worker's host copy was page-locked in the background "
+            f"(start-up work that steps aside for requests): it {done} "
+            f"{settled['waited_s']:.1f} s after Active.",
+        ]
     if "batcher_in_process" in llm:
         inner = llm["batcher_in_process"]
         middle = str(plan["clients"][1])

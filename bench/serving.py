@@ -6,9 +6,10 @@ On the GPU host's H100 (the exact command is in bench/results/README.md):
 
 1. Builds a Llama-shaped causal LM of 16.6 GiB (bf16, random weights, from a config) and
    measures the same weights' batched ``model.generate`` (batch 1, 16, 64; 64 new tokens each,
-   greedy, fixed lengths) in this process, then frees it.
+   greedy, fixed lengths; the median of three calls) in this process, then frees it.
 2. Starts the real ``omnistage-worker`` (AR runner, transformers, ``--max-batch 64``,
-   OnDemand) with its OpenAI HTTP API and drives it with 1, 16 and 64 concurrent HTTP clients
+   OnDemand) with its OpenAI HTTP API, lets its host copy's page-locking (background start-up
+   work) end, and drives it with 1, 16 and 64 concurrent HTTP clients
    (``/v1/completions``, ``max_tokens`` 64, greedy): tokens/s over a fixed window.
 3. With 16 clients, a level-1 sleep and wake every ``--swap-every`` seconds through the gRPC
    SleepService for ``--swap-seconds``: every request answered, throughput between the swaps
@@ -93,6 +94,11 @@ SMOKE = Plan("cpu", "float32", 8, (1, 4, 8), (1, 4, 8), 2.0, 0.5, 3.0, 1.0, 8,
 # -- models -----------------------------------------------------------------------------------
 
 
+GENERATE_RUNS = 3
+"""Timed ``generate`` calls per batch size (the median counts): on the lent H200 one call's
+time varied by up to a quarter between runs of the same hour (bench/results/README.md)."""
+
+
 def build_llm_and_measure_generate(work: Path, plan: Plan, smoke: bool) -> Json:
     """Build (or reuse) the model, save it, and time its batched ``generate`` here."""
     import torch
@@ -134,16 +140,20 @@ def build_llm_and_measure_generate(work: Path, plan: Plan, smoke: bool) -> Json:
             "do_sample": False,
             "pad_token_id": tokenizer.pad_token_id,
         }
+        runs = []
         with torch.inference_mode():
             model.generate(**encoded, **kwargs)  # warm
-            sync(device)
-            began = time.perf_counter()
-            output = model.generate(**encoded, **kwargs)
-            sync(device)
-            seconds = time.perf_counter() - began
+            for _ in range(GENERATE_RUNS):
+                sync(device)
+                began = time.perf_counter()
+                output = model.generate(**encoded, **kwargs)
+                sync(device)
+                runs.append(time.perf_counter() - began)
+        seconds = statistics.median(runs)
         tokens = int((output.shape[1] - encoded["input_ids"].shape[1]) * batch)
         out["generate"][str(batch)] = {
             "seconds": seconds,
+            "runs_seconds": runs,
             "tokens": tokens,
             "tokens_per_s": tokens / seconds,
         }
@@ -295,6 +305,22 @@ def start_worker(runner: str, backend: str, model: Path, plan: Plan, *, max_batc
         if time.monotonic() > deadline:
             raise TimeoutError(f"worker did not become Active: {tail(log_path)}")
         time.sleep(0.2)
+
+
+PINNED = "page-locked in"
+"""The worker's log line once its host copy is page-locked (engine/pinning.py, in the
+background after Active, stepping aside for requests; about 4.3 s on an idle H200)."""
+
+
+def settle(log_path: Path, within: float) -> Json:
+    """Wait (at most ``within`` s) for the worker's start-up work in the background to end,
+    so the client windows measure steady serving, not the start: what was waited is kept."""
+    began = time.monotonic()
+    while PINNED not in log_path.read_text(errors="replace"):
+        if time.monotonic() - began > within:
+            return {"host_copy_pinned": False, "waited_s": time.monotonic() - began}
+        time.sleep(0.1)
+    return {"host_copy_pinned": True, "waited_s": time.monotonic() - began}
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -531,6 +557,8 @@ def main() -> None:
         "ar", "transformers", llm_dir, plan, max_batch=plan.max_batch, log_path=ar_log
     )
     try:
+        report["settle"] = settle(ar_log, 2.0 if args.smoke else 60.0)
+        print(f"settled: {report['settle']}", flush=True)
         report["http"] = []
         for count in plan.clients:
             report["http"].append(run_clients(worker, count, plan))

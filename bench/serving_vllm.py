@@ -19,15 +19,21 @@ completions back to back from a fixed mix of prompt/output lengths (prompts as t
 (``stream_options.include_usage``), TTFT is the time to the first streamed text. ``--smoke``
 runs the same code on CPU with the stand-in engine (tests/fakevllm) on a simulated GPU.
 
+``--rounds N`` runs 1 and 2 side by side instead: both servers up on the GPU at once (the
+stage once bare is up), N steady loads of each, alternating, so the machine's drift falls on
+both. Each steady load records the CPU seconds of every process and thread of the server's
+tree (``bench/proc_account.py``); ``--py-spy`` profiles one more load of each server's top
+process (vLLM's API server, the stage's worker).
+
     python3 bench/serving_vllm.py --workdir /tmp/vllmserve --out bench/results/serving_vllm.json
     python bench/serving_vllm.py --smoke --workdir /tmp/vllmserve-smoke --out /tmp/s.json
+    python3 bench/serving_vllm.py --rounds 4 --utilization 0.45 --out serving_vllm_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import platform
@@ -35,9 +41,7 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "worker_image/src"), str(REPO / "protos/gen/python"), str(REPO)]
 
-from bench.serving_load import MIX, Result, figures, load, token_rate  # noqa: E402
+from bench.serving_load import MIX, figures, load  # noqa: E402
+from bench.vllm_swaps import between_swaps, swapper  # noqa: E402
 
 Json = dict[str, Any]
 STANDIN = REPO / "tests" / "fakevllm"
@@ -197,57 +202,6 @@ def start_stage(
 # ---- swaps ----------------------------------------------------------------------------------
 
 
-def swapper(grpc_port: int, every: float, until: float, out: list[Json]) -> threading.Thread:
-    """A thread: Sleep(1) then WakeUp over gRPC every ``every`` seconds until ``until``."""
-    import grpc
-
-    from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
-
-    LEVEL_1 = types_pb2.SleepLevel.ValueType(1)
-
-    def run() -> None:
-        stub = sleep_service_pb2_grpc.SleepServiceStub(
-            grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        )
-        next_at = time.monotonic() + every
-        while next_at < until:
-            time.sleep(max(0.0, next_at - time.monotonic()))
-            began = time.monotonic()
-            request = sleep_service_pb2.SleepRequest(task_id=uuid.uuid4().hex, level=LEVEL_1)
-            slept = stub.Sleep(request, timeout=600).ack
-            asleep = time.monotonic()
-            woke = stub.WakeUp(sleep_service_pb2.WakeUpRequest(task_id=uuid.uuid4().hex),
-                               timeout=600).ack  # fmt: skip
-            ended = time.monotonic()
-            out.append({
-                "began": began, "asleep": asleep, "ended": ended,
-                "sleep_ok": slept.ok, "wake_ok": woke.ok, "error": slept.error or woke.error,
-                "drain_s": slept.drain_duration.ToTimedelta().total_seconds(),
-                "sleep_s": asleep - began, "wake_s": ended - asleep,
-                "freed_bytes": slept.freed_bytes, "used_after_sleep": slept.used_after_bytes,
-            })  # fmt: skip
-            next_at += every
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
-def between_swaps(results: list[Result], swaps: list[Json], settle: float) -> list[Json]:
-    """Tokens per second streamed in each window between swaps (from ``settle`` after a wake
-    to the next swap's start)."""
-    windows = []
-    edges = [(min(r.started for r in results), swaps[0]["began"])] if swaps else []
-    for a, b in itertools.pairwise(swaps):
-        edges.append((a["ended"] + settle, b["began"]))
-    for lo, hi in edges:
-        if hi - lo < 1.0:
-            continue
-        rate = token_rate(results, lo, hi)
-        windows.append({"from": lo, "to": hi, "tokens_per_s": round(rate, 1)})
-    return windows
-
-
 # ---- the run --------------------------------------------------------------------------------
 
 
@@ -273,6 +227,24 @@ async def run(a: argparse.Namespace) -> Json:
     from omnistage_worker.runners.vllm_serve import serve_argv
 
     report["engine_flags"] = serve_argv(worker_config(a, model), a.utilization, tokenizer=True)
+    if a.rounds:
+        bare_env = {**env, "VLLM_SERVER_DEV_MODE": "1"} if a.bare_sleep_first else env
+        bare = start_bare(a, model, bare_env, work / "bare.log")
+        stage: Server | None = None
+        try:
+            # one after the other: an engine's memory profiling at start must not see another
+            # engine's allocations come and go
+            await ready_for_load(a, bare, "/v1/models", a.bare_sleep_first)
+            stage = start_stage(a, model, env, work / "stage.log", "ondemand")
+            await ready_for_load(a, stage, "/health", False)
+            report |= await alternate(a, bare, stage)
+            if a.swap_seconds > 0:
+                report["swaps"] = await swapping(a, stage, report["stage"])
+        finally:
+            bare.stop()
+            if stage is not None:
+                stage.stop()
+        a.phases = []
     if "bare" in a.phases:
         bare_env = {**env, "VLLM_SERVER_DEV_MODE": "1"} if a.bare_sleep_first else env
         bare = start_bare(a, model, bare_env, work / "bare.log")
@@ -283,11 +255,12 @@ async def run(a: argparse.Namespace) -> Json:
         server = start_stage(a, model, env, work / "stage.log", "ondemand")
         try:
             report["stage"] = await steady(a, server, "/health", stop=False)
-            report["swaps"] = await swapping(a, server, report["stage"])
+            if a.swap_seconds > 0:
+                report["swaps"] = await swapping(a, server, report["stage"])
         finally:
             server.stop()
     saved.write_text(json.dumps(report))
-    if all(k in report for k in ("bare", "stage", "swaps")):
+    if all(k in report for k in ("bare", "stage")):
         report["summary"] = summarize(report)
     return report
 
@@ -299,22 +272,76 @@ async def steady(
     one level-1 sleep and wake through vLLM's dev routes first (what the stage's worker does
     once at start to measure what its engine holds asleep)."""
     try:
-        await wait_http(server, ready, a.start_timeout)
-        if sleep_first:
-            import httpx
-
-            async with httpx.AsyncClient(timeout=600) as client:
-                for path in ("/sleep?level=1", "/wake_up"):
-                    reply = await client.post(f"http://127.0.0.1:{server.port}{path}")
-                    reply.raise_for_status()
-        await load(server.port, 4, 1, None)  # warm-up
-        results = await load(server.port, a.clients, a.per_client, None)
-        out = figures(results) | {"ready_s": round(server.ready_s, 1)}
-        print(server.name, out, flush=True)
+        await ready_for_load(a, server, ready, sleep_first)
+        out = await measured(a, server) | {"ready_s": round(server.ready_s, 1)}
+        if a.py_spy:
+            out["profile"] = await profiled(a, server)
         return out
     finally:
         if stop:
             server.stop()
+
+
+async def ready_for_load(
+    a: argparse.Namespace, server: Server, ready: str, sleep_first: bool
+) -> None:
+    """Wait until ``server`` answers ``ready``, (``sleep_first``) sleep and wake it, warm up."""
+    await wait_http(server, ready, a.start_timeout)
+    if sleep_first:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=600) as client:
+            for path in ("/sleep?level=1", "/wake_up"):
+                reply = await client.post(f"http://127.0.0.1:{server.port}{path}")
+                reply.raise_for_status()
+    await load(server.port, 4, 1, None)  # warm-up
+
+
+async def measured(a: argparse.Namespace, server: Server) -> Json:
+    """One steady load's figures, with the CPU seconds of the server's processes (vLLM's API
+    server or the stage's worker, and the engine core below it) and of this client."""
+    from bench.proc_account import account, snapshot
+
+    before, mine = snapshot(server.proc.pid), snapshot(os.getpid(), tree=False)
+    results = await load(server.port, a.clients, a.per_client, None)
+    cpu = account(before, snapshot(server.proc.pid))
+    client = account(mine, snapshot(os.getpid(), tree=False))["processes"][0]
+    out = figures(results) | {"cpu": cpu, "client_cpu_cores": client["cores"]}
+    print(server.name, {k: v for k, v in out.items() if k != "cpu"}, flush=True)
+    for proc in cpu["processes"][:3]:
+        print(f"  {proc['name']}: {proc['cores']} cores {proc['threads']}", flush=True)
+    return out
+
+
+async def profiled(a: argparse.Namespace, server: Server) -> Json:
+    """The same load again (not counted) while py-spy samples the server's top process."""
+    from bench.proc_account import Profile
+
+    profile = Profile(a.py_spy, server.proc.pid, a.workdir / f"pyspy-{server.name}.txt")
+    results = await load(server.port, a.clients, a.per_client, None)
+    top = await asyncio.to_thread(profile.stop)
+    return {"tokens_per_s": figures(results).get("tokens_per_s")} | top
+
+
+async def alternate(a: argparse.Namespace, bare: Server, stage: Server) -> Json:
+    """Both servers up on the GPU at once; ``--rounds`` steady loads of each, alternating
+    (bare first in even rounds, the stage first in odd ones), so drift of the machine falls
+    on both alike."""
+    rounds: list[Json] = []
+    for n in range(a.rounds):
+        pair = (bare, stage) if n % 2 == 0 else (stage, bare)
+        rounds.append({s.name.split("-")[0]: await measured(a, s) for s in pair})
+    out: Json = {"rounds": rounds}
+    for side, server in (("bare", bare), ("stage", stage)):
+        runs = [r[side] for r in rounds]
+        out[side] = {
+            k: round(statistics.median(r[k] for r in runs), 1)
+            for k in ("tokens_per_s", "steady_tokens_per_s", "ttft_p50_ms", "ttft_p95_ms")
+        } | {"ready_s": round(server.ready_s, 1), "ok": sum(r["ok"] for r in runs),
+             "requests": sum(r["requests"] for r in runs)}  # fmt: skip
+        if a.py_spy:
+            out[side]["profile"] = await profiled(a, server)
+    return out
 
 
 async def swapping(a: argparse.Namespace, server: Server, steady_figures: Json) -> Json:
@@ -332,15 +359,26 @@ async def swapping(a: argparse.Namespace, server: Server, steady_figures: Json) 
 
 
 def summarize(report: Json) -> Json:
-    bare, stage, swaps = report["bare"], report["stage"], report["swaps"]
-    steady = stage["steady_tokens_per_s"]
-    rates = [w["tokens_per_s"] for w in swaps["windows"]]
-    between = statistics.median(rates) if rates else 0.0
-    return {
+    bare, stage = report["bare"], report["stage"]
+    out: Json = {
         "vllm_64_clients_of_bare_serve": round(stage["tokens_per_s"] / bare["tokens_per_s"], 3),
+        "steady_of_bare": round(stage["steady_tokens_per_s"] / bare["steady_tokens_per_s"], 3),
         "ttft_p50_of_bare": round(stage["ttft_p50_ms"] / bare["ttft_p50_ms"], 3),
         "throughput_goal_met": stage["tokens_per_s"] >= 0.95 * bare["tokens_per_s"],
         "ttft_goal_met": stage["ttft_p50_ms"] <= 1.10 * bare["ttft_p50_ms"],
+    }
+    if "rounds" in report:
+        out["per_round_of_bare"] = [
+            round(r["stage"]["tokens_per_s"] / r["bare"]["tokens_per_s"], 3)
+            for r in report["rounds"]
+        ]
+    if "swaps" not in report:
+        return out
+    swaps = report["swaps"]
+    steady = stage["steady_tokens_per_s"]
+    rates = [w["tokens_per_s"] for w in swaps["windows"]]
+    between = statistics.median(rates) if rates else 0.0
+    return out | {
         "swaps": len(swaps["swaps"]),
         "swap_requests_lost": swaps["requests"] - swaps["ok"],
         "steady_tokens_per_s": steady,
@@ -382,6 +420,13 @@ def main() -> None:
     p.add_argument("--attention-backend", default="TRITON_ATTN")
     p.add_argument("--residual-slack", default="512Mi")
     p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="both servers up at once, this many alternating steady loads each",
+    )
+    p.add_argument("--py-spy", help="py-spy's path: profile one more load of each server")
     p.add_argument("--phases", nargs="+", choices=("bare", "stage"), default=["bare", "stage"])
     p.add_argument(
         "--bare-sleep-first",

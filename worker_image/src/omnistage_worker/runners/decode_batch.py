@@ -8,27 +8,28 @@ top-p exist only in later 5.x releases than the GPU host's 5.17; it reports no l
 probabilities; and its paged KV pool is allocated once on the device when the manager starts,
 which a stage that sleeps would have to tear down and rebuild around every weight move.
 
-Here the running batch is one ``DynamicCache`` of shape ``[rows, heads, slots, dim]`` with a
-``[rows, slots]`` attention mask: every step feeds each running row its pending token and each
-joining row its whole prompt, left-padded to the longest feed, in one forward pass (a joining
-row's past is all padding; a running row gets masked holes when prompts join). Positions are per
-row, so a row sees exactly the tokens it would see alone. Waiting requests join at the next step
-while that pads the running rows little, else joins are gathered (:func:`join_now`); the holes
-they leave are compacted away once they outnumber the longest row. Finished rows are dropped
-from the cache at once and columns no row uses any more are trimmed, so when the last request
-ends the cache is gone: nothing of a batch stays on the device for a sleep to find.
+Here the running batch is one :class:`.BucketCache` (``[slots, heads, columns, dim]`` per
+layer, with a ``[slots, columns]`` mask): every step feeds each running row its pending token and
+each joining row its whole prompt, left-padded to the longest feed (its width rounded up to a
+bucket), in one forward pass (a joining row's past is all padding; a running row gets masked
+holes when prompts join). Positions are per row, so a row sees exactly the tokens it would see
+alone. Waiting requests join at the next step while that pads the running rows little, else
+joins are gathered (:func:`join_now`); the holes they leave are compacted away once they
+outnumber the longest row. A finished row frees its slot at once; columns no row uses any more
+are dropped when the cache is laid out anew, and when the last request ends the cache is gone:
+nothing of a batch stays on the device for a sleep to find.
 
 A step waits for the device once: its inputs go up without a wait (:func:`.to_device`), the
 token choice is batched over the rows (:mod:`.token_choice`), and the host reads the step's
 tokens and log probabilities back in one copy; what the host needs to trim the cache (each
 row's first column) it tracks itself.
 
-Known cost (measured on an H200, bench/results/README.md): with a padding mask, PyTorch's
-cuDNN attention builds a graph for each new shape (rows, cache length), about 1 ms of host time
-per layer: a 16-row step with holes at lengths never seen took 64 ms against 25 ms without
-holes. Shapes that recur hit its cache; a run with cuDNN left out served 16 clients worse
-(0.59 of batched ``generate`` against 0.75, and its steady state ran 1.24 x slower than the
-hole-free restart after a wake), so it stays in.
+Shapes: with a padding mask, PyTorch's cuDNN attention builds a graph for each new shape
+(slots, fed width, columns), about 1 ms of host time per layer on an H200 (a 16-row step at
+cache lengths never seen took 64 ms against 25 ms; bench/results/README.md). So slots, columns
+and fed widths come in buckets (:mod:`.kv_buckets`) and the shapes recur. With ``max_batch`` 1
+(what the runner sets for a model with sliding-window layers) the one row runs in the model's
+own cache instead, unpadded and unmasked, so its layers keep their windows.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ from typing import Any
 import torch
 
 from omnistage.worker.v1 import inference_service_pb2
+from omnistage_worker.runners.kv_buckets import (
+    BucketCache,
+    column_bucket,
+    row_bucket,
+    width_bucket,
+)
 from omnistage_worker.runners.sampling import Sampling
 from omnistage_worker.runners.serving_thread import ServingThread
 from omnistage_worker.runners.text_output import TextOutput
@@ -90,6 +97,8 @@ class Row:
     job: Job
     output: TextOutput
     generator: random.Random | None
+    slot: int = -1
+    """The row's slot in the cache."""
     seen: int = 0
     """Real (unmasked) tokens of this row in the cache: the position of its pending token."""
     first: int = 0
@@ -123,11 +132,17 @@ class DecodeBatcher(ServingThread):
         self._eos = eos_ids
         self._pad = pad_id
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        config = getattr(model, "config", None)
+        self._additive = getattr(config, "_attn_implementation", "sdpa") == "eager"
+        self._dtype: torch.dtype = getattr(model, "dtype", torch.float32)
         super().__init__("omnistage-decode-batch")
         self._pending: deque[Job] = deque()
         self._rows: list[Row] = []
-        self._cache: Any = None
-        self._mask: torch.Tensor | None = None
+        self._cache: BucketCache | None = None
+        self._alone: Any = None
+        """With ``max_batch`` 1: the one row's cache, the model's own (no padding, no mask:
+        what a model with sliding-window layers needs, whose windows the buckets' one mask
+        cannot follow)."""
         self.steps = 0
         self.compactions = 0
         self.row_steps = 0
@@ -145,9 +160,9 @@ class DecodeBatcher(ServingThread):
 
     def cache_bytes(self) -> int:
         """Bytes the running batch holds in its KV cache and mask (0 when idle)."""
-        cache, mask = self._cache, self._mask
-        total = 0 if mask is None else mask.numel() * mask.element_size()
-        for layer in getattr(cache, "layers", None) or ():
+        cache = self._cache
+        total = 0 if cache is None else cache.nbytes()
+        for layer in getattr(self._alone, "layers", None) or ():
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(tensor, torch.Tensor):
                     total += tensor.numel() * tensor.element_size()
@@ -193,8 +208,9 @@ class DecodeBatcher(ServingThread):
                 return self._step(joining)
         except Exception as exc:
             log.exception("a batch step failed (%d rows)", len(self._rows) + len(joining))
-            failed = [row.job.future for row in self._rows] + [job.future for job in joining]
-            self._rows, self._cache, self._mask = [], None, None
+            futures = [row.job.future for row in self._rows] + [job.future for job in joining]
+            failed = list({id(future): future for future in futures}.values())
+            self._rows, self._cache, self._alone = [], None, None
             return [(future, exc) for future in failed]
         finally:
             self.step_seconds += time.perf_counter() - began
@@ -204,9 +220,14 @@ class DecodeBatcher(ServingThread):
     ) -> list[tuple[concurrent.futures.Future[Response], Response | BaseException]]:
         new_rows = [self._new_row(job) for job in joining]
         feeds = [[row.pending] for row in self._rows] + [job.prompt_ids for job in joining]
-        self._grow(len(new_rows))
-        rows = self._rows = self._rows + new_rows
-        logits = self._forward(rows, feeds)
+        rows = self._rows + new_rows
+        if self.max_batch == 1:
+            logits = self._forward_alone(rows[0], feeds[0])
+        else:
+            width = width_bucket(max(len(feed) for feed in feeds))
+            cache = self._place(self._rows, new_rows, width)
+            logits = self._forward(cache, rows, feeds, width)
+        self._rows = rows
         self.steps += 1
         self.row_steps += len(rows)
         self.join_steps += bool(joining)
@@ -218,9 +239,7 @@ class DecodeBatcher(ServingThread):
             row.seen += len(feed)
             row.batch_size = max(row.batch_size, len(rows))
             self._take(row, token, logprob)
-        finished = self._drop_finished()
-        self._compact()
-        return finished
+        return self._drop_finished()
 
     def _new_row(self, job: Job) -> Row:
         streamed = job.sink is not None
@@ -229,42 +248,94 @@ class DecodeBatcher(ServingThread):
         generator = None if sampling.greedy else new_generator(sampling.seed)
         return Row(job=job, output=output, generator=generator)
 
-    def _grow(self, joining: int) -> None:
-        """Give joining rows an all-padding past as long as the running rows'."""
-        if not joining or self._cache is None or self._mask is None:
-            return
-        for layer in self._cache.layers:
-            layer.keys = _pad_rows(layer.keys, joining)
-            layer.values = _pad_rows(layer.values, joining)
-        self._mask = _pad_rows(self._mask, joining)
+    def _place(self, running: list[Row], joining: list[Row], width: int) -> BucketCache:
+        """The cache for a step of ``width`` columns: the running one, laid out anew when the
+        step does not fit in it, the rows have shrunk to half its slots or holes are to be
+        compacted; joining rows take free slots (their past all masked)."""
+        cache, rows = self._cache, len(running) + len(joining)
+        if cache is None or not running:
+            cache = BucketCache(
+                row_bucket(rows), column_bucket(width), self._device, self._additive
+            )
+        else:
+            used = cache.at - min(row.first for row in running)
+            compact = should_compact(used, max(row.seen for row in running))
+            if compact or rows > cache.slots or 2 * row_bucket(rows) <= cache.slots:
+                relayout = True
+            else:
+                relayout = not cache.fits(width)
+            if relayout:
+                cache, firsts = cache.relayout(
+                    [row.slot for row in running],
+                    [row.first for row in running],
+                    [row.seen for row in running],
+                    rows=rows,
+                    width=width,
+                    compact=compact,
+                )
+                self.compactions += compact
+                for slot, (row, first) in enumerate(zip(running, firsts, strict=True)):
+                    row.slot, row.first = slot, first
+        taken = {row.slot for row in running}
+        free = [slot for slot in range(cache.slots) if slot not in taken]
+        for row, slot in zip(joining, free, strict=False):
+            row.slot = slot
+        cache.clear([row.slot for row in joining])
+        self._cache = cache
+        return cache
 
-    def _forward(self, rows: list[Row], feeds: list[list[int]]) -> torch.Tensor:
-        """Feed each row its tokens (left-padded to the longest); the last position's logits."""
-        width = max(len(f) for f in feeds)
-        columns = 0 if self._mask is None else self._mask.shape[1]
-        ids, mask, positions = [], [], []
+    def _forward(
+        self, cache: BucketCache, rows: list[Row], feeds: list[list[int]], width: int
+    ) -> torch.Tensor:
+        """Feed each row its tokens (left-padded to ``width``, free slots all padding) at the
+        cache's next columns; the last position's logits, one row per request."""
+        slots = cache.slots
+        ids = [[self._pad] * width for _ in range(slots)]
+        fed = [[0] * width for _ in range(slots)]
+        positions = [[0] * width for _ in range(slots)]
         for row, feed in zip(rows, feeds, strict=True):
             pad = width - len(feed)
             if row.seen == 0:
-                row.first = columns + pad
-            ids.append([self._pad] * pad + feed)
-            mask.append([0] * pad + [1] * len(feed))
-            positions.append([0] * pad + list(range(row.seen, row.seen + len(feed))))
+                row.first = cache.at + pad
+            ids[row.slot] = [self._pad] * pad + feed
+            fed[row.slot] = [0] * pad + [1] * len(feed)
+            positions[row.slot] = [0] * pad + list(range(row.seen, row.seen + len(feed)))
         # One copy up for the three, queued without waiting.
-        inputs = to_device(torch.tensor([ids, mask, positions], dtype=torch.long), self._device)
-        new_mask = inputs[1]
-        full_mask = new_mask if self._mask is None else torch.cat([self._mask, new_mask], dim=1)
+        inputs = to_device(torch.tensor([ids, fed, positions], dtype=torch.long), self._device)
+        attention = cache.attention(inputs[1].bool(), self._dtype)
         kwargs: dict[str, Any] = {
             "input_ids": inputs[0],
-            "attention_mask": full_mask,
+            "attention_mask": attention,
             "position_ids": inputs[2],
-            "past_key_values": self._cache,
+            "past_key_values": cache,
             "use_cache": True,
         }
         if self._keeps_logits:
             kwargs["logits_to_keep"] = 1
         out = self._model(**kwargs)
-        self._cache, self._mask = out.past_key_values, full_mask
+        cache.advance(width)
+        logits: torch.Tensor = out.logits[:, -1, :]
+        order = [row.slot for row in rows]
+        if order != list(range(len(order))):
+            logits = logits.index_select(0, to_device(torch.tensor(order), logits.device))
+        elif len(order) < slots:
+            logits = logits[: len(order)]
+        return logits.float()
+
+    def _forward_alone(self, row: Row, feed: list[int]) -> torch.Tensor:
+        """One row's step in the model's own cache, unpadded and unmasked."""
+        positions = list(range(row.seen, row.seen + len(feed)))
+        inputs = to_device(torch.tensor([feed, positions], dtype=torch.long), self._device)
+        kwargs: dict[str, Any] = {
+            "input_ids": inputs[:1],
+            "position_ids": inputs[1:],
+            "past_key_values": self._alone,
+            "use_cache": True,
+        }
+        if self._keeps_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self._model(**kwargs)
+        self._alone = out.past_key_values
         logits: torch.Tensor = out.logits[:, -1, :].float()
         return logits
 
@@ -298,48 +369,16 @@ class DecodeBatcher(ServingThread):
     def _drop_finished(
         self,
     ) -> list[tuple[concurrent.futures.Future[Response], Response | BaseException]]:
-        """Answer finished rows and drop them (and padding no row needs) from the cache."""
+        """Answer finished rows and free their slots (the cache goes with the last row)."""
         done = [row for row in self._rows if row.finish]
         if not done:
             return []
-        keep = [i for i, row in enumerate(self._rows) if not row.finish]
-        self._rows = [self._rows[i] for i in keep]
-        if not keep:
-            self._cache, self._mask = None, None
-        else:
-            assert self._mask is not None
-            index = to_device(torch.tensor(keep), self._mask.device)
-            mask = self._mask.index_select(0, index)
-            start = min(row.first for row in self._rows)  # the first column a row still uses
-            for row in self._rows:
-                row.first -= start
-            self._mask = mask[:, start:]
-            for layer in self._cache.layers:
-                layer.keys = layer.keys.index_select(0, index)[:, :, start:]
-                layer.values = layer.values.index_select(0, index)[:, :, start:]
+        self._rows = [row for row in self._rows if not row.finish]
+        if not self._rows:
+            self._cache = self._alone = None
+        elif self._cache is not None:
+            self._cache.clear([row.slot for row in done])
         return [(row.job.future, self._response(row)) for row in done]
-
-    def _compact(self) -> None:
-        """Drop the padding columns that joins left inside running rows once they outnumber
-        the longest row: each row's tokens keep their order and move to the right end."""
-        mask = self._mask
-        if mask is None or self._cache is None:
-            return
-        width = max(row.seen for row in self._rows)
-        holes = mask.shape[1] - width
-        if holes < MIN_HOLES or holes < HOLE_RATIO * width:
-            return
-        self.compactions += 1
-        # Stable: a row's padding columns first, then its tokens in their order.
-        index = torch.argsort(mask, dim=1, stable=True)[:, -width:]
-        self._mask = mask.gather(1, index)
-        for row in self._rows:
-            row.first = width - row.seen
-        for layer in self._cache.layers:
-            heads, dim = layer.keys.shape[1], layer.keys.shape[3]
-            spread = index[:, None, :, None].expand(-1, heads, -1, dim)
-            layer.keys = layer.keys.gather(2, spread)
-            layer.values = layer.values.gather(2, spread)
 
     def _response(self, row: Row) -> Response:
         job = row.job
@@ -380,7 +419,8 @@ def join_now(waiting: list[int], running: int, room: int, since_join: int) -> bo
     )
 
 
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """``tensor`` with ``rows`` zero rows appended along the batch dimension."""
-    shape = (rows, *tensor.shape[1:])
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=0)
+def should_compact(used: int, longest: int) -> bool:
+    """Whether rows of at most ``longest`` tokens spread over ``used`` columns are compacted:
+    when their holes reach ``MIN_HOLES`` and ``HOLE_RATIO`` of the longest row."""
+    holes = used - longest
+    return holes >= MIN_HOLES and holes >= HOLE_RATIO * longest
