@@ -111,6 +111,7 @@ MOVES: dict[str, str] = {
     f"{OP}.metrics": f"{OP}.k8s.metrics",
     # operator: process wiring (``cli`` stays: the console script's and ``python -m``'s path)
     f"{OP}.handlers": f"{OP}.runtime.handlers",
+    f"{OP}.diffbase": f"{OP}.runtime.diffbase",
     f"{OP}.runner": f"{OP}.runtime.runner",
     f"{OP}.group_loops": f"{OP}.runtime.group_loops",
     f"{OP}.round_memory": f"{OP}.runtime.round_memory",
