@@ -115,7 +115,7 @@ MOVES: dict[str, str] = {
     f"{OP}.runner": f"{OP}.runtime.runner",
     f"{OP}.group_loops": f"{OP}.runtime.group_loops",
     f"{OP}.round_memory": f"{OP}.runtime.round_memory",
-    f"{OP}.group_claims": f"{OP}.runtime.group_claims",
+    f"{OP}.group_claims": f"{OP}.k8s.group_claims",
     f"{OP}.publisher": f"{OP}.runtime.publisher",
     f"{OP}.demand_watch": f"{OP}.runtime.demand_watch",
     f"{OP}.pipeline_status": f"{OP}.runtime.pipeline_status",

@@ -10,12 +10,13 @@ from its config, safetensors shards, a word-level tokenizer), measures the limit
 file-to-device stream, the import and CUDA-context costs of a fresh process), then spawns
 ``python -m omnistage_worker`` with the flags the operator gives a stage and times, from the
 spawn: gRPC health SERVING for inference, and the first token (a 1-token Generate). The worker's
-log gives the phases (``startup: <phase> at ...`` lines of :mod:`omnistage_worker.prestart`).
-Runs: ``--runs`` with the page cache warm, then one with the weight files evicted from the page
-cache (POSIX_FADV_DONTNEED) and one after ``echo 3 > /proc/sys/vm/drop_caches`` where permitted
-(every cached page of the machine: libraries too). ``--baseline-src DIR`` also runs, once, the
-worker source in DIR (an older tree's ``worker_image/src``) with the cache warm.
-``--tiny`` does it all on CPU with a tiny model, to test the script.
+log gives the phases (``startup: <phase> at ...`` lines of
+:mod:`omnistage_worker.control.prestart`). Runs: ``--runs`` with the page cache warm, then one with
+the weight files evicted from the page cache (POSIX_FADV_DONTNEED) and one after ``echo 3 >
+/proc/sys/vm/drop_caches`` where permitted (every cached page of the machine: libraries too).
+``--baseline-src DIR`` also runs, once, the worker source in DIR (an older tree's
+``worker_image/src``) with the cache warm. ``--tiny`` does it all on CPU with a tiny model, to test
+the script.
 """
 
 from __future__ import annotations

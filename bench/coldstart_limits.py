@@ -41,8 +41,8 @@ PATH = os.pathsep.join(
 )
 WORKER_IMPORTS = (
     "import torch; from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM; "
-    "import omnistage_worker.server, omnistage_worker.runners.causal_lm, "
-    "omnistage_worker.openai_http"
+    "import omnistage_worker.serving.server, omnistage_worker.runners.causal_lm, "
+    "omnistage_worker.serving.openai_http"
 )
 """What the worker imports before its first token (its own modules, torch, the model class)."""
 MiB = 1024**2

@@ -550,7 +550,7 @@ def hand_over(cp: Any, ns: str, state: str) -> Json:
     import asyncio
 
     from bench.operator_switch import _wait_active
-    from omnistage_operator.kube import OMNISTAGE, Kube
+    from omnistage_operator.k8s.kube import OMNISTAGE, Kube
 
     gainer, loser = ("sd", "llm") if state == "Active" else ("llm", "sd")
 
@@ -623,8 +623,9 @@ def run(args: argparse.Namespace) -> Json:
     report["versions"] = versions()
     report["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
                          "cpus": os.cpu_count()}  # fmt: skip
-    for mod in ("kopf", "kr8s", "diffusers", "grpc_health.v1.health", "omnistage_operator.handlers",
-                "omnistage_worker.cli", "tests.cluster.controlplane"):  # fmt: skip
+    for mod in ("kopf", "kr8s", "diffusers", "grpc_health.v1.health",
+                "omnistage_operator.runtime.handlers", "omnistage_worker.cli",
+                "tests.cluster.controlplane"):  # fmt: skip
         importlib.import_module(mod)
     log(f"imports ok; versions {report['versions']}")
     devices: list[Json] = [] if args.tiny else nvml_devices()

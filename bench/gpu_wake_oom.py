@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> Json:
         out["oom_ack"] = ack_json(failed)
         # What the wake allocates: the OOM's own "Tried to allocate" (PyTorch prints it to
         # 0.01 GiB) on a GPU; the flat buffer measured awake on the simulated one.
-        from omnistage_worker.oom import _TRIED, _quantity
+        from omnistage_worker.control.oom import _TRIED, _quantity
 
         tried = _quantity(_TRIED.search(failed.error))
         allocation = flat if tried is None else tried

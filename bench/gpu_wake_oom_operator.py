@@ -155,8 +155,8 @@ class SimTenant:
 
 def worker_report(cp: Any, ns: str) -> Any:
     """The worker's own GetStatus (``WorkerReport``), dialled at its pod IP."""
-    from omnistage_operator.handover import WorkerUnavailable
-    from omnistage_operator.worker_client import WorkerClient
+    from omnistage_operator.decisions.handover import WorkerUnavailable
+    from omnistage_operator.k8s.worker_client import WorkerClient
 
     pod = cp.get_json("pod", f"{STAGE}-worker", namespace=ns)
     ip = pod.get("status", {}).get("podIP")

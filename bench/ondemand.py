@@ -45,7 +45,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omnistage_operator.kube import OMNISTAGE, PODS, Kube  # noqa: E402
+from omnistage_operator.k8s.kube import OMNISTAGE, PODS, Kube  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
 from tests.e2e.conftest import (  # noqa: E402

@@ -48,8 +48,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from omnistage_operator import kube as kube_module  # noqa: E402
-from omnistage_operator.kube import OMNISTAGE, Kube  # noqa: E402
+from omnistage_operator.k8s import kube as kube_module  # noqa: E402
+from omnistage_operator.k8s.kube import OMNISTAGE, Kube  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
 from tests.e2e import conftest as e2e  # noqa: E402
@@ -145,8 +145,8 @@ def _budget(log: Path, since: float, until: float) -> dict[str, float] | None:
         when = _log_time(line)
         if when is None or when < since - 0.002 or when > until + 0.002:
             continue
-        for mark, text in (("sleep", "omnistage_operator.handover.orders: sleep "),
-                           ("wake", "omnistage_operator.handover.orders: wake "),
+        for mark, text in (("sleep", "omnistage_operator.decisions.handover.orders: sleep "),
+                           ("wake", "omnistage_operator.decisions.handover.orders: wake "),
                            ("end", "hand-over ")):  # fmt: skip
             if text in line and mark not in marks:
                 marks[mark] = when

@@ -218,7 +218,7 @@ def one_run(cp: Any, kind: str, args: argparse.Namespace, models: Path, work: Pa
             port = free_port()
             router_log = (work / f"router-{kind}.log").open("ab")
             router = subprocess.Popen(
-                [sys.executable, "-m", "omnistage_worker.router", "--host", "127.0.0.1",
+                [sys.executable, "-m", "omnistage_worker.serving.router", "--host", "127.0.0.1",
                  "--port", str(port), "--pipeline", "qwen-image=encoder:embeds,dit",
                  *[f"--grpc-route={k}={v}" for k, v in targets.items()]],
                 stdout=router_log, stderr=subprocess.STDOUT,

@@ -28,7 +28,7 @@ WAIT_S = 60.0
 def install(directory: str) -> None:
     """In the worker process: wrap the wake's allocation figure (called right before the copy)
     so that an armed tenant arrives there, and log every WakeUp."""
-    from omnistage_worker import sleep_wake
+    from omnistage_worker.control import sleep_wake
 
     folder = Path(directory)
     original = getattr(sleep_wake, "wake_allocation")  # noqa: B009 (not exported)

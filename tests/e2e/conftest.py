@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from omnistage_operator.facts import WorkerReport
-from omnistage_operator.handover import WorkerUnavailable
-from omnistage_operator.worker_client import WorkerClient
+from omnistage_operator.decisions.facts import WorkerReport
+from omnistage_operator.decisions.handover import WorkerUnavailable
+from omnistage_operator.k8s.worker_client import WorkerClient
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.localnode import LocalNodes
 from tests.cluster.procs import tail_log, terminate

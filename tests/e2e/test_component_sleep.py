@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.arbiter import WorkerPhase
+from omnistage_operator.decisions.arbiter import WorkerPhase
 from tests.cluster.localnode import LocalNodes
 from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
 from tests.e2e.test_handover import MemoryWatch

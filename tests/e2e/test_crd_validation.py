@@ -19,18 +19,18 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import (
+from omnistage_operator.api.conditions import MEMORY_RELEASED, READY, Reason, set_condition
+from omnistage_operator.api.spec import DesiredState, PlacementMode
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import (
     build_group_claim,
     build_service,
     build_worker_pod,
     owner_reference,
 )
-from omnistage_operator.conditions import MEMORY_RELEASED, READY, Reason, set_condition
-from omnistage_operator.quantities import format_bytes
-from omnistage_operator.spec import DesiredState, PlacementMode
-from omnistage_operator.spec_parse import parse_stage
-from omnistage_operator.token_secret import build_token_secret
-from omnistage_operator.worker_command import vllm_args
+from omnistage_operator.k8s.token_secret import build_token_secret
+from omnistage_operator.k8s.worker_command import vllm_args
+from omnistage_worker.quantities import format_bytes
 from tests.cluster.controlplane import ControlPlane
 from tests.examples import stage_docs
 

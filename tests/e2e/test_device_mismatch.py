@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import build_worker_pod, owner_reference, pod_claim_name
-from omnistage_operator.spec import DesiredState
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.api.spec import DesiredState
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import build_worker_pod, owner_reference, pod_claim_name
 from tests.cluster.localnode import LocalNodes
 from tests.e2e.conftest import Cluster, OperatorProcess, stage_manifest, wait_for
 from tests.e2e.test_physics import _conditions

@@ -1,5 +1,5 @@
-"""Event aggregation (omnistage_operator.event_series) through ``Kube.event`` against the real
-API server: repeats update one Event's count, similar ones are combined past the limit, an
+"""Event aggregation (omnistage_operator.decisions.event_series) through ``Kube.event`` against the
+real API server: repeats update one Event's count, similar ones are combined past the limit, an
 Event the API lost is recorded anew, and a new window starts a new Event."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import kr8s.asyncio
 import pytest
 
-from omnistage_operator.event_series import COMBINED_PREFIX, EventSeries
-from omnistage_operator.kube import Kube
+from omnistage_operator.decisions.event_series import COMBINED_PREFIX, EventSeries
+from omnistage_operator.k8s.kube import Kube
 from tests.cluster.controlplane import ControlPlane
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from omnistage_operator.arbiter import WorkerPhase
+from omnistage_operator.decisions.arbiter import WorkerPhase
 from tests.e2e.conftest import (
     CAPACITY,
     Cluster,

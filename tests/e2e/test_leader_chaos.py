@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from omnistage_operator.arbiter import WorkerPhase
+from omnistage_operator.decisions.arbiter import WorkerPhase
 from tests.e2e.conftest import CAPACITY, Cluster, Gpu, stage_manifest, wait_for
 from tests.e2e.test_handover import MemoryWatch
 from tests.e2e.test_leader_support import ElectedOperator, Watcher, WorkerProbe

@@ -11,8 +11,8 @@ from __future__ import annotations
 import kr8s.asyncio
 import pytest
 
-from omnistage_operator.election import Timing
-from omnistage_operator.leader import Elector, KrEpochStore, KrLeaseStore
+from omnistage_operator.decisions.election import Timing
+from omnistage_operator.k8s.leader import Elector, KrEpochStore, KrLeaseStore
 from tests.cluster.controlplane import ControlPlane
 
 pytestmark = pytest.mark.cluster

@@ -48,8 +48,8 @@ def install() -> None:
     busy = os.environ.get(BUSY_BEFORE_WAKE)
     if not marker and not busy:
         return
-    from omnistage_operator import worker_client
-    from omnistage_operator.facts import AckFacts
+    from omnistage_operator.decisions.facts import AckFacts
+    from omnistage_operator.k8s import worker_client
 
     original = worker_client.WorkerClient.wake
 

@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 import yaml
 
-from omnistage_operator.arbiter import WorkerPhase
-from omnistage_operator.facts import AckFacts, WorkerReport, report_from_proto
+from omnistage_operator.decisions.arbiter import WorkerPhase
+from omnistage_operator.decisions.facts import AckFacts, WorkerReport, report_from_proto
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubeconfig import auth_context, load_kubeconfig
 from tests.e2e.conftest import ROOT, TOKEN, WAKE_MARGIN, OperatorProcess, wait_for

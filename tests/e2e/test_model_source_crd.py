@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.model_source import S3Source
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.api.model_source import S3Source
+from omnistage_operator.api.spec_parse import parse_stage
 from tests.cluster.controlplane import ControlPlane
 from tests.e2e.test_crd_validation import apply, cluster, get, good
 

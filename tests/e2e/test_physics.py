@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
-from omnistage_operator.arbiter import WorkerPhase
+from omnistage_operator.decisions.arbiter import WorkerPhase
 from tests.cluster.localnode import LocalNodes
 from tests.e2e.conftest import (
     TOKEN,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omnistage_operator.labels import MANAGED_BY_LABEL, MANAGER, selector_string
+from omnistage_operator.api.labels import MANAGED_BY_LABEL, MANAGER, selector_string
 from tests.e2e.conftest import Cluster, OperatorProcess, stage_manifest, wait_for
 
 pytestmark = [pytest.mark.timeout(600)]

@@ -2,10 +2,11 @@
 
 ``python -m tests.scale.simhost --socket PATH`` serves a control socket; localnode (started
 with ``--sim-hosts K``) hands it the worker containers of its pods instead of starting one
-process each. Each worker is the product's worker (:class:`omnistage_worker.server.WorkerServer`:
-state, ACKs with measured memory, epochs, task-id replay, residual check, demand holding,
-gRPC SleepService, InferenceService, DemandService and health) on its own podIP:port, with
-:mod:`tests.scale.simrunner` as its engine and :mod:`tests.scale.simgpu` as its device.
+process each. Each worker is the product's worker
+(:class:`omnistage_worker.serving.server.WorkerServer`: state, ACKs with measured memory, epochs,
+task-id replay, residual check, demand holding, gRPC SleepService, InferenceService, DemandService
+and health) on its own podIP:port, with :mod:`tests.scale.simrunner` as its engine and
+:mod:`tests.scale.simgpu` as its device.
 
 What it does not cover (use the ordinary one-process-per-pod localnode for these):
 
@@ -42,7 +43,7 @@ from typing import Any
 from omnistage_worker import cli
 from omnistage_worker.config import ConfigError, WorkerConfig
 from omnistage_worker.memory import PROBE_ENV
-from omnistage_worker.server import WorkerServer
+from omnistage_worker.serving.server import WorkerServer
 from tests.fakegpu.probe import ENV as FAKE_GPU_ENV
 from tests.scale.simgpu import DEVICES
 from tests.scale.simrunner import sim_runner

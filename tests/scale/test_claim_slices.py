@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.claim_slices import allocated_uuids
-from omnistage_operator.kube import Kube, tallied
+from omnistage_operator.k8s.claim_slices import allocated_uuids
+from omnistage_operator.k8s.kube import Kube, tallied
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.localnode import LocalNodes
 from tests.cluster.localnode.devices import DRIVER

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from omnistage_operator.arbiter import WorkerPhase
-from omnistage_operator.handover import WorkerRefused, WorkerUnavailable
-from omnistage_operator.worker_client import WorkerClient
+from omnistage_operator.decisions.arbiter import WorkerPhase
+from omnistage_operator.decisions.handover import WorkerRefused, WorkerUnavailable
+from omnistage_operator.k8s.worker_client import WorkerClient
 from tests.cluster.localnode.simlaunch import SimHostClient, SimWorker
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device, MiB

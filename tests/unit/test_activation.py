@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnistage_operator.activation import (
+from omnistage_operator.api.activation import (
     Activation,
     ActivationError,
     ActivationPolicy,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omnistage_operator.arbiter import (
+from omnistage_operator.decisions.arbiter import (
     DEFAULT_CONTEXT_BYTES,
     BlockReason,
     DeviceMemory,
@@ -14,15 +14,15 @@ from omnistage_operator.arbiter import (
     StageIntent,
     WorkerPhase,
 )
-from omnistage_operator.arbiter.admission import admission_order
-from omnistage_operator.arbiter.demand import (
+from omnistage_operator.decisions.arbiter.admission import admission_order
+from omnistage_operator.decisions.arbiter.demand import (
     context_charge,
     footprint,
     may_hold_memory,
     usable_memory,
 )
-from omnistage_operator.arbiter.gate import device_mismatches
-from omnistage_operator.arbiter.plan import plan
+from omnistage_operator.decisions.arbiter.gate import device_mismatches
+from omnistage_operator.decisions.arbiter.plan import plan
 
 GI = 1 << 30
 ACTIVE = StageFacts(WorkerPhase.ACTIVE, used_bytes=6 * GI, active_footprint=6 * GI)

@@ -11,7 +11,7 @@ LOG = """\
 (unix 1000.500000)
 2026-11-26 09:18:58,546 INFO omnistage_worker.startup: startup: imports done at +1.997s \
 (unix 1002.250000)
-2026-11-26 09:19:05,116 INFO omnistage_worker.loading: model activated: 17805419008 weight \
+2026-11-26 09:19:05,116 INFO omnistage_worker.control.loading: model activated: 17805419008 weight \
 bytes, 17805419008 bytes moved in 0.72s (load total 10.90s)
 2026-11-26 09:19:09,519 INFO omnistage_worker.runners.causal_lm: warm-up: 2 tokens in 1.500s
 2026-11-26 09:19:09,521 INFO omnistage_worker.startup: startup: active at +12.973s \

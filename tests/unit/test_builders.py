@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import (
+from omnistage_operator.api.spec import DesiredState, StageSpec
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import (
     INITIAL_STATE_ANNOTATION,
     build_group_claim,
     build_service,
@@ -22,11 +24,9 @@ from omnistage_operator.builders import (
     pod_name,
     service_name,
 )
-from omnistage_operator.pod_hash import pod_spec_hash
-from omnistage_operator.spec import DesiredState, StageSpec
-from omnistage_operator.spec_parse import parse_stage
-from omnistage_operator.token_secret import TOKEN_SHA256_ANNOTATION, build_token_secret
-from omnistage_operator.worker_command import worker_args, worker_device
+from omnistage_operator.k8s.pod_hash import pod_spec_hash
+from omnistage_operator.k8s.token_secret import TOKEN_SHA256_ANNOTATION, build_token_secret
+from omnistage_operator.k8s.worker_command import worker_args, worker_device
 
 TOKEN = "s3cr3t-token-value-7f9a"
 

@@ -8,17 +8,17 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnistage_operator.builders import (
+from omnistage_operator.api.labels import RESERVED_LABELS
+from omnistage_operator.api.spec import DesiredState, PlacementMode
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import (
     build_service,
     build_worker_pod,
     can_start_asleep,
     claim_name,
     owner_reference,
 )
-from omnistage_operator.labels import RESERVED_LABELS
-from omnistage_operator.spec import DesiredState, PlacementMode
-from omnistage_operator.spec_parse import parse_stage
-from omnistage_operator.worker_command import worker_device
+from omnistage_operator.k8s.worker_command import worker_device
 
 TOKEN = "tok-9f8e7d6c5b4a"
 dns = st.from_regex(r"[a-z][a-z0-9]{0,10}(-[a-z0-9]{1,5})?", fullmatch=True)

@@ -478,7 +478,7 @@ def test_every_object_carries_the_chart_labels() -> None:
 
 def test_rendered_args_are_accepted_by_the_operator() -> None:
     """The chart's flags parse with the operator's own parser into the values given."""
-    from omnistage_operator.settings import parse_settings
+    from omnistage_operator.k8s.settings import parse_settings
 
     values = {
         "rbac": {"scope": "Namespaced"},

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from omnistage_operator.arbiter import (
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.decisions.arbiter import (
     BlockReason,
     ComponentFacts,
     GroupMemory,
@@ -18,13 +19,17 @@ from omnistage_operator.arbiter import (
     StageIntent,
     WorkerPhase,
 )
-from omnistage_operator.arbiter.demand import footprint
-from omnistage_operator.arbiter.plan import plan
-from omnistage_operator.components import component_status, components_verdict
-from omnistage_operator.facts import AckFacts
-from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy, WorkerRefused
-from omnistage_operator.handover.rounds import run_round
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.decisions.arbiter.demand import footprint
+from omnistage_operator.decisions.arbiter.plan import plan
+from omnistage_operator.decisions.component_status import component_status, components_verdict
+from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.handover import (
+    GroupObservation,
+    RoundOutcome,
+    RoundPolicy,
+    WorkerRefused,
+)
+from omnistage_operator.decisions.handover.rounds import run_round
 
 GI = 1 << 30
 CAP = 16 * GI

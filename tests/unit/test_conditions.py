@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omnistage_operator.conditions import (
+from omnistage_operator.api.conditions import (
     ADMITTED,
     ASLEEP,
     CONDITION_TYPES,

@@ -2,7 +2,7 @@
 
 The API server's own verdict on bad manifests is tested in tests/e2e/test_crd_validation.py;
 these checks are the fast, offline part: names, printer columns, enums, defaults and bounds
-must be the same in the schema and in ``omnistage_operator.spec``.
+must be the same in the schema and in ``omnistage_operator.api.spec``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from omnistage_operator import spec as S
-from omnistage_operator import status
-from omnistage_operator.conditions import ConditionStatus
-from omnistage_operator.quantities import QUANTITY_PATTERN
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.api import spec as S
+from omnistage_operator.api.conditions import ConditionStatus
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.decisions import status
+from omnistage_worker.quantities import QUANTITY_PATTERN
 from tests.examples import MANIFESTS, stage_docs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,14 +211,14 @@ def test_reserved_names_in_the_cel_rules_are_the_operators() -> None:
     flag the operator writes is among them), so the two never drift apart."""
     import re
 
-    from omnistage_operator.spec import (
+    from omnistage_operator.api.spec import (
         RESERVED_ARG_PREFIXES,
         RESERVED_ARGS,
         RESERVED_ENV,
         DesiredState,
     )
-    from omnistage_operator.spec_parse import parse_stage
-    from omnistage_operator.worker_command import worker_args
+    from omnistage_operator.api.spec_parse import parse_stage
+    from omnistage_operator.k8s.worker_command import worker_args
 
     text = CRD_PATH.read_text()
     args_rule = text[text.index("self.all(a, !a.startsWith('--')") :]

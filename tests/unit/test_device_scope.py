@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omnistage_operator.arbiter import (
+from omnistage_operator.decisions.arbiter import (
     BlockReason,
     DeviceMemory,
     GroupMemory,
@@ -11,7 +11,7 @@ from omnistage_operator.arbiter import (
     StageIntent,
     WorkerPhase,
 )
-from omnistage_operator.arbiter.plan import plan
+from omnistage_operator.decisions.arbiter.plan import plan
 
 GI = 1 << 30
 TOTAL = 16 * GI

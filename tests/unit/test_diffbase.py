@@ -9,7 +9,7 @@ from typing import Any, cast
 import kopf
 import pytest
 
-from omnistage_operator.diffbase import LeanDiffBaseStorage, lean_body
+from omnistage_operator.runtime.diffbase import LeanDiffBaseStorage, lean_body
 
 PREFIX, KEY = "omnistage.io", "last-handled-configuration"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omnistage_operator.builders import service_name
-from omnistage_operator.model_source import S3Source
-from omnistage_operator.spec import Backend, Runner
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.api.model_source import S3Source
+from omnistage_operator.api.spec import Backend, Runner
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import service_name
 from tests.examples import HELM_VALUES, manifest_docs, stage_docs
 from tests.unit.test_chart_support import render, select
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from google.protobuf.duration_pb2 import Duration
 
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
-from omnistage_operator.arbiter import WorkerPhase
-from omnistage_operator.facts import (
+from omnistage_operator.decisions.arbiter import WorkerPhase
+from omnistage_operator.decisions.facts import (
     AckFacts,
     DeviceFigures,
     WorkerReport,
@@ -15,7 +15,7 @@ from omnistage_operator.facts import (
     memory_need,
     report_from_proto,
 )
-from omnistage_operator.memory import group_memory
+from omnistage_operator.decisions.memory import group_memory
 
 GI = 1 << 30
 MI = 1 << 20

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnistage_operator.arbiter import (
+from omnistage_operator.decisions.arbiter import (
     BlockReason,
     DeviceMemory,
     GroupMemory,
@@ -17,12 +17,17 @@ from omnistage_operator.arbiter import (
     StageIntent,
     WorkerPhase,
 )
-from omnistage_operator.arbiter.plan import plan
-from omnistage_operator.facts import AckFacts, DeviceFigures, WorkerReport, ack_contradiction
-from omnistage_operator.footprints import OTHER_TENANTS, device_need
-from omnistage_operator.peaks import StagePeaks, from_status, to_status
-from omnistage_operator.quantities import format_bytes
-from omnistage_operator.status import StageObservation, build_status, wait_cause
+from omnistage_operator.decisions.arbiter.footprints import OTHER_TENANTS, device_need
+from omnistage_operator.decisions.arbiter.plan import plan
+from omnistage_operator.decisions.facts import (
+    AckFacts,
+    DeviceFigures,
+    WorkerReport,
+    ack_contradiction,
+)
+from omnistage_operator.decisions.peaks import StagePeaks, from_status, to_status
+from omnistage_operator.decisions.status import StageObservation, build_status, wait_cause
+from omnistage_worker.quantities import format_bytes
 
 GI = 1 << 30
 MI = 1 << 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omnistage_operator.group_claims import claim_holders
+from omnistage_operator.k8s.group_claims import claim_holders
 
 
 def _pod(uid: str, node: str | None, phase: str = "Running") -> dict[str, Any]:

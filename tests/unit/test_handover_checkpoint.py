@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from omnistage_operator.facts import AckFacts
-from omnistage_operator.handover import GroupObservation, RoundOutcome
-from omnistage_operator.handover.rounds import run_round
+from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.handover import GroupObservation, RoundOutcome
+from omnistage_operator.decisions.handover.rounds import run_round
 from tests.unit.test_sleep_tasks import POLICY, DrainPort
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from omnistage_operator import conditions as cond
-from omnistage_operator.arbiter import (
+from omnistage_operator.api import conditions as cond
+from omnistage_operator.decisions.arbiter import (
     BlockReason,
     DeviceMemory,
     GroupMemory,
@@ -22,8 +22,8 @@ from omnistage_operator.arbiter import (
     StageIntent,
     WorkerPhase,
 )
-from omnistage_operator.facts import AckFacts, DeviceFigures
-from omnistage_operator.handover import (
+from omnistage_operator.decisions.facts import AckFacts, DeviceFigures
+from omnistage_operator.decisions.handover import (
     FenceFailed,
     GroupObservation,
     RoundOutcome,
@@ -31,8 +31,8 @@ from omnistage_operator.handover import (
     WorkerRefused,
     WorkerUnavailable,
 )
-from omnistage_operator.handover.rounds import run_round
-from omnistage_operator.leadership import LeadershipLost
+from omnistage_operator.decisions.handover.rounds import run_round
+from omnistage_operator.decisions.leadership import LeadershipLost
 
 GI = 1 << 30
 TOTAL = 16 * GI
@@ -380,7 +380,7 @@ async def test_no_pod_for_a_stage_wider_than_the_claim() -> None:
 def test_a_refused_deepening_is_not_ordered_again() -> None:
     """Issue 19: a 1->2 deepening the worker refuses (its backend cannot drop the host copy
     without waking) used to be ordered again every round."""
-    from omnistage_operator.port_facts import deepen_level
+    from omnistage_operator.k8s.port_facts import deepen_level
 
     asleep_1 = StageFacts(WorkerPhase.ASLEEP, level=1)
     assert deepen_level(2, asleep_1, None) == 2  # not refused yet: ordered
@@ -392,8 +392,8 @@ def test_a_refused_deepening_is_not_ordered_again() -> None:
 def test_a_stage_loading_asleep_does_not_hold_up_the_groups_wakes() -> None:
     """Issue 19: a worker loading in a pod created asleep (weights into host memory, only its
     context on the device) blocked every wake of its group for its whole load."""
-    from omnistage_operator.arbiter.plan import plan
-    from omnistage_operator.port_facts import loading_asleep
+    from omnistage_operator.decisions.arbiter.plan import plan
+    from omnistage_operator.k8s.port_facts import loading_asleep
 
     intents = {"a": StageIntent("a", False), "b": StageIntent("b", True, vram_request=4 * GI)}
     free = TOTAL - 2 * GI

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import time
 
-from omnistage_operator.arbiter import GroupMemory, StageFacts, StageIntent, WorkerPhase
-from omnistage_operator.facts import AckFacts
-from omnistage_operator.handover import (
+from omnistage_operator.decisions.arbiter import GroupMemory, StageFacts, StageIntent, WorkerPhase
+from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.handover import (
     GroupObservation,
     RoundOutcome,
     RoundPolicy,
     WorkerUnavailable,
 )
-from omnistage_operator.handover.rounds import run_round
+from omnistage_operator.decisions.handover.rounds import run_round
 
 
 class StartingWorkerPort:

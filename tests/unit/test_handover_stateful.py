@@ -1,7 +1,8 @@
 """Property-based tests of the arbiter driven through the real hand-over round, on GPU physics.
 
-``run_round`` (operator/src/omnistage_operator/handover/rounds.py) runs against a simulated fleet
-whose device behaves like a real GPU in everything the operator can observe (issue 14):
+``run_round`` (operator/src/omnistage_operator/decisions/handover/rounds.py) runs against a
+simulated fleet whose device behaves like a real GPU in everything the operator can observe (issue
+14):
 
 - a driver reserve: free memory is below the total even when nothing runs;
 - a CUDA context per started worker process, held while the process lives, asleep or not;
@@ -47,16 +48,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from omnistage_operator.arbiter import (
+from omnistage_operator.decisions.arbiter import (
     BlockReason,
     GroupMemory,
     StageFacts,
     StageIntent,
     WorkerPhase,
 )
-from omnistage_operator.arbiter.admission import admission_order
-from omnistage_operator.facts import AckFacts, DeviceFigures, WorkerReport
-from omnistage_operator.handover import (
+from omnistage_operator.decisions.arbiter.admission import admission_order
+from omnistage_operator.decisions.facts import AckFacts, DeviceFigures, WorkerReport
+from omnistage_operator.decisions.handover import (
     FenceFailed,
     GroupObservation,
     RoundOutcome,
@@ -64,8 +65,8 @@ from omnistage_operator.handover import (
     WorkerRefused,
     WorkerUnavailable,
 )
-from omnistage_operator.handover.rounds import run_round
-from omnistage_operator.memory import group_memory
+from omnistage_operator.decisions.handover.rounds import run_round
+from omnistage_operator.decisions.memory import group_memory
 
 MI = 1 << 20
 GI = 1 << 30

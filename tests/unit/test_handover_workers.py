@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from omnistage_operator.arbiter import GroupMemory, StageFacts, StageIntent, WorkerPhase
-from omnistage_operator.facts import AckFacts, WorkerReport
-from omnistage_operator.handover import (
+from omnistage_operator.decisions.arbiter import GroupMemory, StageFacts, StageIntent, WorkerPhase
+from omnistage_operator.decisions.facts import AckFacts, WorkerReport
+from omnistage_operator.decisions.handover import (
     GroupObservation,
     RoundOutcome,
     RoundPolicy,
     WorkerUnavailable,
 )
-from omnistage_operator.handover.rounds import run_round
-from omnistage_operator.worker_client import WorkerClient
+from omnistage_operator.decisions.handover.rounds import run_round
+from omnistage_operator.k8s.worker_client import WorkerClient
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline

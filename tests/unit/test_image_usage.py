@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from omnistage.worker.v1 import inference_service_pb2
-from omnistage_worker.image_usage import default_steps, image_usage, prompt_tokens
+from omnistage_worker.serving.image_usage import default_steps, image_usage, prompt_tokens
 
 
 class Tokenizer:

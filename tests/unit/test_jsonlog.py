@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from omnistage_operator.settings import SettingsError, parse_settings
+from omnistage_operator.k8s.settings import SettingsError, parse_settings
 from omnistage_worker.jsonlog import configure_logging
 
 
@@ -27,7 +27,7 @@ def restore_root() -> Iterator[None]:
 def test_json_lines_carry_fields_extras_and_tracebacks(restore_root: None) -> None:
     out = io.StringIO()
     configure_logging(out, "info", "json", {"stage": "writer"})
-    log = logging.getLogger("omnistage_worker.transition_acks")
+    log = logging.getLogger("omnistage_worker.control.transition_acks")
     log.debug("not shown")
     log.info("ack %s", "t-1", extra={"task_id": "t-1", "epoch": 3})
     try:
@@ -45,7 +45,7 @@ def test_json_lines_carry_fields_extras_and_tracebacks(restore_root: None) -> No
     assert len(lines) == 4
     ack, failed, kopf, warned = lines
     assert warned["logger"] == "py.warnings" and "version not supported" in warned["message"]
-    assert ack["level"] == "INFO" and ack["logger"] == "omnistage_worker.transition_acks"
+    assert ack["level"] == "INFO" and ack["logger"] == "omnistage_worker.control.transition_acks"
     assert (ack["message"], ack["task_id"], ack["epoch"], ack["stage"]) == (
         "ack t-1",
         "t-1",

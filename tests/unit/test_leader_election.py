@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from omnistage_operator.election import (
+from omnistage_operator.decisions.election import (
     Action,
     LeaseRecord,
     Observation,

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator import metrics
-from omnistage_operator.election import Timing
-from omnistage_operator.leader import Elector
+from omnistage_operator.decisions.election import Timing
+from omnistage_operator.k8s import metrics
+from omnistage_operator.k8s.leader import Elector
 
 T = Timing(lease_duration_s=3, renew_deadline_s=2, retry_period_s=0.5)
 

@@ -8,8 +8,8 @@ from typing import Any
 import kopf
 import pytest
 
-from omnistage_operator import handlers
-from omnistage_operator.settings import Settings
+from omnistage_operator.k8s.settings import Settings
+from omnistage_operator.runtime import handlers
 
 
 class Switch:

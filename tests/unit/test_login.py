@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omnistage_operator.login import in_cluster_server
+from omnistage_operator.runtime.login import in_cluster_server
 
 
 def test_in_cluster_server_from_the_kubelets_variables() -> None:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import build_worker_pod
-from omnistage_operator.pod_hash import pod_spec_hash
-from omnistage_operator.spec import DesiredState, SpecError
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.api.spec import DesiredState, SpecError
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import build_worker_pod
+from omnistage_operator.k8s.pod_hash import pod_spec_hash
 from tests.unit.test_pod_template import OWNER, body
 
 HUB = {"url": "https://hub.example", "repo": "org/model"}

@@ -52,7 +52,7 @@ def _samples(registry: CollectorRegistry) -> set[str]:
 def exported() -> set[str]:
     """The sample names the operator (its registry) and a worker export (the worker's families
     are EXPORTED, which tests/worker/test_metrics.py checks against a real worker's scrape)."""
-    import omnistage_operator.metrics  # noqa: F401  (registers the operator's metrics)
+    import omnistage_operator.k8s.metrics  # noqa: F401  (registers the operator's metrics)
 
     worker = set(EXPORTED) | {n + s for n in EXPORTED for s in _HISTOGRAM_SUFFIXES}
     return {n for n in _samples(REGISTRY) if n.startswith("omnistage_")} | worker
@@ -77,7 +77,7 @@ def test_enabled_objects() -> None:
     objs = render(ON)
     args = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--log-format=json" in args
-    from omnistage_operator.settings import parse_settings
+    from omnistage_operator.k8s.settings import parse_settings
 
     assert parse_settings(args, {}).log_format == "json"  # the operator takes what is rendered
     dashboard = one(objs, "ConfigMap", NAMESPACE)

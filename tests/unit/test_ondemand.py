@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from omnistage_operator.activation import Activation, ActivationPolicy
-from omnistage_operator.arbiter import StageIntent, WorkerPhase
-from omnistage_operator.arbiter.admission import admission_order
-from omnistage_operator.ondemand import AwakeReason, Demand, DemandInput, shape_intents
+from omnistage_operator.api.activation import Activation, ActivationPolicy
+from omnistage_operator.decisions.arbiter import StageIntent, WorkerPhase
+from omnistage_operator.decisions.arbiter.admission import admission_order
+from omnistage_operator.decisions.ondemand import AwakeReason, Demand, DemandInput, shape_intents
 
 ON = Activation(ActivationPolicy.ON_DEMAND, idle_after_s=30.0, min_residency_s=10.0)
 A, S = WorkerPhase.ACTIVE, WorkerPhase.ASLEEP

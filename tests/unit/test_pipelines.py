@@ -7,12 +7,8 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.activation import Activation, ActivationPolicy
-from omnistage_operator.arbiter import GroupMemory, StageFacts, StageIntent, WorkerPhase
-from omnistage_operator.arbiter.admission import admission_order
-from omnistage_operator.arbiter.plan import plan
-from omnistage_operator.ondemand import DEFERRED, Demand, DemandInput, shape_intents
-from omnistage_operator.pipelines import (
+from omnistage_operator.api.activation import Activation, ActivationPolicy
+from omnistage_operator.api.pipelines import (
     Batching,
     PipelineError,
     batching_for,
@@ -20,6 +16,10 @@ from omnistage_operator.pipelines import (
     pipeline_keys,
     router_flag,
 )
+from omnistage_operator.decisions.arbiter import GroupMemory, StageFacts, StageIntent, WorkerPhase
+from omnistage_operator.decisions.arbiter.admission import admission_order
+from omnistage_operator.decisions.arbiter.plan import plan
+from omnistage_operator.decisions.ondemand import DEFERRED, Demand, DemandInput, shape_intents
 
 GI = 1 << 30
 ON = Activation(ActivationPolicy.ON_DEMAND)
@@ -123,7 +123,7 @@ def test_room_for_both_wakes_a_collecting_stage_without_a_swap() -> None:
 
 
 def test_status_body_names_stages_queues_and_readiness() -> None:
-    from omnistage_operator.pipeline_status import StageView, status_body
+    from omnistage_operator.runtime.pipeline_status import StageView, status_body
 
     p = parse_pipeline(body(QI))
     ar, dif = ("AR", "Transformers"), ("Diffusion", "Diffusers")

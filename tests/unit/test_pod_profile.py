@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omnistage_operator.builders import build_worker_pod
-from omnistage_operator.pod_hash import DEFAULT_PROFILE, PodProfile, pod_spec_hash
-from omnistage_operator.spec import DesiredState
-from omnistage_operator.worker_credentials import ProjectedToken, SharedToken
+from omnistage_operator.api.spec import DesiredState
+from omnistage_operator.k8s.builders import build_worker_pod
+from omnistage_operator.k8s.pod_hash import DEFAULT_PROFILE, PodProfile, pod_spec_hash
+from omnistage_operator.k8s.worker_credentials import ProjectedToken, SharedToken
 from tests.unit.test_builders import container, make
 
 

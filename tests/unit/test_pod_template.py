@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import build_worker_pod
-from omnistage_operator.pod_hash import pod_spec_hash
-from omnistage_operator.pod_template import (
+from omnistage_operator.api.pod_template import (
     DEFAULT_CONTAINER_SECURITY_CONTEXT,
     DEFAULT_POD_SECURITY_CONTEXT,
     PodExtras,
     parse_pod_extras,
 )
-from omnistage_operator.spec import RESERVED_VOLUMES, DesiredState, SpecError
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.api.spec import RESERVED_VOLUMES, DesiredState, SpecError
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import build_worker_pod
+from omnistage_operator.k8s.pod_hash import pod_spec_hash
 
 OWNER = {"apiVersion": "omnistage.io/v1alpha1", "kind": "OmniStage", "name": "s", "uid": "u",
          "controller": True, "blockOwnerDeletion": True}  # fmt: skip

@@ -1,10 +1,10 @@
-"""Pure readings of pods, claims and ResourceSlices (``omnistage_operator.pods``)."""
+"""Pure readings of pods, claims and ResourceSlices (``omnistage_operator.decisions.pods``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from omnistage_operator.pods import CrashBackoff, claim_device_uuids, exit_message
+from omnistage_operator.decisions.pods import CrashBackoff, claim_device_uuids, exit_message
 
 
 def _pod(state: dict[str, Any], phase: str = "Failed", key: str = "state") -> dict[str, Any]:

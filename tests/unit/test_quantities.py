@@ -135,8 +135,8 @@ def test_suffixes_scale(n: int, suffix: str) -> None:
 
 
 def test_operator_and_worker_share_one_grammar() -> None:
-    from omnistage_operator import quantities as operator_quantities
     from omnistage_worker import config
+    from omnistage_worker import quantities as operator_quantities
 
     assert operator_quantities.parse_quantity is parse_quantity
     assert operator_quantities.format_bytes is format_bytes

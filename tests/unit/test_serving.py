@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator import serving as V
-from omnistage_operator.builders import build_worker_pod
-from omnistage_operator.pod_hash import pod_spec_hash
-from omnistage_operator.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredState, SpecError
-from omnistage_operator.worker_command import worker_args
+from omnistage_operator.api import serving as V
+from omnistage_operator.api.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredState, SpecError
+from omnistage_operator.k8s.builders import build_worker_pod
+from omnistage_operator.k8s.pod_hash import pod_spec_hash
+from omnistage_operator.k8s.worker_command import worker_args
 from omnistage_worker import config as worker_config
 from omnistage_worker import limits as worker_limits
 from omnistage_worker.cli import build_parser

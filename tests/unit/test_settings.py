@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from omnistage_operator.settings import SettingsError, parse_settings
+from omnistage_operator.k8s.settings import SettingsError, parse_settings
 
 
 def test_defaults_follow_the_contract() -> None:
@@ -55,7 +55,7 @@ def test_bad_values_name_the_flag(argv: list[str], field: str) -> None:
 
 
 def test_the_round_wait_from_flag_or_environment_reaches_the_groups_round_policy() -> None:
-    from omnistage_operator.runner import GroupRunner
+    from omnistage_operator.runtime.runner import GroupRunner
 
     assert parse_settings([], {"OMNISTAGE_ROUND_WAIT": "0.5"}).round_wait_s == 0.5
     s = parse_settings(["--round-wait", "12"], {"OMNISTAGE_ROUND_WAIT": "0.5"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from omnistage_operator.arbiter import (
+from omnistage_operator.decisions.arbiter import (
     BlockReason,
     DeviceMemory,
     GroupMemory,
@@ -17,10 +17,10 @@ from omnistage_operator.arbiter import (
     StageIntent,
     WorkerPhase,
 )
-from omnistage_operator.facts import AckFacts, DeviceFigures
-from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy
-from omnistage_operator.handover.rounds import run_round
-from omnistage_operator.sleep_tasks import SleepTracker
+from omnistage_operator.decisions.facts import AckFacts, DeviceFigures
+from omnistage_operator.decisions.handover import GroupObservation, RoundOutcome, RoundPolicy
+from omnistage_operator.decisions.handover.rounds import run_round
+from omnistage_operator.decisions.handover.sleep_tasks import SleepTracker
 
 GI = 1 << 30
 TOTAL = 16 * GI

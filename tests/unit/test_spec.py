@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.spec import (
+from omnistage_operator.api.spec import (
     Backend,
     DesiredState,
     PlacementMode,
@@ -16,7 +16,7 @@ from omnistage_operator.spec import (
     StageSpec,
     WorkerDevice,
 )
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.api.spec_parse import parse_stage
 
 
 def body(**spec: Any) -> dict[str, Any]:

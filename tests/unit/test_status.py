@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from omnistage_operator.arbiter import Blocker, BlockReason, WorkerPhase
-from omnistage_operator.facts import AckFacts, DeviceFigures, WorkerReport
-from omnistage_operator.status import (
+from omnistage_operator.decisions.arbiter import Blocker, BlockReason, WorkerPhase
+from omnistage_operator.decisions.facts import AckFacts, DeviceFigures, WorkerReport
+from omnistage_operator.decisions.status import (
     StageObservation,
     build_status,
     format_timestamp,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from omnistage_worker.token_review import (
+from omnistage_worker.serving.token_review import (
     ReviewCache,
     TokenReviewSettings,
     bearer_of,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-from omnistage_operator.labels import GROUP_LABEL, STAGE_LABEL
-from omnistage_operator.views import GroupViews, pod_keys, stage_keys
+from omnistage_operator.api.labels import GROUP_LABEL, STAGE_LABEL
+from omnistage_operator.k8s.views import GroupViews, pod_keys, stage_keys
 
 
 def _stage(name: str, group: str | None) -> dict[str, Any]:

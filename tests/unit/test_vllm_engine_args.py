@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import build_worker_pod, owner_reference
-from omnistage_operator.pod_hash import pod_spec_hash
-from omnistage_operator.spec import SpecError, VllmSettings
-from omnistage_operator.spec_parse import parse_stage
+from omnistage_operator.api.spec import SpecError, VllmSettings
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import build_worker_pod, owner_reference
+from omnistage_operator.k8s.pod_hash import pod_spec_hash
 from omnistage_worker.cli import build_parser, config_from_args
 from omnistage_worker.config import ConfigError, VllmArgs
 

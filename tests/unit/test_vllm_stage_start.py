@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from omnistage_operator import conditions as cond
-from omnistage_operator.arbiter import (
+from omnistage_operator.api import conditions as cond
+from omnistage_operator.decisions.arbiter import (
     BlockReason,
     DeviceMemory,
     GroupMemory,
@@ -20,11 +20,11 @@ from omnistage_operator.arbiter import (
     StageIntent,
     WorkerPhase,
 )
-from omnistage_operator.arbiter.plan import plan
-from omnistage_operator.facts import AckFacts
-from omnistage_operator.handover import GroupObservation, RoundOutcome, RoundPolicy
-from omnistage_operator.handover.rounds import run_round
-from omnistage_operator.status import Phase, StageObservation, build_status
+from omnistage_operator.decisions.arbiter.plan import plan
+from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.handover import GroupObservation, RoundOutcome, RoundPolicy
+from omnistage_operator.decisions.handover.rounds import run_round
+from omnistage_operator.decisions.status import Phase, StageObservation, build_status
 
 GI = 1 << 30
 TOTAL = 16 * GI

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from omnistage_operator.arbiter import WorkerPhase
-from omnistage_operator.facts import AckFacts, DeviceFigures
-from omnistage_operator.remembered import adopt_status
-from omnistage_operator.spec_parse import parse_stage
-from omnistage_operator.wake_backoff import MAX_S, WakeBackoff, from_status, oom_message, to_status
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.decisions.arbiter import WorkerPhase
+from omnistage_operator.decisions.facts import AckFacts, DeviceFigures
+from omnistage_operator.decisions.remembered import adopt_status
+from omnistage_operator.decisions.wake_backoff import (
+    MAX_S,
+    WakeBackoff,
+    from_status,
+    oom_message,
+    to_status,
+)
 from tests.unit.test_spec import body
 
 GI = 1 << 30

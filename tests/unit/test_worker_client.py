@@ -16,13 +16,17 @@ import grpc
 import pytest
 
 from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
-from omnistage_operator.handover import WorkerRefused, WorkerUnauthenticated, WorkerUnavailable
-from omnistage_operator.leadership import LeadershipLost
-from omnistage_operator.port import KubeGroupPort
-from omnistage_operator.runner import GroupRunner
-from omnistage_operator.settings import Settings
-from omnistage_operator.spec_parse import parse_stage
-from omnistage_operator.worker_client import WorkerClient
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.decisions.handover import (
+    WorkerRefused,
+    WorkerUnauthenticated,
+    WorkerUnavailable,
+)
+from omnistage_operator.decisions.leadership import LeadershipLost
+from omnistage_operator.k8s.port import KubeGroupPort
+from omnistage_operator.k8s.settings import Settings
+from omnistage_operator.k8s.worker_client import WorkerClient
+from omnistage_operator.runtime.runner import GroupRunner
 
 
 @dataclass

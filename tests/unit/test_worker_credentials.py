@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from omnistage_operator.builders import TOKEN_VOLUME, build_worker_pod
-from omnistage_operator.settings import SettingsError, parse_settings
-from omnistage_operator.spec import DesiredState
-from omnistage_operator.worker_credentials import (
+from omnistage_operator.api.spec import DesiredState
+from omnistage_operator.k8s.builders import TOKEN_VOLUME, build_worker_pod
+from omnistage_operator.k8s.settings import SettingsError, parse_settings
+from omnistage_operator.k8s.worker_credentials import (
     WORKER_SERVICE_ACCOUNT,
     CredentialsError,
     ProjectedToken,

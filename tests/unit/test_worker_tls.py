@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from omnistage_operator.builders import build_worker_pod
-from omnistage_operator.pod_hash import pod_spec_hash
-from omnistage_operator.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredState, SpecError
-from omnistage_operator.spec_parse import parse_stage
-from omnistage_operator.worker_command import worker_args
+from omnistage_operator.api.spec import RESERVED_ARGS, RESERVED_VOLUMES, DesiredState, SpecError
+from omnistage_operator.api.spec_parse import parse_stage
+from omnistage_operator.k8s.builders import build_worker_pod
+from omnistage_operator.k8s.pod_hash import pod_spec_hash
+from omnistage_operator.k8s.worker_command import worker_args
 from tests.unit.test_pod_template import OWNER, body
 
 

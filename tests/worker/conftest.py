@@ -24,7 +24,7 @@ from omnistage.worker.v1 import (
 )
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.runners.base import ModelRunner
-from omnistage_worker.server import WorkerServer
+from omnistage_worker.serving.server import WorkerServer
 from tests.worker.tiny_models import (
     build_causal_lm,
     build_diffusion_pipeline,

@@ -35,7 +35,7 @@ from omnistage.worker.v1 import (
     types_pb2,
 )
 from omnistage_worker.config import DeviceSpec, WorkerConfig
-from omnistage_worker.server import WorkerServer
+from omnistage_worker.serving.server import WorkerServer
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 MIB = 1024 * 1024

@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc
-from omnistage_worker.auth import token_matches
-from omnistage_worker.health import INFERENCE_SERVICE, OVERALL, SLEEP_SERVICE
+from omnistage_worker.serving.auth import token_matches
+from omnistage_worker.serving.health import INFERENCE_SERVICE, OVERALL, SLEEP_SERVICE
 from tests.worker.conftest import StartWorker, WorkerHandle
 
 TOKEN = "s3cret-token-value"

@@ -395,7 +395,7 @@ async def test_termination_message_when_loading_fails(
 
 
 def test_termination_log_path(tmp_path: Path) -> None:
-    from omnistage_worker import termination
+    from omnistage_worker.control import termination
 
     absent = tmp_path / "dev" / "termination-log"
     assert termination.resolve(None, default=absent) is None  # outside a pod: nowhere

@@ -217,9 +217,9 @@ async def test_arbiter_admits_beside_a_partly_asleep_stage(
 ) -> None:
     """The operator's arbiter reads the partly asleep worker's GetStatus: its footprint is what
     stays resident, so a second stage the size of the sleeping encoders fits beside it."""
-    from omnistage_operator.arbiter import GroupMemory, StageIntent, WorkerPhase
-    from omnistage_operator.arbiter.plan import plan
-    from omnistage_operator.facts import report_from_proto
+    from omnistage_operator.decisions.arbiter import GroupMemory, StageIntent, WorkerPhase
+    from omnistage_operator.decisions.arbiter.plan import plan
+    from omnistage_operator.decisions.facts import report_from_proto
 
     worker = await start_worker(flux_dir, "diffusion", "diffusers")
     await worker.generate(**REQUEST)  # the peak while serving

@@ -84,7 +84,7 @@ async def test_transitions_are_serialized(lm_worker: WorkerHandle) -> None:
 
 
 async def test_ack_cache_is_bounded() -> None:
-    from omnistage_worker.acks import AckCache
+    from omnistage_worker.control.acks import AckCache
 
     cache = AckCache(capacity=3)
     loop = asyncio.get_running_loop()

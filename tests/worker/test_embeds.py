@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
-from omnistage_worker.embeds import check_header, pack, unpack
 from omnistage_worker.runners.base import InvalidRequest
+from omnistage_worker.runners.embeds import check_header, pack, unpack
 from tests.worker.conftest import StartWorker, WorkerHandle, rpc_error, wait_for
 from tests.worker.tiny_models import build_causal_lm
 

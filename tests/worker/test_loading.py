@@ -11,9 +11,9 @@ import pytest
 
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.health import INFERENCE_SERVICE, NOT_SERVING, OVERALL, SERVING
 from omnistage_worker.runners.causal_lm import CausalLMRunner
-from omnistage_worker.server import WorkerServer
+from omnistage_worker.serving.health import INFERENCE_SERVICE, NOT_SERVING, OVERALL, SERVING
+from omnistage_worker.serving.server import WorkerServer
 from tests.worker.conftest import WorkerHandle, wait_for
 
 

@@ -9,12 +9,9 @@ import grpc
 import pytest
 
 from omnistage.worker.v1 import types_pb2
-from omnistage_worker.acks import Outcome, build_ack
 from omnistage_worker.config import ConfigError, Identity, parse_byte_flag, parse_device
-from omnistage_worker.health import INFERENCE_SERVICE, NOT_SERVING, OVERALL, SERVING, statuses
-from omnistage_worker.host_allocator import fix_mmap_threshold
-from omnistage_worker.memory import DeviceReading, Reading, nvml_target, pick_grown_pid
-from omnistage_worker.transitions import (
+from omnistage_worker.control.acks import Outcome, build_ack
+from omnistage_worker.control.transitions import (
     Current,
     Plan,
     Refused,
@@ -24,6 +21,15 @@ from omnistage_worker.transitions import (
     plan_sleep,
     plan_wake,
     residual_error,
+)
+from omnistage_worker.host_allocator import fix_mmap_threshold
+from omnistage_worker.memory import DeviceReading, Reading, nvml_target, pick_grown_pid
+from omnistage_worker.serving.health import (
+    INFERENCE_SERVICE,
+    NOT_SERVING,
+    OVERALL,
+    SERVING,
+    statuses,
 )
 
 WS = types_pb2

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from omnistage.worker.v1 import types_pb2
+from omnistage_worker.control.oom import is_out_of_memory, needed_bytes, shortfall_in_message
 from omnistage_worker.engine.flat_weights import EngineError
 from omnistage_worker.memory import DeviceReading, Reading
-from omnistage_worker.oom import is_out_of_memory, needed_bytes, shortfall_in_message
 
 MiB = 1 << 20
 GiB = 1 << 30

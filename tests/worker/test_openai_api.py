@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from omnistage.worker.v1 import inference_service_pb2 as pb
-from omnistage_worker import openai_answers as A
-from omnistage_worker import openai_api as O
+from omnistage_worker.serving import openai_answers as A
+from omnistage_worker.serving import openai_api as O
 
 
 def test_n_and_prompt_lists_make_one_request_per_choice() -> None:

@@ -21,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 
-from omnistage_worker.router import Router
+from omnistage_worker.serving.router import Router
 from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
 
 MODEL = "tiny-lm"

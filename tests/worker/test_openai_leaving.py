@@ -18,7 +18,7 @@ import httpx
 
 from omnistage.worker.v1 import demand_service_pb2, demand_service_pb2_grpc, inference_service_pb2
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.queued import UNSERVED_HEADER
+from omnistage_worker.control.queued import UNSERVED_HEADER
 from omnistage_worker.runners.base import TextChunkSink
 from omnistage_worker.runners.causal_lm import CausalLMRunner
 from tests.worker.conftest import StartWorker, WorkerHandle, rpc_error, wait_for

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from omnistage_worker.router import Router
+from omnistage_worker.serving.router import Router
 from tests.worker.conftest import StartWorker
 from tests.worker.test_openai_conformance import MODEL, base, client, serve
 

@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc
-from omnistage_operator.handover import WorkerUnavailable
-from omnistage_operator.worker_client import WorkerClient
+from omnistage_operator.decisions.handover import WorkerUnavailable
+from omnistage_operator.k8s.worker_client import WorkerClient
 from tests.worker.conftest import StartWorker
 
 SERVICE_NAME = "tiny-llama-worker.demo.svc"

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omnistage_worker.pipeline_def import Passes, PipelineDef, PipelineStage, parse_pipeline
-from omnistage_worker.pipeline_serve import PipelineServer, grpc_targets
-from omnistage_worker.router import Router
+from omnistage_worker.serving.pipeline_def import Passes, PipelineDef, PipelineStage, parse_pipeline
+from omnistage_worker.serving.pipeline_serve import PipelineServer, grpc_targets
+from omnistage_worker.serving.router import Router
 from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
 from tests.worker.pipeline_reference import InProcessPipeline
 from tests.worker.test_embeds import encoder_dir
@@ -156,7 +156,7 @@ async def test_a_stage_not_reachable_yet_is_called_again(
     """The DiT's pod is being replaced (nothing listens at its address for a moment): the
     router sends the call again until it answers, within --retry-within."""
     from omnistage_worker.config import WorkerConfig
-    from omnistage_worker.server import WorkerServer
+    from omnistage_worker.serving.server import WorkerServer
     from tests.cluster.procs import free_port
 
     encoder = await start_worker(encoder_dir, "ar", "transformers")

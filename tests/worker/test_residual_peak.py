@@ -7,7 +7,7 @@ from pathlib import Path
 import grpc
 
 from omnistage.worker.v1 import types_pb2
-from omnistage_worker.health import INFERENCE_SERVICE, NOT_SERVING
+from omnistage_worker.serving.health import INFERENCE_SERVICE, NOT_SERVING
 from tests.worker.conftest import StartWorker, WorkerHandle, rpc_error
 from tests.worker.doubles import SCRATCH_PER_TOKEN, HeldMemoryLM
 

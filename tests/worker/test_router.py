@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
-from omnistage_worker.router import Router, parse_routes
+from omnistage_worker.serving.router import Router, parse_routes
 from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
 from tests.worker.test_cli import Subprocess, spawn
 

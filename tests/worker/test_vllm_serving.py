@@ -311,7 +311,7 @@ async def test_a_going_worker_answers_what_it_held_as_unserved(
     never reached the engine), so a router sends them to the stage's next pod."""
     import httpx
 
-    from omnistage_worker.queued import UNSERVED_HEADER
+    from omnistage_worker.control.queued import UNSERVED_HEADER
 
     w = await start(start_worker, tmp_path, activation="ondemand")
     assert (await w.sleep(1)).ok

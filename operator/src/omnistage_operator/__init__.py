@@ -1,45 +1,28 @@
 """omnistage operator: reconciles OmniStages and arbitrates GPU memory per colocation group.
 
-Where things are (pure modules: no kopf, no network; unit-tested in milliseconds):
+Where things are, by layer (imports point down only: ``api`` < ``decisions`` < ``k8s``
+< ``runtime`` < ``cli``; pure modules: no kopf, no network; unit-tested in milliseconds):
 
-=================================  ==========================================================
-a concern                          its module
-=================================  ==========================================================
-the OmniStage's types, parsing     ``spec`` (types), ``spec_parse`` (a stored body to a
-                                     ``StageSpec``; the CRD's schema and CEL refuse first)
-quantities, byte formatting        ``quantities`` (re-exports ``omnistage_worker.quantities``)
-who holds memory, who sleeps       ``arbiter`` (pure package): ``plan`` over ``demand``,
-  first, who waits and why           ``admission``, ``sleeps`` (sleep and fence orders),
-                                     ``components``, ``gate`` (the wake gate's blockers)
-what workers report                ``facts`` (pure): GetStatus and ACKs as typed facts
-a group's per-device memory        ``memory`` (pure)
-pods, claims, slices as facts      ``pods`` (pure): exit reasons, crash back-off, claim UUIDs
-status and its conditions          ``status``, ``conditions`` (pure): one function per condition
-the worker pod, Service, claim     ``builders`` (pure): manifests from a ``StageSpec``
-the worker's command line, the     ``worker_command``, ``pod_hash``, ``token_secret``
-  pod's spec hash, token Secret
-one hand-over round                ``handover``: ``rounds`` (observe, sleep, ACK or fence,
-                                     checkpoint, wake; against the ``GroupPort`` protocol),
-                                     ``orders`` (one sleep, fence or wake)
-a round's Kubernetes side          ``port`` (``KubeGroupPort``: the orders), on ``port_facts``
-                                     (GetStatus as facts, intents) and ``port_listing`` (the
-                                     listing, pods deleted before a round acts), typed
-                                     against ``port_host`` (the runner as the port uses it)
-a group's stages and pods          ``views``: from kopf's indexes (watches), no LIST per round
-the loop per group, what survives  ``runner`` (``GroupRunner``): kicks, asks, fences, learned
-  between rounds                     needs, back-offs, worker channels, the token Secret
-                                     (its halves: ``group_loops``, ``round_memory``,
-                                     ``group_claims``)
-status writes and Events           ``publisher``
-Kubernetes API calls               ``kube``: kr8s objects, one delete-and-confirm-gone, Events,
-                                     per-round request counting
-the worker's gRPC client           ``worker_client``
-leader election                    ``election`` (pure decisions), ``leader`` (the Lease I/O),
-                                     ``leadership`` (what a round checks: leading, epoch)
-kopf wiring                        ``handlers`` (thin: indexes, kicks, asks, cleanup)
-command line, settings, metrics    ``cli``, ``settings``, ``metrics``, ``labels``
-per-stage, per-device gauges       ``stage_metrics``: from the published status; ACK verdicts
-=================================  ==========================================================
+- ``api``: the OmniStage's types (``spec``), parsing (``spec_parse``; the CRD's schema and CEL
+  refuse first) and parts (``activation``, ``model_source``, ``pod_template``, ``serving``,
+  ``worker_tls``), ``pipelines`` (OmniPipeline), ``labels``, ``conditions``.
+- ``decisions`` (pure): ``arbiter`` (who holds memory, who sleeps first, who waits and why:
+  ``plan`` over ``demand``, ``admission``, ``sleeps``, ``components``, ``gate``, ``wakegate``),
+  ``handover`` (one round against the ``GroupPort`` protocol: ``rounds``, ``orders``,
+  ``sleep_tasks``), ``facts`` (GetStatus and ACKs as typed facts), ``memory``, ``pods``,
+  ``peaks``, ``ondemand``, ``status`` and ``component_status``, ``remembered``,
+  ``wake_backoff``, ``election`` (pure Lease decisions), ``leadership``, ``event_series``.
+- ``k8s``: ``kube`` (kr8s objects, one delete-and-confirm-gone, Events, request counting),
+  ``views`` (kopf's indexes, no LIST per round), ``builders`` (the worker pod, Service, claim),
+  ``worker_command``, ``pod_hash``, ``token_secret``, ``claim_slices``, ``group_claims``, the
+  group port (``port`` on ``port_facts`` and ``port_listing``, typed against ``port_host``:
+  the runner as the port uses it), ``leader`` (the Lease I/O), ``worker_client``,
+  ``worker_credentials``, ``settings`` (flags with environment defaults), ``metrics``.
+- ``runtime``: ``runner`` (``GroupRunner``: kicks, asks, fences, learned needs, back-offs;
+  its halves ``group_loops``, ``round_memory``), ``publisher`` (status writes
+  and Events), ``stage_metrics``, ``pipeline_status``, ``demand_watch``, ``handlers`` (thin kopf
+  wiring, with ``diffbase``), ``login``, ``election_thread``.
+- ``cli``: the ``omnistage-operator`` command.
 
 Decisions beyond the design contract:
 

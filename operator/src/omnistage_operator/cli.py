@@ -19,10 +19,10 @@ from typing import Any
 import kopf
 from prometheus_client import start_http_server
 
-from omnistage_operator.election_thread import ElectionThread
-from omnistage_operator.leader import Elector, KrEpochStore, KrLeaseStore, new_identity
-from omnistage_operator.leadership import Leadership, SoleWriter
-from omnistage_operator.settings import Settings, SettingsError, parse_settings
+from omnistage_operator.decisions.leadership import Leadership, SoleWriter
+from omnistage_operator.k8s.leader import Elector, KrEpochStore, KrLeaseStore, new_identity
+from omnistage_operator.k8s.settings import Settings, SettingsError, parse_settings
+from omnistage_operator.runtime.election_thread import ElectionThread
 from omnistage_worker.jsonlog import configure_logging
 
 __all__ = ["main"]
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(sys.stdout, settings.log_level, settings.log_format)
     os.environ["OMNISTAGE_RESYNC_INTERVAL"] = str(settings.resync_interval_s)
-    from omnistage_operator import handlers  # noqa: F401  (registers the kopf handlers)
+    from omnistage_operator.runtime import handlers  # noqa: F401  (registers the kopf handlers)
 
     start_http_server(settings.metrics_port)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
@@ -51,7 +51,7 @@ async def _elector(settings: Settings, on_acquired: Callable[[int], None]) -> El
     """The elector, built on the election thread (its kr8s client is that thread's own)."""
     import kr8s.asyncio
 
-    from omnistage_operator.kube import Kube
+    from omnistage_operator.k8s.kube import Kube
 
     api = await kr8s.asyncio.api()
     namespace = settings.lease_namespace_or(str(api.namespace or "default"))
@@ -71,7 +71,7 @@ async def _elector(settings: Settings, on_acquired: Callable[[int], None]) -> El
 
 
 async def _run(settings: Settings) -> None:
-    from omnistage_operator import handlers
+    from omnistage_operator.runtime import handlers
 
     operator_loop = asyncio.get_running_loop()
 

@@ -1,18 +1,18 @@
 """omnistage worker: serves one model stage and sleeps/wakes it with measured ACKs.
 
-Modules: ``cli`` (flags; ``flag_groups``: limits, vLLM), ``config`` (validation), ``dtype_choices``
-(``--dtype``, shared with the operator's CRD), ``quantities``
-(the Kubernetes quantity grammar, shared with the operator), ``server`` (grpc.aio server),
-``state`` (the worker: state, measuring, Generate; ``chunk_sinks``: its streamed chunks),
-``loading`` (load and the initial state), ``sleep_wake`` (Sleep and WakeUp carried out, measured,
-acked; ``transition_acks``: their lock, task ids, epochs and Acks; ``wake_capacity``),
-``worker_parts`` (the worker as those parts and ``status`` see it: protocols),
-``transitions`` (their pure decisions), ``status`` (GetStatus), ``lane`` (the worker's threads),
-``acks`` (Ack building, task-id memory), ``memory`` (a probe per device kind: NVML, accounting),
-``health``, ``auth``, ``sleep_service``, ``inference_service``, ``runners`` (diffusers,
-transformers, vLLM), ``engine`` (weight movement for the torch runners), ``metrics`` and
-``metrics_serve`` (Prometheus, request counting), ``asgi_serve`` (uvicorn in the worker's loop, for
-the OpenAI API and /metrics) and ``jsonlog`` (text or JSON log lines, shared with the operator).
+Packages by role: ``serving`` (``server``, the gRPC services, ``auth`` and ``token_review``,
+the OpenAI layer ``openai_*`` and ``vllm_front``, the pipeline ``router``, ``metrics_serve``),
+``control`` (``sleep_wake`` in the frame of ``transition_acks``: lock, task ids, epochs, Acks;
+``transitions`` their pure decisions, ``acks``, ``wake_capacity``, ``oom``, ``component_sleep``,
+``demand``, ``queued``, ``prestart`` and ``loading``, ``status`` (GetStatus), ``termination``,
+``lane``; ``worker_parts``: the worker as those parts see it, protocols), ``engine`` (weight
+movement for the torch runners), ``runners`` (diffusers, transformers, vLLM), ``memory`` (a probe
+per device kind: NVML, accounting). At the top: ``state`` (the worker: state, measuring,
+Generate), ``cli`` and ``flag_groups`` (flags), ``config`` (validation), ``limits``,
+``dtype_choices`` (``--dtype``, shared with the operator's CRD), ``quantities`` (the Kubernetes
+quantity grammar, shared with the operator), ``metrics``, ``fetch`` and ``fetch_s3`` with
+``sigv4`` (the model's init step), ``jsonlog`` and ``stray_output`` (log lines, shared with the
+operator).
 
 Decisions a user of the worker should know:
 

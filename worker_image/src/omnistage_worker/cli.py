@@ -1,7 +1,7 @@
 """``omnistage-worker``: parse flags, validate them (exit 2 naming the flag), then serve.
 
 A fatal start error (a bad flag, a missing model directory, a server that cannot start) is
-also written, as one line, to the termination message (:mod:`omnistage_worker.termination`),
+also written, as one line, to the termination message (:mod:`omnistage_worker.control.termination`),
 so the pod's status says why the worker exited. A model that fails to load does not end the
 process: the worker stays up FAILED (GetStatus and every refusal carry the reason, liveness
 reads NOT_SERVING) and writes the same termination message, shown once the pod ends.
@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from omnistage_worker import prestart, termination
 from omnistage_worker.config import (
     ACTIVATIONS,
     BACKENDS,
@@ -36,18 +35,19 @@ from omnistage_worker.config import (
     parse_device,
     read_token,
 )
+from omnistage_worker.control import prestart, termination
 from omnistage_worker.dtype_choices import DTYPES
 from omnistage_worker.flag_groups import limit_flags, request_limits, vllm_args, vllm_flags
 from omnistage_worker.host_allocator import fix_mmap_threshold
 from omnistage_worker.jsonlog import LOG_FORMATS, JsonFormatter, configure_logging
-from omnistage_worker.kube_access import KubeconfigError, access_from_kubeconfig
-from omnistage_worker.stray_output import capture_stray_output, real_stream
-from omnistage_worker.token_review import (
+from omnistage_worker.serving.kube_access import KubeconfigError, access_from_kubeconfig
+from omnistage_worker.serving.token_review import (
     DEFAULT_AUDIENCE,
     SA_DIR,
     TokenReviewSettings,
     in_cluster_server,
 )
+from omnistage_worker.stray_output import capture_stray_output, real_stream
 
 log = logging.getLogger("omnistage_worker")
 
@@ -304,7 +304,7 @@ def run_loop(config: WorkerConfig) -> int:
 
 async def run(config: WorkerConfig) -> int:
     """Serve until SIGTERM or SIGINT, then shut down gracefully; the exit code."""
-    from omnistage_worker.server import WorkerServer
+    from omnistage_worker.serving.server import WorkerServer
 
     server = WorkerServer(config)
     prestart.mark("imports done")

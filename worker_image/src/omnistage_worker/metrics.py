@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 
 if TYPE_CHECKING:
-    from omnistage_worker.worker_parts import WorkerReadings
+    from omnistage_worker.control.worker_parts import WorkerReadings
 
 __all__ = ["EXPORTED", "WorkerMetrics"]
 

@@ -3,7 +3,7 @@
 The operator (``vram.request``, printer columns) and the worker (``--residual-slack``) both use
 this module. It lives in the worker package because both images install that package and the
 worker must not import the operator's; it imports the standard library only, so the operator
-takes nothing else of the worker with it. :mod:`omnistage_operator.quantities` re-exports it.
+takes nothing else of the worker with it.
 
 Public API (stable):
 

@@ -24,30 +24,31 @@ from typing import Any, TypeVar
 import grpc
 
 from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_pb2
-from omnistage_worker import chunk_sinks, limits, loading, termination
-from omnistage_worker.component_sleep import asleep_components
+from omnistage_worker import limits
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.demand import Demand
+from omnistage_worker.control import chunk_sinks, loading, termination
+from omnistage_worker.control.component_sleep import asleep_components
+from omnistage_worker.control.demand import Demand
+from omnistage_worker.control.lane import DaemonLane
+from omnistage_worker.control.queued import Queued, ShuttingDown
+from omnistage_worker.control.sleep_wake import SleepWake
+from omnistage_worker.control.status import build_status
+from omnistage_worker.control.transitions import (
+    Current,
+    Refused,
+    generate_refusal,
+    holdable,
+    require_epoch,
+)
 from omnistage_worker.engine import activity
-from omnistage_worker.lane import DaemonLane
 from omnistage_worker.memory import MemoryProbe, Reading
 from omnistage_worker.metrics import WorkerMetrics
-from omnistage_worker.queued import Queued, ShuttingDown
 from omnistage_worker.runners.base import (
     ChunkSink,
     InvalidRequest,
     ModelRunner,
     SleepController,
     TextChunkSink,
-)
-from omnistage_worker.sleep_wake import SleepWake
-from omnistage_worker.status import build_status
-from omnistage_worker.transitions import (
-    Current,
-    Refused,
-    generate_refusal,
-    holdable,
-    require_epoch,
 )
 
 log = logging.getLogger(__name__)

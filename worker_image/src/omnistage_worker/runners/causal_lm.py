@@ -99,7 +99,7 @@ class CausalLMRunner(TorchRunner):
     ) -> inference_service_pb2.EncodeResponse:
         """The prompt's last hidden state (after the final norm) as prompt embeds, every
         token unmasked; each prompt runs alone, so its embeds do not depend on the others."""
-        from omnistage_worker.embeds import pack
+        from omnistage_worker.runners.embeds import pack
 
         started = time.monotonic()
         ids = [int(t) for t in self.tokenizer(request.prompt)["input_ids"]]

@@ -15,7 +15,6 @@ import torch
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
-from omnistage_worker.embeds import MAX_EMBEDS_BYTES
 from omnistage_worker.runners.base import (
     InvalidRequest,
     SleepController,
@@ -31,6 +30,7 @@ from omnistage_worker.runners.diffusion_embeds import (
     embeds_width,
 )
 from omnistage_worker.runners.diffusion_embeds import batch_key as embeds_key
+from omnistage_worker.runners.embeds import MAX_EMBEDS_BYTES
 from omnistage_worker.runners.frames import png, to_pil, video_frames
 from omnistage_worker.runners.group_batch import GroupBatcher
 from omnistage_worker.runners.pipeline_call import (

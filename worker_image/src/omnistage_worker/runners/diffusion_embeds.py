@@ -1,7 +1,7 @@
 """Prompt embeds into a diffusers pipeline: what it takes, checked per request, stacked per batch.
 
 A pipeline stage after an encoder stage gets ``GenerateRequest.prompt_embeds`` instead of a
-prompt (:mod:`omnistage_worker.embeds` carries them); they go to the pipeline's
+prompt (:mod:`omnistage_worker.runners.embeds` carries them); they go to the pipeline's
 ``prompt_embeds`` (and ``prompt_embeds_mask`` where it takes one, as Qwen-Image does).
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.worker.v1 import inference_service_pb2
-from omnistage_worker.embeds import FIELD, MASK, EmbedsShape, check_header, stack, unpack
 from omnistage_worker.runners.base import InvalidRequest
+from omnistage_worker.runners.embeds import FIELD, MASK, EmbedsShape, check_header, stack, unpack
 
 Request = inference_service_pb2.GenerateRequest
 

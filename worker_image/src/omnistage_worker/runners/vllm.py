@@ -3,8 +3,8 @@
 Design. The stage's HTTP API is vLLM's OpenAI app (``build_app`` + ``init_app_state``, as
 ``vllm serve`` builds it, :mod:`.vllm_serve`) over vLLM's ``AsyncLLM`` engine client, served
 by the worker's uvicorn on the stage's HTTP port behind a thin ASGI front of ours
-(:mod:`omnistage_worker.vllm_front`): continuous batching, paged KV, usage, logprobs, n, stop,
-seed, tools and structured output are vLLM's own, with no extra hop per token. The front keeps
+(:mod:`omnistage_worker.serving.vllm_front`): continuous batching, paged KV, usage, logprobs, n,
+stop, seed, tools and structured output are vLLM's own, with no extra hop per token. The front keeps
 what only the worker does: it holds requests while the stage sleeps or wakes (OnDemand; 409
 for a Manual stage that is not Active), never lets one into a sleeping engine, counts them in
 flight so a sleep drains them first, and answers ``/health``. The alternative, ``vllm serve``
@@ -226,7 +226,7 @@ class VllmRunner(ModelRunner):
 
     def http_front(self, worker: Worker) -> Any:
         """The stage's HTTP app: vLLM's OpenAI app behind the worker's front."""
-        from omnistage_worker.vllm_front import VllmFront
+        from omnistage_worker.serving.vllm_front import VllmFront
 
         return VllmFront(worker, lambda: self.app)
 

@@ -1,0 +1,1 @@
+"""The pure decisions: the arbiter, the hand-over round, worker facts, status (no I/O)."""

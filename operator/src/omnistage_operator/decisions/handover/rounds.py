@@ -1,0 +1,247 @@
+"""Executes the arbiter's decisions for one group: sleeps, ACK checks, fencing, then wakes.
+
+``run_round`` is written against ``GroupPort`` (observe, probe, start, sleep, wake, fence), so the
+same code runs against real workers and the Kubernetes API (``port.KubeGroupPort``) and against
+a simulated fleet in the property tests. One round:
+
+1. observe every stage (GetStatus of every reachable worker, pods from the API) and plan;
+2. create the pods of stages that have none and can start asleep (a wake goes through the gate;
+   no wake in a round that started pods, their contexts are not measured yet); a stage that
+   cannot start asleep (vLLM) is started Active in step 4, once the arbiter admits it and its
+   footprint passes the wake gate (``Decision.start``);
+3. send every sleep order and every fence order concurrently. A sleep's ACK deadline is its
+   drain timeout (when requests are in flight) plus the transition allowance; a sleep whose
+   worker is still draining (Sleeping with requests in flight) is waited for up to that bound,
+   never fenced. A sleep that gets no answer is retried with backoff under the same task id (it
+   may have been delivered) for the retry window; a not-ok ACK is retried after backoff under a
+   NEW task id (the worker replays a cached Ack for an old one); a deliberate refusal
+   (``WorkerRefused``) is reported, not retried for a window (a FAILED worker is fenced at
+   once, other refusals after the normal retries); an ok ACK the device's own figures
+   contradict (``facts.ack_contradiction``) is not trusted: reported and fenced. Then the stage
+   is fenced (pod deleted, deletion confirmed); a fence not confirmed stays pending (the kube
+   side persists ``RoundOutcome.fence_pending``, and the arbiter keeps the gate closed);
+4. observe again and plan with this hand-over's bookkeeping (who had to sleep or be fenced, who
+   ACKed ok, who was fenced); publish that (``checkpoint``: started, its status built and
+   its writes sent, before the first wake; finished before the round ends, so before its
+   publish), then wake what the arbiter now allows. A wake refused for lack of memory teaches the
+   stage's need (``RoundOutcome.learned_needs``, persisted by the kube side and given back as
+   ``StageFacts.learned_need``); it is not asked again until the memory is there, and never when
+   the need exceeds the device (``LargerThanDevice``). A wake that ran out of memory during its
+   copy (the room taken after the gate; the worker is back asleep and says how much more it
+   needed: ``AckFacts.needed_bytes``) teaches the same, at least what the wake needed
+   (``oom_need``), and is listed in ``RoundOutcome.wake_oom`` (the kube side backs off).
+
+One stage's error never stops the others: an unexpected exception while starting, sleeping or
+waking one stage is recorded for that stage (``RoundOutcome.stage_errors``, shown on its own
+resource) and the round goes on; a sleep that raised counts as not ACKed, so the wake gate stays
+closed. Only ``LeadershipLost`` ends the round.
+
+Sleeps run as tasks of the group's ``sleep_tasks.SleepTracker``: with the runner's tracker a round
+waits only for the sleeps it sent without requests in flight (at most ``round_wait_s``); a
+draining sleep goes on in the background and a later round takes its result (steps 3 and 4 run
+then), while the hand-over stays open: its sleepers without an ok ACK or a confirmed fence keep
+every wake of the group closed, a stage with a sleep out gets no second order and no wake.
+
+Callers serialize rounds per group (``GroupRunner``); nothing here is safe to run twice at once
+for the same group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace
+
+from omnistage_operator.decisions.arbiter import (
+    Decision,
+    Handover,
+    SleepOrder,
+    StageFacts,
+    WorkerPhase,
+)
+from omnistage_operator.decisions.arbiter.admission import claim_too_small
+from omnistage_operator.decisions.arbiter.plan import plan
+from omnistage_operator.decisions.facts import AckFacts, memory_need
+from omnistage_operator.decisions.handover import (
+    GroupObservation,
+    GroupPort,
+    Refusal,
+    RoundOutcome,
+    RoundPolicy,
+)
+from omnistage_operator.decisions.handover.orders import _failure, _fence, _guarded_sleep, _wake
+from omnistage_operator.decisions.handover.sleep_tasks import SleepTracker
+
+
+def oom_need(ack: AckFacts) -> int:
+    """What a wake that ran out of device memory needs, in the units of a footprint (the sum
+    over the stage's devices, its context included): what it holds asleep, plus the free
+    memory it found, plus how much more it needed."""
+    return ack.used_after_bytes + ack.free_after_bytes + ack.needed_bytes
+
+
+async def _start(port: GroupPort, name: str, out: RoundOutcome, *, active: bool) -> bool:
+    """Create one stage's pod; an error is that stage's (recorded), not the round's."""
+    try:
+        await port.start(name, active=active)
+    except Exception as exc:  # isolated per stage, reported on its resource
+        out.stage_errors[name] = _failure(name, "start", exc)
+        return False
+    (out.started_active if active else out.started).append(name)
+    return True
+
+
+def _remember(obs: GroupObservation, out: RoundOutcome) -> GroupObservation:
+    """The observation with what this round learned and the kube side has not persisted yet."""
+    facts = dict(obs.facts)
+    for name, seen in obs.facts.items():
+        fact = seen
+        learned = out.learned_needs.get(name)
+        pending = name in out.fence_pending and fact.phase is not WorkerPhase.ABSENT
+        if learned is not None and (fact.learned_need or 0) < learned:
+            fact = replace(fact, learned_need=learned)
+        if pending and not fact.fence_pending:
+            fact = replace(fact, fence_pending=True)
+        facts[name] = fact
+    return GroupObservation(obs.intents, facts, obs.memory)
+
+
+def _plan(
+    obs: GroupObservation,
+    handover: Handover | None,
+    policy: RoundPolicy,
+    started: frozenset[str] = frozenset(),
+) -> Decision:
+    return plan(
+        obs.intents, obs.facts, obs.memory, handover, margin_bytes=policy.margin_bytes,
+        started=started,
+    )  # fmt: skip
+
+
+def _sleep_id(hid: str, order: SleepOrder) -> str:
+    parts = "-parts" if order.components else ""
+    return f"{hid}-{order.stage}-sleep{order.level}{parts}"
+
+
+async def run_round(
+    port: GroupPort,
+    policy: RoundPolicy,
+    new_id: Callable[[], str],
+    tracker: SleepTracker | None = None,
+) -> RoundOutcome:
+    """Observe, sleep or fence what must release memory, then wake what the arbiter allows.
+
+    ``tracker``: the group's sleeps in flight across rounds (``sleep_tasks``); without one, the
+    round waits for every sleep it sent."""
+    tracker = tracker if tracker is not None else SleepTracker(background=False)
+    out = RoundOutcome()
+    done = tracker.collect()  # sleeps that ended since the last round
+    tracker.record(done, [])
+    if not done:
+        tracker.close_if_idle()  # e.g. a round ended by LeadershipLost before it closed it
+    obs = await port.observe()
+    decision = _plan(obs, tracker.handover(), policy)
+
+    for name, intent in sorted(obs.intents.items()):
+        absent = obs.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase is WorkerPhase.ABSENT
+        # no pod on a claim that cannot hold it: its worker could not see its devices
+        fits = claim_too_small(intent, obs.memory) is None
+        if absent and not intent.starts_active and fits:
+            await _start(port, name, out, active=False)
+    started = frozenset(out.started)
+    if started:
+        decision = _plan(obs, tracker.handover(), policy, started)
+
+    handover: Handover | None = tracker.handover()
+    checkpoint: asyncio.Future[None] | None = None
+    busy = tracker.running  # a stage with a sleep in flight gets no second order
+    sleeps = [o for o in decision.sleep if o.stage not in busy]
+    fences = [o for o in decision.fence if o.stage not in busy]
+    if sleeps or fences or done or busy:
+        hid = tracker.open(new_id() if handover is None else handover.id)
+        out.handover_id = hid
+        tracker.fences(fences)
+        for order in sleeps:
+            task_id = tracker.task_id(order.stage, _sleep_id(hid, order))
+            tracker.launch(order, _guarded_sleep(port, order, task_id, policy))
+        fenced = list(await asyncio.gather(*(_fence(port, order) for order in fences)))
+        await tracker.settle(policy.round_wait_s)
+        slept = done + tracker.collect()
+        tracker.record(slept, fenced)
+        out.sleeps.extend(slept)
+        out.fences.extend(fenced)
+        out.fence_pending |= {r.order.stage for r in slept if r.fence_pending}
+        out.fence_pending |= {r.order.stage for r in fenced if not r.fenced}
+        out.fence_confirmed |= {r.order.stage for r in slept if r.fenced}
+        out.fence_confirmed |= {r.order.stage for r in fenced if r.fenced}
+        out.sleeps_running, out.handover_began = tracker.running, tracker.began
+        handover = tracker.handover()
+        obs = _remember(await port.observe(), out)
+        decision = _plan(obs, handover, policy, started)
+        out.decision, out.observation = decision, obs
+        if out.sleeps or out.fences:
+            # Started (its status built, its writes sent) before any wake; awaited before the
+            # round ends, so a later write of the same status never lands first.
+            checkpoint = asyncio.ensure_future(port.checkpoint(out))
+            await asyncio.sleep(0)
+        tracker.close_if_idle()
+
+    try:
+        if decision.wake or decision.start or decision.component_wakes:
+            await _wake_allowed(port, policy, new_id, tracker, decision=decision, out=out)
+            obs = _remember(await port.observe(), out)
+            decision = _plan(obs, handover, policy, started)
+    finally:
+        if checkpoint is not None:  # its writes land before any later one (the publish)
+            await checkpoint
+
+    out.decision = decision
+    out.observation = obs
+    return out
+
+
+async def _wake_allowed(
+    port: GroupPort,
+    policy: RoundPolicy,
+    new_id: Callable[[], str],
+    tracker: SleepTracker,
+    *,
+    decision: Decision,
+    out: RoundOutcome,
+) -> None:
+    """Step 4's wakes (and starts Active) of what the arbiter allows; results into ``out``."""
+    hid = out.handover_id or new_id()
+    out.handover_id = hid
+    for name in decision.start:
+        await _start(port, name, out, active=True)
+    for name in decision.component_wakes + decision.wake:
+        if name in tracker.running:
+            continue  # its own sleep's ACK is not in yet: never woken on a guess
+        parts = name in decision.component_wakes  # an Active stage's footprint grows
+        task_id = f"{hid}-{name}-wake{'-parts' if parts else ''}"
+        if tracker.handover_id == hid:  # a hand-over open across rounds: a fresh id
+            task_id = tracker.task_id(f"wake:{name}", task_id)
+        try:
+            result = await _wake(port, name, task_id, policy)
+        except Exception as exc:  # isolated per stage
+            out.stage_errors[name] = _failure(name, "wake", exc)
+            continue
+        need: int | None = None
+        if isinstance(result, str):
+            out.wake_errors[name] = result
+        elif isinstance(result, Refusal):
+            out.wake_refusals[name] = result
+            out.wake_errors[name] = f"refused ({result.code}): {result.message}"
+            need = result.need_bytes
+        else:
+            out.wakes[name] = result
+            if not result.ok:
+                out.wake_errors[name] = result.error or "wake ACK not ok"
+                need = memory_need(result.error)
+                if result.needed_bytes > 0:
+                    out.wake_oom[name] = result
+                    need = max(need or 0, oom_need(result))
+        if parts:
+            out.component_wakes.add(name)
+        elif need is not None:
+            out.learned_needs[name] = need

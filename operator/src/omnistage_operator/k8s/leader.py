@@ -1,0 +1,406 @@
+"""The leader elector: one operator replica orders a group's workers at a time.
+
+``Elector`` implements ``leadership.Leadership`` on a ``coordination.k8s.io/v1`` Lease (kr8s
+objects; every acquire and renew is a merge patch carrying the ``resourceVersion`` it was decided
+from, so the API server refuses it with 409 when another replica wrote first). The decisions are
+``election``'s pure functions; this module only reads and writes the Lease, keeps time on the
+monotonic clock, and reports changes (Events on the Lease, Prometheus metrics, callbacks).
+
+Every replica runs kopf; the handlers of a replica that does not lead only record what they see
+(see ``handlers``), and ``GroupRunner`` runs no round and sends no order unless ``leading()``.
+``leading()`` turns false by itself when the renew deadline passes, even while a renew request
+hangs or the process was stopped, so losing the Lease stops every round at its next check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import kr8s
+from kr8s.asyncio.objects import new_class
+
+from omnistage_operator.decisions.election import (
+    Action,
+    Observation,
+    Tenure,
+    Timing,
+    decide,
+    leading,
+    observe,
+    parse_record,
+    release_patch,
+    write_for,
+)
+from omnistage_operator.k8s import metrics
+
+__all__ = [
+    "EPOCH_KEY",
+    "Elector",
+    "EpochStore",
+    "KrEpochStore",
+    "KrLeaseStore",
+    "LeaseStore",
+    "new_identity",
+]
+
+log = logging.getLogger(__name__)
+
+Lease = new_class("Lease", "coordination.k8s.io/v1", namespaced=True)
+
+
+def new_identity(pod_name: str | None = None) -> str:
+    """``<pod name>_<random>``: unique per process, so a restarted pod is a new candidate."""
+    base = pod_name or os.environ.get("POD_NAME") or socket.gethostname()
+    return f"{base}_{secrets.token_hex(4)}"
+
+
+class LeaseStore(Protocol):
+    """Reads and conditional writes of one Lease (None: absent, or the write lost a race)."""
+
+    async def get(self) -> dict[str, Any] | None:
+        """The Lease, or None when it does not exist."""
+        ...
+
+    async def create(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create it with ``spec``; None when it already exists."""
+        ...
+
+    async def patch(self, resource_version: str, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Merge ``spec`` if the Lease is still at ``resource_version``; None on conflict."""
+        ...
+
+
+def _code(exc: kr8s.ServerError) -> int:
+    return exc.response.status_code if exc.response is not None else 0
+
+
+class KrLeaseStore:
+    """``LeaseStore`` with kr8s objects."""
+
+    def __init__(self, api: Any, namespace: str, name: str) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+
+    def _obj(self, spec: Mapping[str, Any] | None = None) -> Any:
+        raw: dict[str, Any] = {"metadata": {"name": self.name, "namespace": self.namespace}}
+        if spec is not None:
+            raw["spec"] = dict(spec)
+        return Lease(raw, api=self.api)
+
+    async def get(self) -> dict[str, Any] | None:
+        """GET the Lease by name."""
+        obj = self._obj()
+        try:
+            await obj.refresh()
+        except kr8s.NotFoundError:
+            return None
+        return dict(obj.raw.to_dict())
+
+    async def create(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        """POST the Lease; None when another replica created it first (409)."""
+        obj = self._obj(spec)
+        try:
+            await obj.create()
+        except kr8s.ServerError as exc:
+            if _code(exc) == 409:
+                return None
+            raise
+        return dict(obj.raw.to_dict())
+
+    async def patch(self, resource_version: str, spec: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Merge patch with ``metadata.resourceVersion``: the API server applies it only to that
+        version of the Lease (409 otherwise, returned as None)."""
+        obj = self._obj()
+        body = {"metadata": {"resourceVersion": resource_version}, "spec": dict(spec)}
+        try:
+            await obj.patch(body)
+        except kr8s.ServerError as exc:
+            if _code(exc) == 409:
+                return None
+            raise
+        except kr8s.NotFoundError:
+            return None
+        return dict(obj.raw.to_dict())
+
+
+EPOCH_KEY = "epoch"
+
+
+class EpochStore(Protocol):
+    """Where the last granted epoch outlives the Lease (a Lease deleted and created again
+    continues above it)."""
+
+    async def get(self) -> int:
+        """The last epoch persisted (0: none)."""
+        ...
+
+    async def put(self, epoch: int) -> None:
+        """Persist ``epoch`` (never lowers what is stored; raises when it cannot be written)."""
+        ...
+
+
+ConfigMap = new_class("ConfigMap", "v1", namespaced=True)
+
+
+class KrEpochStore:
+    """``EpochStore`` in a ConfigMap beside the Lease (``<lease name>-epoch``, key ``epoch``):
+    the last epoch a holder acquired, written before that holder orders anything."""
+
+    def __init__(self, api: Any, namespace: str, name: str) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+
+    def _obj(self, data: Mapping[str, str] | None = None) -> Any:
+        raw: dict[str, Any] = {"metadata": {"name": self.name, "namespace": self.namespace}}
+        if data is not None:
+            raw["data"] = dict(data)
+        return ConfigMap(raw, api=self.api)
+
+    async def _read(self) -> tuple[int, str] | None:
+        obj = self._obj()
+        try:
+            await obj.refresh()
+        except kr8s.NotFoundError:
+            return None
+        raw = obj.raw.to_dict()
+        text = str((raw.get("data") or {}).get(EPOCH_KEY) or "0")
+        version = str(raw["metadata"].get("resourceVersion", ""))
+        return (int(text) if text.isdigit() else 0), version
+
+    async def get(self) -> int:
+        """The stored epoch (0 when the ConfigMap does not exist)."""
+        found = await self._read()
+        return 0 if found is None else found[0]
+
+    async def put(self, epoch: int) -> None:
+        """Create the ConfigMap, or raise its epoch (a patch conditional on what was read: a
+        concurrent writer makes it read again; a higher stored epoch is left alone)."""
+        for _ in range(5):
+            found = await self._read()
+            if found is None:
+                try:
+                    await self._obj({EPOCH_KEY: str(epoch)}).create()
+                    return
+                except kr8s.ServerError as exc:
+                    if _code(exc) == 409:
+                        continue
+                    raise
+            stored, version = found
+            if stored >= epoch:
+                return
+            body = {"metadata": {"resourceVersion": version}, "data": {EPOCH_KEY: str(epoch)}}
+            try:
+                await self._obj().patch(body)
+                return
+            except kr8s.ServerError as exc:
+                if _code(exc) != 409:
+                    raise
+        raise RuntimeError(f"epoch {epoch} not persisted in {self.namespace}/{self.name}")
+
+
+EventSink = Callable[[Mapping[str, Any], str, str, bool], Coroutine[Any, Any, None]]
+
+
+class Elector:
+    """Acquires, renews and releases the Lease; ``leading()`` and ``epoch`` for the rounds."""
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        identity: str,
+        timing: Timing,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_acquired: Callable[[int], None] | None = None,
+        on_lost: Callable[[], None] | None = None,
+        event: EventSink | None = None,
+        epochs: EpochStore | None = None,
+    ) -> None:
+        """``epochs``: where the last granted epoch outlives the Lease (None: only the Lease,
+        so a re-created Lease starts again at 1)."""
+        self.store = store
+        self.epochs = epochs
+        self._persisted = 0  # the highest epoch this process wrote to ``epochs``
+        self.identity = identity
+        self.timing = timing
+        self._clock = clock
+        self._on_acquired = on_acquired
+        self._on_lost = on_lost
+        self._event = event
+        self._obs: Observation | None = None
+        self._tenure: Tenure | None = None
+        self._lease: dict[str, Any] | None = None
+        self._was_leading = False
+        self._epoch = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        metrics.LEADER.set_function(lambda: 1.0 if self.leading() else 0.0)
+        metrics.LEADER_EPOCH.set_function(lambda: float(self.epoch))
+
+    # -- Leadership --------------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The Lease's transition count when this process acquired it (0 before that)."""
+        return self._epoch
+
+    def leading(self) -> bool:
+        """Held, and renewed within the renew deadline (monotonic clock)."""
+        return leading(self._tenure, self._clock(), self.timing)
+
+    @property
+    def holder(self) -> str:
+        """The holder this process last saw in the Lease ("" when none)."""
+        return self._obs.record.holder if self._obs is not None else ""
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    @property
+    def _request_timeout(self) -> float:
+        """A read or write of the Lease may take half the renew deadline: on a loaded machine
+        an API answer can take longer than the retry period, and cutting each try at the
+        retry period then loses leadership while every renewal would have landed in time
+        (bench/scale at 50 stages, load 20 on 2 cores). A renewal counts from when it was
+        sent, and the deadline watch reports a loss on time whatever a request is doing."""
+        return max(self.timing.renew_deadline_s / 2, self.timing.retry_period_s, 1.0)
+
+    async def run(self) -> None:
+        """Try to acquire, then renew, every retry period until cancelled."""
+        log.info(
+            "leader election on lease %s/%s as %s (lease %ss, renew deadline %ss, retry %ss)",
+            getattr(self.store, "namespace", "?"), getattr(self.store, "name", "?"),
+            self.identity, self.timing.lease_duration_s, self.timing.renew_deadline_s,
+            self.timing.retry_period_s,
+        )  # fmt: skip
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # an API error: leading() runs out by itself
+                log.warning("leader election: %r (leading: %s)", exc, self.leading())
+            self._notice()
+            delay = self.timing.retry_period_s
+            if not self.leading():
+                delay *= random.uniform(1.0, 1.2)  # candidates do not all try at once
+            await asyncio.sleep(delay)
+
+    async def _call(self, coro: Awaitable[dict[str, Any] | None]) -> dict[str, Any] | None:
+        return await asyncio.wait_for(coro, self._request_timeout)
+
+    async def _call_int(self, coro: Awaitable[int]) -> int:
+        return await asyncio.wait_for(coro, self._request_timeout)
+
+    async def _call_none(self, coro: Awaitable[None]) -> None:
+        await asyncio.wait_for(coro, self._request_timeout)
+
+    async def step(self) -> None:
+        """One try: read the Lease, then create, renew or take it over when ``decide`` says so."""
+        raw = await self._call(self.store.get())
+        # Seen when the answer arrived: never earlier than the holder's write it shows.
+        self._obs = observe(self._obs, parse_record(raw) if raw else None, self._clock())
+        if raw is not None:
+            self._lease = raw
+        action = decide(self.identity, self._obs, self._clock(), self.timing)
+        if action is Action.WAIT:
+            if self._tenure is not None:
+                log.warning("lease taken over by %s", self.holder)
+            self._tenure = None
+            return
+        record = self._obs.record if self._obs is not None else None
+        floor = 0
+        if action is not Action.RENEW and self.epochs is not None:
+            floor = await self._call_int(self.epochs.get())
+        spec, epoch = write_for(
+            action, self.identity, record, datetime.now(UTC), self.timing, floor=floor
+        )
+        sent = self._clock()
+        if action is Action.CREATE:
+            written = await self._call(self.store.create(spec))
+        else:
+            assert record is not None
+            written = await self._call(self.store.patch(record.resource_version, spec))
+        if written is None:  # another replica wrote first: read again next time
+            if action is not Action.RENEW:
+                return
+            self._tenure = None
+            return
+        self._lease = written
+        self._obs = observe(self._obs, parse_record(written), self._clock())
+        if self.epochs is not None and epoch > self._persisted:
+            # Durable before the first order carries it (a failure: not leading, and the
+            # next renew tries again).
+            await self._call_none(self.epochs.put(epoch))
+            self._persisted = epoch
+        self._tenure = Tenure(epoch, sent)
+        self._epoch = epoch
+
+    def _notice(self) -> None:
+        """Report a change of leadership (metrics, Event, callbacks) once."""
+        now_leading = self.leading()
+        if now_leading == self._was_leading:
+            return
+        self._was_leading = now_leading
+        if now_leading:
+            metrics.LEADER_TRANSITIONS.labels("acquired").inc()
+            msg = f"{self.identity} leads with epoch {self.epoch}"
+            log.info("leadership acquired: %s", msg)
+            self._emit("LeaderElected", msg, warning=False)
+            if self._on_acquired is not None:
+                self._on_acquired(self.epoch)
+        else:
+            metrics.LEADER_TRANSITIONS.labels("lost").inc()
+            msg = f"{self.identity} stopped leading (epoch {self.epoch}); holder now: "
+            msg += self.holder or "none"
+            log.warning("leadership lost: %s", msg)
+            self._emit("LeaderLost", msg, warning=True)
+            if self._on_lost is not None:
+                self._on_lost()
+
+    def _emit(self, reason: str, message: str, *, warning: bool) -> None:
+        if self._event is None or self._lease is None:
+            return
+        task: asyncio.Task[None] = asyncio.create_task(
+            self._event(self._lease, reason, message, warning)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def watch_deadline(self) -> None:
+        """Report a loss as soon as the renew deadline passes, even while a renew hangs."""
+        while True:
+            await asyncio.sleep(min(0.1, self.timing.retry_period_s / 4))
+            if self._was_leading and not self.leading():
+                self._notice()
+
+    async def release(self) -> None:
+        """Step down (shutdown): stop leading now, then clear the holder so a standby takes over
+        at its next try. Best effort: a Lease not released simply expires."""
+        held = self._tenure is not None
+        self._tenure = None
+        self._notice()
+        if not held or self._obs is None:
+            return
+        try:
+            raw = await self._call(self.store.get())
+            if raw is None or parse_record(raw).holder != self.identity:
+                return
+            done = await self._call(
+                self.store.patch(
+                    parse_record(raw).resource_version, release_patch(datetime.now(UTC))
+                )
+            )
+            if done is not None:
+                log.info("lease released by %s", self.identity)
+        except (TimeoutError, kr8s.ServerError, OSError) as exc:
+            log.warning("lease not released: %s", exc)

@@ -1,0 +1,246 @@
+"""The Kubernetes side of a hand-over round: ``KubeGroupPort`` implements ``handover.GroupPort``.
+
+For one round of one group it reads the group's OmniStages and worker pods from the watches
+(``views``: no LIST of the namespace), asks every worker for
+its GetStatus, turns both into the arbiter's intents and facts (with what a previous round or
+process persisted: pending fences, learned needs, crash back-offs), creates a stage's children
+(always asleep), and carries out Sleep, WakeUp and fences, checking before each order that this
+operator still leads.
+
+Its bases read the group: ``port_listing`` (the round's state, the listing from the watches, the
+pods deleted before the round acts) and ``port_facts`` (GetStatus turned into facts and intents).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from omnistage_operator.api.labels import GROUP_LABEL
+from omnistage_operator.api.spec import DesiredState
+from omnistage_operator.decisions.arbiter import StageFacts, WorkerPhase
+from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.handover import (
+    FenceFailed,
+    GroupObservation,
+    RoundOutcome,
+    WorkerUnavailable,
+)
+from omnistage_operator.decisions.memory import group_memory
+from omnistage_operator.decisions.peaks import StagePeaks
+from omnistage_operator.k8s import metrics
+from omnistage_operator.k8s.builders import (
+    build_group_claim,
+    build_service,
+    build_worker_pod,
+    owner_reference,
+)
+from omnistage_operator.k8s.group_claims import claim_holders
+from omnistage_operator.k8s.kube import CLAIMS, PODS, SERVICES
+from omnistage_operator.k8s.pod_hash import pod_spec_hash
+from omnistage_operator.k8s.port_facts import FactsPort, loading_asleep
+from omnistage_operator.k8s.port_listing import _built_from
+from omnistage_operator.k8s.views import group_of
+from omnistage_operator.k8s.worker_client import WorkerClient
+
+__all__ = ["KubeGroupPort", "group_of"]
+
+log = logging.getLogger(__name__)
+
+
+class KubeGroupPort(FactsPort):
+    """``GroupPort`` of one group, for one round."""
+
+    def _acked(self, stage: str, ack: AckFacts) -> None:
+        """Keep an ACK for status, and count it into the stage's per-device peaks."""
+        key = (self.ns, stage)
+        self.r.last_acks[key] = ack
+        self.r.peaks[key] = self.r.peaks.get(key, StagePeaks()).acked(ack)
+
+    async def observe(self) -> GroupObservation:
+        """Read the group's specs, pods, claim and every worker's GetStatus.
+
+        Within one round, specs, pods and the claim are read again only after this port created
+        or deleted a pod; otherwise only the workers are asked again (a spec changed meanwhile
+        kicks another round).
+        """
+        if not self._listed:
+            await self._list()
+            self._listed = True
+            self._claims_read = False
+        names = sorted(self.specs)
+        await self._adopt_persisted(names)
+        with_pod = [
+            n
+            for n in names
+            if n in self.pods
+            and (self.pods[n]["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
+        ]
+        reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
+        self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
+        self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
+        self._note_exits(names)
+        # A stage in crash back-off holds nothing (its container ended) and is left out of the
+        # arbitration until the back-off ends: it is neither admitted nor started, so the
+        # group's healthy stages are not put to sleep for it.
+        arbitrated = [n for n in names if n not in self.held_back]
+        if not self._claims_read:
+            holders = claim_holders(self.pods.values())
+            self._claim_uuids = await self.r.claim_uuids(self.ns, self.group, self.specs, holders)
+            self._claims_read = True
+        claim_uuids = self._claim_uuids
+        memory = group_memory(
+            {n: r for n, r in self.reports.items() if n in arbitrated},
+            {n: self.specs[n].gpus for n in arbitrated},
+            claim_uuids,
+        )
+        intents = {
+            n: self._intent(self.specs[n], self.bodies[n], self.facts[n]) for n in arbitrated
+        }
+        # OnDemand stages: their workers' demand is a fact the arbiter sees as intents.
+        self.demand = self.r.demand.shape(self, intents)
+        intents = self._refuse_mismatched(self._hold_wakes(self.demand.intents))
+        for name in self.demand.demand_asks:  # kept for the round's Events (held until woken)
+            self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
+        self.demand_idle |= self.demand.idle
+        facts = {n: loading_asleep(self.facts[n], self.pods.get(n)) for n in arbitrated}
+        return GroupObservation(intents, facts, memory)
+
+    # -- acting ----------------------------------------------------------------------------
+
+    async def start(self, stage: str, *, active: bool = False) -> None:
+        """Create the stage's token Secret, group claim, Pod (asleep, or Active when ``active``:
+        a stage that cannot start asleep, admitted by the arbiter) and Service."""
+        spec, body = self.specs[stage], self.bodies[stage]
+        if body["metadata"].get("deletionTimestamp"):
+            return
+        self._ensure_leading(f"start of {stage}")
+        old = self.pods.get(stage)
+        if old is not None:  # ended or of another group: delete it, wait until confirmed gone
+            await self._delete_confirmed(old, f"old pod of {stage} not gone", count_timeout=False)
+        await self.r.ensure_secret(self.ns)
+        claim = self.r.claim_for(spec)
+        if claim is not None:
+            gpus = max(s.gpus for s in self.specs.values())
+            manifest = build_group_claim(self.ns, self.group, gpus, self.r.settings.device_class)
+            await self.r.kube.create(CLAIMS, self.ns, manifest)
+        owner = owner_reference(body)
+        state = DesiredState.ACTIVE if active else DesiredState.ASLEEP
+        pod = self.r.credentials.adapt(build_worker_pod(
+            spec, initial_state=state, owner=owner, claim_name=claim,
+            epoch=self.r.leadership.epoch, profile=self.r.pod_profile,
+        ))  # fmt: skip
+        created = await self.r.kube.create_returning(PODS, self.ns, pod)
+        if created is not None:
+            self.r.created.add(created["metadata"]["uid"])
+            self.r.views.created(self.ns, stage, created)
+            log.info(
+                "%s/%s: created pod %s (%s)", self.ns, stage, pod["metadata"]["name"], state.value
+            )
+        await self.r.kube.create(SERVICES, self.ns, build_service(spec, owner=owner))
+        self._listed = False
+
+    def _client(self, stage: str) -> WorkerClient:
+        pod = self.pods.get(stage)
+        client = None if pod is None else self.r.client_for(self.ns, self.specs[stage], pod)
+        if client is None:
+            raise WorkerUnavailable(f"{stage} has no running pod with an address")
+        return client
+
+    async def probe(self, stage: str) -> StageFacts:
+        """GetStatus of one worker, as the arbiter's facts (a draining sleep is told from a
+        lost worker by this)."""
+        pod = self.pods.get(stage)
+        if pod is None:
+            return StageFacts(WorkerPhase.ABSENT)
+        rep = await self._status_of(stage, pod)
+        if rep is not None:
+            self.reports[stage] = rep
+        return self._facts(stage, pod, rep)
+
+    async def sleep(
+        self,
+        stage: str,
+        level: int,
+        task_id: str,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
+    ) -> AckFacts:
+        """Sleep (of ``components`` only, when named); the request carries the stage's drain
+        timeout, and the call's deadline is
+        ``timeout_s`` (the round's: --sleep-timeout, plus the drain timeout while requests are
+        in flight), else the drain timeout plus --sleep-timeout. The ACK is kept for status."""
+        client = self._client(stage)
+        self._ensure_leading(f"Sleep {task_id}")
+        drain = (
+            float(self.specs[stage].drain_timeout_s) if drain_timeout_s is None else drain_timeout_s
+        )
+        deadline = timeout_s if timeout_s is not None else drain + self.r.settings.sleep_timeout_s
+        t0 = time.monotonic()
+        ack = await client.sleep(
+            level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain,
+            components=components,
+        )  # fmt: skip
+        metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
+        self._acked(stage, ack)
+        result = "ok" if ack.ok else "not_ok"
+        metrics.TRANSITIONS.labels(self.ns, self.group, "sleep", result).inc()
+        if ack.ok and ack.freed_bytes > 0 and not ack.replayed:
+            metrics.BYTES_FREED.labels(self.ns, self.group).inc(ack.freed_bytes)
+        return ack
+
+    async def wake(self, stage: str, task_id: str) -> AckFacts:
+        """WakeUp with the contract's deadline; the ACK is kept for status."""
+        client = self._client(stage)
+        self._ensure_leading(f"WakeUp {task_id}")
+        t0 = time.monotonic()
+        ack = await client.wake(
+            task_id, self.r.settings.wake_timeout_s, epoch=self.r.leadership.epoch
+        )
+        metrics.ACK_SECONDS.labels("wake").observe(time.monotonic() - t0)
+        self._acked(stage, ack)
+        result = "ok" if ack.ok else "not_ok"
+        metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
+        return ack
+
+    async def checkpoint(self, outcome: RoundOutcome) -> None:
+        """Publish the sleeps' ACKs in status before any wake goes out."""
+        await self.r.publish(self, outcome, events=False)
+
+    async def fence(self, stage: str, reason: str) -> None:
+        """Delete the stage's pod; return only once the API server confirms it is gone."""
+        pod = self.pods.get(stage)
+        body = self.bodies[stage]
+        key = (self.ns, stage)
+        self._ensure_leading(f"fence of {stage}")
+        # Persisted before the delete: an operator restarted from here on keeps the gate
+        # closed until the API confirms the pod gone (status.fencePending).
+        await self.r.fence_started(self.ns, stage, reason)
+        rep = self.reports.get(stage)
+        self.r.emit(body, "Fencing", f"deleting the worker pod: {reason}", warning=True)
+        if pod is not None and not await self.r.delete_pod(self.ns, pod, grace_s=5):
+            metrics.FENCES.labels(self.ns, self.group, "timeout").inc()
+            name = pod["metadata"]["name"]
+            self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
+            raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
+        self._listed = False
+        await self.r.fence_confirmed(self.ns, stage, body)
+        metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
+        self.r.fenced[key] = reason
+        self.r.emit(
+            body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
+        )
+        spec_hash = pod_spec_hash(self.specs[stage], self.r.pod_profile)
+        if (
+            pod is not None
+            and rep is not None
+            and rep.phase is WorkerPhase.FAILED
+            and _built_from(pod, spec_hash)
+        ):
+            # A worker that failed (at load, or a residual it could not release) is a crash:
+            # its stage backs off before a new pod, with the worker's own reason in status.
+            why = f"worker failed: {rep.error}" if rep.error else "worker failed"
+            self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time(), spec_hash)

@@ -1,0 +1,2 @@
+"""The process wiring: kopf handlers, group runners, the status publisher, demand watchers,
+settings and login."""

@@ -1,0 +1,233 @@
+"""Thin kopf handlers: they record asks and kick the group's hand-over loop (runner.GroupRunner).
+
+Two kopf indexes (``omnistages_by_group``, ``worker_pods``) keep the groups' stages and worker
+pods as the watches see them; rounds read them through ``views.GroupViews`` instead of listing
+the namespace (kopf fills the indexes before any handler runs).
+
+The runner is set by ``cli.main`` before kopf starts (``configure``). Every decision is made in
+the round, which first reads every worker's real state (GetStatus), so a resumed operator never
+acts on what it remembered.
+
+Every replica runs kopf, but only the leader (``leadership.leading()``) acts:
+
+- kicks are harmless everywhere: the runner runs no round and sends no order unless leading,
+  but it remembers the group, so a replica that acquires the Lease kicks every group it has
+  seen (``on_acquired``), and the first round reads the workers' real state, as on resume;
+- an ask for Active is recorded in memory by every replica (a standby that takes over knows
+  it), but only the leader persists ``status.requestedActiveAt``; a standby first lets the
+  leader's kopf handle the change (it marks it handled for all replicas);
+- deletion: a standby's delete handler raises ``kopf.TemporaryError`` (it never deletes pods
+  or lets kopf remove the finalizer), so the finalizer stays until the leader's handler ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import kopf
+
+from omnistage_operator.api.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
+from omnistage_operator.api.pipelines import PIPELINE_PLURAL, pipeline_keys
+from omnistage_operator.api.spec import GROUP, PLURAL, VERSION
+from omnistage_operator.decisions.leadership import Leadership, SoleWriter
+from omnistage_operator.k8s.kube import Kube
+from omnistage_operator.k8s.settings import Settings
+from omnistage_operator.k8s.views import GroupViews, group_of, pod_keys, stage_keys
+from omnistage_operator.runtime import login  # noqa: F401  (registers kopf's login handlers)
+from omnistage_operator.runtime.diffbase import LeanDiffBaseStorage
+from omnistage_operator.runtime.runner import GroupRunner
+
+__all__ = ["configure"]
+
+log = logging.getLogger(__name__)
+
+FINALIZER = "omnistage.io/finalizer"
+# The timer's interval is fixed when kopf registers it: cli.main exports --resync-interval
+# into this variable before importing this module.
+RESYNC_S = float(os.environ.get("OMNISTAGE_RESYNC_INTERVAL", "10") or 10)
+
+
+class _State:
+    settings: Settings | None = None
+    runner: GroupRunner | None = None
+    leadership: Leadership = SoleWriter()
+
+
+def configure(settings: Settings, leadership: Leadership | None = None) -> None:
+    """Give the handlers their settings and leadership (call before kopf starts)."""
+    _State.settings = settings
+    _State.leadership = leadership or SoleWriter()
+
+
+def on_acquired(epoch: int) -> None:
+    """Leadership acquired: forget what status this replica last wrote (another leader may have
+    written since) and kick every group seen; each round reads the workers' real state first."""
+    runner = _State.runner
+    if runner is None:
+        return  # kopf not started yet: its resume handlers kick every group
+    runner.published.clear()
+    log.info("leading with epoch %d: a round for every group", epoch)
+    runner.kick_all()
+
+
+def _kick(namespace: str | None, group: str | None) -> None:
+    """Kick the group's loop; a standby's loop runs no round but remembers the group."""
+    if group is not None and _State.runner is not None:
+        _State.runner.kick(namespace or "default", group)
+
+
+def _runner() -> GroupRunner:
+    if _State.runner is None:
+        raise kopf.TemporaryError("operator is starting", delay=1)
+    return _State.runner
+
+
+@kopf.index(GROUP, VERSION, PLURAL)
+def omnistages_by_group(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
+    """OmniStages by group and by name (a round reads its group's from here, not a LIST)."""
+    return stage_keys(body, namespace)
+
+
+@kopf.index("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER})
+def worker_pods(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
+    """Worker pods by stage and by group (a round reads its group's from here, not a LIST)."""
+    return pod_keys(body, namespace)
+
+
+@kopf.index(GROUP, VERSION, PIPELINE_PLURAL)
+def omnipipelines_by_stage(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
+    """OmniPipelines by each stage they name (a round reads its stages' batch policy here)."""
+    return pipeline_keys(body, namespace)
+
+
+@kopf.on.event(GROUP, VERSION, PIPELINE_PLURAL)
+async def pipeline_event(
+    type: str | None, body: kopf.Body, namespace: str | None, **_: Any
+) -> None:
+    """A pipeline appeared or changed: its stages' groups re-plan (their rounds write its
+    status); with none of its stages there, the leader writes that status itself."""
+    runner = _State.runner
+    if runner is None or type == "DELETED":
+        return
+    ns = namespace or "default"
+    groups = set()
+    for stage in (body.get("spec") or {}).get("stages") or []:
+        found = runner.views.stage(ns, str((stage or {}).get("name")))
+        if found is not None and group_of(found) is not None:
+            groups.add(group_of(found))
+    for group in groups:
+        _kick(ns, group)
+    if not groups and _State.leadership.leading():
+        plain = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
+        await runner.pipeline_status.after_round(ns, [plain], {}, None, now=time.time())
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
+    """kopf settings: our finalizer, progress kept in omnistage.io annotations, API timeouts."""
+    ours = _State.settings or Settings()
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="omnistage.io")
+    # kopf's own essence, built without copying status (diffbase: a hand-over's largest cost)
+    settings.persistence.diffbase_storage = LeanDiffBaseStorage(
+        prefix="omnistage.io", key="last-handled-configuration"
+    )
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 10
+    settings.networking.request_timeout = 30
+    settings.batching.batch_window = 0.01
+    settings.posting.level = logging.WARNING
+    if ours.peering is None:
+        settings.peering.standalone = True
+    else:
+        settings.peering.name = ours.peering
+        settings.peering.mandatory = True
+    # kopf passes its indexes by name; they are live (kopf keeps them current).
+    views = GroupViews(
+        kwargs["omnistages_by_group"], kwargs["worker_pods"], kwargs["omnipipelines_by_stage"]
+    )
+    _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership, views)
+    log.info("omnistage operator started (namespaces: %s)", ",".join(ours.namespaces) or "all")
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    """Close worker channels."""
+    if _State.runner is not None:
+        await _State.runner.close()
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+async def stage_created(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
+    """A stage appeared (or the operator resumed): run its group's round."""
+    _runner()
+    _kick(namespace, group_of(body))
+
+
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def stage_updated(
+    body: kopf.Body, old: Any, new: Any, namespace: str | None, name: str, **_: Any
+) -> None:
+    """Spec changed: a new ask for Active is stamped now; the old and new groups re-plan."""
+    runner = _runner()
+    ns = namespace or "default"
+    old_state = (old or {}).get("state", "Active")
+    new_state = (new or {}).get("state", "Active")
+    asked = new_state == "Active" and old_state != "Active"
+    if asked:
+        runner.record_ask(ns, name)
+    old_group = group_of({"spec": old or {}})
+    new_group = group_of(body)
+    for group in {old_group, new_group} - {None}:
+        _kick(ns, group)
+    if asked:
+        if not _State.leadership.leading():
+            # A standby writes nothing. It lets the leader's kopf handle this change first:
+            # marking it handled here at once could hide it from the leader (kopf batches).
+            await asyncio.sleep(_retry_period())
+            if not _State.leadership.leading():
+                return
+        # Persist the ask before kopf marks this change handled: an operator killed now
+        # re-runs this handler, one killed later finds the ask in status.
+        await runner.persist_ask(ns, name)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
+    """Delete the pod (until confirmed gone) and Service, the claim with the last stage.
+
+    Only the leader cleans up; a standby keeps the finalizer (TemporaryError) until then."""
+    runner = _runner()
+    if not _State.leadership.leading():
+        raise kopf.TemporaryError("not the leader: the leading replica cleans up", delay=1)
+    await runner.cleanup_stage(body)
+    _kick(namespace, group_of(body))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=min(5.0, RESYNC_S))
+async def resync(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+    """Re-read worker facts now and then (status stays true without events): one round per
+    group per interval (the group's other stages' timers find it fresh)."""
+    group = group_of(body)
+    if group is not None and _State.runner is not None:
+        _State.runner.resync(namespace or "default", group, RESYNC_S)
+
+
+@kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER})
+async def worker_pod_event(
+    type: str | None, body: kopf.Body, namespace: str | None, **_: Any
+) -> None:
+    """A worker pod changed (started, became ready, failed, went away): re-plan its group."""
+    group = (body.get("metadata", {}).get("labels") or {}).get(GROUP_LABEL)
+    if group:
+        _kick(namespace, group)
+
+
+def _retry_period() -> float:
+    return _State.settings.retry_period_s if _State.settings is not None else 2.0

@@ -1,0 +1,1 @@
+"""Control of the one model: sleep and wake, transitions, ACKs, epochs, demand, loading."""

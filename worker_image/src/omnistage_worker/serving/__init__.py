@@ -1,0 +1,1 @@
+"""What the worker serves: gRPC services, the OpenAI layer, the router, auth, metrics."""
