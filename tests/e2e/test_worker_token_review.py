@@ -20,7 +20,7 @@ from omnistage.worker.v1 import sleep_service_pb2, types_pb2
 from omnistage_operator.decisions.handover import WorkerUnauthenticated
 from omnistage_operator.k8s.worker_client import WorkerClient
 from omnistage_operator.k8s.worker_credentials import WORKER_SERVICE_ACCOUNT
-from omnistage_worker.serving.token_review import TokenReviewSettings
+from omnistage_worker.token_review_settings import TokenReviewSettings
 from tests.cluster.controlplane import ControlPlane
 from tests.e2e.conftest import Cluster, OperatorProcess, stage_manifest, stage_port, wait_for
 from tests.worker.conftest import StartWorker, WorkerHandle, lm_dir, start_worker

@@ -68,6 +68,7 @@ WORKER_PURE = {
     "omnistage_worker.serving.pipeline_def",
     "omnistage_worker.quantities",
     "omnistage_worker.dtype_choices",
+    "omnistage_worker.token_review_settings",
     "omnistage_worker.serving.openai_api",
     "omnistage_worker.serving.openai_answers",
     "omnistage_worker.engine.layout",

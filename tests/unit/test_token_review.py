@@ -10,13 +10,13 @@ import pytest
 
 from omnistage_worker.serving.token_review import (
     ReviewCache,
-    TokenReviewSettings,
     bearer_of,
     in_cluster_server,
     judge,
     remaining_s,
     review_body,
 )
+from omnistage_worker.token_review_settings import TokenReviewSettings
 
 OPERATOR = "system:serviceaccount:omnistage-system:omnistage-operator"
 AUD = "omnistage-worker"

@@ -41,13 +41,9 @@ from omnistage_worker.flag_groups import limit_flags, request_limits, vllm_args,
 from omnistage_worker.host_allocator import fix_mmap_threshold
 from omnistage_worker.jsonlog import LOG_FORMATS, JsonFormatter, configure_logging
 from omnistage_worker.serving.kube_access import KubeconfigError, access_from_kubeconfig
-from omnistage_worker.serving.token_review import (
-    DEFAULT_AUDIENCE,
-    SA_DIR,
-    TokenReviewSettings,
-    in_cluster_server,
-)
+from omnistage_worker.serving.token_review import in_cluster_server
 from omnistage_worker.stray_output import capture_stray_output, real_stream
+from omnistage_worker.token_review_settings import DEFAULT_AUDIENCE, SA_DIR, TokenReviewSettings
 
 log = logging.getLogger("omnistage_worker")
 

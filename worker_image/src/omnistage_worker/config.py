@@ -17,7 +17,7 @@ from omnistage_worker.limits import RequestLimits
 from omnistage_worker.quantities import QuantityError, parse_quantity
 
 if TYPE_CHECKING:
-    from omnistage_worker.serving.token_review import TokenReviewSettings
+    from omnistage_worker.token_review_settings import TokenReviewSettings
 
 MI: Final = 1024 * 1024
 DEFAULT_RESIDUAL_SLACK: Final = 128 * MI

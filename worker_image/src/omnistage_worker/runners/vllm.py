@@ -53,7 +53,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
@@ -67,9 +67,6 @@ from omnistage_worker.runners.vllm_serve import (
     serve_argv,
     start_engine,
 )
-
-if TYPE_CHECKING:
-    from omnistage_worker.state import Worker
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +221,10 @@ class VllmRunner(ModelRunner):
             raise RuntimeError("the vLLM runner measures with the worker's probe: none is set")
         return self.probe
 
-    def http_front(self, worker: Worker) -> Any:
-        """The stage's HTTP app: vLLM's OpenAI app behind the worker's front."""
-        from omnistage_worker.serving.vllm_front import VllmFront
-
-        return VllmFront(worker, lambda: self.app)
+    def engine_app(self) -> Any:
+        """vLLM's own OpenAI app (None until the engine is up): the worker serves it behind its
+        front (the gate, the drain, the held requests)."""
+        return self.app
 
     def serve_argv(self, total: int, free: int) -> list[str]:
         """The ``vllm serve`` flags for a device of ``total`` bytes with ``free`` now."""

@@ -349,10 +349,11 @@ def _chat_template(runner: Any) -> openai_api.ChatTemplate:
 class HttpServer(InLoopServer):
     """Runs :class:`OpenAIApp` on ``host:port`` in the current event loop."""
 
-    def __init__(self, worker: Worker, host: str, port: int, grace: float = 30.0) -> None:
-        # A runner whose engine serves its own API (vLLM) brings its app behind the worker's gate.
-        front = getattr(worker.runner, "http_front", None)
-        app = front(worker) if callable(front) else OpenAIApp(worker).asgi
+    def __init__(
+        self, worker: Worker, host: str, port: int, grace: float = 30.0, app: Any = None
+    ) -> None:
+        # ``app``: an engine's own API behind the worker's front (vLLM); else the worker's own.
+        app = OpenAIApp(worker).asgi if app is None else app
         app = HttpRequestCounter(app, worker.metrics)
         config = uvicorn.Config(
             app,

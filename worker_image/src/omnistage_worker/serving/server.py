@@ -137,8 +137,14 @@ class WorkerServer:
         if config.http_port is not None:
             from omnistage_worker.serving.openai_http import HttpServer
 
+            app = None
+            engine_app = getattr(self.worker.runner, "engine_app", None)
+            if callable(engine_app):  # an engine serving its own API (vLLM), behind the gate
+                from omnistage_worker.serving.vllm_front import VllmFront
+
+                app = VllmFront(self.worker, engine_app)
             self.http = HttpServer(
-                self.worker, config.host, config.http_port, config.shutdown_grace_s
+                self.worker, config.host, config.http_port, config.shutdown_grace_s, app=app
             )
             if config.http_token:
                 log.info("the OpenAI HTTP API requires a bearer token (/health is open)")
