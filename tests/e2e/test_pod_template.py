@@ -141,9 +141,9 @@ BAD: list[tuple[str, Mutation, tuple[str, ...]]] = [
         ("spec.model.source.hub.repo", "should match"),
     ),
     (
-        "source-without-hub",
+        "source-without-hub-or-s3",
         _set("spec.model.source", {}),
-        ("spec.model.source.hub", "Required value"),
+        ("spec.model.source", "must set exactly one of hub and s3"),
     ),
     (
         "source-path-outside-the-mount",
