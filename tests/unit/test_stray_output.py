@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_a_json_worker_writes_only_json_lines() -> None:
 
 def test_lines_are_split_and_blank_ones_dropped() -> None:
     target = io.StringIO()
-    stream = JsonLineStream(target, "stdout", "INFO", JsonFormatter({"stage": "s"}))
+    stream = JsonLineStream(target, "stdout", logging.INFO, JsonFormatter({"stage": "s"}))
     stream.write("a\n\nb")
     assert [json.loads(x)["message"] for x in target.getvalue().splitlines()] == ["a"]
     stream.write("c\r\n")

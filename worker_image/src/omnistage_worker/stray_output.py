@@ -22,10 +22,10 @@ __all__ = ["JsonLineStream", "capture_stray_output", "real_stream"]
 class JsonLineStream:
     """A text stream that writes each complete line it receives as one JSON log object."""
 
-    def __init__(self, target: TextIO, name: str, level: str, formatter: JsonFormatter) -> None:
+    def __init__(self, target: TextIO, name: str, level: int, formatter: JsonFormatter) -> None:
         self.target = target
         self.name = name
-        self.level = level
+        self.level = level  # logging.INFO, logging.WARNING, ...
         self.formatter = formatter
         self._partial = ""
 
@@ -54,8 +54,7 @@ class JsonLineStream:
         line = line.rstrip("\r")
         if not line.strip():
             return
-        level = logging.getLevelName(self.level)
-        record = logging.LogRecord(self.name, level, "", 0, line, (), None)
+        record = logging.LogRecord(self.name, self.level, "", 0, line, (), None)
         self.target.write(self.formatter.format(record) + "\n")
         self.target.flush()
 
@@ -81,8 +80,8 @@ def real_stream(stream: TextIO) -> TextIO:
 def capture_stray_output(formatter: JsonFormatter) -> tuple[JsonLineStream, JsonLineStream]:
     """Replace ``sys.stdout`` and ``sys.stderr`` by JSON line streams over the real ones; a log
     handler made before keeps the real stream. Returns the two wrappers."""
-    out = JsonLineStream(real_stream(sys.stdout), "stdout", "INFO", formatter)
-    err = JsonLineStream(real_stream(sys.stderr), "stderr", "WARNING", formatter)
+    out = JsonLineStream(real_stream(sys.stdout), "stdout", logging.INFO, formatter)
+    err = JsonLineStream(real_stream(sys.stderr), "stderr", logging.WARNING, formatter)
     sys.stdout, sys.stderr = out, err
     atexit.register(out.close_line)
     atexit.register(err.close_line)
