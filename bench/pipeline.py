@@ -209,7 +209,13 @@ def one_run(cp: Any, kind: str, args: argparse.Namespace, models: Path, work: Pa
                           for n in ("encoder", "dit")]  # fmt: skip
                 return states == ["Asleep", "Asleep"]
 
-            wait_for("both stages loaded and asleep", asleep, 1800, 0.25)
+            try:
+                wait_for("both stages loaded and asleep", asleep, 900, 0.25)
+            except Exception:
+                diag = cp.kubectl("get", "pods,resourceclaims,events", "-o", "wide", "-n", ns,
+                                  check=False)  # fmt: skip
+                (work / f"stuck-{kind}.txt").write_text(f"{diag.stdout}\n{diag.stderr}")
+                raise
             targets = {}
             for name in ("encoder", "dit"):
                 pod = cp.get_json("pod", f"{name}-worker", namespace=ns)
@@ -304,10 +310,13 @@ def run(args: argparse.Namespace) -> Json:
     if todo:
         from tests.cluster.controlplane import ControlPlane  # needs the bundle's packages
 
-        with ControlPlane(binaries=binaries, controller_manager=args.tiny) as cp:
-            for crd in CRDS:
-                cp.kubectl("apply", "--server-side", "-f", str(crd))
-            for kind in todo:
+        # A control plane per run: without kube-controller-manager (the GPU bundle has none)
+        # nothing collects a finished run's pods, so its group's ResourceClaim would keep the
+        # node's GPU allocated and the next run's pods would never be scheduled.
+        for kind in todo:
+            with ControlPlane(binaries=binaries, controller_manager=args.tiny) as cp:
+                for crd in CRDS:
+                    cp.kubectl("apply", "--server-side", "-f", str(crd))
                 store.add(measured_run(cp, kind, args, models, report["models"]))
     runs = [r for k in ("resident", "batched", "per_request") if (r := store.done(k))]
     report["runs"] = runs
