@@ -36,6 +36,7 @@ cluster-bin: setup
 node-bin: setup
 	$(PY) -m tests.cluster.build --node
 	$(PY) -m tests.node.netpol_build
+	$(PY) -m tests.node.gotools
 
 # The pause, operator and worker images (buildah; base made from Debian's packages; cached
 # under $(OMNISTAGE_CACHE)/containers). Prints each image's build time and size. Needs root.
