@@ -5,8 +5,12 @@ hostPath; the worker runs as the image's user 65532 with a read-only root filesy
 capabilities; the kubelet's own gRPC readiness probe must pass, then a client on the host calls
 Generate on the pod IP through the CNI bridge. Then the chart's operator (``helm install`` on
 the node) hands over between a tiny AR and a tiny diffusion stage whose workers run in
-containers there. Needs ``make images`` (the worker image) and the prerequisites of
-test_realnode.py; not in CI (marker ``worker_image``: the image is 5.5 GB).
+containers there, in a namespace enforcing the ``restricted`` Pod Security Standard: each
+stage claims the node's simulated GPU through DRA (the group's ResourceClaim, prepared by the
+node's DRA plugin, reaching the containers through CDI), the model comes from a local
+PersistentVolume (no hostPath), and the device lists the workers by their host pids. Needs
+``make images`` (the worker image) and the prerequisites of test_realnode.py; not in CI
+(marker ``worker_image``: the image is 5.5 GB).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from tests.cluster.build import BuildError, find_kubelet, find_node_binary
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.podwait import is_ready, wait_pod
 from tests.e2e.conftest import wait_for
-from tests.node.chart import install_on_node, operator_pod
+from tests.node.chart import enforce_restricted, install_on_node, operator_pod
+from tests.node.gpuconfig import NodeGpus
 from tests.node.images import IMAGES, PAUSE, archive_path
 from tests.node.realnode import RealNode
+from tests.node.test_realnode import gpu_node_args
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.worker_image]
@@ -62,7 +68,10 @@ def worker_node(control_plane: ControlPlane) -> Iterator[RealNode]:
     for archive in archives:
         if not archive.is_file():
             pytest.fail(f"{archive} is missing: run `make images`", pytrace=False)
-    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy) as node:
+    gpus = NodeGpus(count=1, memory=GPU_BYTES)
+    with RealNode(
+        control_plane, kubelet, archives, kube_proxy=proxy, **gpu_node_args(gpus)
+    ) as node:
         yield node
 
 
@@ -136,12 +145,59 @@ def test_worker_image_serves_generate_behind_a_kubelet_grpc_probe(
     assert reply.text.text.strip(), reply
 
 
-# Host accounting (gpus: 0): each worker reports the host's RAM as its device, so two stages of
-# this request fit only one at a time and the group hands the memory over.
-HANDOVER_REQUEST = "12Gi"
+# One simulated GPU (the localnode e2e tests' size): the two tiny stages fit one at a time.
+GPU_BYTES = 1_100_000
+WAKE_MARGIN = 16 * 1024
+MODELS_PV = "omnistage-node-models"
 
 
-def _stage(name: str, kind: str, node: str, models: Path, state: str) -> dict[str, Any]:
+def _models_volume(node: str, models: Path, namespace: str) -> list[dict[str, Any]]:
+    """A local PersistentVolume on ``node`` holding the models, and its claim: the model
+    volume a pod under ``restricted`` may use (hostPath it may not)."""
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": MODELS_PV},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "local": {"path": str(models)},
+                "claimRef": {"namespace": namespace, "name": "models"},
+                "nodeAffinity": {
+                    "required": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {
+                                        "key": "kubernetes.io/hostname",
+                                        "operator": "In",
+                                        "values": [node],
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "models", "namespace": namespace},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": MODELS_PV,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    ]
+
+
+def _stage(name: str, kind: str, node: str, state: str) -> dict[str, Any]:
     runner, backend = {"ar": ("AR", "Transformers"), "sd": ("Diffusion", "Diffusers")}[kind]
     return {
         "apiVersion": "omnistage.io/v1alpha1",
@@ -154,12 +210,11 @@ def _stage(name: str, kind: str, node: str, models: Path, state: str) -> dict[st
             "model": {
                 "path": f"/models/{kind}",
                 "mountPath": "/models",
-                "volume": {"hostPath": {"path": str(models), "type": "Directory"}},
+                "volume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
             },
             "state": state,
             "colocation": {"group": "g"},
-            "gpus": 0,
-            "vram": {"request": HANDOVER_REQUEST},
+            "gpus": 1,
             "worker": {"device": "cpu", "dtype": "float32"},
             "template": {"nodeSelector": {"kubernetes.io/hostname": node}},
         },
@@ -173,7 +228,13 @@ def test_chart_hands_over_between_worker_containers(
     cp = control_plane
     release_ns = cp.create_namespace("omnistage-system")
     stages = cp.create_namespace("stages")
-    release = install_on_node(cp, worker_node.name, release_ns, [stages])
+    for ns in (release_ns, stages):
+        enforce_restricted(cp, ns)
+    cp.apply(_models_volume(worker_node.name, models, stages))
+    margin = {"extraArgs": [f"--wake-margin-bytes={WAKE_MARGIN}"]}
+    release = install_on_node(
+        cp, worker_node.name, release_ns, [stages], extra={"operator": margin}
+    )
 
     def state(name: str) -> str | None:
         status = cp.get_json("omnistage", name, namespace=stages).get("status") or {}
@@ -182,8 +243,8 @@ def test_chart_hands_over_between_worker_containers(
 
     try:
         operator_pod(cp, release, worker_node.container_logs)
-        cp.apply(_stage("ar", "ar", worker_node.name, models, "Active"), namespace=stages)
-        cp.apply(_stage("sd", "sd", worker_node.name, models, "Asleep"), namespace=stages)
+        cp.apply(_stage("ar", "ar", worker_node.name, "Active"), namespace=stages)
+        cp.apply(_stage("sd", "sd", worker_node.name, "Asleep"), namespace=stages)
         wait_for("ar Active", lambda: state("ar") == "Active", 300)
         wait_for("sd Asleep", lambda: state("sd") == "Asleep", 120)
         cp.kubectl(
@@ -201,10 +262,14 @@ def test_chart_hands_over_between_worker_containers(
         ar = cp.get_json("omnistage", "ar", namespace=stages)["status"]
         assert ar["state"] == "Waiting" and ar["waitingFor"] == ["sd"], ar
         assert (ar["lastAck"]["op"], ar["lastAck"]["ok"]) == ("sleep", True), ar
-        for name in ("ar", "sd"):  # the workers ran in containers on the node, never restarted
-            pod = cp.get_json("pod", f"{name}-worker", namespace=stages)
+        pods = [cp.get_json("pod", f"{n}-worker", namespace=stages) for n in ("ar", "sd")]
+        for pod in pods:  # the workers ran in containers on the node, never restarted
             assert pod["spec"]["nodeName"] == worker_node.name
             assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+            volumes = pod["spec"]["volumes"]
+            assert not [v for v in volumes if "hostPath" in v], volumes
+            assert pod["spec"]["resourceClaims"], "the GPU comes from the group's claim"
+        assert ar["lastAck"]["freedBytes"] > 0
         cp.kubectl("delete", "omnistage", "ar", "sd", "-n", stages, "--timeout=120s")
     finally:
         cp.helm("uninstall", release.name, "--namespace", release_ns, "--wait")
@@ -213,3 +278,4 @@ def test_chart_hands_over_between_worker_containers(
             cp.kubectl("patch", "omnistage", name, "-n", stages, *unfinalize, check=False)
         for ns in (stages, release_ns):
             cp.delete_namespace(ns)
+        cp.kubectl("delete", "pv", MODELS_PV, "--ignore-not-found")
