@@ -221,6 +221,16 @@ def _stage(name: str, kind: str, node: str, state: str) -> dict[str, Any]:
     }
 
 
+def _host_pids(node: RealNode, pods: list[dict[str, Any]]) -> set[int]:
+    """The host pids of the pods' (first) containers' processes, as containerd knows them."""
+    tasks = {}
+    for line in node.ctr("tasks", "ls").splitlines()[1:]:
+        fields = line.split()
+        tasks[fields[0]] = int(fields[1])
+    ids = [p["status"]["containerStatuses"][0]["containerID"].split("//", 1)[1] for p in pods]
+    return {tasks[i] for i in ids}
+
+
 def test_chart_hands_over_between_worker_containers(
     worker_node: RealNode, control_plane: ControlPlane, models: Path
 ) -> None:
@@ -269,6 +279,9 @@ def test_chart_hands_over_between_worker_containers(
             volumes = pod["spec"]["volumes"]
             assert not [v for v in volumes if "hostPath" in v], volumes
             assert pod["spec"]["resourceClaims"], "the GPU comes from the group's claim"
+        # the device lists both workers by their host pids (as NVML does in containers)
+        gpu = worker_node.gpu()
+        assert set(gpu.live()) == _host_pids(worker_node, pods), gpu.live()
         assert ar["lastAck"]["freedBytes"] > 0
         cp.kubectl("delete", "omnistage", "ar", "sd", "-n", stages, "--timeout=120s")
     finally:
