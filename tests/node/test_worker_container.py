@@ -8,7 +8,8 @@ the node) hands over between a tiny AR and a tiny diffusion stage whose workers 
 containers there, in a namespace enforcing the ``restricted`` Pod Security Standard: each
 stage claims the node's simulated GPU through DRA (the group's ResourceClaim, prepared by the
 node's DRA plugin, reaching the containers through CDI), the model comes from a local
-PersistentVolume (no hostPath), and the device lists the workers by their host pids. Needs
+PersistentVolume (no hostPath), the device lists the workers by their host pids, and the
+chart's worker TLS is on (the kubelet probes the workers' plaintext health port). Needs
 ``make images`` (the worker image) and the prerequisites of test_realnode.py; not in CI
 (marker ``worker_image``: the image is 5.5 GB).
 """
@@ -16,8 +17,10 @@ PersistentVolume (no hostPath), and the device lists the workers by their host p
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +29,12 @@ from typing import Any
 import grpc
 import pytest
 
-from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
+from omnistage.worker.v1 import (
+    inference_service_pb2,
+    inference_service_pb2_grpc,
+    sleep_service_pb2,
+    sleep_service_pb2_grpc,
+)
 from tests.cluster.build import BuildError, find_kubelet, find_node_binary
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.podwait import is_ready, wait_pod
@@ -36,11 +44,13 @@ from tests.node.gpuconfig import NodeGpus
 from tests.node.images import IMAGES, PAUSE, archive_path
 from tests.node.realnode import RealNode
 from tests.node.test_realnode import gpu_node_args
+from tests.worker.test_operator_tls import issue
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.worker_image]
 WORKER = IMAGES["worker"]
 PORT = 50051
+HEALTH_PORT = 50052  # the worker's plaintext grpc.health.v1 port under TLS (the chart's default)
 INFERENCE_SERVICE = "omnistage.worker.v1.InferenceService"
 
 
@@ -197,6 +207,48 @@ def _models_volume(node: str, models: Path, namespace: str) -> list[dict[str, An
     ]
 
 
+def _sign(directory: Path, ca: Path, ca_key: Path, dns_name: str) -> tuple[Path, Path]:
+    """A server certificate for ``dns_name`` signed by the CA (openssl): (crt, key)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    key, csr, crt = directory / "tls.key", directory / "tls.csr", directory / "tls.crt"
+    ext = directory / "ext.cnf"
+    ext.write_text(f"subjectAltName=DNS:{dns_name}\nextendedKeyUsage=serverAuth\n")
+    for args in (
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr)],
+        ["x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key)],
+    ):
+        if args[0] == "req":
+            args += ["-subj", f"/CN={dns_name}"]
+        else:
+            args += ["-CAcreateserial", "-days", "1", "-out", str(crt), "-extfile", str(ext)]
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+    return crt, key
+
+
+def _worker_tls(directory: Path, stages: str) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """A test CA and, per stage, the ``kubernetes.io/tls`` Secret of a certificate naming its
+    Service (``<stage>-worker.<namespace>.svc``), as a cert-manager Certificate writes it."""
+    (directory / "ar").mkdir(parents=True)
+    ca, crt, key = issue(directory / "ar", f"ar-worker.{stages}.svc")
+    pairs = {"ar": (crt, key)}
+    ca_key = directory / "ar" / "ca.key"
+    pairs["sd"] = _sign(directory / "sd", ca, ca_key, f"sd-worker.{stages}.svc")
+    secrets = {
+        name: {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": f"{name}-worker-tls", "namespace": stages},
+            "type": "kubernetes.io/tls",
+            "data": {
+                "tls.crt": base64.b64encode(c.read_bytes()).decode(),
+                "tls.key": base64.b64encode(k.read_bytes()).decode(),
+            },
+        }
+        for name, (c, k) in pairs.items()
+    }
+    return ca, secrets
+
+
 def _stage(name: str, kind: str, node: str, state: str) -> dict[str, Any]:
     runner, backend = {"ar": ("AR", "Transformers"), "sd": ("Diffusion", "Diffusers")}[kind]
     return {
@@ -215,7 +267,11 @@ def _stage(name: str, kind: str, node: str, state: str) -> dict[str, Any]:
             "state": state,
             "colocation": {"group": "g"},
             "gpus": 1,
-            "worker": {"device": "cpu", "dtype": "float32"},
+            "worker": {
+                "device": "cpu",
+                "dtype": "float32",
+                "tls": {"secretName": f"{name}-worker-tls"},
+            },
             "template": {"nodeSelector": {"kubernetes.io/hostname": node}},
         },
     }
@@ -231,20 +287,45 @@ def _host_pids(node: RealNode, pods: list[dict[str, Any]]) -> set[int]:
     return {tasks[i] for i in ids}
 
 
+def _plaintext_status(target: str) -> bool:
+    """Whether a plaintext GetStatus on ``target`` gets any answer (even a refusal)."""
+
+    async def call() -> bool:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = sleep_service_pb2_grpc.SleepServiceStub(channel)
+            try:
+                await stub.GetStatus(sleep_service_pb2.GetStatusRequest(), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+            return True
+
+    return asyncio.run(call())
+
+
 def test_chart_hands_over_between_worker_containers(
-    worker_node: RealNode, control_plane: ControlPlane, models: Path
+    worker_node: RealNode, control_plane: ControlPlane, models: Path, tmp_path: Path
 ) -> None:
-    """helm install on the node, two stages whose workers run in containers, a hand-over."""
+    """helm install on the node, two stages whose workers run in containers, a hand-over;
+    the chart's worker TLS on: the operator orders the workers over TLS, the kubelet's gRPC
+    probes go to their plaintext health port."""
     cp = control_plane
     release_ns = cp.create_namespace("omnistage-system")
     stages = cp.create_namespace("stages")
     for ns in (release_ns, stages):
         enforce_restricted(cp, ns)
     cp.apply(_models_volume(worker_node.name, models, stages))
-    margin = {"extraArgs": [f"--wake-margin-bytes={WAKE_MARGIN}"]}
-    release = install_on_node(
-        cp, worker_node.name, release_ns, [stages], extra={"operator": margin}
-    )
+    ca, tls_secrets = _worker_tls(tmp_path, stages)
+    cp.apply(list(tls_secrets.values()))
+    cp.kubectl("create", "secret", "generic", "worker-ca", f"--from-file=ca.crt={ca}",
+               "-n", release_ns)  # fmt: skip
+    values = {
+        "operator": {"extraArgs": [f"--wake-margin-bytes={WAKE_MARGIN}"]},
+        "workerTLS": {"caSecret": "worker-ca"},
+    }
+    release = install_on_node(cp, worker_node.name, release_ns, [stages], extra=values)
 
     def state(name: str) -> str | None:
         status = cp.get_json("omnistage", name, namespace=stages).get("status") or {}
@@ -279,6 +360,11 @@ def test_chart_hands_over_between_worker_containers(
             volumes = pod["spec"]["volumes"]
             assert not [v for v in volumes if "hostPath" in v], volumes
             assert pod["spec"]["resourceClaims"], "the GPU comes from the group's claim"
+            (container,) = pod["spec"]["containers"]
+            assert "--tls-cert" in container["args"], container["args"]
+            assert container["readinessProbe"]["grpc"]["port"] == HEALTH_PORT
+        # the control port answers TLS only: a plaintext call gets nothing
+        assert not _plaintext_status(f"{pods[1]['status']['podIP']}:{PORT}")
         # the device lists both workers by their host pids (as NVML does in containers)
         gpu = worker_node.gpu()
         assert set(gpu.live()) == _host_pids(worker_node, pods), gpu.live()
