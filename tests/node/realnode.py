@@ -531,6 +531,18 @@ class RealNode(Lifecycle):
         return found
 
 
+def gpu_node_args(gpus: NodeGpus) -> dict[str, Any]:
+    """RealNode's arguments for simulated GPUs through DRA and CDI: the tools built by
+    ``python -m tests.node.gotools`` (BuildError when they are not)."""
+    from tests.node.gotools import find_tool
+
+    return {
+        "containerd": find_tool("containerd"),
+        "gpus": gpus,
+        "dra_plugin": find_tool("fakegpu-dra") / "fakegpu-dra",
+    }
+
+
 def main() -> int:
     """``python -m tests.node.realnode``: start a node, print how to use it, wait for ^C."""
     from tests.cluster.build import ensure_kubelet

@@ -1,9 +1,12 @@
 """A real kubelet + containerd node: it registers, runs the built images, tears down fully.
 
-Needs root, Debian's containerd, runc, iptables and containernetworking-plugins, the kubelet
-and kube-proxy (``python -m tests.cluster.build --node``) and the images (``python -m
-tests.node.images pause operator``); ``make e2e-node`` does all of it. Nothing here is
-skipped: a missing piece fails with the command that provides it.
+The node runs containerd 1.7 built from its module (CDI on) and has one simulated GPU, which a
+pod claims through DRA and gets through CDI. Needs root, Debian's containerd (``ctr``), runc,
+iptables and containernetworking-plugins, the kubelet and kube-proxy (``python -m
+tests.cluster.build --node``), containerd 1.7 and the DRA plugin (``python -m
+tests.node.gotools``) and the images (``python -m tests.node.images pause operator``); ``make
+e2e-node`` does all of it. Nothing here is skipped: a missing piece fails with the command that
+provides it.
 """
 
 from __future__ import annotations
@@ -20,39 +23,26 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.localnode.devices import DEVICE_CLASS, DRIVER
 from tests.cluster.podwait import wait_gone, wait_pod
 from tests.node.chart import enforce_restricted, install_on_node, operator_pod
-from tests.node.gotools import find_tool
 from tests.node.gpuconfig import CONTAINER_GPU_ROOT, NodeGpus
 from tests.node.images import IMAGES, PAUSE, archive_path
-from tests.node.realnode import RealNode
+from tests.node.realnode import RealNode, gpu_node_args
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 OPERATOR = IMAGES["operator"]
-
-
-def gpu_node_args(gpus: NodeGpus | None = None) -> dict[str, Any]:
-    """RealNode's arguments for simulated GPUs through DRA and CDI (built tools, or fail)."""
-    try:
-        containerd, plugin = find_tool("containerd"), find_tool("fakegpu-dra")
-    except BuildError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    return {
-        "containerd": containerd,
-        "gpus": gpus or NodeGpus(),
-        "dra_plugin": plugin / "fakegpu-dra",
-    }
 
 
 @pytest.fixture(scope="module")
 def real_node(control_plane: ControlPlane) -> Iterator[RealNode]:
     try:
         kubelet, proxy = find_kubelet(), find_node_binary("kube-proxy")
+        gpu_args = gpu_node_args(NodeGpus())
     except BuildError as exc:
         pytest.fail(str(exc), pytrace=False)
     archives = (archive_path(PAUSE), archive_path(OPERATOR))
     for archive in archives:
         if not archive.is_file():
             pytest.fail(f"{archive} is missing: run `make images`", pytrace=False)
-    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy, **gpu_node_args()) as node:
+    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy, **gpu_args) as node:
         yield node
 
 

@@ -42,8 +42,7 @@ from tests.e2e.conftest import wait_for
 from tests.node.chart import enforce_restricted, install_on_node, operator_pod
 from tests.node.gpuconfig import NodeGpus
 from tests.node.images import IMAGES, PAUSE, archive_path
-from tests.node.realnode import RealNode
-from tests.node.test_realnode import gpu_node_args
+from tests.node.realnode import RealNode, gpu_node_args
 from tests.worker.test_operator_tls import issue
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
@@ -72,16 +71,14 @@ def models() -> Iterator[Path]:
 def worker_node(control_plane: ControlPlane) -> Iterator[RealNode]:
     try:
         kubelet, proxy = find_kubelet(), find_node_binary("kube-proxy")
+        gpu_args = gpu_node_args(NodeGpus(count=1, memory=GPU_BYTES))
     except BuildError as exc:
         pytest.fail(str(exc), pytrace=False)
     archives = (archive_path(PAUSE), archive_path(WORKER), archive_path(IMAGES["operator"]))
     for archive in archives:
         if not archive.is_file():
             pytest.fail(f"{archive} is missing: run `make images`", pytrace=False)
-    gpus = NodeGpus(count=1, memory=GPU_BYTES)
-    with RealNode(
-        control_plane, kubelet, archives, kube_proxy=proxy, **gpu_node_args(gpus)
-    ) as node:
+    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy, **gpu_args) as node:
         yield node
 
 
