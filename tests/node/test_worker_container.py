@@ -274,14 +274,17 @@ def _stage(name: str, kind: str, node: str, state: str) -> dict[str, Any]:
     }
 
 
-def _host_pids(node: RealNode, pods: list[dict[str, Any]]) -> set[int]:
-    """The host pids of the pods' (first) containers' processes, as containerd knows them."""
+def _host_pids(node: RealNode, pods: list[dict[str, Any]]) -> dict[str, int]:
+    """Stage -> the host pid of its pod's (first) container's process, as containerd knows it."""
     tasks = {}
     for line in node.ctr("tasks", "ls").splitlines()[1:]:
         fields = line.split()
         tasks[fields[0]] = int(fields[1])
-    ids = [p["status"]["containerStatuses"][0]["containerID"].split("//", 1)[1] for p in pods]
-    return {tasks[i] for i in ids}
+    out = {}
+    for pod in pods:
+        container = pod["status"]["containerStatuses"][0]["containerID"].split("//", 1)[1]
+        out[pod["metadata"]["labels"]["omnistage.io/stage"]] = tasks[container]
+    return out
 
 
 def _plaintext_status(target: str) -> bool:
@@ -364,7 +367,19 @@ def test_chart_hands_over_between_worker_containers(
         assert not _plaintext_status(f"{pods[1]['status']['podIP']}:{PORT}")
         # the device lists both workers by their host pids (as NVML does in containers)
         gpu = worker_node.gpu()
-        assert set(gpu.live()) == _host_pids(worker_node, pods), gpu.live()
+        host_pids = _host_pids(worker_node, pods)
+        assert set(gpu.live()) == set(host_pids.values()), gpu.live()
+
+        def figures_match() -> bool:
+            """Each worker's own figures are its host-pid record's; free is the device's."""
+            snap = gpu.snapshot()
+            for name, pid in host_pids.items():
+                memory = cp.get_json("omnistage", name, namespace=stages)["status"]["memory"]
+                if (memory["usedBytes"], memory["freeBytes"]) != (snap.procs[pid].used, snap.free):
+                    return False
+            return True
+
+        wait_for("the workers' figures = the device's, seen from the host", figures_match, 60)
         assert ar["lastAck"]["freedBytes"] > 0
         cp.kubectl("delete", "omnistage", "ar", "sd", "-n", stages, "--timeout=120s")
     finally:
