@@ -31,11 +31,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 cluster-bin: setup
 	$(PY) -m tests.cluster.build
 
-# Builds (or reuses) the kubelet (same Kubernetes release) and the NetworkPolicy enforcer
-# (kube-network-policies) for the real-node lane.
+# Builds (or reuses) the kubelet (same Kubernetes release), the NetworkPolicy enforcer
+# (kube-network-policies), containerd 1.7 (CDI) and the simulated GPUs' DRA plugin for the
+# real-node lane.
 node-bin: setup
 	$(PY) -m tests.cluster.build --node
 	$(PY) -m tests.node.netpol_build
+	$(PY) -m tests.node.gotools
 
 # The pause, operator and worker images (buildah; base made from Debian's packages; cached
 # under $(OMNISTAGE_CACHE)/containers). Prints each image's build time and size. Needs root.

@@ -14,7 +14,10 @@ Layout of ``<dir>``:
   ``tenant_on_copy`` ([pid, bytes], one shot); read on every probe call, so a test may switch
   them at run time;
 - ``lock``: serialises allocations between processes (an allocation checks free memory and
-  publishes its record under the lock, as the driver allocates atomically).
+  publishes its record under the lock, as the driver allocates atomically);
+- ``driver.sock`` (only where a host side serves it, :mod:`.driver`: the real node's devices,
+  whose processes run in containers): records are keyed by host pid and judged alive on the
+  host, as a real driver lists host pids across PID namespaces.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from tests.fakegpu.driver import SOCKET_NAME, DriverClient, alive
 from tests.fakegpu.model import Device, Faults, Proc, free
+
+__all__ = ["FakeGpu", "Snapshot", "alive"]
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -44,15 +48,6 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def alive(pid: int, create_time: float) -> bool:
-    """Whether process ``pid`` is the one that was created at ``create_time`` and still runs."""
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - create_time) < 1.0 and proc.status() != "zombie"
-    except psutil.Error:
-        return False
 
 
 @dataclass(frozen=True)
@@ -75,6 +70,13 @@ class FakeGpu:
     def __init__(self, directory: Path | str) -> None:
         self.dir = Path(directory)
         self.procs_dir = self.dir / "procs"
+        self._driver: DriverClient | None = None
+
+    def driver(self) -> DriverClient | None:
+        """The device's host side, when one serves ``driver.sock`` (see :mod:`.driver`)."""
+        if self._driver is None and (self.dir / SOCKET_NAME).exists():
+            self._driver = DriverClient(self.dir / SOCKET_NAME)
+        return self._driver
 
     # -- creation and switches (localnode, tests) ---------------------------------------------
 
@@ -159,20 +161,21 @@ class FakeGpu:
 
     def live(self) -> dict[int, Proc]:
         """The records of the processes that still run."""
-        out: dict[int, Proc] = {}
+        records: list[Proc] = []
         if not self.procs_dir.is_dir():
-            return out
+            return {}
         for entry in self.procs_dir.glob("*.json"):
             if entry.name.startswith("."):
                 continue
             data = _read_json(entry)
             try:
-                proc = Proc.from_json(data)
+                records.append(Proc.from_json(data))
             except (TypeError, KeyError, ValueError):
                 continue
-            if alive(proc.pid, proc.create_time):
-                out[proc.pid] = proc
-        return out
+        keys = [(p.pid, p.create_time) for p in records]
+        driver = self.driver()
+        flags = driver.alive(keys) if driver else [alive(pid, ct) for pid, ct in keys]
+        return {p.pid: p for p, up in zip(records, flags, strict=True) if up}
 
     def snapshot(self) -> Snapshot:
         """Free memory and live processes now (an outside observer's view)."""

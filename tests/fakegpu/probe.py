@@ -53,8 +53,14 @@ class FakeGpuProbe(AccountingProbe):
         # The device as the worker's torch numbers it (cuda:<ordinal>); NVML's index apart.
         self.ordinal = self.device.index if ordinal is None else ordinal
         super().__init__(used_fn, capacity=self.device.total)
-        self.pid = os.getpid() if pid is None else pid
-        self._me = model.Proc(self.pid, psutil.Process(self.pid).create_time())
+        driver = gpu.driver()
+        if pid is None and driver is not None:
+            # in a container: the device lists host pids (its host side says which is ours)
+            self.pid, created = driver.host_identity()
+        else:
+            self.pid = os.getpid() if pid is None else pid
+            created = psutil.Process(self.pid).create_time()
+        self._me = model.Proc(self.pid, created)
         self._lock = threading.Lock()
 
     @property
@@ -156,7 +162,8 @@ class EngineTreeGpuProbe(FakeGpuProbe):
     with host pids)."""
 
     def __init__(self, gpu: FakeGpu, pid: int | None = None) -> None:
-        super().__init__(gpu, pid=pid)
+        # its own process tree is walked here, in this PID namespace (it publishes no record)
+        super().__init__(gpu, pid=os.getpid() if pid is None else pid)
         self.engine_pids: set[int] = set()
 
     def touch(self) -> None:

@@ -37,6 +37,16 @@ class NodeLayout:
         return self.state / "containerd" / "config.toml"
 
     @property
+    def cdi_dir(self) -> Path:
+        """The CDI specs containerd reads (the simulated GPUs')."""
+        return self.state / "cdi"
+
+    @property
+    def gpu_dir(self) -> Path:
+        """The simulated GPUs' directories (one per device) and their staged user-space part."""
+        return self.state / "fakegpu"
+
+    @property
     def cni_conf_dir(self) -> Path:
         return self.state / "cni" / "net.d"
 
@@ -66,10 +76,12 @@ class NodeLayout:
         return self.state / "kube-proxy-config.yaml"
 
 
-def containerd_config(layout: NodeLayout) -> str:
-    """containerd 1.6 config (version 2): CRI with runc (cgroupfs), CNI, the local pause."""
+def containerd_config(layout: NodeLayout, cdi: bool = False) -> str:
+    """containerd 1.6/1.7 config (version 2): CRI with runc (cgroupfs), CNI, the local pause;
+    ``cdi`` (1.7): CDI devices resolved from the node's own spec directory."""
     root = layout.state / "containerd"
     cri = 'plugins."io.containerd.grpc.v1.cri"'
+    cdi_lines = ["  enable_cdi = true", f'  cdi_spec_dirs = ["{layout.cdi_dir}"]'] if cdi else []
     return "\n".join(
         [
             "version = 2",
@@ -92,6 +104,7 @@ def containerd_config(layout: NodeLayout) -> str:
             # the kubelet asks for negative OOM scores; this machine lets no one lower its own
             "  restrict_oom_score_adj = true",
             "  disable_apparmor = true",
+            *cdi_lines,
             f"[{cri}.containerd]",
             '  snapshotter = "overlayfs"',
             '  default_runtime_name = "runc"',

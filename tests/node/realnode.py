@@ -13,6 +13,14 @@
   the control plane's CA: the Node authorizer and NodeRestriction apply to it) and starts the
   kubelet built from the same release (cgroupfs, ``failCgroupV1: false``), then waits for the
   Node to be Ready;
+* with ``containerd=`` (the directory of containerd 1.7 built by :mod:`tests.node.gotools`),
+  runs that containerd and its shim instead of Debian's, with CDI enabled;
+* with ``gpus=`` (needs ``containerd=`` and ``dra_plugin=``), gives the node simulated GPUs
+  the way a real cluster's GPUs reach containers (:mod:`tests.node.gpuconfig`): their
+  directories, the host side answering for their processes' host pids
+  (:class:`tests.fakegpu.driver.DriverServer`), a CDI spec, the ``gpu.nvidia.com``
+  DeviceClass and the DRA kubelet plugin publishing the node's ResourceSlice; a pod claiming a
+  GPU gets it through CDI, no hostPath;
 * with ``kube_proxy=``, starts kube-proxy of the same release in iptables mode (user
   ``system:kube-proxy``) and waits for the ``kubernetes`` Service's rules: Service ClusterIPs
   then work from the node's pods, the API server's included (it advertises the host's address).
@@ -46,8 +54,12 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.hostnet import host_ip
 from tests.cluster.kubeconfig import write_cert_kubeconfig
 from tests.cluster.lifecycle import Lifecycle
+from tests.cluster.localnode.devices import DRIVER, GpuDevice, device_class
 from tests.cluster.pki import issue_client_cert
 from tests.cluster.procs import ManagedProcess, free_port, wait_for
+from tests.fakegpu.device import FakeGpu
+from tests.fakegpu.driver import DriverServer
+from tests.node.gpuconfig import LIB_FILES, NodeGpus, cdi_spec, plugin_config
 from tests.node.images import PAUSE
 from tests.node.nodeconfig import (
     NodeLayout,
@@ -99,13 +111,26 @@ class RealNode(Lifecycle):
         control_plane: ControlPlane,
         kubelet: Path,
         archives: tuple[Path, ...] = (),
+        *,
         name: str | None = None,
         kube_proxy: Path | None = None,
+        containerd: Path | None = None,
+        gpus: NodeGpus | None = None,
+        dra_plugin: Path | None = None,
     ):
-        """``kube_proxy``: also run kube-proxy (iptables mode), so Service ClusterIPs work."""
+        """``kube_proxy``: also run kube-proxy (iptables mode), so Service ClusterIPs work;
+        ``containerd``: a directory holding containerd and its runc shim (CDI on);
+        ``gpus``: simulated GPUs reached through ``dra_plugin`` and CDI."""
+        if gpus is not None and (containerd is None or dra_plugin is None):
+            raise ValueError("simulated GPUs need containerd= (CDI) and dra_plugin=")
         self.cp = control_plane
         self.kubelet_bin = kubelet
         self.kube_proxy_bin = kube_proxy
+        self.containerd_dir = containerd
+        self.gpus = gpus
+        self.dra_plugin = dra_plugin
+        self.gpu_devices: list[GpuDevice] = []
+        self._driver: DriverServer | None = None
         self.archives = archives
         suffix = secrets.token_hex(2)
         self.name = name or f"realnode-{suffix}"
@@ -149,10 +174,18 @@ class RealNode(Lifecycle):
         layout.cni_conf_dir.mkdir(parents=True)
         (layout.cni_conf_dir / "10-omnistage.conflist").write_text(dumps(cni_conflist(layout)))
         layout.containerd_config.parent.mkdir(parents=True, exist_ok=True)
-        layout.containerd_config.write_text(containerd_config(layout))
+        cdi = self.containerd_dir is not None
+        layout.containerd_config.write_text(containerd_config(layout, cdi=cdi))
+        env = None
+        binary = "containerd"
+        if self.containerd_dir is not None:  # its shim first on PATH (containerd looks it up)
+            env = {**os.environ, "PATH": f"{self.containerd_dir}:{os.environ['PATH']}"}
+            binary = str(self.containerd_dir / "containerd")
+        if self.gpus is not None:
+            self._make_gpus(self.gpus)
         t0 = time.monotonic()
         containerd = self._spawn(
-            "containerd", ["containerd", "--config", str(layout.containerd_config)]
+            "containerd", [binary, "--config", str(layout.containerd_config)], env=env
         )
         wait_for(
             "containerd's socket",
@@ -167,8 +200,74 @@ class RealNode(Lifecycle):
             self.import_archive(archive)
         self.timings["import"] = time.monotonic() - t0
         self._start_kubelet()
+        if self.gpus is not None:
+            self._start_dra_plugin()
         if self.kube_proxy_bin is not None:
             self._start_kube_proxy(self.kube_proxy_bin)
+
+    def _make_gpus(self, gpus: NodeGpus) -> None:
+        """The devices' directories (writable by the containers' users), the staged user-space
+        part, the host side serving them, and the CDI spec naming them."""
+        layout = self.layout
+        spec = gpus.spec(self.name)
+        self.gpu_devices = spec.devices()
+        dirs: dict[str, Path] = {}
+        for device in self.gpu_devices:
+            gpu = FakeGpu.create(layout.gpu_dir / device.name, spec.fake_device(device.name))
+            (gpu.dir / "lock").touch()
+            for path in (gpu.dir, gpu.procs_dir, gpu.dir / "lock"):
+                os.chmod(path, 0o666 if path.is_file() else 0o777)
+            dirs[device.name] = gpu.dir
+        lib = layout.gpu_dir / "lib"
+        repo = Path(__file__).resolve().parents[2]
+        for relative in LIB_FILES:
+            source, target = repo / relative, lib / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if source.is_dir():
+                shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(source, target)
+        for path in [lib, *lib.rglob("*")]:
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        self._driver = DriverServer(dirs.values()).__enter__()
+        layout.cdi_dir.mkdir(parents=True)
+        spec_file = layout.cdi_dir / "omnistage-fakegpu.json"
+        spec_file.write_text(dumps(cdi_spec(self.gpu_devices, dirs, lib)))
+
+    def gpu(self, device: str = "gpu-0") -> FakeGpu:
+        """Simulated device ``device`` as the host sees it."""
+        return FakeGpu(self.layout.gpu_dir / device)
+
+    def _start_dra_plugin(self) -> None:
+        """The DRA kubelet plugin (the node's credentials); ready once its ResourceSlice is
+        published (the kubelet retries a pod whose driver has not registered yet)."""
+        assert self.dra_plugin is not None
+        layout = self.layout
+        self.cp.apply(device_class())
+        config = layout.state / "fakegpu-dra.json"
+        config.write_text(dumps(plugin_config(self.name, self.gpu_devices)))
+        registry = layout.kubelet_dir / "plugins_registry"
+        registry.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        plugin = self._spawn(
+            "fakegpu-dra",
+            [
+                str(self.dra_plugin),
+                f"--config={config}",
+                f"--kubeconfig={layout.kubeconfig}",
+                f"--registry-dir={registry}",
+                f"--plugin-dir={layout.kubelet_dir / 'plugins' / DRIVER}",
+                "--v=2",
+            ],
+        )
+
+        def published() -> bool:
+            selector = f"spec.nodeName={self.name}"
+            slices = self.cp.get_json("resourceslices", "--field-selector", selector)["items"]
+            return any(s["spec"]["driver"] == DRIVER for s in slices)
+
+        wait_for("the DRA plugin's ResourceSlice", published, 60, interval=0.5, alive=plugin.died)
+        self.timings["dra-plugin"] = time.monotonic() - t0
 
     def _make_cgroups(self) -> None:
         for hierarchy in cgroup_mounts(_mountinfo()):
@@ -252,8 +351,10 @@ class RealNode(Lifecycle):
         )
         self.timings["kube-proxy"] = time.monotonic() - t0
 
-    def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
-        proc = ManagedProcess(name, argv, self.layout.state / "logs" / f"{name}.log")
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, self.layout.state / "logs" / f"{name}.log", env=env)
         self._procs.append(proc)
         return proc
 
@@ -309,6 +410,9 @@ class RealNode(Lifecycle):
         if proxy_ran and self.kube_proxy_bin is not None:  # its own removal of its rules
             _sh(str(self.kube_proxy_bin), "--cleanup", check=False)
         self._kill_leftovers()
+        if self._driver is not None:
+            self._driver.__exit__(None, None, None)
+            self._driver = None
         for point in mounts_under(_mountinfo(), self.layout.state):
             _sh("umount", "-l", str(point), check=False)
         if NETNS_DIR.is_dir():
@@ -425,6 +529,18 @@ class RealNode(Lifecycle):
                     if socket in (entry / "cmdline").read_bytes():
                         found.append(f"process {entry.name}")
         return found
+
+
+def gpu_node_args(gpus: NodeGpus) -> dict[str, Any]:
+    """RealNode's arguments for simulated GPUs through DRA and CDI: the tools built by
+    ``python -m tests.node.gotools`` (BuildError when they are not)."""
+    from tests.node.gotools import find_tool
+
+    return {
+        "containerd": find_tool("containerd"),
+        "gpus": gpus,
+        "dra_plugin": find_tool("fakegpu-dra") / "fakegpu-dra",
+    }
 
 
 def main() -> int:

@@ -1,9 +1,12 @@
 """A real kubelet + containerd node: it registers, runs the built images, tears down fully.
 
-Needs root, Debian's containerd, runc, iptables and containernetworking-plugins, the kubelet
-and kube-proxy (``python -m tests.cluster.build --node``) and the images (``python -m
-tests.node.images pause operator``); ``make e2e-node`` does all of it. Nothing here is
-skipped: a missing piece fails with the command that provides it.
+The node runs containerd 1.7 built from its module (CDI on) and has one simulated GPU, which a
+pod claims through DRA and gets through CDI. Needs root, Debian's containerd (``ctr``), runc,
+iptables and containernetworking-plugins, the kubelet and kube-proxy (``python -m
+tests.cluster.build --node``), containerd 1.7 and the DRA plugin (``python -m
+tests.node.gotools``) and the images (``python -m tests.node.images pause operator``); ``make
+e2e-node`` does all of it. Nothing here is skipped: a missing piece fails with the command that
+provides it.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import pytest
 
 from tests.cluster.build import K8S_VERSION, BuildError, find_kubelet, find_node_binary
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.localnode.devices import DEVICE_CLASS, DRIVER
 from tests.cluster.podwait import wait_gone, wait_pod
 from tests.node.chart import enforce_restricted, install_on_node, operator_pod
+from tests.node.gpuconfig import CONTAINER_GPU_ROOT, NodeGpus
 from tests.node.images import IMAGES, PAUSE, archive_path
-from tests.node.realnode import RealNode
+from tests.node.realnode import RealNode, gpu_node_args
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 OPERATOR = IMAGES["operator"]
@@ -30,13 +35,14 @@ OPERATOR = IMAGES["operator"]
 def real_node(control_plane: ControlPlane) -> Iterator[RealNode]:
     try:
         kubelet, proxy = find_kubelet(), find_node_binary("kube-proxy")
+        gpu_args = gpu_node_args(NodeGpus())
     except BuildError as exc:
         pytest.fail(str(exc), pytrace=False)
     archives = (archive_path(PAUSE), archive_path(OPERATOR))
     for archive in archives:
         if not archive.is_file():
             pytest.fail(f"{archive} is missing: run `make images`", pytrace=False)
-    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy) as node:
+    with RealNode(control_plane, kubelet, archives, kube_proxy=proxy, **gpu_args) as node:
         yield node
 
 
@@ -225,6 +231,78 @@ def test_helm_installs_the_operator_on_the_node_under_restricted_pod_security(
         control_plane.kubectl("patch", "omnistage", "tiny", "-n", stages, *unfinalize, check=False)
         for ns in (stages, release_ns):
             control_plane.delete_namespace(ns)
+
+
+# In the operator image (python3): what a GPU claim gave the container, and the host pid the
+# simulated GPU's host side (driver.sock, tests.fakegpu.driver) knows it by.
+_GPU_READER = """
+import json, os, socket
+gpu = os.environ["OMNISTAGE_FAKE_GPU"]
+with open(os.path.join(gpu, "device.json")) as f:
+    uuid = json.load(f)["uuid"]
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(os.path.join(gpu, "driver.sock"))
+sock.sendall(b'{"op": "self"}\\n')
+host_pid = json.loads(sock.makefile().readline())["pid"]
+with open("/dev/termination-log", "w") as out:
+    print(gpu, uuid, os.environ["CUDA_VISIBLE_DEVICES"], os.getpid(), host_pid, file=out)
+"""
+
+
+def _claim() -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "one-gpu"},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {"name": "gpu", "exactly": {"deviceClassName": DEVICE_CLASS, "count": 1}}
+                ]
+            }
+        },
+    }
+
+
+def test_a_gpu_claim_reaches_a_restricted_pod_through_cdi(
+    real_node: RealNode, control_plane: ControlPlane, namespace: str
+) -> None:
+    """A pod under the ``restricted`` Pod Security Standard claims a simulated GPU: the DRA
+    plugin prepares the claim, containerd's CDI mounts the device's directory and sets the
+    worker's variables; no hostPath anywhere."""
+    enforce_restricted(control_plane, namespace)
+    control_plane.apply(_claim(), namespace=namespace)
+    pod = _operator_pod(real_node.name)
+    pod["metadata"]["name"] = "gpu-reader"
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "one-gpu"}]
+    container = pod["spec"]["containers"][0]
+    container["command"] = ["python3", "-c", _GPU_READER]
+    del container["args"]
+    container["resources"] = {"claims": [{"name": "gpu"}]}
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    control_plane.apply(pod, namespace=namespace)
+    done = wait_pod(
+        control_plane,
+        namespace,
+        "gpu-reader",
+        lambda p: p.get("status", {}).get("phase") in ("Succeeded", "Failed"),
+        "finished",
+        timeout=180,
+    )
+    assert done["status"]["phase"] == "Succeeded", json.dumps(done["status"], indent=1)
+    state = done["status"]["containerStatuses"][0]["state"]["terminated"]
+    gpu_dir, uuid, visible, pid, host_pid = state["message"].split()
+    device = real_node.gpu_devices[0]
+    assert (gpu_dir, uuid, visible) == (f"{CONTAINER_GPU_ROOT}/gpu-0", device.uuid, device.uuid)
+    assert int(pid) != int(host_pid)  # its own PID namespace; the host side knows the host's
+    # the device came from the plugin's ResourceSlice for this node
+    selector = f"spec.nodeName={real_node.name}"
+    slices = control_plane.get_json("resourceslices", "--field-selector", selector)["items"]
+    published = [(s["spec"]["driver"], d["name"]) for s in slices for d in s["spec"]["devices"]]
+    assert published == [(DRIVER, "gpu-0")], published
+    control_plane.kubectl("delete", "pod", "gpu-reader", "-n", namespace, "--wait=false")
+    wait_gone(control_plane, namespace, "gpu-reader", timeout=60)
+    control_plane.kubectl("delete", "resourceclaim", "one-gpu", "-n", namespace)
 
 
 def test_teardown_leaves_nothing(real_node: RealNode) -> None:

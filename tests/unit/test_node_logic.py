@@ -10,6 +10,7 @@ from cryptography import x509
 
 from tests.cluster.hostnet import first_global_ipv4
 from tests.cluster.pki import create_pki, issue_client_cert
+from tests.node.gpuconfig import NodeGpus, cdi_device_id, cdi_spec, plugin_config
 from tests.node.images import (
     IMAGES,
     bud_command,
@@ -78,6 +79,37 @@ def test_containerd_config_points_everything_into_the_state_dir() -> None:
     assert 'conf_dir = "/tmp/n/cni/net.d"' in text
     assert "SystemdCgroup = false" in text
     assert 'root = "/tmp/n/containerd/root"' in text
+
+
+def test_containerd_config_enables_cdi_from_the_node_s_own_spec_dir() -> None:
+    assert "enable_cdi" not in containerd_config(LAYOUT)  # Debian's 1.6 has no CDI
+    text = containerd_config(LAYOUT, cdi=True)
+    assert "enable_cdi = true" in text
+    assert 'cdi_spec_dirs = ["/tmp/n/cdi"]' in text
+
+
+def test_cdi_spec_mounts_each_device_and_the_fake_driver_library() -> None:
+    devices = NodeGpus(count=2, memory=1_100_000).spec("n1").devices()
+    dirs = {d.name: Path(f"/tmp/n/fakegpu/{d.name}") for d in devices}
+    spec = cdi_spec(devices, dirs, Path("/tmp/n/fakegpu/lib"))
+    assert spec["kind"] == "omnistage.io/fakegpu"
+    assert [d["name"] for d in spec["devices"]] == ["gpu-0", "gpu-1"]
+    edits = spec["devices"][1]["containerEdits"]
+    env = dict(e.split("=", 1) for e in edits["env"])
+    assert env["OMNISTAGE_FAKE_GPU"] == "/run/omnistage-fakegpu/gpu-1"
+    assert env["OMNISTAGE_MEMORY_PROBE"] == "tests.fakegpu.probe:from_env"
+    assert env["CUDA_VISIBLE_DEVICES"] == env["NVIDIA_VISIBLE_DEVICES"] == devices[1].uuid
+    assert edits["mounts"][0]["hostPath"] == "/tmp/n/fakegpu/gpu-1"
+    assert "rw" in edits["mounts"][0]["options"]
+    common = spec["containerEdits"]
+    assert common["env"] == ["PYTHONPATH=/opt/omnistage-fakegpu"]
+    assert common["mounts"][0]["containerPath"] == "/opt/omnistage-fakegpu"
+    assert "ro" in common["mounts"][0]["options"]
+    # the plugin names exactly these devices
+    config = plugin_config("n1", devices)
+    assert config["cdiKind"] == spec["kind"] and config["driver"] == "gpu.nvidia.com"
+    assert [d["uuid"] for d in config["devices"]] == [d.uuid for d in devices]
+    assert cdi_device_id("gpu-1") == "omnistage.io/fakegpu=gpu-1"
 
 
 def test_cni_and_kubelet_config() -> None:
