@@ -339,7 +339,10 @@ async def test_streamed_logprobs_come_with_their_tokens(text: Text) -> None:
     assert carrying > 1
     assert tokens == expected.tokens
     assert values == pytest.approx(expected.token_logprobs, abs=1e-4)
-    assert offsets == expected.text_offset
+    # Another server's offsets are compared where its tokens spell the text: a token holding
+    # part of a character (a byte-level tokenizer's) shows as U+FFFD and has no place of its own.
+    if text.own or "".join(expected.tokens) == whole.choices[0].text:
+        assert offsets == expected.text_offset
     chat = await api.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "the cat"}],
