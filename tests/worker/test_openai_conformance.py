@@ -61,8 +61,21 @@ def base(worker: WorkerHandle) -> str:
     return f"http://127.0.0.1:{worker.server.http_port}"
 
 
+_OPEN: list[openai.AsyncOpenAI] = []
+
+
 def client(url: str, key: str = "unused", retries: int = 0) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=retries, timeout=60)
+    """A client of ``url``, closed when its test ends (on the test's own event loop)."""
+    api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=retries, timeout=60)
+    _OPEN.append(api)
+    return api
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while _OPEN:
+        await _OPEN.pop().close()
 
 
 @dataclass
