@@ -1,9 +1,18 @@
 """The official ``openai`` client (pinned in the dev extra) against every stage kind over real HTTP.
 
-Stages: the tiny torch AR stage, the tiny diffusion stage, and the group router in front of
-them (``TEXT_TARGETS``). The vLLM stage joins through the :func:`vllm_stage` fixture: once it
-serves its OpenAI API (the vllmserve work), make that hook return its base URL and add
-``"vllm"`` to ``TEXT_TARGETS``; every text test then runs against it too.
+Stages: the tiny torch AR stage, the tiny diffusion stage, the group router in front of them,
+and a running vLLM stage (``TEXT_TARGETS``). The vLLM stage needs a GPU and vLLM, which CI
+lacks, so its target is collected only when ``OMNISTAGE_CONFORMANCE_VLLM`` gives the stage's
+HTTP root (``http://host:port``) and ``OMNISTAGE_CONFORMANCE_VLLM_MODEL`` its served model
+name: ``bench/vllm_conformance.py`` starts one on a GPU host and runs ``-k vllm`` against it.
+Without the variable no vLLM test exists (nothing is skipped, nothing passes in its name).
+
+The text tests hold for any correct OpenAI server whatever its tokenizer: token counts are
+read from ``usage`` and checked against each other, stop strings are picked from the model's
+own output, determinism is two answers compared, a greedy answer is asked for with
+``temperature=0``, and a generation may end on the model's end-of-sequence token
+(``finish_reason == "stop"``, fewer tokens) where a tiny model never does. Only this project's
+own stages (``Text.own``) are held to their documented refusals and error codes.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,26 +37,10 @@ from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
 MODEL = "tiny-lm"
 IMAGES = "tiny-sd"
 TOKEN = "conformance-token"
-TEXT_TARGETS = ["torch", "router"]
-
-
-VllmStage = Callable[[], Awaitable[str | None]]
-
-
-@pytest.fixture
-def vllm_stage(start_worker: StartWorker) -> VllmStage:
-    """HOOK for the vLLM stage: starts it, returns its OpenAI base URL (``http://host:port/v1``)
-    serving ``MODEL``; called only by the "vllm" target.
-
-    None until the vLLM stage serves through vLLM's own OpenAI server (tests/fakevllm stands
-    in for vLLM on CPU: take the ``gpu`` fixture of tests/worker/test_vllm_standin.py here);
-    then add "vllm" to ``TEXT_TARGETS``.
-    """
-
-    async def start() -> str | None:
-        return None
-
-    return start
+#: a running vLLM stage's HTTP root and served model name (bench/vllm_conformance.py)
+VLLM_URL = "OMNISTAGE_CONFORMANCE_VLLM"
+VLLM_MODEL = "OMNISTAGE_CONFORMANCE_VLLM_MODEL"
+TEXT_TARGETS = ["torch", "router", *(["vllm"] if os.environ.get(VLLM_URL) else [])]
 
 
 @contextlib.asynccontextmanager
@@ -67,8 +61,21 @@ def base(worker: WorkerHandle) -> str:
     return f"http://127.0.0.1:{worker.server.http_port}"
 
 
+_OPEN: list[openai.AsyncOpenAI] = []
+
+
 def client(url: str, key: str = "unused", retries: int = 0) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=retries, timeout=60)
+    """A client of ``url``, closed when its test ends (on the test's own event loop)."""
+    api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=retries, timeout=60)
+    _OPEN.append(api)
+    return api
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while _OPEN:
+        await _OPEN.pop().close()
 
 
 @dataclass
@@ -90,52 +97,95 @@ async def stages(
         yield Stages(lm, sd, router)
 
 
+@dataclass
+class Text:
+    """One text target: its client, the model name it serves, and whether it is one of this
+    project's own stages (the torch stage or the router), held to their documented refusals."""
+
+    api: openai.AsyncOpenAI
+    model: str
+    own: bool
+
+
 @pytest.fixture(params=TEXT_TARGETS)
-async def text(
-    request: pytest.FixtureRequest, stages: Stages, vllm_stage: VllmStage
-) -> openai.AsyncOpenAI:
-    if request.param == "router":
-        return client(stages.router)
+def text(request: pytest.FixtureRequest) -> Text:
+    """The target's client; the torch stage and the router start only for their own params."""
     if request.param == "vllm":
-        url = await vllm_stage()
-        assert url is not None, "the vllm_stage hook is not wired"
-        return openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
-    return client(base(stages.lm))
+        model = os.environ.get(VLLM_MODEL)
+        assert model, f"{VLLM_URL} is set but {VLLM_MODEL} (its served model name) is not"
+        return Text(client(os.environ[VLLM_URL]), model, own=False)
+    stages: Stages = request.getfixturevalue("stages")
+    url = stages.router if request.param == "router" else base(stages.lm)
+    return Text(client(url), MODEL, own=True)
 
 
-async def test_completion_and_chat_carry_usage_and_finish_reason(text: openai.AsyncOpenAI) -> None:
-    done = await text.completions.create(model=MODEL, prompt="the cat sat", max_tokens=5)
-    assert done.choices[0].finish_reason == "length"
-    assert done.usage is not None
-    assert done.usage.prompt_tokens == 3 and done.usage.completion_tokens == 5
-    assert done.usage.total_tokens == 8
-    chat = await text.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "the cat"}], max_completion_tokens=4
+def ended(finish: str | None, tokens: int, max_tokens: int) -> bool:
+    """A generation's token count agrees with how it ended: cut at ``max_tokens`` ("length"),
+    or ended early by the end-of-sequence token or a stop string ("stop")."""
+    if finish == "length":
+        return tokens == max_tokens
+    return finish == "stop" and 1 <= tokens <= max_tokens
+
+
+def stop_char(text: str) -> int | None:
+    """Where the first character of ``text`` (not its first) that occurs there for the first
+    time, is printable and not a replacement character lies: a stop string the model will
+    produce again at the same place."""
+    for at in range(1, len(text)):
+        char = text[at]
+        if char not in text[:at] and char.isprintable() and char.strip() and char != "\ufffd":
+            return at
+    return None
+
+
+async def test_completion_and_chat_carry_usage_and_finish_reason(text: Text) -> None:
+    api, model = text.api, text.model
+    done = await api.completions.create(model=model, prompt="the cat sat", max_tokens=5)
+    usage = done.usage
+    assert usage is not None and usage.prompt_tokens > 0
+    assert ended(done.choices[0].finish_reason, usage.completion_tokens, 5)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    again = await api.completions.create(model=model, prompt="the cat sat", max_tokens=2)
+    assert again.usage is not None and again.usage.prompt_tokens == usage.prompt_tokens
+    longer = await api.completions.create(model=model, prompt="the cat sat on", max_tokens=1)
+    assert longer.usage is not None and longer.usage.prompt_tokens > usage.prompt_tokens
+    chat = await api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "the cat"}], max_completion_tokens=4
     )
     assert chat.choices[0].message.role == "assistant"
-    assert chat.choices[0].finish_reason == "length"
-    assert chat.usage is not None and chat.usage.completion_tokens == 4
-    assert chat.usage.prompt_tokens > 2  # the rendered chat, not the content alone
+    assert chat.usage is not None
+    assert ended(chat.choices[0].finish_reason, chat.usage.completion_tokens, 4)
+    bare = await api.completions.create(model=model, prompt="the cat", max_tokens=1)
+    assert bare.usage is not None  # the rendered chat, not the content alone
+    assert chat.usage.prompt_tokens > bare.usage.prompt_tokens
 
 
-async def test_streaming_with_usage(text: openai.AsyncOpenAI) -> None:
-    whole = await text.completions.create(model=MODEL, prompt="the cat sat", max_tokens=6)
-    stream = await text.completions.create(
-        model=MODEL,
+async def test_streaming_with_usage(text: Text) -> None:
+    api, model = text.api, text.model
+    whole = await api.completions.create(
+        model=model, prompt="the cat sat", max_tokens=6, temperature=0
+    )
+    stream = await api.completions.create(
+        model=model,
         prompt="the cat sat",
         max_tokens=6,
+        temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
     chunks = [chunk async for chunk in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
     last = chunks[-1]
-    assert last.choices == [] and last.usage is not None
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 6)
+    assert last.choices == [] and last.usage is not None and whole.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+    assert ended(whole.choices[0].finish_reason, whole.usage.completion_tokens, 6)
     assert all(c.usage is None for c in chunks[:-1])
-    chat = await text.chat.completions.create(
-        model=MODEL,
+    chat = await api.chat.completions.create(
+        model=model,
         messages=[{"role": "user", "content": "the cat"}],
         max_tokens=3,
         stream=True,
@@ -143,36 +193,64 @@ async def test_streaming_with_usage(text: openai.AsyncOpenAI) -> None:
     )
     pieces = [chunk async for chunk in chat]
     assert pieces[0].choices[0].delta.role == "assistant"
-    assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 3
+    finish = [
+        c.choices[0].finish_reason for c in pieces if c.choices and c.choices[0].finish_reason
+    ]
+    assert pieces[-1].usage is not None and len(finish) == 1
+    assert ended(finish[0], pieces[-1].usage.completion_tokens, 3)
     # without include_usage: no usage chunk
-    plain = await text.completions.create(model=MODEL, prompt="the cat", max_tokens=2, stream=True)
+    plain = await api.completions.create(model=model, prompt="the cat", max_tokens=2, stream=True)
     assert all(c.choices for c in [c async for c in plain])
 
 
-async def test_stop_cuts_the_text_and_ends_generation(text: openai.AsyncOpenAI) -> None:
-    free = await text.completions.create(model=MODEL, prompt="the cat sat", max_tokens=8)
-    words = free.choices[0].text.split()
-    stop = words[2]
-    assert stop not in words[:2]  # the first occurrence is the third word
-    cut = await text.completions.create(
-        model=MODEL, prompt="the cat sat", max_tokens=8, stop=[stop, "zzz-never"]
+async def test_stop_cuts_the_text_and_ends_generation(text: Text) -> None:
+    """The stop string is a character of the model's own seeded answer, at its first place:
+    the same seed cuts the answer just before it."""
+    api, model = text.api, text.model
+    for seed in range(1, 9):  # a seed whose answer has a usable character
+        free = await api.completions.create(
+            model=model, prompt="the cat sat", max_tokens=16, temperature=1.0, seed=seed
+        )
+        at = stop_char(free.choices[0].text)
+        if at is not None:
+            break
+    assert at is not None, f"no stop character in {free.choices[0].text!r}"
+    whole, stop = free.choices[0].text, free.choices[0].text[at]
+    cut = await api.completions.create(
+        model=model,
+        prompt="the cat sat",
+        max_tokens=16,
+        temperature=1.0,
+        seed=seed,
+        stop=[stop, "zzz-never"],
     )
     assert cut.choices[0].finish_reason == "stop"
-    assert stop not in cut.choices[0].text.split()
-    assert cut.choices[0].text.split() == words[:2]
-    assert cut.usage is not None and cut.usage.completion_tokens == 3  # up to the stop token
-    streamed = await text.completions.create(
-        model=MODEL, prompt="the cat sat", max_tokens=8, stop=stop, stream=True
+    assert cut.choices[0].text == whole[:at]
+    assert cut.usage is not None and free.usage is not None
+    assert 1 <= cut.usage.completion_tokens <= free.usage.completion_tokens  # up to the stop
+    streamed = await api.completions.create(
+        model=model,
+        prompt="the cat sat",
+        max_tokens=16,
+        temperature=1.0,
+        seed=seed,
+        stop=stop,
+        stream=True,
     )
     pieces = [c async for c in streamed]
     assert "".join(c.choices[0].text for c in pieces) == cut.choices[0].text
     assert pieces[-1].choices[0].finish_reason == "stop"
 
 
-async def test_seed_determinism_and_n(text: openai.AsyncOpenAI) -> None:
+async def test_seed_determinism_and_n(text: Text) -> None:
+    """The same seed gives the same answer, another seed another; with ``n``, choice i is the
+    answer of seed + i (the torch stage's rule, and vLLM's: its parallel sampling seeds each
+    child so)."""
+    api, model = text.api, text.model
+
     def ask(seed: int, n: int = 1) -> Awaitable[Any]:
-        return text.completions.create(
-            model=MODEL, prompt="the cat", max_tokens=12, temperature=1.0, seed=seed, n=n
+        return api.completions.create(
+            model=model, prompt="the cat", max_tokens=12, temperature=1.0, seed=seed, n=n
         )
 
     a, b, other = await ask(7), await ask(7), await ask(8)
@@ -189,10 +267,10 @@ async def test_seed_determinism_and_n(text: openai.AsyncOpenAI) -> None:
     ]
     assert three.usage is not None and a.usage and other.usage and ninth.usage
     singles = [a.usage, other.usage, ninth.usage]
-    assert three.usage.prompt_tokens == 2  # the prompt counts once
+    assert three.usage.prompt_tokens == a.usage.prompt_tokens  # the prompt counts once
     assert three.usage.completion_tokens == sum(u.completion_tokens for u in singles)
-    streamed = await text.chat.completions.create(
-        model=MODEL,
+    streamed = await api.chat.completions.create(
+        model=model,
         messages=[{"role": "user", "content": "the cat"}],
         max_tokens=4,
         n=2,
@@ -210,41 +288,53 @@ async def test_seed_determinism_and_n(text: openai.AsyncOpenAI) -> None:
     assert finished == {0, 1} and set(by_index) == {0, 1}
 
 
-async def test_logprobs(text: openai.AsyncOpenAI) -> None:
-    done = await text.completions.create(model=MODEL, prompt="the cat", max_tokens=4, logprobs=3)
+async def test_logprobs(text: Text) -> None:
+    """Greedy answers' log probabilities. ``top_logprobs`` maps token texts to values, so two
+    tokens with the same text (bytes of an unfinished character, both shown as U+FFFD) share an
+    entry; the legacy API may add the sampled token to the ``logprobs`` most likely."""
+    api, model = text.api, text.model
+    done = await api.completions.create(
+        model=model, prompt="the cat", max_tokens=4, logprobs=3, temperature=0
+    )
     logprobs = done.choices[0].logprobs
-    assert logprobs is not None and logprobs.tokens is not None
-    assert len(logprobs.tokens) == 4 and logprobs.token_logprobs is not None
-    assert logprobs.top_logprobs is not None
-    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    assert logprobs is not None and logprobs.tokens is not None and done.usage is not None
+    assert len(logprobs.tokens) == done.usage.completion_tokens
+    assert logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert all(1 <= len(top) <= 3 + 1 for top in logprobs.top_logprobs)
     for token, value, top in zip(
         logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
     ):
-        assert value <= 0
-        assert max(top.values()) >= value  # greedy: the chosen token is the most likely
-        assert top.get(token) == pytest.approx(value)
-    chat = await text.chat.completions.create(
-        model=MODEL,
+        assert value <= 0 and token in top
+        assert max(top.values()) <= value + 1e-4  # greedy: the chosen token is the most likely
+    chat = await api.chat.completions.create(
+        model=model,
         messages=[{"role": "user", "content": "the cat"}],
         max_tokens=3,
         logprobs=True,
         top_logprobs=2,
+        temperature=0,
     )
     content = chat.choices[0].logprobs
-    assert content is not None and content.content is not None and len(content.content) == 3
+    assert content is not None and content.content is not None and chat.usage is not None
+    assert len(content.content) == chat.usage.completion_tokens
     assert all(len(t.top_logprobs) == 2 for t in content.content)
-    plain = await text.completions.create(model=MODEL, prompt="the cat", max_tokens=2)
+    for entry in content.content:
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    plain = await api.completions.create(model=model, prompt="the cat", max_tokens=2)
     assert plain.choices[0].logprobs is None
 
 
-async def test_streamed_logprobs_come_with_their_tokens(text: openai.AsyncOpenAI) -> None:
+async def test_streamed_logprobs_come_with_their_tokens(text: Text) -> None:
     """Each streamed chunk with text carries its tokens' log probabilities (not all in the
     last chunk); together they equal the unstreamed answer's, offsets included."""
-    whole = await text.completions.create(model=MODEL, prompt="the cat", max_tokens=6, logprobs=2)
+    api, model = text.api, text.model
+    whole = await api.completions.create(
+        model=model, prompt="the cat", max_tokens=6, logprobs=2, temperature=0
+    )
     expected = whole.choices[0].logprobs
     assert expected is not None and expected.tokens is not None
-    streamed = await text.completions.create(
-        model=MODEL, prompt="the cat", max_tokens=6, logprobs=2, stream=True
+    streamed = await api.completions.create(
+        model=model, prompt="the cat", max_tokens=6, logprobs=2, temperature=0, stream=True
     )
     tokens: list[str] = []
     values: list[float] = []
@@ -261,21 +351,29 @@ async def test_streamed_logprobs_come_with_their_tokens(text: openai.AsyncOpenAI
             offsets += choice.logprobs.text_offset or []
     assert carrying > 1
     assert tokens == expected.tokens
-    assert values == pytest.approx(expected.token_logprobs)
-    assert offsets == expected.text_offset
-    chat = await text.chat.completions.create(
-        model=MODEL,
+    assert values == pytest.approx(expected.token_logprobs, abs=1e-4)
+    # Another server's offsets are compared where its tokens spell the text: a token holding
+    # part of a character (a byte-level tokenizer's) shows as U+FFFD and has no place of its own.
+    if text.own or "".join(expected.tokens) == whole.choices[0].text:
+        assert offsets == expected.text_offset
+    chat = await api.chat.completions.create(
+        model=model,
         messages=[{"role": "user", "content": "the cat"}],
         max_tokens=4,
         logprobs=True,
         top_logprobs=1,
+        temperature=0,
         stream=True,
+        stream_options={"include_usage": True},
     )
     entries = []
+    used = None
     async for part in chat:
         if part.choices and part.choices[0].logprobs and part.choices[0].logprobs.content:
             entries.append(len(part.choices[0].logprobs.content))
-    assert len(entries) > 1 and sum(entries) == 4
+        used = part.usage or used
+    assert used is not None
+    assert len(entries) > 1 and sum(entries) == used.completion_tokens
 
 
 @pytest.mark.parametrize("target", ["torch", "router"])
@@ -315,75 +413,127 @@ async def test_images(stages: Stages, target: str) -> None:
     assert info.value.body["param"] == "quality"  # type: ignore[index]
 
 
-Refusal = Callable[[openai.AsyncOpenAI], Awaitable[Any]]
+Refusal = Callable[[openai.AsyncOpenAI, str], Awaitable[Any]]
+#: Fields the torch stage cannot honour (the calls ask for 2 tokens, so a server that honours
+#: them answers quickly).
 REFUSED: list[tuple[str, Refusal]] = [
     (
         "tools",
-        lambda c: c.chat.completions.create(
-            model=MODEL,
+        lambda c, m: c.chat.completions.create(
+            model=m,
             messages=[{"role": "user", "content": "x"}],
+            max_completion_tokens=2,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         ),
     ),
     (
         "response_format",
-        lambda c: c.chat.completions.create(
-            model=MODEL,
+        lambda c, m: c.chat.completions.create(
+            model=m,
             messages=[{"role": "user", "content": "x"}],
+            max_completion_tokens=2,
             response_format={"type": "json_object"},
         ),
     ),
     (
         "logit_bias",
-        lambda c: c.completions.create(model=MODEL, prompt="x", logit_bias={"1": 5}),
+        lambda c, m: c.completions.create(model=m, prompt="x", max_tokens=2, logit_bias={"1": 5}),
     ),
     (
         "presence_penalty",
-        lambda c: c.completions.create(model=MODEL, prompt="x", presence_penalty=0.5),
+        lambda c, m: c.completions.create(model=m, prompt="x", max_tokens=2, presence_penalty=0.5),
     ),
-    ("echo", lambda c: c.completions.create(model=MODEL, prompt="x", echo=True)),
-    ("suffix", lambda c: c.completions.create(model=MODEL, prompt="x", suffix="y")),
-    ("best_of", lambda c: c.completions.create(model=MODEL, prompt="x", best_of=3)),
+    ("echo", lambda c, m: c.completions.create(model=m, prompt="x", max_tokens=2, echo=True)),
+    ("suffix", lambda c, m: c.completions.create(model=m, prompt="x", max_tokens=2, suffix="y")),
+    ("best_of", lambda c, m: c.completions.create(model=m, prompt="x", max_tokens=2, best_of=3)),
     (
         "modalities",
-        lambda c: c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], modalities=["audio"]
+        lambda c, m: c.chat.completions.create(
+            model=m,
+            messages=[{"role": "user", "content": "x"}],
+            max_completion_tokens=2,
+            modalities=["audio"],
         ),
     ),
     (
         "frobnicate",
-        lambda c: c.completions.create(model=MODEL, prompt="x", extra_body={"frobnicate": 1}),
+        lambda c, m: c.completions.create(
+            model=m, prompt="x", max_tokens=2, extra_body={"frobnicate": 1}
+        ),
     ),
     (
         "stop",
-        lambda c: c.completions.create(model=MODEL, prompt="x", stop=["a", "b", "c", "d", "e"]),
-    ),
-    ("max_tokens", lambda c: c.completions.create(model=MODEL, prompt="the cat", max_tokens=127)),
-    (
-        "max_completion_tokens",
-        lambda c: c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], max_completion_tokens=500
+        lambda c, m: c.completions.create(
+            model=m, prompt="x", max_tokens=2, stop=["a", "b", "c", "d", "e"]
         ),
     ),
-    ("top_p", lambda c: c.completions.create(model=MODEL, prompt="x", top_p=1.5)),
-    ("logprobs", lambda c: c.completions.create(model=MODEL, prompt="x", logprobs=21)),
+    ("max_tokens", lambda c, m: c.completions.create(model=m, prompt="the cat", max_tokens=127)),
+    (
+        "max_completion_tokens",
+        lambda c, m: c.chat.completions.create(
+            model=m, messages=[{"role": "user", "content": "x"}], max_completion_tokens=500
+        ),
+    ),
+    ("top_p", lambda c, m: c.completions.create(model=m, prompt="x", max_tokens=2, top_p=1.5)),
+    ("logprobs", lambda c, m: c.completions.create(model=m, prompt="x", max_tokens=2, logprobs=21)),
 ]
+#: values outside the API's own ranges: every server refuses them (the others a server may honour)
+INVALID = {"top_p", "logprobs"}
 
 
 @pytest.mark.parametrize(("param", "call"), REFUSED, ids=[p for p, _ in REFUSED])
 async def test_a_field_the_stage_cannot_honour_is_refused_naming_it(
-    text: openai.AsyncOpenAI, param: str, call: Refusal
+    text: Text, param: str, call: Refusal
 ) -> None:
+    """This project's stages refuse every field they cannot honour, naming it, in OpenAI's
+    error shape. Another server (vLLM) honours some of them: it must answer those or refuse
+    them as a 400, and refuse the invalid values; what it did is printed."""
+    if not text.own and param not in INVALID:
+        try:
+            await call(text.api, text.model)
+        except openai.BadRequestError as exc:
+            print(f"{param}: refused, {exc.body}")
+        else:
+            print(f"{param}: answered")
+        return
     with pytest.raises(openai.BadRequestError) as info:
-        await call(text)
-    assert info.value.body["param"] == param  # type: ignore[index]
-    assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+        await call(text.api, text.model)
+    print(f"{param}: refused, {info.value.body}")
+    if text.own:
+        assert info.value.body["param"] == param  # type: ignore[index]
+        assert info.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
-async def test_unknown_model_is_not_found(text: openai.AsyncOpenAI) -> None:
+async def test_a_length_past_the_context_is_refused(text: Text) -> None:
+    api, model = text.api, text.model
+    asks: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+        (
+            "max_tokens",
+            lambda: api.completions.create(model=model, prompt="the cat", max_tokens=10**6),
+        ),
+        (
+            "max_completion_tokens",
+            lambda: api.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "x"}],
+                max_completion_tokens=10**6,
+            ),
+        ),
+    ]
+    for param, ask in asks:
+        with pytest.raises(openai.BadRequestError) as info:
+            await ask()
+        print(f"{param}: refused, {info.value.body}")
+        if text.own:
+            assert info.value.body["param"] == param  # type: ignore[index]
+
+
+async def test_unknown_model_is_not_found(text: Text) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        await text.completions.create(model="nope", prompt="x")
-    assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
+        await text.api.completions.create(model="nope", prompt="x")
+    print(info.value.body)
+    if text.own:
+        assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
 async def test_status_errors_map_to_the_clients_classes(
