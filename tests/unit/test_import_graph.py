@@ -71,6 +71,7 @@ WORKER_PURE = {
     "omnistage_worker.token_review_settings",
     "omnistage_worker.serving.openai_api",
     "omnistage_worker.serving.openai_answers",
+    "omnistage_worker.serving.vllm_fields",
     "omnistage_worker.engine.layout",
     "omnistage_worker.memory.base",
 }

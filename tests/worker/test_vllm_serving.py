@@ -154,6 +154,43 @@ async def test_asleep_stage_holds_requests_at_the_front_until_woken(
     assert (await engine._call("state"))["added_while_asleep"] == 0
 
 
+async def test_a_field_vllm_would_ignore_is_refused_naming_it_before_any_hold(
+    start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
+) -> None:
+    """vLLM's request models take any extra field and serve without it; the stage refuses a
+    field its vLLM does not define (400 naming it), also while asleep (nothing held, no wake
+    asked), and passes vLLM's own extensions."""
+    w = await start(start_worker, tmp_path, activation="ondemand")
+    c = client(w)
+    chat = [{"role": "user", "content": "hi"}]
+    asks: list[tuple[str, Any]] = [
+        ("best_of", c.completions.create(model="llm", prompt="x", max_tokens=2, best_of=3)),
+        ("frobnicate", c.completions.create(
+            model="llm", prompt="x", max_tokens=2, extra_body={"frobnicate": 1})),
+        ("modalities", c.chat.completions.create(
+            model="llm", messages=chat, max_tokens=2, modalities=["audio"])),
+        ("functions", c.chat.completions.create(
+            model="llm", messages=chat, max_tokens=2,
+            functions=[{"name": "f", "parameters": {}}])),
+    ]  # fmt: skip
+    for field, ask in asks:
+        with pytest.raises(openai.BadRequestError) as info:
+            await ask
+        body: Any = info.value.body
+        assert (body["param"], body["type"]) == (field, "invalid_request_error"), body
+    # vLLM's own extensions are fields of its models: served.
+    own = await c.completions.create(
+        model="llm", prompt="x", max_tokens=2, extra_body={"top_k": 5, "ignore_eos": True}
+    )
+    assert own.usage is not None and own.usage.completion_tokens == 2
+    assert (await w.sleep(1)).ok
+    before = w.server.worker.demand.figures()
+    with pytest.raises(openai.BadRequestError):
+        await c.completions.create(model="llm", prompt="x", max_tokens=2, best_of=3)
+    after = w.server.worker.demand.figures()  # never held: no wake asked for
+    assert (after.held, after.held_total) == (0, before.held_total)
+
+
 async def test_tool_reasoning_and_chat_template_options_reach_vllms_app(
     start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
 ) -> None:

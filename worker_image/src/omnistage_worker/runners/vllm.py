@@ -64,6 +64,7 @@ from omnistage_worker.runners.vllm_serve import (
     LoopBridge,
     build_openai_app,
     parse_serve_args,
+    request_fields,
     serve_argv,
     start_engine,
 )
@@ -207,6 +208,7 @@ class VllmRunner(ModelRunner):
         self.engine: Any = None
         self.serve_args: Any = None
         self.app: Any = None  # vLLM's OpenAI app, once the engine is up
+        self.fields: dict[str, frozenset[str]] = {}  # per checked route, what vLLM defines
         self._lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None
         self.vocab_size = 0
         self.tokenizer = has_tokenizer(config.model)
@@ -225,6 +227,11 @@ class VllmRunner(ModelRunner):
         """vLLM's own OpenAI app (None until the engine is up): the worker serves it behind its
         front (the gate, the drain, the held requests)."""
         return self.app
+
+    def request_fields(self) -> dict[str, frozenset[str]]:
+        """Per checked route, the fields vLLM's request model defines (empty until the engine
+        is up): the front refuses any other."""
+        return self.fields
 
     def serve_argv(self, total: int, free: int) -> list[str]:
         """The ``vllm serve`` flags for a device of ``total`` bytes with ``free`` now."""
@@ -247,6 +254,7 @@ class VllmRunner(ModelRunner):
         if tree is not None:
             tree.adopt_engine(listed)
         self.vocab_size = vocab_size(self.model_dir)
+        self.fields = request_fields()
         self.app, self._lifespan = self.bridge.call(build_openai_app(self.engine, self.serve_args))
         log.info("vLLM loaded %s in %.2fs", self.model_dir, time.monotonic() - started)
         self._calibrate(probe)

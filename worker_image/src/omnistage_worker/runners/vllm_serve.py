@@ -132,6 +132,24 @@ async def build_openai_app(
     return app, lifespan
 
 
+def request_fields() -> dict[str, frozenset[str]]:
+    """Per route the stage checks, the field names and aliases of vLLM's pydantic request
+    model: what its server honours (it logs any other field and serves without it)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    models = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    out: dict[str, frozenset[str]] = {}
+    for route, model in models.items():
+        names: set[str] = set()
+        for name, field in model.model_fields.items():
+            names.add(name)
+            if alias := getattr(field, "alias", None):
+                names.add(alias)
+        out[route] = frozenset(names)
+    return out
+
+
 class LoopBridge:
     """Runs coroutines on the worker's event loop from another thread, blocking for the result."""
 

@@ -142,7 +142,8 @@ class WorkerServer:
             if callable(engine_app):  # an engine serving its own API (vLLM), behind the gate
                 from omnistage_worker.serving.vllm_front import VllmFront
 
-                app = VllmFront(self.worker, engine_app)
+                fields = getattr(self.worker.runner, "request_fields", dict)
+                app = VllmFront(self.worker, engine_app, fields)
             self.http = HttpServer(
                 self.worker, config.host, config.http_port, config.shutdown_grace_s, app=app
             )

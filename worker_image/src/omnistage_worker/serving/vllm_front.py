@@ -10,7 +10,10 @@ decides only whether and when a request may reach it:
   response's last byte, so a sleep drains them first and none ever reaches a sleeping engine;
 - vLLM's own sleep, wake, pause and weight routes (registered with ``VLLM_SERVER_DEV_MODE``)
   are refused (403): the gRPC SleepService is the only authority over the engine's memory;
-- ``/health`` is the worker's (its state, activation and held requests), as for every stage.
+- ``/health`` is the worker's (its state, activation and held requests), as for every stage;
+- a completion or chat body with a field vLLM's request model does not define (vLLM would
+  serve it without the field) is refused with 400 naming it, before it is held
+  (:mod:`.vllm_fields`).
 
 A client that disconnects while held leaves the hold queue (its task is cancelled).
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
@@ -28,6 +31,7 @@ from omnistage.worker.v1 import types_pb2
 from omnistage_worker.control.transitions import Refused
 from omnistage_worker.serving import openai_api
 from omnistage_worker.serving.openai_http import refusal_response
+from omnistage_worker.serving.vllm_fields import CHECKED_ROUTES, refusal, unknown_field
 
 if TYPE_CHECKING:
     from omnistage_worker.state import Worker
@@ -63,12 +67,19 @@ REFUSED = frozenset(
 )
 
 
-class VllmFront:
-    """ASGI app: the worker's gate, then vLLM's app (``app()``: None until the engine is up)."""
+Fields = Callable[[], Mapping[str, frozenset[str]]]
 
-    def __init__(self, worker: Worker, app: Callable[[], ASGIApp | None]) -> None:
+
+class VllmFront:
+    """ASGI app: the worker's gate, then vLLM's app (``app()``: None until the engine is up;
+    ``fields()``: per checked route, the fields vLLM defines, empty until then)."""
+
+    def __init__(
+        self, worker: Worker, app: Callable[[], ASGIApp | None], fields: Fields = dict
+    ) -> None:
         self.worker = worker
         self._app = app
+        self._fields = fields
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,8 +99,19 @@ class VllmFront:
         if path in PASS_THROUGH:
             await self._forward(scope, receive, send)
             return
+        buffered: list[Message] = []
+        accepted = self._fields().get(path) if path in CHECKED_ROUTES else None
+        if accepted is not None:
+            try:
+                buffered = await _read_body(receive)
+            except _Disconnected:
+                return
+            field = unknown_field(b"".join(m.get("body", b"") for m in buffered), accepted)
+            if field is not None:
+                await JSONResponse(refusal(field, path), status_code=400)(scope, receive, send)
+                return
         try:
-            replay = await self._admit(receive)
+            replay = await self._admit(receive, buffered)
         except Refused as exc:
             await refusal_response(exc)(scope, receive, send)
             return
@@ -100,17 +122,17 @@ class VllmFront:
         finally:
             self.worker.finished()
 
-    async def _admit(self, receive: Receive) -> Receive:
-        """Wait for admission, reading the body meanwhile; the body's replay for vLLM's app.
+    async def _admit(self, receive: Receive, buffered: list[Message]) -> Receive:
+        """Wait for admission, reading the body meanwhile (after the ``buffered`` messages
+        already read); the body's replay for vLLM's app.
 
         A client that disconnects while held is noticed (``http.disconnect``) and its hold
         is cancelled, so it no longer keeps a wake asked for.
         """
         if self.worker.state == types_pb2.WORKER_STATE_ACTIVE:
             await self.worker.admit()  # nothing to hold: admitted at once
-            return receive
+            return _Replay(buffered, receive) if buffered else receive
         admit = asyncio.ensure_future(self.worker.admit())
-        buffered: list[Message] = []
         reading: asyncio.Future[Any] | None = None
         try:
             while not admit.done():
@@ -158,6 +180,18 @@ class VllmFront:
             "inflight_requests": self.worker.inflight,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def _read_body(receive: Receive) -> list[Message]:
+    """Every message of the request's body (to its last ``more_body: False``)."""
+    messages: list[Message] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        messages.append(message)
+        if not message.get("more_body", False):
+            return messages
 
 
 class _Disconnected(Exception):
