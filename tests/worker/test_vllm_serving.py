@@ -162,7 +162,7 @@ async def test_a_field_vllm_would_ignore_is_refused_naming_it_before_any_hold(
     asked), and passes vLLM's own extensions."""
     w = await start(start_worker, tmp_path, activation="ondemand")
     c = client(w)
-    chat = [{"role": "user", "content": "hi"}]
+    chat: Any = [{"role": "user", "content": "hi"}]
     asks: list[tuple[str, Any]] = [
         ("best_of", c.completions.create(model="llm", prompt="x", max_tokens=2, best_of=3)),
         ("frobnicate", c.completions.create(
