@@ -186,12 +186,20 @@ class StatusPublisher:
                 idle_after = port.specs[name].activation.idle_after_s
                 self.emit(body, "IdleSleep", f"no request for {idle_after:g}s: put to sleep")
 
-    async def publish(self, port: RoundView, outcome: RoundOutcome, *, events: bool = True) -> None:
-        """Patch every stage's status from the facts (only where it changed); then post the
-        Events (a checkpoint's, ``events=False``, wait for the round's last publish)."""
+    async def publish(
+        self,
+        port: RoundView,
+        outcome: RoundOutcome,
+        *,
+        events: bool = True,
+        stages: frozenset[str] | None = None,
+    ) -> None:
+        """Patch every stage's status (of ``stages`` only, when given) from the facts (only
+        where it changed); then post the Events (a checkpoint's, ``events=False``, wait for the
+        round's last publish)."""
         token = _HELD.set(port.held_events)
         try:
-            patches = self._status_patches(port, outcome, events=events)
+            patches = self._status_patches(port, outcome, events=events, stages=stages)
         finally:
             _HELD.reset(token)
         await asyncio.gather(*patches)
@@ -202,15 +210,23 @@ class StatusPublisher:
                 self._post(body, reason, message, warning)
 
     def _status_patches(
-        self, port: RoundView, outcome: RoundOutcome, *, events: bool
+        self,
+        port: RoundView,
+        outcome: RoundOutcome,
+        *,
+        events: bool,
+        stages: frozenset[str] | None = None,
     ) -> list[Coroutine[Any, Any, None]]:
-        """Build every stage's status; the patches of those that changed (not started)."""
+        """Build every stage's status (of ``stages`` only, when given); the patches of those
+        that changed (not started)."""
         if events:
             self._events(port, outcome)
         decision = outcome.decision
         now = datetime.now(UTC)
         patches = []
         for name, spec in port.specs.items():
+            if stages is not None and name not in stages:
+                continue
             key = (port.ns, name)
             body = port.bodies[name]
             fact = port.facts.get(name, StageFacts(WorkerPhase.ABSENT))
@@ -265,6 +281,8 @@ class StatusPublisher:
             self.published[key] = status
             patches.append(self._patch_status(port.ns, name, status))
         for name, (body, exc) in port.invalid.items():
+            if stages is not None and name not in stages:
+                continue
             status = {"state": "Failed", "observedGeneration": body["metadata"].get("generation")}
             if not body["metadata"].get("deletionTimestamp"):
                 stage_metrics.observe(port.ns, port.group, name, status)
