@@ -94,3 +94,18 @@ async def test_a_wake_without_a_checkpoint_writes_nothing_before(
     port, log = _port(0.05, monkeypatch)
     await port.wake("b", "h1-b-wake")  # memory was free: no hand-over, no checkpoint
     assert log == [("woken", "h1-b-wake")]
+
+
+async def test_a_waking_write_that_fails_is_not_the_wakes_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(port_module, "WAKING_STATUS_AFTER_S", 0.0)
+    port, log = _port(0.05, monkeypatch)
+
+    async def broken(*_: Any, **__: Any) -> None:
+        raise RuntimeError("status not built")
+
+    monkeypatch.setattr(port.r, "publish", broken)
+    port._checkpointed = _outcome()  # a checkpoint ran
+    ack = await port.wake("b", "h1-b-wake")
+    assert ack.ok and log == [("woken", "h1-b-wake")]

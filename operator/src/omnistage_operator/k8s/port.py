@@ -14,7 +14,6 @@ pods deleted before the round acts) and ``port_facts`` (GetStatus turned into fa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -254,8 +253,9 @@ class KubeGroupPort(FactsPort):
             return
         if stage not in self._waking_written:
             shown.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await shown
+        await asyncio.wait([shown])  # its error is not the wake's
+        if not shown.cancelled() and shown.exception() is not None:
+            log.warning("%s/%s: Waking not written: %s", self.ns, stage, shown.exception())
 
     async def fence(self, stage: str, reason: str) -> None:
         """Delete the stage's pod; return only once the API server confirms it is gone."""
