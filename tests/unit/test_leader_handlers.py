@@ -42,8 +42,12 @@ class RecordingRunner:
     def record_ask(self, namespace: str, name: str) -> None:
         self.calls.append(("record_ask", name))
 
-    async def persist_ask(self, namespace: str, name: str) -> None:
-        self.calls.append(("persist_ask", name))
+    async def settled(self, namespace: str, group: str, within_s: float) -> bool:
+        self.calls.append(("settled", (namespace, group)))
+        return True
+
+    async def persist_ask(self, namespace: str, name: str, *, written: bool = False) -> None:
+        self.calls.append(("persist_ask", (name, written)))
 
     async def cleanup_stage(self, body: Any) -> None:
         self.calls.append(("cleanup", body["metadata"]["name"]))
@@ -92,10 +96,25 @@ async def test_standby_records_the_ask_but_persists_nothing(runner: RecordingRun
     assert runner.ops() == ["record_ask", "kick"]
 
 
-async def test_leader_persists_the_ask(runner: RecordingRunner) -> None:
+async def test_leader_persists_the_ask_after_the_round_it_kicked(runner: RecordingRunner) -> None:
     _configure(leading=True)
     await _update()
-    assert runner.ops() == ["record_ask", "kick", "persist_ask"]
+    # kopf records the change once the handler returns: after the round (its hand-over), whose
+    # status write carries the ask (persist_ask writes it only when that round did not).
+    assert runner.ops() == ["record_ask", "kick", "settled", "persist_ask"]
+    assert runner.calls[-1] == ("persist_ask", ("x", True))
+
+
+async def test_a_change_to_asleep_waits_for_its_round_too(runner: RecordingRunner) -> None:
+    _configure(leading=True)
+    await H.stage_updated(
+        body={**BODY, "spec": {**BODY["spec"], "state": "Asleep"}},
+        old=BODY["spec"],
+        new={**BODY["spec"], "state": "Asleep"},
+        namespace="ns",
+        name="x",
+    )
+    assert runner.ops() == ["kick", "settled"]
 
 
 async def test_standby_that_becomes_leader_while_waiting_persists(

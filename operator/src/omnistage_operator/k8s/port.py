@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from omnistage_operator.api.labels import GROUP_LABEL
 from omnistage_operator.api.spec import DesiredState
@@ -44,13 +45,26 @@ from omnistage_operator.k8s.port_listing import _built_from
 from omnistage_operator.k8s.views import group_of
 from omnistage_operator.k8s.worker_client import WorkerClient
 
+if TYPE_CHECKING:
+    from omnistage_operator.k8s.port_host import PortHost
+
 __all__ = ["KubeGroupPort", "group_of"]
 
 log = logging.getLogger(__name__)
 
+# A wake after a checkpoint still running this long shows Waking in its stage's status.
+WAKING_STATUS_AFTER_S = 0.25
+
 
 class KubeGroupPort(FactsPort):
     """``GroupPort`` of one group, for one round."""
+
+    _checkpointed: RoundOutcome | None = None  # the round's checkpoint, once started
+    _waking_written: set[str]
+
+    def __init__(self, runner: PortHost, namespace: str, group: str) -> None:
+        super().__init__(runner, namespace, group)
+        self._waking_written = set()
 
     def _acked(self, stage: str, ack: AckFacts) -> None:
         """Keep an ACK for status, and count it into the stage's per-device peaks."""
@@ -197,9 +211,13 @@ class KubeGroupPort(FactsPort):
         client = self._client(stage)
         self._ensure_leading(f"WakeUp {task_id}")
         t0 = time.monotonic()
-        ack = await client.wake(
-            task_id, self.r.settings.wake_timeout_s, epoch=self.r.leadership.epoch
-        )
+        shown = self._show_waking(stage)
+        try:
+            ack = await client.wake(
+                task_id, self.r.settings.wake_timeout_s, epoch=self.r.leadership.epoch
+            )
+        finally:
+            await self._waking_settled(stage, shown)
         metrics.ACK_SECONDS.labels("wake").observe(time.monotonic() - t0)
         self._acked(stage, ack)
         result = "ok" if ack.ok else "not_ok"
@@ -207,8 +225,37 @@ class KubeGroupPort(FactsPort):
         return ack
 
     async def checkpoint(self, outcome: RoundOutcome) -> None:
-        """Publish the sleeps' ACKs in status before any wake goes out."""
-        await self.r.publish(self, outcome, events=False)
+        """Publish the sleeps' ACKs and the fences in status before any wake goes out: the
+        status of the stages they concern. A stage woken next is written by the round's
+        publish after its wake (one status write less on the hand-over's path), or as Waking
+        once its wake has taken ``WAKING_STATUS_AFTER_S`` (``wake``)."""
+        self._checkpointed = outcome
+        stages = {s.order.stage for s in outcome.sleeps} | {f.order.stage for f in outcome.fences}
+        await self.r.publish(self, outcome, events=False, stages=frozenset(stages))
+
+    def _show_waking(self, stage: str) -> asyncio.Task[None] | None:
+        """After a checkpoint: write the stage's status (Waking) if its wake takes a while."""
+        outcome = self._checkpointed
+        if outcome is None:
+            return None
+
+        async def later() -> None:
+            await asyncio.sleep(WAKING_STATUS_AFTER_S)
+            self._waking_written.add(stage)  # from here on awaited, never cancelled
+            await self.r.publish(self, outcome, events=False, stages=frozenset({stage}))
+
+        return asyncio.ensure_future(later())
+
+    async def _waking_settled(self, stage: str, shown: asyncio.Task[None] | None) -> None:
+        """A Waking write not begun is dropped; one begun is awaited, so it lands before the
+        round's publish of the same stage."""
+        if shown is None:
+            return
+        if stage not in self._waking_written:
+            shown.cancel()
+        await asyncio.wait([shown])  # its error is not the wake's
+        if not shown.cancelled() and shown.exception() is not None:
+            log.warning("%s/%s: Waking not written: %s", self.ns, stage, shown.exception())
 
     async def fence(self, stage: str, reason: str) -> None:
         """Delete the stage's pod; return only once the API server confirms it is gone."""

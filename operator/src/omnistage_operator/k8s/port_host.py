@@ -175,7 +175,12 @@ class PortHost(Memory, Protocol):
     ) -> None: ...
 
     async def publish(
-        self, port: RoundView, outcome: RoundOutcome, *, events: bool = True
+        self,
+        port: RoundView,
+        outcome: RoundOutcome,
+        *,
+        events: bool = True,
+        stages: frozenset[str] | None = None,
     ) -> None: ...
 
     def client_for(

@@ -2,6 +2,8 @@
 ``runner.GroupRunner``): ``kick`` marks a group dirty and its loop runs rounds until nothing new
 was asked (kicks during a round coalesce into one more round), polls again while something is in
 progress, backs off after a failed round, and comes back when a crash or wake back-off ends.
+``settled`` waits for the end of the round that takes a kick (a spec handler returns then, so
+kopf's own write of the change lands after the hand-over, not in the middle of it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class _Loop:
     followup: asyncio.TimerHandle | None = None
     backoff_s: float = 0.2
     last_round: float = float("-inf")  # monotonic end of the group's last round
+    started: int = 0  # rounds begun
+    ended: int = 0  # rounds ended, whatever their outcome
+    waiters: list[tuple[int, asyncio.Future[None]]] = field(default_factory=list)
 
 
 class GroupLoops:
@@ -58,6 +63,32 @@ class GroupLoops:
             return
         self.kick(namespace, group)
 
+    async def settled(self, namespace: str, group: str, within_s: float) -> bool:
+        """Wait until the round that takes the group's latest kick has ended: True, or False
+        when it did not within ``within_s`` (or no kick is pending)."""
+        loop = self._loops.get((namespace, group))
+        if loop is None or not loop.dirty.is_set():
+            return False
+        target = loop.started + 1  # the next round to begin clears the kick
+        done = asyncio.get_running_loop().create_future()
+        entry = (target, done)
+        loop.waiters.append(entry)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), within_s)
+        except TimeoutError:
+            return False
+        finally:
+            if entry in loop.waiters:
+                loop.waiters.remove(entry)
+        return True
+
+    @staticmethod
+    def _ended(loop: _Loop) -> None:
+        loop.ended += 1
+        for target, done in list(loop.waiters):
+            if target <= loop.ended and not done.done():
+                done.set_result(None)
+
     def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
         if loop.followup is not None:
             loop.followup.cancel()
@@ -66,6 +97,7 @@ class GroupLoops:
     async def _run(self, namespace: str, group: str, loop: _Loop) -> None:
         while loop.dirty.is_set():
             loop.dirty.clear()
+            loop.started += 1
             try:
                 busy = await self.round(namespace, group)
                 loop.last_round = time.monotonic()
@@ -75,6 +107,8 @@ class GroupLoops:
                 loop.backoff_s = min(loop.backoff_s * 2, 5.0)
                 self._followup(namespace, group, loop, loop.backoff_s)
                 return
+            finally:
+                self._ended(loop)
             retry = self._retry_in.pop((namespace, group), None)
             if busy:
                 self._followup(namespace, group, loop, loop.backoff_s)

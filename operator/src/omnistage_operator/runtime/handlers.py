@@ -49,6 +49,8 @@ FINALIZER = "omnistage.io/finalizer"
 # The timer's interval is fixed when kopf registers it: cli.main exports --resync-interval
 # into this variable before importing this module.
 RESYNC_S = float(os.environ.get("OMNISTAGE_RESYNC_INTERVAL", "10") or 10)
+# How long a spec handler waits for the round its change kicked (then kopf records the change).
+HANDOVER_WAIT_S = 5.0
 
 
 class _State:
@@ -186,6 +188,12 @@ async def stage_updated(
     new_group = group_of(body)
     for group in {old_group, new_group} - {None}:
         _kick(ns, group)
+    written = False
+    if _State.leadership.leading() and new_group is not None:
+        # Return once the round this change kicked has ended: kopf writes its own record of
+        # the change (an annotation patch) after the hand-over, not in the middle of it, and
+        # that round's status write usually carries the ask already.
+        written = await runner.settled(ns, new_group, HANDOVER_WAIT_S)
     if asked:
         if not _State.leadership.leading():
             # A standby writes nothing. It lets the leader's kopf handle this change first:
@@ -194,8 +202,9 @@ async def stage_updated(
             if not _State.leadership.leading():
                 return
         # Persist the ask before kopf marks this change handled: an operator killed now
-        # re-runs this handler, one killed later finds the ask in status.
-        await runner.persist_ask(ns, name)
+        # re-runs this handler, one killed later finds the ask in status (written by the
+        # round's status, or here when that round did not write it).
+        await runner.persist_ask(ns, name, written=written)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)

@@ -186,15 +186,31 @@ class StatusPublisher:
                 idle_after = port.specs[name].activation.idle_after_s
                 self.emit(body, "IdleSleep", f"no request for {idle_after:g}s: put to sleep")
 
-    async def publish(self, port: RoundView, outcome: RoundOutcome, *, events: bool = True) -> None:
-        """Patch every stage's status from the facts (only where it changed); then post the
-        Events (a checkpoint's, ``events=False``, wait for the round's last publish)."""
+    async def publish(
+        self,
+        port: RoundView,
+        outcome: RoundOutcome,
+        *,
+        events: bool = True,
+        stages: frozenset[str] | None = None,
+    ) -> None:
+        """Patch every stage's status (of ``stages`` only, when given) from the facts (only
+        where it changed): the writes that change a stage's state first, the others once those
+        are answered (a stage's new state does not share the API server with another stage's
+        new figures); then post the Events (a checkpoint's, ``events=False``, wait for the
+        round's last publish)."""
         token = _HELD.set(port.held_events)
         try:
-            patches = self._status_patches(port, outcome, events=events)
+            states, figures = self._status_patches(port, outcome, events=events, stages=stages)
         finally:
             _HELD.reset(token)
-        await asyncio.gather(*patches)
+        try:
+            await asyncio.gather(*states)
+        except BaseException:
+            for write in figures:
+                write.close()  # never started
+            raise
+        await asyncio.gather(*figures)
         if events:
             held = list(port.held_events)
             port.held_events.clear()
@@ -202,15 +218,24 @@ class StatusPublisher:
                 self._post(body, reason, message, warning)
 
     def _status_patches(
-        self, port: RoundView, outcome: RoundOutcome, *, events: bool
-    ) -> list[Coroutine[Any, Any, None]]:
-        """Build every stage's status; the patches of those that changed (not started)."""
+        self,
+        port: RoundView,
+        outcome: RoundOutcome,
+        *,
+        events: bool,
+        stages: frozenset[str] | None = None,
+    ) -> tuple[list[Coroutine[Any, Any, None]], list[Coroutine[Any, Any, None]]]:
+        """Build every stage's status (of ``stages`` only, when given); the patches of those
+        that changed (not started): those whose state changed, and the others."""
         if events:
             self._events(port, outcome)
         decision = outcome.decision
         now = datetime.now(UTC)
-        patches = []
+        states: list[Coroutine[Any, Any, None]] = []
+        patches: list[Coroutine[Any, Any, None]] = []
         for name, spec in port.specs.items():
+            if stages is not None and name not in stages:
+                continue
             key = (port.ns, name)
             body = port.bodies[name]
             fact = port.facts.get(name, StageFacts(WorkerPhase.ABSENT))
@@ -263,8 +288,11 @@ class StatusPublisher:
             if old_state != status["state"]:
                 self.emit(body, "StateChanged", f"{old_state or 'None'} -> {status['state']}")
             self.published[key] = status
-            patches.append(self._patch_status(port.ns, name, status))
+            write = self._patch_status(port.ns, name, status)
+            (states if old_state != status["state"] else patches).append(write)
         for name, (body, exc) in port.invalid.items():
+            if stages is not None and name not in stages:
+                continue
             status = {"state": "Failed", "observedGeneration": body["metadata"].get("generation")}
             if not body["metadata"].get("deletionTimestamp"):
                 stage_metrics.observe(port.ns, port.group, name, status)
@@ -273,7 +301,7 @@ class StatusPublisher:
             self.published[(port.ns, name)] = status
             self.emit(body, "SpecInvalid", str(exc), warning=True)
             patches.append(self._patch_status(port.ns, name, status))
-        return patches
+        return states, patches
 
     def _extend_status(
         self, status: dict[str, Any], port: RoundView, name: str, now: datetime

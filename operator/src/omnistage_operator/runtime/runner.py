@@ -276,12 +276,20 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         """The stage just asked for Active (arbiter order: the most recent ask first)."""
         self.asks[(namespace, name)] = time.time() if when is None else when
 
-    async def persist_ask(self, namespace: str, name: str) -> None:
-        """Write ``status.requestedActiveAt`` of a recorded ask now."""
-        when = self.asks.get((namespace, name))
+    async def persist_ask(self, namespace: str, name: str, *, written: bool = False) -> None:
+        """Make sure ``status.requestedActiveAt`` of a recorded ask is written: nothing to do
+        when ``written`` (a round ended since the ask) and that round's status carried it,
+        else a patch now."""
+        key = (namespace, name)
+        when = self.asks.get(key)
         if when is None:
             return
-        patch = {"status": {"requestedActiveAt": format_timestamp(when)}}
+        stamp = format_timestamp(when)
+        # ``published`` holds a status only once its write went through (a failed one is
+        # dropped), and every write of an ended round has been answered.
+        if written and (self.published.get(key) or {}).get("requestedActiveAt") == stamp:
+            return
+        patch = {"status": {"requestedActiveAt": stamp}}
         await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
 
     def forget(self, namespace: str, name: str) -> None:

@@ -1,0 +1,91 @@
+"""A group's loop tells when the round that took a kick has ended (``GroupLoops.settled``).
+
+A spec handler waits for it, so kopf's own write of the change (its last-handled annotation)
+goes out after the hand-over instead of beside its first readings and orders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from omnistage_operator.decisions.status import format_timestamp
+from omnistage_operator.k8s.settings import Settings
+from omnistage_operator.runtime.group_loops import GroupLoops, _Loop
+from omnistage_operator.runtime.runner import GroupRunner
+
+
+class Loops(GroupLoops):
+    """Rounds that wait for the test's word; each records the kicks it saw."""
+
+    def __init__(self) -> None:
+        self._loops: dict[tuple[str, str], _Loop] = {}
+        self._retry_in: dict[tuple[str, str], float] = {}
+        self.gate = asyncio.Event()
+        self.rounds = 0
+
+    async def round(self, namespace: str, group: str) -> bool:
+        self.rounds += 1
+        await self.gate.wait()
+        return False
+
+
+async def test_settled_waits_for_the_round_that_takes_the_kick() -> None:
+    loops = Loops()
+    loops.kick("ns", "g")
+    await asyncio.sleep(0)  # the first round begins and waits
+    assert loops.rounds == 1
+    loops.kick("ns", "g")  # during that round: a second one takes it
+    waiter = asyncio.create_task(loops.settled("ns", "g", 5.0))
+    loops.gate.set()
+    assert await waiter is True
+    assert loops.rounds == 2  # not the round that was running when it was kicked
+
+
+async def test_settled_gives_up_after_its_bound() -> None:
+    loops = Loops()
+    loops.kick("ns", "g")
+    assert await loops.settled("ns", "g", 0.05) is False
+    loops.gate.set()
+    assert await loops.settled("ns", "g", 1.0) is False  # no kick pending: nothing to wait for
+
+
+async def test_a_failed_round_ends_the_wait() -> None:
+    class Failing(Loops):
+        async def round(self, namespace: str, group: str) -> bool:
+            raise RuntimeError("boom")
+
+    loops = Failing()
+    loops.kick("ns", "g")
+    assert await loops.settled("ns", "g", 5.0) is True
+    for loop in loops._loops.values():  # the retry after the failure
+        if loop.followup is not None:
+            loop.followup.cancel()
+
+
+class PatchLog:
+    """The API as far as ``persist_ask`` uses it: status patches, recorded."""
+
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, dict[str, object]]] = []
+
+    async def merge_patch(
+        self, kind: object, namespace: str, name: str, patch: dict[str, object], **_: object
+    ) -> dict[str, object]:
+        self.patches.append((name, patch))
+        return {}
+
+
+async def test_the_ask_is_written_once_by_the_round_that_took_it() -> None:
+    kube = PatchLog()
+    runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
+    runner.record_ask("ns", "x", when=1000.0)
+    stamp = format_timestamp(1000.0)
+    # The round ended and its status write carried the ask: no second write.
+    runner.published[("ns", "x")] = {"state": "Waking", "requestedActiveAt": stamp}
+    await runner.persist_ask("ns", "x", written=True)
+    assert kube.patches == []
+    # No round ended (or its write carried an older ask, or failed and was forgotten): written.
+    await runner.persist_ask("ns", "x", written=False)
+    runner.published[("ns", "x")] = {"state": "Waking", "requestedActiveAt": "older"}
+    await runner.persist_ask("ns", "x", written=True)
+    assert kube.patches == [("x", {"status": {"requestedActiveAt": stamp}})] * 2
