@@ -110,11 +110,19 @@ class KubeError(Exception):
         self.status = status
 
 
-# Connections kept open to the API server. kr8s builds its httpx client with httpx's default
-# (20 kept alive): a storm's rounds keep more requests in flight, every connection beyond 20
-# is closed after its request, and the next burst pays a new TLS handshake for each (a tenth of
-# the operator's CPU in a storm of 30 groups, under cProfile).
-KEEP_CONNECTIONS = 100
+# Requests in flight to the API server at once, and connections kept open for them (as many).
+# httpcore's pool scans every connection for every queued request each time a request starts or
+# ends: with a storm's hundreds of requests queued in it (a round's and its Events') that scan
+# was half the operator's CPU (py-spy over a 200-stage hand-over storm). Requests beyond the
+# limit wait on a semaphore instead, which costs nothing per waiter. kr8s builds its httpx client
+# with httpx's default (20 kept alive): every connection beyond that would be closed after its
+# request, and the next burst pay a new TLS handshake for each.
+API_CONCURRENCY = 32
+KEEP_CONNECTIONS = API_CONCURRENCY
+# Event posts (and their aggregation patches) in flight at once: Events are best effort and come
+# in bursts (several per hand-over), so they take few of the request slots; a round's reads and
+# status writes never queue behind a storm's Events.
+EVENT_CONCURRENCY = 4
 
 
 def keep_connections(api: Any) -> None:
@@ -148,6 +156,8 @@ class Kube:
         self.api = api
         # Repeats of an Event update it (count) instead of adding one (event_series).
         self.events = events if events is not None else EventSeries()
+        self._slots = asyncio.Semaphore(API_CONCURRENCY)
+        self._event_slots = asyncio.Semaphore(EVENT_CONCURRENCY)
 
     @classmethod
     async def connect(cls) -> Kube:
@@ -168,20 +178,23 @@ class Kube:
         read: bool = False,
         **request: Any,
     ) -> dict[str, Any] | None:
-        """One request through kr8s's client; the object the API answered with as plain JSON
-        (None on a status in ``absent``).
+        """One request through kr8s's client (at most ``API_CONCURRENCY`` at once); the object
+        the API answered with as plain JSON (None on a status in ``absent``).
 
         The answer is not wrapped in a kr8s object: turning each answer into a ``Box`` and back
         cost more CPU than the rest of a hand-over (py-spy over ``bench/operator_switch.py``)."""
         message = ""
         try:
-            async with self.api.call_api(
-                method,
-                version=kind.version,
-                url=url,
-                namespace=namespace if kind.namespaced else None,
-                **request,
-            ) as resp:
+            async with (
+                self._slots,
+                self.api.call_api(
+                    method,
+                    version=kind.version,
+                    url=url,
+                    namespace=namespace if kind.namespaced else None,
+                    **request,
+                ) as resp,
+            ):
                 body: dict[str, Any] = resp.json() if resp.content else {}
         except kr8s.ServerError as exc:
             code = exc.response.status_code if exc.response is not None else 0
@@ -322,7 +335,14 @@ class Kube:
         warning: bool = False,
     ) -> None:
         """Record a core/v1 Event on ``involved`` (a body with apiVersion, kind, metadata); a
-        repeat within the aggregation window updates an Event instead (``event_series``)."""
+        repeat within the aggregation window updates an Event instead (``event_series``). At
+        most ``EVENT_CONCURRENCY`` are recorded at once; the others wait their turn."""
+        async with self._event_slots:
+            await self._event(involved, reason=reason, message=message, warning=warning)
+
+    async def _event(
+        self, involved: Mapping[str, Any], *, reason: str, message: str, warning: bool
+    ) -> None:
         meta = involved["metadata"]
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         kind = "Warning" if warning else "Normal"

@@ -1,0 +1,65 @@
+"""The operator's API requests under a storm, against the real API server: at most
+``API_CONCURRENCY`` reach httpx's connection pool at once (its per-request bookkeeping scans
+every connection for every request queued in it), and a burst of Events takes at most
+``EVENT_CONCURRENCY`` of them, so a round's read does not wait behind the Events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import kr8s.asyncio
+import pytest
+
+from omnistage_operator.k8s.kube import API_CONCURRENCY, EVENT_CONCURRENCY, Kube
+from tests.cluster.controlplane import ControlPlane
+
+pytestmark = [pytest.mark.timeout(180)]
+EVENTS = 300
+
+
+class PoolWatch:
+    """The most requests httpx's pool held at once (queued or being sent)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.most = 0
+        assign = pool._assign_requests_to_connections
+
+        def watched() -> Any:
+            self.most = max(self.most, len(pool._requests))
+            return assign()
+
+        pool._assign_requests_to_connections = watched
+
+
+async def test_a_storm_of_events_neither_floods_the_pool_nor_delays_a_read(
+    control_plane: ControlPlane, namespace: str
+) -> None:
+    cp = control_plane
+    cp.kubectl("create", "configmap", "subject", "-n", namespace)
+    subject = cp.get_json("configmap", "subject", namespace=namespace)
+    api = await kr8s.asyncio.api(kubeconfig=str(cp.kubeconfig))
+    kube = Kube(api)
+    await kube.get(kr8s.asyncio.objects.ConfigMap, namespace, "subject")  # the session exists
+    session: Any = api._session
+    watch = PoolWatch(session._transport._pool)
+
+    # distinct reasons: every one is a new Event (a POST), none aggregated into another
+    storm = [
+        asyncio.create_task(kube.event(subject, reason=f"Storm{i}", message="m"))
+        for i in range(EVENTS)
+    ]
+    await asyncio.sleep(0)  # every Event task has started and asked for its request
+    t0 = time.monotonic()
+    read = await kube.get(kr8s.asyncio.objects.ConfigMap, namespace, "subject")
+    took = time.monotonic() - t0
+    posted_before_read = sum(t.done() for t in storm)
+    await asyncio.gather(*storm)
+
+    assert read is not None and read["metadata"]["name"] == "subject"
+    assert watch.most <= API_CONCURRENCY, watch.most
+    # the read went ahead of the Events still waiting (before: behind all of them)
+    assert posted_before_read <= 4 * EVENT_CONCURRENCY, (posted_before_read, took)
+    listed = cp.get_json("events", namespace=namespace)["items"]
+    assert sum(e["reason"].startswith("Storm") for e in listed) == EVENTS
