@@ -1,7 +1,8 @@
 """The operator's API requests under a storm, against the real API server: at most
 ``API_CONCURRENCY`` reach httpx's connection pool at once (its per-request bookkeeping scans
 every connection for every request queued in it), and a burst of Events takes at most
-``EVENT_CONCURRENCY`` of them, so a round's read does not wait behind the Events."""
+``EVENT_CONCURRENCY`` of them, so a round's read does not wait behind the Events; the client
+``Kube.connect`` builds keeps a connection per slot open, across a pause between storms."""
 
 from __future__ import annotations
 
@@ -20,17 +21,30 @@ EVENTS = 300
 
 
 class PoolWatch:
-    """The most requests httpx's pool held at once (queued or being sent)."""
+    """The most requests httpx's pool held at once (queued or being sent), and the connections
+    it opened."""
 
     def __init__(self, pool: Any) -> None:
         self.most = 0
+        self.opened = 0
         assign = pool._assign_requests_to_connections
+        create = pool.create_connection
 
         def watched() -> Any:
             self.most = max(self.most, len(pool._requests))
             return assign()
 
+        def created(origin: Any) -> Any:
+            self.opened += 1
+            return create(origin)
+
         pool._assign_requests_to_connections = watched
+        pool.create_connection = created
+
+
+def pool_of(kube: Kube) -> Any:
+    session: Any = kube.api._session
+    return session._transport._pool
 
 
 async def test_a_storm_of_events_neither_floods_the_pool_nor_delays_a_read(
@@ -42,8 +56,7 @@ async def test_a_storm_of_events_neither_floods_the_pool_nor_delays_a_read(
     api = await kr8s.asyncio.api(kubeconfig=str(cp.kubeconfig))
     kube = Kube(api)
     await kube.get(kr8s.asyncio.objects.ConfigMap, namespace, "subject")  # the session exists
-    session: Any = api._session
-    watch = PoolWatch(session._transport._pool)
+    watch = PoolWatch(pool_of(kube))
 
     # distinct reasons: every one is a new Event (a POST), none aggregated into another
     storm = [
@@ -63,3 +76,24 @@ async def test_a_storm_of_events_neither_floods_the_pool_nor_delays_a_read(
     assert posted_before_read <= 4 * EVENT_CONCURRENCY, (posted_before_read, took)
     listed = cp.get_json("events", namespace=namespace)["items"]
     assert sum(e["reason"].startswith("Storm") for e in listed) == EVENTS
+
+
+async def test_connections_are_kept_for_every_slot_and_across_a_pause(
+    control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
+    kube = await Kube.connect()
+    watch = PoolWatch(pool_of(kube))
+
+    async def burst() -> None:
+        reads = [kube.get(kr8s.asyncio.objects.Namespace, "", "default") for _ in range(64)]
+        assert all(r is not None for r in await asyncio.gather(*reads))
+
+    await burst()
+    first = watch.opened
+    assert 0 < first <= API_CONCURRENCY
+    await burst()  # before: kr8s's client kept 20 and opened (and TLS-shook) the rest again
+    assert watch.opened == first
+    await asyncio.sleep(6)  # longer than httpx's default keep-alive expiry (5 s)
+    await burst()
+    assert watch.opened == first

@@ -116,18 +116,21 @@ class KubeError(Exception):
 # was half the operator's CPU (py-spy over a 200-stage hand-over storm). Requests beyond the
 # limit wait on a semaphore instead, which costs nothing per waiter. kr8s builds its httpx client
 # with httpx's default (20 kept alive): every connection beyond that would be closed after its
-# request, and the next burst pay a new TLS handshake for each.
+# request, and the next burst pay a new TLS handshake for each. They are kept across the pauses
+# between storms too (httpx closes a connection idle for 5 s by default).
 API_CONCURRENCY = 32
 KEEP_CONNECTIONS = API_CONCURRENCY
+KEEP_IDLE_S = 300.0
 # Event posts (and their aggregation patches) in flight at once: Events are best effort and come
 # in bursts (several per hand-over), so they take few of the request slots; a round's reads and
 # status writes never queue behind a storm's Events.
 EVENT_CONCURRENCY = 4
 
 
-def keep_connections(api: Any) -> None:
-    """Make ``api`` (a kr8s Api) build its httpx client with ``KEEP_CONNECTIONS`` kept alive,
-    now and whenever it rebuilds it (kr8s does on a 401/403 re-authentication)."""
+async def keep_connections(api: Any) -> None:
+    """Make ``api`` (a kr8s Api) build its httpx client with ``KEEP_CONNECTIONS`` kept alive
+    for ``KEEP_IDLE_S``, now (kr8s built one with httpx's defaults for its version check) and
+    whenever it rebuilds it (kr8s does on a 401/403 re-authentication)."""
     build = api._create_session
 
     async def create_session() -> None:
@@ -141,12 +144,15 @@ def keep_connections(api: Any) -> None:
             follow_redirects=True,
             proxy=api.auth.proxy,
             limits=httpx.Limits(
-                max_connections=KEEP_CONNECTIONS, max_keepalive_connections=KEEP_CONNECTIONS
+                max_connections=KEEP_CONNECTIONS,
+                max_keepalive_connections=KEEP_CONNECTIONS,
+                keepalive_expiry=KEEP_IDLE_S,
             ),
         )
         await old.aclose()
 
     api._create_session = create_session
+    await create_session()
 
 
 class Kube:
@@ -163,7 +169,7 @@ class Kube:
     async def connect(cls) -> Kube:
         """Connect with the in-cluster service account or $KUBECONFIG."""
         api = await kr8s.asyncio.api()
-        keep_connections(api)
+        await keep_connections(api)
         return cls(api)
 
     async def _call(
