@@ -12,12 +12,18 @@ from typing import Any
 
 import kr8s.asyncio
 import pytest
+from prometheus_client import REGISTRY
 
 from omnistage_operator.k8s.kube import API_CONCURRENCY, EVENT_CONCURRENCY, Kube
 from tests.cluster.controlplane import ControlPlane
 
 pytestmark = [pytest.mark.timeout(180)]
 EVENTS = 300
+
+
+def waits(lane: str) -> float:
+    """Requests of ``lane`` counted by ``omnistage_api_wait_seconds`` so far."""
+    return REGISTRY.get_sample_value("omnistage_api_wait_seconds_count", {"lane": lane}) or 0.0
 
 
 class PoolWatch:
@@ -57,6 +63,7 @@ async def test_a_storm_of_events_neither_floods_the_pool_nor_delays_a_read(
     kube = Kube(api)
     await kube.get(kr8s.asyncio.objects.ConfigMap, namespace, "subject")  # the session exists
     watch = PoolWatch(pool_of(kube))
+    before = {lane: waits(lane) for lane in ("event", "request")}
 
     # distinct reasons: every one is a new Event (a POST), none aggregated into another
     storm = [
@@ -74,6 +81,9 @@ async def test_a_storm_of_events_neither_floods_the_pool_nor_delays_a_read(
     assert watch.most <= API_CONCURRENCY, watch.most
     # the read went ahead of the Events still waiting (before: behind all of them)
     assert posted_before_read <= 4 * EVENT_CONCURRENCY, (posted_before_read, took)
+    # where the requests waited is in the operator's metrics
+    assert waits("event") - before["event"] == EVENTS
+    assert waits("request") - before["request"] == 1
     listed = cp.get_json("events", namespace=namespace)["items"]
     assert sum(e["reason"].startswith("Storm") for e in listed) == EVENTS
 

@@ -27,6 +27,7 @@ import kr8s.asyncio
 from kr8s.asyncio.objects import APIObject, Event, Pod, Secret, Service, new_class
 
 from omnistage_operator.decisions.event_series import EventSeries
+from omnistage_operator.k8s import metrics
 
 __all__ = [
     "CLAIMS",
@@ -190,18 +191,23 @@ class Kube:
         The answer is not wrapped in a kr8s object: turning each answer into a ``Box`` and back
         cost more CPU than the rest of a hand-over (py-spy over ``bench/operator_switch.py``)."""
         message = ""
+        queued = time.monotonic()
         try:
-            async with (
-                self._slots,
-                self.api.call_api(
-                    method,
-                    version=kind.version,
-                    url=url,
-                    namespace=namespace if kind.namespaced else None,
-                    **request,
-                ) as resp,
-            ):
-                body: dict[str, Any] = resp.json() if resp.content else {}
+            async with self._slots:
+                sent = time.monotonic()
+                lane = "event" if kind is Event else "request"
+                metrics.API_WAIT_SECONDS.labels(lane).observe(sent - queued)
+                try:
+                    async with self.api.call_api(
+                        method,
+                        version=kind.version,
+                        url=url,
+                        namespace=namespace if kind.namespaced else None,
+                        **request,
+                    ) as resp:
+                        body: dict[str, Any] = resp.json() if resp.content else {}
+                finally:
+                    metrics.API_REQUEST_SECONDS.labels(method).observe(time.monotonic() - sent)
         except kr8s.ServerError as exc:
             code = exc.response.status_code if exc.response is not None else 0
             status: Mapping[str, Any] = exc.status if isinstance(exc.status, Mapping) else {}
