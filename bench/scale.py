@@ -127,12 +127,15 @@ def api_times(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 # Where the CPU of a storm goes: this process's descendants by what they run (the rest of the
-# machine's busy time is other work on it).
-STACK = (
-    ("kube-apiserver", "apiserver"),
-    ("etcd", "etcd"),
-    ("kube-scheduler", "scheduler"),
-    ("kube-controller-manager", "controller_manager"),
+# machine's busy time is other work on it). The control plane's binaries by name (their cache
+# directory's name holds "etcd"), the Python ones by module or script.
+BINARIES = {
+    "kube-apiserver": "apiserver",
+    "etcd": "etcd",
+    "kube-scheduler": "scheduler",
+    "kube-controller-manager": "controller_manager",
+}
+SCRIPTS = (
     ("tests.scale.simhost", "simhosts"),
     ("tests.cluster.localnode", "localnode"),
     ("omnistage-operator", "operators"),
@@ -146,11 +149,14 @@ def stack_cpu() -> dict[str, float]:
     out = {"bench": sum(me.cpu_times()[:2])}
     for child in me.children(recursive=True):
         try:
-            cmd = " ".join(child.cmdline())
+            argv = child.cmdline()
             t = child.cpu_times()
         except psutil.Error:
             continue
-        kind = next((k for needle, k in STACK if needle in cmd), "other_children")
+        cmd = " ".join(argv)
+        kind = BINARIES.get(Path(argv[0]).name if argv else "") or next(
+            (k for needle, k in SCRIPTS if needle in cmd), "other_children"
+        )
         out[kind] = out.get(kind, 0.0) + t.user + t.system
     m = psutil.cpu_times()
     out["machine"] = sum(m) - m.idle - getattr(m, "iowait", 0.0)
