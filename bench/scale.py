@@ -166,9 +166,10 @@ def stack_cpu() -> dict[str, float]:
 def cpu_breakdown(
     before: dict[str, float], after: dict[str, float], seconds: float
 ) -> dict[str, Any]:
-    """A storm's CPU seconds by kind (processes that ended in it count what they had at its
-    start), the machine's busy seconds and the share of them that was not the harness's
-    (``others``: other work on a shared machine), and how busy the machine was."""
+    """A storm's CPU seconds by kind, the machine's busy seconds and the share of them that was
+    not the harness's (``others``: other work on a shared machine), and how busy the machine
+    was. A process that ends during the storm drops out (``leader_kill``'s killed operator: its
+    kind reads low, at least 0; ``operator_cpu_s`` counts the replicas alive at the end)."""
     kinds = {k: round(max(after.get(k, 0.0) - before.get(k, 0.0), 0.0), 2) for k in after}
     machine = kinds.pop("machine")
     ours = sum(kinds.values())
