@@ -15,7 +15,11 @@ model) and the real operator(s), then storms over every group at once (bench/sca
 Reported per storm: per-hand-over operator overhead p50/p95/p99 (latency less both ACKs' own
 durations), convergence time, the operator's API requests and objects read per round and per
 second (its ``omnistage_round_api_*`` counters) and the most one group's rounds read per round,
-operator CPU seconds and RSS, watch event lag (PATCH answered -> the bench's watch sees it);
+operator CPU seconds and RSS, watch event lag (PATCH answered -> the bench's watch sees it),
+the operator's mean wait for an API request slot (per lane: Events, the rest) and the API
+server's mean answer time (``omnistage_api_*_seconds``), and where the storm's CPU went
+(``cpu_s``: the API server, etcd, localnode, simulated hosts, operators, this process, and
+``others_s``, the machine's busy time that was none of these: other work on a shared machine);
 per size: etcd's db size and localnode's own figures. Writes JSON (and an SVG plot of overhead
 against stages) under bench/results/.
 
@@ -86,25 +90,125 @@ class NamedOperator(OperatorProcess):
         return self.proc is not None and self.proc.poll() is None
 
 
-def counters(text: str, name: str) -> dict[str, float]:
-    """A counter's samples by their ``group`` label (summed over other labels)."""
+def counters(text: str, name: str, label: str = "group") -> dict[str, float]:
+    """A counter's samples by their ``label`` (summed over other labels)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            m = re.search(r'group="([^"]*)"', line)
+            m = re.search(label + r'="([^"]*)"', line)
             key = m.group(1) if m else ""
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
-class Probe:
-    """Operator figures over a storm: counters, CPU, RSS (alive replicas only)."""
+# The operator's API requests: time waiting for a request slot (by lane), time the API server
+# took (all verbs).
+API_TIMES = {
+    "api_wait": ("omnistage_api_wait_seconds", "lane"),
+    "api_request": ("omnistage_api_request_seconds", "verb"),
+}
 
-    def __init__(self, ops: list[NamedOperator]) -> None:
+
+def api_times(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Mean seconds per request of a storm: waiting for a slot (per lane), at the API server."""
+    out: dict[str, Any] = {}
+    for key in API_TIMES:
+        total: dict[str, list[float]] = {}
+        for name, m in after.items():
+            b = before.get(name, {})
+            for part in ("sum", "count"):
+                for lane, v in m.get(f"{key}_{part}", {}).items():
+                    got = total.setdefault(lane, [0.0, 0.0])
+                    got[part == "count"] += v - b.get(f"{key}_{part}", {}).get(lane, 0.0)
+        out[f"{key}_mean_s"] = {
+            lane or "all": round(s / c, 3) for lane, (s, c) in sorted(total.items()) if c > 0
+        }
+    return out
+
+
+# Where the CPU of a storm goes: this process's descendants by what they run (the rest of the
+# machine's busy time is other work on it). The control plane's binaries by name (their cache
+# directory's name holds "etcd"), the Python ones by module or script.
+BINARIES = {
+    "kube-apiserver": "apiserver",
+    "etcd": "etcd",
+    "kube-scheduler": "scheduler",
+    "kube-controller-manager": "controller_manager",
+}
+SCRIPTS = (
+    ("tests.scale.simhost", "simhosts"),
+    ("tests.cluster.localnode", "localnode"),
+    ("omnistage-operator", "operators"),
+)
+
+
+def stack_cpu() -> dict[str, float]:
+    """CPU seconds so far: the harness's processes by kind (``bench``: this one), and the
+    whole machine's busy time (``machine``; every core)."""
+    me = psutil.Process()
+    out = {"bench": sum(me.cpu_times()[:2])}
+    for child in me.children(recursive=True):
+        try:
+            argv = child.cmdline()
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        cmd = " ".join(argv)
+        kind = BINARIES.get(Path(argv[0]).name if argv else "") or next(
+            (k for needle, k in SCRIPTS if needle in cmd), "other_children"
+        )
+        out[kind] = out.get(kind, 0.0) + t.user + t.system
+    m = psutil.cpu_times()
+    out["machine"] = sum(m) - m.idle - getattr(m, "iowait", 0.0)
+    return out
+
+
+def cpu_breakdown(
+    before: dict[str, float], after: dict[str, float], seconds: float
+) -> dict[str, Any]:
+    """A storm's CPU seconds by kind, the machine's busy seconds and the share of them that was
+    not the harness's (``others``: other work on a shared machine), and how busy the machine
+    was. A process that ends during the storm drops out (``leader_kill``'s killed operator: its
+    kind reads low, at least 0; ``operator_cpu_s`` counts the replicas alive at the end)."""
+    kinds = {k: round(max(after.get(k, 0.0) - before.get(k, 0.0), 0.0), 2) for k in after}
+    machine = kinds.pop("machine")
+    ours = sum(kinds.values())
+    cores = psutil.cpu_count() or 1
+    return {
+        **kinds,
+        "machine_busy_s": machine,
+        "others_s": round(max(machine - ours, 0.0), 2),
+        "machine_busy_fraction": round(machine / max(seconds * cores, 1e-6), 3),
+    }
+
+
+def apiserver_requests(cp: ControlPlane) -> dict[str, float]:
+    """The API server's requests so far (every client), by ``VERB resource[/subresource]``."""
+    text = cp.kubectl("get", "--raw", "/metrics").stdout
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("apiserver_request_total{"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+        what = labels.get("resource", "") + (
+            f"/{labels['subresource']}" if labels.get("subresource") else ""
+        )
+        key = f"{labels.get('verb', '')} {what}"
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+class Probe:
+    """Operator figures over a storm: counters, CPU, RSS (alive replicas only), and the CPU of
+    every process of the harness and of the machine (``stack_cpu``)."""
+
+    def __init__(self, ops: list[NamedOperator], cp: ControlPlane | None = None) -> None:
         self.ops = ops
+        self.cp = cp
 
     def snapshot(self) -> dict[str, Any]:
-        snap: dict[str, Any] = {"cpu": {}, "rss": {}, "metrics": {}}
+        snap: dict[str, Any] = {"cpu": {}, "rss": {}, "metrics": {}, "stack": stack_cpu()}
+        snap["apiserver"] = apiserver_requests(self.cp) if self.cp is not None else {}
         for op in self.ops:
             if not op.alive or op.proc is None:
                 continue
@@ -120,6 +224,12 @@ class Probe:
                 k: counters(text, f"omnistage_{k}_total")
                 for k in ("rounds", "round_api_requests", "round_api_objects")
             }
+            for key, (name, label) in API_TIMES.items():
+                for part in ("sum", "count"):
+                    by = counters(text, f"{name}_{part}", label)
+                    if label == "verb":  # every verb together
+                        by = {"": sum(by.values())}
+                    snap["metrics"][op.name][f"{key}_{part}"] = by
         return snap
 
     @staticmethod
@@ -151,6 +261,15 @@ class Probe:
             "api_objects_per_s": round(sum(objs.values()) / max(seconds, 1e-6), 1),
             "operator_cpu_s": round(cpu, 2),
             "operator_rss_mib": round(max(after["rss"].values(), default=0) / 2**20, 1),
+            **api_times(
+                {n: before["metrics"][n] for n in names}, {n: after["metrics"][n] for n in names}
+            ),
+            "cpu_s": cpu_breakdown(before["stack"], after["stack"], seconds),
+            "apiserver_requests": {
+                k: int(v - before["apiserver"].get(k, 0.0))
+                for k, v in sorted(after["apiserver"].items())
+                if v - before["apiserver"].get(k, 0.0) >= 1 and not k.startswith("WATCH")
+            },
         }
 
 
@@ -278,7 +397,7 @@ async def _storms(
 ) -> dict[str, Any]:  # fmt: skip
     api = Api(load_kubeconfig(cp.kubeconfig))
     fleet = Fleet(api, ns, groups)
-    probe = Probe(ops)
+    probe = Probe(ops, cp)
     env = {"OMNISTAGE_SIM_WEIGHTS": str(WEIGHTS), "OMNISTAGE_SIM_TRANSFER_S": str(transfer_s)}
     names = fleet.groups
     out: dict[str, Any] = {}

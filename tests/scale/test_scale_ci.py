@@ -41,6 +41,11 @@ def test_round_cost_is_flat_in_the_number_of_groups(tmp_path: Path) -> None:
         assert ondemand["answered"] == ondemand["groups"], ondemand
         assert handover["groups"] == run["groups"]
         assert handover["api_objects_per_round_max_group"] <= GROUP_OBJECTS, handover
+        # where the storm's time and CPU went: the operator's API waits, every process's CPU
+        # and the API server's requests by kind
+        assert handover["api_request_mean_s"]["all"] > 0, handover
+        assert handover["cpu_s"]["operators"] > 0 and handover["cpu_s"]["apiserver"] > 0
+        assert handover["apiserver_requests"]["PATCH omnistages/status"] >= run["groups"]
     for key in ("api_requests_per_round", "api_objects_per_round"):
         assert _per_round(large, key) <= _per_round(small, key) * 1.25 + 0.5, (key, small, large)
     cpu = [

@@ -27,6 +27,7 @@ import kr8s.asyncio
 from kr8s.asyncio.objects import APIObject, Event, Pod, Secret, Service, new_class
 
 from omnistage_operator.decisions.event_series import EventSeries
+from omnistage_operator.k8s import metrics
 
 __all__ = [
     "CLAIMS",
@@ -110,16 +111,27 @@ class KubeError(Exception):
         self.status = status
 
 
-# Connections kept open to the API server. kr8s builds its httpx client with httpx's default
-# (20 kept alive): a storm's rounds keep more requests in flight, every connection beyond 20
-# is closed after its request, and the next burst pays a new TLS handshake for each (a tenth of
-# the operator's CPU in a storm of 30 groups, under cProfile).
-KEEP_CONNECTIONS = 100
+# Requests in flight to the API server at once, and connections kept open for them (as many).
+# httpcore's pool scans every connection for every queued request each time a request starts or
+# ends: with a storm's hundreds of requests queued in it (a round's and its Events') that scan
+# was half the operator's CPU (py-spy over a 200-stage hand-over storm). Requests beyond the
+# limit wait on a semaphore instead, which costs nothing per waiter. kr8s builds its httpx client
+# with httpx's default (20 kept alive): every connection beyond that would be closed after its
+# request, and the next burst pay a new TLS handshake for each. They are kept across the pauses
+# between storms too (httpx closes a connection idle for 5 s by default).
+API_CONCURRENCY = 32
+KEEP_CONNECTIONS = API_CONCURRENCY
+KEEP_IDLE_S = 300.0
+# Event posts (and their aggregation patches) in flight at once: Events are best effort and come
+# in bursts (several per hand-over), so they take few of the request slots; a round's reads and
+# status writes never queue behind a storm's Events.
+EVENT_CONCURRENCY = 4
 
 
-def keep_connections(api: Any) -> None:
-    """Make ``api`` (a kr8s Api) build its httpx client with ``KEEP_CONNECTIONS`` kept alive,
-    now and whenever it rebuilds it (kr8s does on a 401/403 re-authentication)."""
+async def keep_connections(api: Any) -> None:
+    """Make ``api`` (a kr8s Api) build its httpx client with ``KEEP_CONNECTIONS`` kept alive
+    for ``KEEP_IDLE_S``, now (kr8s built one with httpx's defaults for its version check) and
+    whenever it rebuilds it (kr8s does on a 401/403 re-authentication)."""
     build = api._create_session
 
     async def create_session() -> None:
@@ -133,12 +145,15 @@ def keep_connections(api: Any) -> None:
             follow_redirects=True,
             proxy=api.auth.proxy,
             limits=httpx.Limits(
-                max_connections=KEEP_CONNECTIONS, max_keepalive_connections=KEEP_CONNECTIONS
+                max_connections=KEEP_CONNECTIONS,
+                max_keepalive_connections=KEEP_CONNECTIONS,
+                keepalive_expiry=KEEP_IDLE_S,
             ),
         )
         await old.aclose()
 
     api._create_session = create_session
+    await create_session()
 
 
 class Kube:
@@ -148,12 +163,14 @@ class Kube:
         self.api = api
         # Repeats of an Event update it (count) instead of adding one (event_series).
         self.events = events if events is not None else EventSeries()
+        self._slots = asyncio.Semaphore(API_CONCURRENCY)
+        self._event_slots = asyncio.Semaphore(EVENT_CONCURRENCY)
 
     @classmethod
     async def connect(cls) -> Kube:
         """Connect with the in-cluster service account or $KUBECONFIG."""
         api = await kr8s.asyncio.api()
-        keep_connections(api)
+        await keep_connections(api)
         return cls(api)
 
     async def _call(
@@ -168,21 +185,29 @@ class Kube:
         read: bool = False,
         **request: Any,
     ) -> dict[str, Any] | None:
-        """One request through kr8s's client; the object the API answered with as plain JSON
-        (None on a status in ``absent``).
+        """One request through kr8s's client (at most ``API_CONCURRENCY`` at once); the object
+        the API answered with as plain JSON (None on a status in ``absent``).
 
         The answer is not wrapped in a kr8s object: turning each answer into a ``Box`` and back
         cost more CPU than the rest of a hand-over (py-spy over ``bench/operator_switch.py``)."""
         message = ""
+        queued = time.monotonic()
         try:
-            async with self.api.call_api(
-                method,
-                version=kind.version,
-                url=url,
-                namespace=namespace if kind.namespaced else None,
-                **request,
-            ) as resp:
-                body: dict[str, Any] = resp.json() if resp.content else {}
+            async with self._slots:
+                sent = time.monotonic()
+                lane = "event" if kind is Event else "request"
+                metrics.API_WAIT_SECONDS.labels(lane).observe(sent - queued)
+                try:
+                    async with self.api.call_api(
+                        method,
+                        version=kind.version,
+                        url=url,
+                        namespace=namespace if kind.namespaced else None,
+                        **request,
+                    ) as resp:
+                        body: dict[str, Any] = resp.json() if resp.content else {}
+                finally:
+                    metrics.API_REQUEST_SECONDS.labels(method).observe(time.monotonic() - sent)
         except kr8s.ServerError as exc:
             code = exc.response.status_code if exc.response is not None else 0
             status: Mapping[str, Any] = exc.status if isinstance(exc.status, Mapping) else {}
@@ -322,7 +347,14 @@ class Kube:
         warning: bool = False,
     ) -> None:
         """Record a core/v1 Event on ``involved`` (a body with apiVersion, kind, metadata); a
-        repeat within the aggregation window updates an Event instead (``event_series``)."""
+        repeat within the aggregation window updates an Event instead (``event_series``). At
+        most ``EVENT_CONCURRENCY`` are recorded at once; the others wait their turn."""
+        async with self._event_slots:
+            await self._event(involved, reason=reason, message=message, warning=warning)
+
+    async def _event(
+        self, involved: Mapping[str, Any], *, reason: str, message: str, warning: bool
+    ) -> None:
         meta = involved["metadata"]
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         kind = "Warning" if warning else "Normal"

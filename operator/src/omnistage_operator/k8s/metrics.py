@@ -7,6 +7,8 @@ from prometheus_client import Counter, Gauge, Histogram
 __all__ = [
     "ACK_SECONDS",
     "ACK_VERDICTS",
+    "API_REQUEST_SECONDS",
+    "API_WAIT_SECONDS",
     "BYTES_FREED",
     "DEMAND_SWAPS",
     "DEMAND_WAKES",
@@ -75,6 +77,20 @@ ROUND_API_OBJECTS = Counter(
     "omnistage_round_api_objects_total",
     "Objects the group's rounds read from the Kubernetes API (GET: one; LIST: its items).",
     ["namespace", "group"],
+)
+_API_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+API_WAIT_SECONDS = Histogram(
+    "omnistage_api_wait_seconds",
+    "Time a Kubernetes API request waited for one of the operator's request slots (a storm "
+    "queues here, not in the HTTP pool), by lane (event: Events; request: the rest).",
+    ["lane"],
+    buckets=_API_BUCKETS,
+)
+API_REQUEST_SECONDS = Histogram(
+    "omnistage_api_request_seconds",
+    "Time the Kubernetes API server took to answer the operator's request, by verb.",
+    ["verb"],
+    buckets=_API_BUCKETS,
 )
 LEADER = Gauge(
     "omnistage_leader",
