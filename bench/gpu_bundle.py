@@ -465,10 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-mib", type=int, default=60, help="--image-site's part size")
     args = p.parse_args(argv)
     if args.image_site:
-        out = DEFAULT_OUT.with_name(".gpuimage") if args.out == DEFAULT_OUT else args.out
-        record = pack_image_site(args.image_site, out, args.part_mib)
+        parts: Path = DEFAULT_OUT.with_name(".gpuimage") if args.out == DEFAULT_OUT else args.out
+        record = pack_image_site(args.image_site, parts, args.part_mib)
         for name, size in record["parts"].items():
-            print(f"{out / name}: {size / MiB:.1f} MiB")
+            print(f"{parts / name}: {size / MiB:.1f} MiB")
         return 0
 
     out: Path = args.out
