@@ -202,6 +202,9 @@ def image_env(image_site: Path) -> Json:
             version, where = None, None
         if d["from"] == "host":
             host[name] = {"image": d["version"], "host": version}
+            if name in ("pip", "setuptools"):  # the venv's installers: nothing here imports them
+                host[name]["compared"] = False
+                continue
             if name == "torch":  # the index's wheel says 2.11.0, the CUDA index's 2.11.0+cu130
                 same = _torch_git(record.get("torch_version_py", "")) == _torch_git(None)
             else:
