@@ -39,7 +39,7 @@ with the 11 MB of packages and the tree that fits 64 MiB; the controller-manager
 ``--image-site SITE`` packs instead the worker image's own Python environment (``SITE``: its
 ``site-packages``, read from ``buildah mount``) for ``bench/gpu_e2e.py --image-site`` (default
 ``--out``: ``/work/main/.gpuimage``): every distribution the image holds, at the image's version,
-except the CUDA stack (torch, triton, ``nvidia-*``, ``cuda-*``: gigabytes) and the installers,
+except the CUDA stack (torch, triton, ``nvidia-*``, ``cuda-toolkit``: gigabytes) and the installers,
 which the host must have at the identical version (``gpu_e2e`` checks and reports each). Pure
 distributions travel as the image's own files (its ``RECORD``); compiled ones as the cp312
 wheel of the same version (the host runs Python 3.12, the image built here 3.11: Debian
@@ -363,8 +363,10 @@ def binaries_archive(names: tuple[str, ...], out: Path, kind: str, level: int) -
 
 
 # The host's CUDA stack (and installers), never carried: the host must have the same versions.
-HOST_SIDE_NAMES = ("torch", "triton", "pip", "setuptools")
-HOST_SIDE_PREFIXES = ("nvidia-", "cuda-")
+# cuda-bindings and cuda-pathfinder (torch's, though only its testing and inductor's CuTeDSL
+# kernels import them) travel: the H200 host has older ones (13.3.1, 1.8.1; 2026-11-26).
+HOST_SIDE_NAMES = ("torch", "triton", "cuda-toolkit", "pip", "setuptools")
+HOST_SIDE_PREFIXES = ("nvidia-",)
 CARRIED_ANYWAY = ("nvidia-ml-py",)  # NVML's Python binding: pure, small, the worker's own
 
 

@@ -36,7 +36,8 @@ the worker image's own Python environment, as ``python -m bench.gpu_bundle --ima
 it and the command unpacked it into ``DIR``: ``DIR`` goes first on ``PYTHONPATH``, before the
 bundle's packages and the tree's sources; the report's ``image_env`` says what came from the
 image and checks that each distribution left to the host (torch, triton, ``nvidia-*``,
-``cuda-*``) is there at the image's version, and that each carried one imports from ``DIR``.
+``cuda-toolkit``) is there at the image's version (torch: the same git commit; the index's wheel
+says 2.11.0, the CUDA index's 2.11.0+cu130), and that each carried one imports from ``DIR``.
 
 ``--check-only`` stops after the mechanics (bundle, wheels, imports, NVML, control plane,
 localnode, operator liveness): a call of a minute or two. ``--tiny`` runs the same flow on this
