@@ -388,8 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"unknown image {', '.join(unknown)}: choose from pause, {', '.join(choices)}"
             )
         records = [
-            build_pause() if name == "pause" else build_image(choices[name], base)
-            for name in names
+            build_pause() if name == "pause" else build_image(choices[name], base) for name in names
         ]
         print(f"records: {save_records(records)}")
         return 0
