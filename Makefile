@@ -2,6 +2,7 @@
 #   make demo   - local control plane + localnode + operator + two tiny CPU stages, with a hand-over
 #   make test   - lint, generated-file checks and the whole test suite (what CI runs)
 #   make images - the operator and worker images, built here with buildah (no daemon, no registry)
+#   make images-vllm - the worker image's vLLM flavour (several GB more)
 #   make e2e-node - a real kubelet + containerd node beside the local control plane, with the images
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -15,7 +16,7 @@ PYTEST_ARGS ?=
 # The chart's templated CRDs (helm upgrade applies templates/, never crds/).
 CHART_CRDS := charts/omnistage-operator/templates/crds
 
-.PHONY: setup cluster-bin node-bin images images-ci e2e-node generate check-generated lint test test-unit demo clean
+.PHONY: setup cluster-bin node-bin images images-ci images-vllm e2e-node generate check-generated lint test test-unit demo clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +48,11 @@ images: setup
 # What CI builds for the real-node tests it runs: the pause and operator images.
 images-ci: setup
 	$(PY) -m tests.node.images pause operator
+
+# The worker image's vLLM flavour (worker_image/Dockerfile's "vllm" target, tagged
+# <version>-vllm): vLLM and the dependencies it pins, several GB more than the worker image.
+images-vllm: setup
+	$(PY) -m tests.node.images vllm
 
 # A real kubelet + containerd node beside the local control plane, running the built images.
 e2e-node: setup cluster-bin node-bin images

@@ -31,6 +31,14 @@ What it does, in one process tree:
    max(2 %, 256 MiB)); patch-to-Active p50/p95 and the operator's share (minus the workers'
    sleep and wake durations; the ACK's duration excludes any drain); the copy limits.
 
+``--image-site DIR`` runs the workers (and the harness, the operator and the models' build) from
+the worker image's own Python environment, as ``python -m bench.gpu_bundle --image-site`` packed
+it and the command unpacked it into ``DIR``: ``DIR`` goes first on ``PYTHONPATH``, before the
+bundle's packages and the tree's sources; the report's ``image_env`` says what came from the
+image and checks that each distribution left to the host (torch, triton, ``nvidia-*``,
+``cuda-toolkit``) is there at the image's version (torch: the same git commit; the index's wheel
+says 2.11.0, the CUDA index's 2.11.0+cu130), and that each carried one imports from ``DIR``.
+
 ``--check-only`` stops after the mechanics (bundle, wheels, imports, NVML, control plane,
 localnode, operator liveness): a call of a minute or two. ``--tiny`` runs the same flow on this
 machine without a GPU (tiny models on CPU, localnode's simulated GPU, no sampler), to test the
@@ -45,6 +53,7 @@ import json
 import lzma
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -86,8 +95,9 @@ def log(msg: str) -> None:
 # ---- 1. bundle -----------------------------------------------------------------------------
 
 
-def unpack_bundle(bundle: Path, work: Path) -> Json:
-    """Binaries into ``work/bin``, packages into ``work/site``; PATH and PYTHONPATH set."""
+def unpack_bundle(bundle: Path, work: Path, image_site: Path | None = None) -> Json:
+    """Binaries into ``work/bin``, packages into ``work/site``; PATH and PYTHONPATH set
+    (``image_site`` first, when given)."""
     manifest = json.loads((bundle / "manifest.json").read_text())
     bindir, site, shims = work / "bin", work / "site", work / "shims"
     out: Json = {"compressor": manifest["compressor"], "binaries": manifest["binaries"]}
@@ -130,7 +140,7 @@ def unpack_bundle(bundle: Path, work: Path) -> Json:
             f"#!{sys.executable}\nimport sys\nfrom {module} import main\nsys.exit(main())\n"
         )
         script.chmod(0o755)
-    paths = [str(site), *(str(p) for p in SRC_PATHS)]
+    paths = [*([str(image_site)] if image_site else []), str(site), *(str(p) for p in SRC_PATHS)]
     for p in reversed(paths):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -174,6 +184,69 @@ def versions() -> Json:
         except md.PackageNotFoundError:
             out[n] = None
     return out
+
+
+def image_env(image_site: Path) -> Json:
+    """Where each of the image's distributions comes from here, checked: the carried ones
+    must resolve to ``image_site``, the host's must be at the image's version."""
+    import importlib.metadata as md
+
+    record = json.loads((image_site / "IMAGE_SITE.json").read_text())
+    host: Json = {}
+    carried: Json = {}
+    problems = []
+    for name, d in record["dists"].items():
+        try:
+            dist = md.distribution(name)
+            version, where = dist.version, Path(str(dist.locate_file(""))).resolve()
+        except md.PackageNotFoundError:
+            version, where = None, None
+        if d["from"] == "host":
+            host[name] = {"image": d["version"], "host": version}
+            if name in ("pip", "setuptools"):  # the venv's installers: nothing here imports them
+                host[name]["compared"] = False
+                continue
+            if name == "torch":  # the index's wheel says 2.11.0, the CUDA index's 2.11.0+cu130
+                same = _torch_git(record.get("torch_version_py", "")) == _torch_git(None)
+            else:
+                same = version == d["version"]
+            if not same:
+                problems.append(f"{name}: image {d['version']}, host {version}")
+        else:
+            carried[name] = d["version"]
+            if version != d["version"] or where != image_site.resolve():
+                problems.append(f"{name} {d['version']}: resolves to {version} at {where}")
+    import torch
+
+    return {
+        "image_site": str(image_site),
+        "carried_from_image": carried,
+        "carried_as": {
+            k: sum(1 for d in record["dists"].values() if d["from"] == k)
+            for k in ("image files", "cp312 wheel")
+        },
+        "cp312_wheels": record.get("wheels", []),
+        "from_host": host,
+        "host_torch": {
+            "version": torch.__version__,
+            "cuda": torch.version.cuda,
+            "git_version": torch.version.git_version,
+        },
+        "image_torch_version_py": record.get("torch_version_py"),
+        "python": platform.python_version(),
+        "problems": problems,
+        "all_identical": not problems,
+    }
+
+
+def _torch_git(version_py: str | None) -> str | None:
+    """The git commit torch was built from: of a ``torch/version.py`` text, or of this torch."""
+    if version_py is None:
+        import torch
+
+        return str(torch.version.git_version)
+    found = re.search(r"^git_version = '([0-9a-f]+)'", version_py, re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def nvml_devices() -> list[Json]:
@@ -613,7 +686,7 @@ def run(args: argparse.Namespace) -> Json:
         report["bundle"] = None
     else:
         log(f"unpacking {args.bundle} into {work}")
-        report["bundle"] = unpack_bundle(args.bundle, work)
+        report["bundle"] = unpack_bundle(args.bundle, work, args.image_site)
         binaries = binaries_in(work / "bin")
         log(f"bundle: {report['bundle']}")
     # the tiny rehearsal runs without it, as the host does when the bundle leaves it out
@@ -621,6 +694,9 @@ def run(args: argparse.Namespace) -> Json:
         not args.tiny and "kube-controller-manager" in report["bundle"]["binaries"]
     )
     report["versions"] = versions()
+    if args.image_site:
+        report["image_env"] = image_env(args.image_site)
+        log(f"image env: {report['image_env']['problems'] or 'every version identical'}")
     report["machine"] = {"platform": platform.platform(), "python": platform.python_version(),
                          "cpus": os.cpu_count()}  # fmt: skip
     for mod in ("kopf", "kr8s", "diffusers", "grpc_health.v1.health",
@@ -995,6 +1071,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-generate", dest="generate", action="store_false")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU rehearsal with tiny models")
+    p.add_argument(
+        "--image-site",
+        type=Path,
+        help="the worker image's packages (bench.gpu_bundle --image-site), first on the path",
+    )
     p.add_argument(
         "--small-sd",
         action="store_true",

@@ -12,7 +12,11 @@
 3. the **operator** and **worker** images from ``operator/Dockerfile`` and
    ``worker_image/Dockerfile`` with ``buildah bud`` (the Dockerfiles' own steps), each also
    written as an OCI archive a container runtime imports without a registry
-   (``ctr -n k8s.io images import``); the build time and size of each are printed and recorded.
+   (``ctr -n k8s.io images import``); the build time and size of each are printed and recorded;
+4. on request only (``python -m tests.node.images vllm``, ``make images-vllm``): the worker
+   image's **vLLM flavour**, ``worker_image/Dockerfile``'s ``vllm`` target, tagged
+   ``<version>-vllm`` (vLLM and its own dependency pins: several GB more, so ``make images``
+   leaves it out).
 
 Everything is cached under ``$OMNISTAGE_CACHE`` (``~/.cache/omnistage``): ``containers/`` is
 buildah's image store (its layer cache makes an unchanged rebuild take seconds),
@@ -62,17 +66,33 @@ class ImageSpec:
     dockerfile: str
     target: str | None
     layers: bool = True
+    # appended to the version in the tag: a flavour of an image (``-vllm``)
+    flavour: str = ""
+
+    @property
+    def tag(self) -> str:
+        """The image's tag: the version, then its flavour."""
+        return f"{VERSION}{self.flavour}"
 
     @property
     def ref(self) -> str:
         """The local reference (``localhost/`` never resolves to a registry)."""
-        return f"localhost/{self.name}:{VERSION}"
+        return f"localhost/{self.name}:{self.tag}"
+
+    @property
+    def key(self) -> str:
+        """The image's entry in ``images.json``: its name and flavour."""
+        return f"{self.name}{self.flavour}"
 
 
 PAUSE = ImageSpec("omnistage-pause", "tests/node/pause", None)
 IMAGES: dict[str, ImageSpec] = {
     "operator": ImageSpec("omnistage-operator", "operator/Dockerfile", None, layers=False),
     "worker": ImageSpec("omnistage-worker", "worker_image/Dockerfile", "worker"),
+}
+# Built only when named: not part of `make images` (nor of what the node tests import).
+FLAVOURS: dict[str, ImageSpec] = {
+    "vllm": ImageSpec("omnistage-worker", "worker_image/Dockerfile", "vllm", flavour="-vllm"),
 }
 
 
@@ -311,7 +331,7 @@ def build_image(spec: ImageSpec, base: str) -> BuildRecord:
 
 def archive_path(spec: ImageSpec) -> Path:
     """The OCI archive ``make images`` writes for ``spec`` (``ctr images import`` reads it)."""
-    return images_dir() / f"{spec.name}-{VERSION}.oci.tar"
+    return images_dir() / f"{spec.name}-{spec.tag}.oci.tar"
 
 
 def _record(spec: ImageSpec, seconds: float) -> BuildRecord:
@@ -320,7 +340,7 @@ def _record(spec: ImageSpec, seconds: float) -> BuildRecord:
     archive.unlink(missing_ok=True)
     _run(["buildah", *store_flags(), "push", spec.ref, f"oci-archive:{archive}:{spec.ref}"])
     record = BuildRecord(
-        image=spec.name,
+        image=spec.key,
         ref=spec.ref,
         seconds=round(seconds, 1),
         size_bytes=image_size(spec.ref),
@@ -347,8 +367,11 @@ def save_records(records: list[BuildRecord]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.node.images", description=__doc__)
+    choices = {**IMAGES, **FLAVOURS}
     parser.add_argument(
-        "images", nargs="*", help=f"some of pause, {', '.join(IMAGES)} (default all)"
+        "images",
+        nargs="*",
+        help=f"some of pause, {', '.join(choices)} (default: pause, {', '.join(IMAGES)})",
     )
     parser.add_argument("--base-only", action="store_true", help="only the base image")
     parser.add_argument("--rebuild-base", action="store_true", help="debootstrap afresh")
@@ -359,13 +382,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.base_only:
             return 0
         names = args.images or ["pause", *IMAGES]
-        unknown = [n for n in names if n not in IMAGES and n != "pause"]
+        unknown = [n for n in names if n not in choices and n != "pause"]
         if unknown:
             raise ImageError(
-                f"unknown image {', '.join(unknown)}: choose from pause, {', '.join(IMAGES)}"
+                f"unknown image {', '.join(unknown)}: choose from pause, {', '.join(choices)}"
             )
         records = [
-            build_pause() if name == "pause" else build_image(IMAGES[name], base) for name in names
+            build_pause() if name == "pause" else build_image(choices[name], base) for name in names
         ]
         print(f"records: {save_records(records)}")
         return 0

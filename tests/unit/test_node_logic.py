@@ -12,7 +12,9 @@ from tests.cluster.hostnet import first_global_ipv4
 from tests.cluster.pki import create_pki, issue_client_cert
 from tests.node.gpuconfig import NodeGpus, cdi_device_id, cdi_spec, plugin_config
 from tests.node.images import (
+    FLAVOURS,
     IMAGES,
+    archive_path,
     bud_command,
     debian_mirror,
     declared_args,
@@ -70,6 +72,17 @@ def test_bud_passes_only_the_base_arguments_a_dockerfile_declares() -> None:
     # the operator's install never comes from buildah's cache (it ignores the mounted wheels)
     assert "--no-cache" in bud_command(IMAGES["operator"], "b", [], set())
     assert "--layers" in bud_command(IMAGES["worker"], "b", [], set())
+
+
+def test_the_vllm_flavour_is_the_worker_dockerfiles_vllm_target_under_its_own_tag() -> None:
+    vllm, worker = FLAVOURS["vllm"], IMAGES["worker"]
+    assert vllm.ref == "localhost/omnistage-worker:0.1.0-vllm" != worker.ref
+    assert archive_path(vllm).name == "omnistage-worker-0.1.0-vllm.oci.tar"
+    assert archive_path(vllm) != archive_path(worker) and vllm.key != worker.key
+    declared = declared_args((REPO_ROOT / vllm.dockerfile).read_text())
+    assert bud_command(vllm, "b", [], declared)[-7:-5] == ["--target", "vllm"]
+    # `make images` (and the node tests' imports) leave it out
+    assert "vllm" not in IMAGES and vllm not in IMAGES.values()
 
 
 def test_containerd_config_points_everything_into_the_state_dir() -> None:
