@@ -403,6 +403,17 @@ def machine(smoke: bool) -> Json:
     return info
 
 
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's flags and the stage's start, shared by the benches that start a vLLM stage."""
+    p.add_argument("--utilization", type=float, default=0.5)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--attention-backend", default="TRITON_ATTN")
+    p.add_argument("--residual-slack", default="512Mi")
+    p.add_argument("--start-timeout", type=float, default=600)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/vllmserve"))
@@ -413,13 +424,7 @@ def main() -> None:
     p.add_argument("--swap-every", type=float, default=10.0)
     p.add_argument("--swap-seconds", type=float, default=120.0)
     p.add_argument("--settle", type=float, default=1.0, help="after a wake, not counted (s)")
-    p.add_argument("--utilization", type=float, default=0.5)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--attention-backend", default="TRITON_ATTN")
-    p.add_argument("--residual-slack", default="512Mi")
-    p.add_argument("--start-timeout", type=float, default=600)
+    add_engine_arguments(p)
     p.add_argument(
         "--rounds",
         type=int,

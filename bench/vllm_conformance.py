@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "worker_image/src"), str(REPO / "protos/gen/python"), str(REPO)]
 
 from bench.serving_vllm import (  # noqa: E402
+    add_engine_arguments,
     build_model,
     env_for,
     machine,
@@ -153,13 +154,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny, stand-in engine")
     p.add_argument("--pytest-path", action="append", default=[],
                    help="first on pytest's PYTHONPATH (pytest-asyncio, openai)")  # fmt: skip
-    p.add_argument("--utilization", type=float, default=0.5)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--attention-backend", default="TRITON_ATTN")
-    p.add_argument("--residual-slack", default="512Mi")
-    p.add_argument("--start-timeout", type=float, default=600)
+    add_engine_arguments(p)
     p.add_argument("--pytest-timeout", type=float, default=900)
     a = p.parse_args()
     if a.smoke:
