@@ -426,13 +426,18 @@ def pack_image_site(site: Path, out: Path, part_mib: int) -> Json:
              "-d", str(wheels), *compiled],
             check=True,
         )  # fmt: skip
+        # Into an empty folder, then merged: ``pip --target`` skips a top-level folder that is
+        # already there, so a namespace package shared with a pure distribution (``cuda/``:
+        # cuda-pathfinder's files, cuda-bindings' wheel) would lose the wheel's half.
+        installed = Path(tmp) / "compiled"
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-             "--no-compile", "--target", str(stage), "--python-version", "3.12",
+             "--no-compile", "--target", str(installed), "--python-version", "3.12",
              "--implementation", "cp", *platforms, "--only-binary=:all:",
              *map(str, sorted(wheels.glob("*.whl")))],
             check=True,
         )  # fmt: skip
+        shutil.copytree(installed, stage, dirs_exist_ok=True)
         record["wheels"] = sorted(w.name for w in wheels.glob("*.whl"))
         if (site / "torch" / "version.py").is_file():  # the host's torch is compared with it
             record["torch_version_py"] = (site / "torch" / "version.py").read_text()
