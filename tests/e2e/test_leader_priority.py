@@ -36,7 +36,9 @@ from tests.cluster.kubeconfig import auth_context, load_kubeconfig
 from tests.cluster.procs import wait_for
 from tests.e2e.test_helm_support import (
     InstalledRelease,
+    get_as,
     install_chart,
+    lease_path,
     operator_kubeconfig,
     upgrade_chart,
 )
@@ -154,23 +156,6 @@ class ElectorThread(Background):
     def leading(self) -> bool:
         """The elector holds the Lease and renewed it within the deadline."""
         return self.elector is not None and self.elector.leading()
-
-
-def get_as(kubeconfig: Path, path: str) -> tuple[float, httpx.Response]:
-    """GET ``path`` with ``kubeconfig``'s token: seconds taken and the response."""
-    auth = load_kubeconfig(kubeconfig)
-    start = time.monotonic()
-    r = httpx.get(
-        auth.server + path, verify=auth_context(auth), timeout=30,
-        headers={"Authorization": f"Bearer {auth.token}", "Accept-Encoding": "identity"},
-    )  # fmt: skip
-    return time.monotonic() - start, r
-
-
-def lease_path(release: InstalledRelease) -> str:
-    """The API path of the chart's Lease."""
-    ns, name = release.namespace, release.fullname
-    return f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{name}"
 
 
 def uid(cp: ControlPlane, kind: str, name: str) -> str:
