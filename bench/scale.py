@@ -59,6 +59,7 @@ from tests.cluster.kubeconfig import load_kubeconfig  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
 from tests.cluster.localnode.api import Api  # noqa: E402
 from tests.e2e.conftest import OperatorProcess  # noqa: E402
+from tests.e2e.test_helm_support import install_chart, operator_kubeconfig  # noqa: E402
 
 GiB = 1024**3
 GPUS_PER_NODE = 8
@@ -70,20 +71,34 @@ TIMING: list[str] = []
 
 
 class NamedOperator(OperatorProcess):
-    """An operator replica with its own identity (``POD_NAME``) and election timing."""
+    """An operator replica with its own identity (``POD_NAME``) and election timing.
 
-    def __init__(self, cp: ControlPlane, namespace: str, workdir: Path, name: str) -> None:
+    ``chart``: (kubeconfig, release namespace, release full name): act as the chart's pod would,
+    with its ServiceAccount's token and its Lease (so the chart's FlowSchema serves the Lease
+    requests); None: the admin identity (APF exempts it) and the Lease ``omnistage-operator``
+    in ``namespace``.
+    """
+
+    def __init__(
+        self, cp: ControlPlane, namespace: str, workdir: Path, name: str,
+        chart: tuple[Path, str, str] | None = None,
+    ) -> None:  # fmt: skip
         workdir.mkdir(parents=True, exist_ok=True)
-        super().__init__(cp, namespace, workdir)
+        super().__init__(cp, namespace, workdir, chart[0] if chart else None)
         self.name = name
         self.extra = [*TIMING]
+        self.lease = (chart[1], chart[2]) if chart else (namespace, "omnistage-operator")
 
     def start(self) -> None:
-        os.environ["POD_NAME"] = self.name
+        env = {"POD_NAME": self.name}
+        if self.lease[1] != "omnistage-operator":
+            env.update(POD_NAMESPACE=self.lease[0], OMNISTAGE_LEASE_NAME=self.lease[1])
+        os.environ.update(env)
         try:
             super().start()
         finally:
-            os.environ.pop("POD_NAME", None)
+            for key in env:
+                os.environ.pop(key, None)
 
     @property
     def alive(self) -> bool:
@@ -346,7 +361,8 @@ async def _kill_leader_midway(
     third = max(1, len(groups) // 3)
     while sum(fleet.seen[f"{g}-{gainer}"].state == "Active" for g in groups) < third:  # noqa: ASYNC110
         await asyncio.sleep(0.1)
-    holder = cp.get_json("lease", "omnistage-operator", namespace=ns)["spec"]["holderIdentity"]
+    lease_ns, lease_name = ops[0].lease
+    holder = cp.get_json("lease", lease_name, namespace=lease_ns)["spec"]["holderIdentity"]
     for op in ops:
         if holder.startswith(op.name) and op.proc is not None:
             print(f"[scale] killing the leader {op.name} mid-storm", flush=True)
@@ -447,8 +463,11 @@ async def _storms(
 
 def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
              transfer_s: float = 0.1, storms: frozenset[str] = frozenset(STORMS),
-             ) -> dict[str, Any]:  # fmt: skip
-    """One size with ``replicas`` operators on a fresh control plane: the storms' figures."""
+             as_chart: bool = True) -> dict[str, Any]:  # fmt: skip
+    """One size with ``replicas`` operators on a fresh control plane: the storms' figures.
+
+    ``as_chart``: the operators act as the chart's ServiceAccount (its RBAC, its Lease and the
+    FlowSchema that gives the Lease requests the leader-election priority level); off: admin."""
     groups = stages // 2
     node_count = max(1, math.ceil(groups / 2))
     model_dir = work / "model"
@@ -465,7 +484,14 @@ def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
             ready_timeout=120 + node_count * 1.0,
         ) as nodes:  # fmt: skip
             nodes_s = nodes.timings["start"]
-            ops = [NamedOperator(cp, ns, work / f"op{i}", f"op-{i}") for i in range(replicas)]
+            chart = None
+            if as_chart:  # the chart's objects, its Deployment parked: the processes play it
+                release = install_chart(cp, {"crds": {"enabled": False},
+                                             "watch": {"namespaces": [ns]}})  # fmt: skip
+                kubeconfig = operator_kubeconfig(cp, release)
+                chart = (kubeconfig, release.namespace, release.fullname)
+            ops = [NamedOperator(cp, ns, work / f"op{i}", f"op-{i}", chart)
+                   for i in range(replicas)]  # fmt: skip
             for op in ops:
                 op.start()
             try:
@@ -480,6 +506,7 @@ def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
                     op.stop()
     result.update({
         "stages": stages, "groups": groups, "nodes": node_count, "gpus_per_node": GPUS_PER_NODE,
+        "identity": "chart" if as_chart else "admin",
         "replicas": replicas, "nodes_ready_s": round(nodes_s, 1),
         "load_avg_at_start": [round(x, 2) for x in load],
         "wall_s": round(time.monotonic() - started, 1),
@@ -509,6 +536,9 @@ def main() -> int:
     p.add_argument("--sim-hosts", type=int, default=10)
     p.add_argument("--transfer-s", type=float, default=0.1, help="seconds per simulated move")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale.json")
+    identity = "the operators' API identity: the chart's ServiceAccount (its RBAC and Lease "
+    identity += "FlowSchema) or the admin (exempt from API Priority and Fairness)"
+    p.add_argument("--identity", choices=("chart", "admin"), default="chart", help=identity)
     args = p.parse_args()
     runs = []
     for size in [int(s) for s in args.sizes.split(",")]:
@@ -516,7 +546,8 @@ def main() -> int:
             work = Path(tempfile.mkdtemp(prefix=f"scale-{size}-{replicas}-"))
             print(f"[scale] {size} stages, {replicas} replica(s) in {work}", flush=True)
             runs.append(run_size(size, replicas, work, sim_hosts=args.sim_hosts,
-                                 transfer_s=args.transfer_s))  # fmt: skip
+                                 transfer_s=args.transfer_s,
+                                 as_chart=args.identity == "chart"))  # fmt: skip
             args.out.write_text(json.dumps({"partial": True, "runs": runs}, indent=1) + "\n")
     result = {
         "benchmark": "scale",

@@ -78,12 +78,17 @@ class ControlPlane(Lifecycle):
         binaries: Binaries | None = None,
         build: bool = False,
         controller_manager: bool = True,
+        max_inflight: tuple[int, int] | None = None,
     ):
         """``controller_manager=False``: no kube-controller-manager (the GPU host's bundle may
         leave it out); ``create_namespace`` then creates the ``default`` ServiceAccount itself,
-        and nothing garbage-collects, publishes ``kube-root-ca.crt`` or tidies claims."""
+        and nothing garbage-collects, publishes ``kube-root-ca.crt`` or tidies claims.
+        ``max_inflight``: the API server's ``--max-requests-inflight`` and
+        ``--max-mutating-requests-inflight`` (with API Priority and Fairness, their sum is the
+        seats it shares among the priority levels); None: its defaults."""
         self.binaries = binaries or (ensure_binaries() if build else find_binaries())
         self.controller_manager = controller_manager
+        self.max_inflight = max_inflight
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="omnistage-cp-"))
         self.kubeconfig = self.workdir / "admin.kubeconfig"
@@ -188,6 +193,13 @@ class ControlPlane(Lifecycle):
         else:  # an Endpoints object cannot hold a loopback address
             address = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"]
             address.append("--endpoint-reconciler-type=none")
+        limits: list[str] = []
+        if self.max_inflight is not None:
+            reads, writes = self.max_inflight
+            limits = [
+                f"--max-requests-inflight={reads}",
+                f"--max-mutating-requests-inflight={writes}",
+            ]
         return [
             str(self.binaries.apiserver),
             f"--etcd-servers={etcd_url}",
@@ -206,6 +218,7 @@ class ControlPlane(Lifecycle):
             "--allow-privileged=true",
             "--runtime-config=resource.k8s.io/v1=true",
             "--profiling=false",
+            *limits,
             "--v=1",
         ]
 

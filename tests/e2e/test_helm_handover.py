@@ -28,7 +28,9 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_helm_support import (
     InstalledRelease,
+    get_as,
     install_chart,
+    lease_path,
     operator_kubeconfig,
     uninstall_chart,
     worker_token,
@@ -125,6 +127,11 @@ def test_handover_under_the_chart_service_account(
         )
         assert lease["spec"]["holderIdentity"] and lease["spec"]["leaseTransitions"] >= 1
         assert "leadership acquired" in log
+        # Its Lease requests went through the chart's FlowSchema (the leader-election level).
+        schema = cluster.cp.get_json("flowschema", f"{chart_release.fullname}-leader-election")
+        _, r = get_as(op.kubeconfig, lease_path(chart_release))
+        assert r.status_code == 200
+        assert r.headers["X-Kubernetes-PF-FlowSchema-UID"] == schema["metadata"]["uid"]
         assert copied not in log, "the operator logged the worker token"
     finally:
         op.stop()

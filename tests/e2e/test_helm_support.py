@@ -21,15 +21,18 @@ import os
 import secrets
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.kubeconfig import auth_context, load_kubeconfig
 from tests.unit.test_chart_support import CHART_DIR, REPO_ROOT
 
 CRD_NAME = "omnistages.omnistage.io"
@@ -211,6 +214,24 @@ def worker_token_file(control_plane: ControlPlane, release: InstalledRelease, in
 def operator_kubeconfig(control_plane: ControlPlane, release: InstalledRelease) -> Path:
     """A kubeconfig holding a token of the chart's ServiceAccount: act exactly as the operator."""
     return control_plane.service_account_kubeconfig(release.namespace, release.service_account)
+
+
+def get_as(kubeconfig: Path, path: str) -> tuple[float, httpx.Response]:
+    """GET ``path`` with ``kubeconfig``'s token: seconds taken and the response (whose
+    ``X-Kubernetes-PF-FlowSchema-UID`` header names the FlowSchema that served it)."""
+    auth = load_kubeconfig(kubeconfig)
+    start = time.monotonic()
+    r = httpx.get(
+        auth.server + path, verify=auth_context(auth), timeout=30,
+        headers={"Authorization": f"Bearer {auth.token}", "Accept-Encoding": "identity"},
+    )  # fmt: skip
+    return time.monotonic() - start, r
+
+
+def lease_path(release: InstalledRelease) -> str:
+    """The API path of the chart's Lease."""
+    ns, name = release.namespace, release.fullname
+    return f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{name}"
 
 
 def access_reviews(

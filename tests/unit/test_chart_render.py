@@ -558,3 +558,38 @@ def test_disruption_budget_keeps_a_standby() -> None:
     single = render({"leaderElection": {"enabled": False}, "replicaCount": 1})
     assert select(single, "PodDisruptionBudget") == []
     assert select(render({"podDisruptionBudget": {"enabled": False}}), "PodDisruptionBudget") == []
+
+
+def test_lease_requests_get_the_leader_election_priority_level() -> None:
+    schema = one(render(), "FlowSchema")
+    assert schema["apiVersion"] == "flowcontrol.apiserver.k8s.io/v1"
+    assert "namespace" not in schema["metadata"]  # cluster-scoped
+    spec = schema["spec"]
+    assert spec["priorityLevelConfiguration"] == {"name": "leader-election"}
+    # It must match before service-accounts (9000), which sends the rest to workload-low.
+    assert spec["matchingPrecedence"] < 9000
+    # Least privilege: only the operator's ServiceAccount, only Leases, only the release namespace.
+    (rule,) = spec["rules"]
+    assert rule["subjects"] == [
+        {"kind": "ServiceAccount", "serviceAccount": {"name": FULLNAME, "namespace": NAMESPACE}}
+    ]
+    assert "nonResourceRules" not in rule
+    assert rule["resourceRules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update", "patch"],
+            "namespaces": [NAMESPACE],
+        }
+    ]
+    named = render({"serviceAccount": {"name": "op-sa"}})
+    subject = one(named, "FlowSchema")["spec"]["rules"][0]["subjects"][0]
+    assert subject["serviceAccount"]["name"] == "op-sa"
+    own = render({"leaderElection": {"flowSchema": {"priorityLevel": "mine"}}})
+    assert one(own, "FlowSchema")["spec"]["priorityLevelConfiguration"] == {"name": "mine"}
+    off = {"leaderElection": {"flowSchema": {"enabled": False}}}
+    assert select(render(off), "FlowSchema") == []
+    single = render({"leaderElection": {"enabled": False}, "replicaCount": 1})
+    assert select(single, "FlowSchema") == []
+    err = render_error({"leaderElection": {"flowSchema": {"matchingPrecedence": 9000}}})
+    assert "matchingPrecedence" in err
