@@ -28,6 +28,10 @@ MiB = 1024**2
 GiB = 1024**3
 
 
+#: Runs of the same code as serving.json, listed beside it.
+SERVING_SAME_CODE = ("serving_swaps120.json", "serving_window30.json")
+
+
 def _load(name: str) -> dict[str, Any] | None:
     path = RESULTS / name
     return json.loads(path.read_text()) if path.exists() else None
@@ -356,7 +360,8 @@ def render() -> str:
         lines += vllm_section(vllm)
     serving = _load("serving.json")
     if serving:
-        lines += serving_section(serving, _load("serving_first_run.json"))
+        same_code = {n: d for n in SERVING_SAME_CODE if (d := _load(n))}
+        lines += serving_section(serving, _load("serving_first_run.json"), same_code)
     coldstart = _load("coldstart.json")
     if coldstart:
         lines += coldstart_section(

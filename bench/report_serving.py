@@ -20,10 +20,15 @@ def _steps(steps: dict[str, Any] | None) -> str:
     )
 
 
-def serving_section(data: dict[str, Any], earlier: dict[str, Any] | None = None) -> list[str]:
+def serving_section(
+    data: dict[str, Any],
+    earlier: dict[str, Any] | None = None,
+    others: dict[str, dict[str, Any]] | None = None,
+) -> list[str]:
     """The torch AR stage under concurrent HTTP clients against batched ``generate``, under
     sleep/wake, and diffusion images/s (from ``earlier``, a previous run, when this one made
-    none); a ``--smoke`` run on CPU is not rendered."""
+    none); ``others``: more runs of the same code, by file name, whose 16-client ratio and
+    swaps are listed; a ``--smoke`` run on CPU is not rendered."""
     if data.get("smoke"):
         return []
     m, llm, s = data["machine"], data["llm"], data["summary"]
@@ -80,6 +85,24 @@ def serving_section(data: dict[str, Any], earlier: dict[str, Any] | None = None)
             f"{s['swaps_window_ratio_min']:.2f}-{max(swaps['window_ratio_to_steady']):.2f} x "
             f"the steady 16-client figure (median {s['swaps_window_ratio_median']:.2f}).",
         ]
+    if others:
+        runs = [("this run", s)] + [(f"`{name}`", o["summary"]) for name, o in others.items()]
+        ratios = [r["torch_16_clients_of_batched"] for _, r in runs]
+        listed = ", ".join(f"{r['torch_16_clients_of_batched']:.2f} ({n})" for n, r in runs)
+        met = "met in every run" if min(ratios) >= 0.8 else "**not met reliably**"
+        lines += [
+            "",
+            f"16 clients of batched in runs of the same code: {listed}; the goal is {met}.",
+        ]
+        for name, o in others.items():
+            os_, sw = o["summary"], o.get("swaps") or {}
+            if os_.get("swaps") and sw:
+                lines.append(
+                    f"In `{name}`, sleep and wake every {sw['swap_every_s']:g} s for "
+                    f"{sw['seconds']:g} s with {sw['clients']} clients: {os_['swaps']} swaps, "
+                    f"every ACK ok: {_ok(os_['swaps_all_acks_ok'])}; {sw['requests']} requests, "
+                    f"nothing lost: {_ok(os_['swaps_nothing_lost'])}."
+                )
     images = data.get("images") or []
     source = ""
     if not images and earlier is not None:
