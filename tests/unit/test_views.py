@@ -73,3 +73,17 @@ def test_index_entries_are_plain_copies() -> None:
     body["spec"]["colocation"]["group"] = "changed"
     assert all(v["spec"]["colocation"]["group"] == "g1" for v in entry.values())
     assert pod_keys({"metadata": {"labels": {}}}, "ns") is None
+
+
+def test_index_entries_hold_no_managed_fields() -> None:
+    managed = [{"manager": "omnistage", "operation": "Update", "fieldsV1": {"f:status": {}}}]
+    stage = _stage("a", "g1")
+    stage["metadata"]["managedFields"] = managed
+    pod = _pod("a", "g1", "u1")
+    pod["metadata"]["managedFields"] = managed
+    for entry in (stage_keys(stage, "ns"), pod_keys(pod, "ns")):
+        assert entry is not None
+        for value in entry.values():
+            assert "managedFields" not in value["metadata"]
+            assert value["metadata"]["name"]
+    assert stage["metadata"]["managedFields"] == managed  # the watched body is left alone

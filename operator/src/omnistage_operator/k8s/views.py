@@ -63,12 +63,17 @@ def pod_keys(body: Mapping[str, Any], namespace: str | None) -> dict[Hashable, B
 
 
 def _copy(body: Mapping[str, Any]) -> Body:
-    """The fields a round reads, as plain data (kopf's bodies are views of a changing event)."""
-    return {
+    """The fields a round reads, as plain data (kopf's bodies are views of a changing event),
+    without ``metadata.managedFields``: no round reads them, and on a pod or a stage whose
+    status is written often they are a large part of the body (kept per object)."""
+    out = {
         k: _plain(body[k])
         for k in ("apiVersion", "kind", "metadata", "spec", "status")
         if k in body
     }
+    if isinstance(out.get("metadata"), dict):
+        out["metadata"].pop("managedFields", None)
+    return out
 
 
 def _plain(value: Any) -> Any:

@@ -1,0 +1,262 @@
+"""Operator memory per stage: tracemalloc snapshots of the settled operator at several sizes.
+
+For each size (stages; two per group, as bench/scale.py builds them, no storms): a fresh control
+plane, localnode with simulated worker hosts and the real operator run with tracemalloc on (a
+``sitecustomize`` put on its ``PYTHONPATH`` dumps a snapshot on SIGUSR2). Once every group has
+one stage Active and the other Asleep, and the operator's RSS has settled, a snapshot is taken.
+Reported per size: RSS, traced bytes and the top allocation sites; between the first two sizes,
+bytes per stage by site. Writes JSON under bench/results/.
+
+    .venv/bin/python bench/scale_memory.py --sizes 200,400 [--out bench/results/scale_memory.json]
+    .venv/bin/python bench/scale_memory.py --sizes 200 --compare BEFORE.snapshot AFTER.snapshot
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.scale import GPUS_PER_NODE, WEIGHTS, NamedOperator  # noqa: E402
+from bench.scale_storms import Fleet, generate, pod_targets, stage  # noqa: E402
+from tests.cluster.controlplane import ControlPlane  # noqa: E402
+from tests.cluster.kubeconfig import load_kubeconfig  # noqa: E402
+from tests.cluster.localnode import LocalNodes  # noqa: E402
+from tests.cluster.localnode.api import Api  # noqa: E402
+from tests.e2e.conftest import OPERATOR, WAKE_MARGIN, wait_for  # noqa: E402
+
+GiB = 1024**3
+HOOK = """\
+import os, signal, tracemalloc
+def _dump(signum, frame):
+    tracemalloc.take_snapshot().dump(os.environ["OMNISTAGE_TRACEMALLOC_OUT"])
+if os.environ.get("OMNISTAGE_TRACEMALLOC_OUT"):
+    tracemalloc.start(int(os.environ.get("OMNISTAGE_TRACEMALLOC_DEPTH", "1")))
+    signal.signal(signal.SIGUSR2, _dump)
+"""
+
+
+async def _settle(cp: ControlPlane, nodes: LocalNodes, ns: str, groups: int, model: Path) -> None:
+    api = Api(load_kubeconfig(cp.kubeconfig))
+    fleet = Fleet(api, ns, groups)
+    env = {"OMNISTAGE_SIM_WEIGHTS": str(WEIGHTS), "OMNISTAGE_SIM_TRANSFER_S": "0.1"}
+    try:
+        fleet.start_watch()
+        manifests = [
+            stage(
+                f"{g}-{s}",
+                g,
+                nodes.node_names[i // 2],
+                model_dir=str(model),
+                state="Asleep",
+                env=env,
+            )
+            for i, g in enumerate(fleet.groups)
+            for s in ("a", "b")
+        ]
+        await fleet.create(manifests)
+        await fleet.settle_both_asleep(fleet.groups, 120 + 2.0 * len(manifests))
+        targets = await pod_targets(api, ns)
+        await asyncio.gather(*(generate(targets[f"{g}-a"], 600) for g in fleet.groups))
+        await fleet.settle("a", "b", fleet.groups, 300)
+    finally:
+        await fleet.stop_watch()
+        await api.close()
+
+
+def _rss_settled(pid: int, within_s: float = 120, step_s: float = 5) -> int:
+    """The process's RSS once it changed less than 1% over ``step_s``."""
+    proc, deadline = psutil.Process(pid), time.monotonic() + within_s
+    last = proc.memory_info().rss
+    while time.monotonic() < deadline:
+        time.sleep(step_s)
+        now = proc.memory_info().rss
+        if abs(now - last) < last / 100:
+            return now
+        last = now
+    return last
+
+
+def _snapshot(pid: int, path: Path, within_s: float = 120) -> tracemalloc.Snapshot:
+    os.kill(pid, signal.SIGUSR2)
+    deadline, size = time.monotonic() + within_s, -1
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        now = path.stat().st_size if path.exists() else -1
+        if now > 0 and now == size:
+            return tracemalloc.Snapshot.load(str(path))
+        size = now
+    raise TimeoutError(f"no tracemalloc snapshot at {path}")
+
+
+def _start(op: NamedOperator, within_s: float = 600) -> None:
+    """Start the operator; traced, it imports slowly on a loaded machine (no 60 s limit)."""
+    env = {**os.environ, "KUBECONFIG": str(op.kubeconfig), "PYTHONUNBUFFERED": "1",
+           "POD_NAME": op.name}  # fmt: skip
+    argv = [
+        OPERATOR, "--namespace", op.namespace, *op.auth,
+        "--metrics-port", str(op.metrics_port), "--liveness-port", str(op.liveness_port),
+        "--wake-margin-bytes", str(WAKE_MARGIN),
+    ]  # fmt: skip
+    with op.log.open("ab") as log:
+        op.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for("operator liveness endpoint", op._healthy, within_s)
+    except BaseException:
+        op.stop()
+        raise
+
+
+def measure(stages: int, work: Path, sim_hosts: int, depth: int) -> tuple[dict[str, Any], Any]:
+    """One size: RSS, traced bytes and the snapshot's statistics by line."""
+    groups = stages // 2
+    node_count = max(1, math.ceil(groups / 2))
+    model = work / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    hook = work / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(HOOK)
+    snap_path = work / "operator.snapshot"
+    with ControlPlane() as cp:
+        cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
+        cp.wait_crd_established("omnistages.omnistage.io")
+        ns = cp.create_namespace("scale")
+        with LocalNodes(
+            cp.kubeconfig, nodes=node_count, gpus=GPUS_PER_NODE, gpu_memory=80 * GiB,
+            name_prefix="sim-", sim_hosts=min(sim_hosts, node_count),
+            ready_timeout=120 + node_count * 1.0,
+        ) as nodes:  # fmt: skip
+            op = NamedOperator(cp, ns, work / "op0", "op-0")
+            saved = dict(os.environ)
+            os.environ["OMNISTAGE_TRACEMALLOC_OUT"] = str(snap_path)
+            os.environ["OMNISTAGE_TRACEMALLOC_DEPTH"] = str(depth)
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                [str(hook), *filter(None, [saved.get("PYTHONPATH")])]
+            )
+            try:
+                _start(op)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            try:
+                t0 = time.monotonic()
+                asyncio.run(_settle(cp, nodes, ns, groups, model))
+                settled_s = time.monotonic() - t0
+                assert op.proc is not None
+                rss = _rss_settled(op.proc.pid)
+                snap = _snapshot(op.proc.pid, snap_path)
+            finally:
+                op.stop()
+    stats = snap.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+    traced = sum(s.size for s in stats.statistics("filename"))
+    row = {"stages": stages, "groups": groups, "nodes": node_count,
+           "settle_s": round(settled_s, 1), "rss_mib": round(rss / 2**20, 1),
+           "traced_mib": round(traced / 2**20, 1)}  # fmt: skip
+    return row, stats
+
+
+def _site(stat: Any) -> str:
+    frame = stat.traceback[0]
+    name = frame.filename
+    for marker in ("site-packages/", "/src/", "/lib/python3"):
+        if marker in name:
+            name = name.split(marker, 1)[1]
+            break
+    return f"{name}:{frame.lineno}"
+
+
+def _load(path: Path) -> tracemalloc.Snapshot:
+    snap = tracemalloc.Snapshot.load(str(path))
+    return snap.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+
+
+def compare(before: Path, after: Path, *, stages: int, top: int, out: Path) -> int:
+    """Bytes per stage by site between two snapshots of one size (before and after a change)."""
+    old, new = _load(before), _load(after)
+    diff = new.compare_to(old, "lineno")
+    traced = [sum(s.size for s in snap.statistics("filename")) for snap in (old, new)]
+    result = {
+        "benchmark": "scale_memory_compare",
+        "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "stages": stages,
+        "traced_mib": {"before": round(traced[0] / 2**20, 1), "after": round(traced[1] / 2**20, 1)},
+        "by_site_bytes_per_stage": {_site(d): round(d.size_diff / stages) for d in diff[:top]},
+    }
+    print(json.dumps(result, indent=1), flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="200,400", help="stage counts, comma-separated")
+    p.add_argument("--sim-hosts", type=int, default=10)
+    p.add_argument("--depth", type=int, default=1, help="tracemalloc frames per allocation")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_memory.json")
+    p.add_argument(
+        "--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+        help="only compare two saved snapshots of one size (--sizes: that size)",
+    )  # fmt: skip
+    args = p.parse_args()
+    if args.compare:
+        return compare(*args.compare, stages=int(args.sizes), top=args.top, out=args.out)
+    rows, snaps = [], []
+    for size in [int(s) for s in args.sizes.split(",")]:
+        work = Path(tempfile.mkdtemp(prefix=f"scale-mem-{size}-"))
+        print(f"[scale-memory] {size} stages in {work}", flush=True)
+        row, stats = measure(size, work, args.sim_hosts, args.depth)
+        row["top"] = {
+            _site(s): s.size for s in stats.statistics("lineno")[: args.top]
+        }  # fmt: skip
+        print(json.dumps(row, indent=1), flush=True)
+        rows.append(row)
+        snaps.append(stats)
+    result: dict[str, Any] = {
+        "benchmark": "scale_memory",
+        "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+        "runs": rows,
+    }
+    if len(rows) >= 2:
+        extra = rows[1]["stages"] - rows[0]["stages"]
+        diff = snaps[1].compare_to(snaps[0], "lineno")
+        result["per_stage"] = {
+            "stages_added": extra,
+            "rss_bytes": round((rows[1]["rss_mib"] - rows[0]["rss_mib"]) * 2**20 / extra),
+            "traced_bytes": round((rows[1]["traced_mib"] - rows[0]["traced_mib"]) * 2**20 / extra),
+            "by_site": {_site(d): round(d.size_diff / extra) for d in diff[: args.top]},
+        }
+        print(json.dumps(result["per_stage"], indent=1), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
