@@ -66,13 +66,12 @@ def _copy(body: Mapping[str, Any]) -> Body:
     """The fields a round reads, as plain data (kopf's bodies are views of a changing event),
     without ``metadata.managedFields``: no round reads them, and on a pod or a stage whose
     status is written often they are a large part of the body (kept per object)."""
-    out = {
-        k: _plain(body[k])
-        for k in ("apiVersion", "kind", "metadata", "spec", "status")
-        if k in body
-    }
-    if isinstance(out.get("metadata"), dict):
-        out["metadata"].pop("managedFields", None)
+    out = {k: _plain(body[k]) for k in ("apiVersion", "kind", "spec", "status") if k in body}
+    meta = body.get("metadata")
+    if isinstance(meta, Mapping):
+        out["metadata"] = {k: _plain(v) for k, v in meta.items() if k != "managedFields"}
+    elif meta is not None:
+        out["metadata"] = meta
     return out
 
 
