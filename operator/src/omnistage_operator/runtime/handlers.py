@@ -142,7 +142,6 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 30
-    settings.batching.batch_window = 0.01
     settings.posting.level = logging.WARNING
     if ours.peering is None:
         settings.peering.standalone = True
