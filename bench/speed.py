@@ -225,14 +225,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/speed"))
     p.add_argument("--out", type=Path)
     p.add_argument("--bundle", type=Path, help="python -m bench.gpu_bundle's folder (GPU host)")
-    p.add_argument("--parts", help=f"comma-separated, of {', '.join(PARTS)} (default: all this machine can run; '' for none)")
+    p.add_argument(
+        "--parts",
+        help=f"comma-separated, of {', '.join(PARTS)} (default: all this machine can run; "
+        "'' for none)",
+    )
     p.add_argument("--switches", type=int, default=20, help="hand-overs (handover, operator)")
     p.add_argument("--coldstart-runs", type=int, default=3, help="starts with the cache warm")
     p.add_argument("--no-cold", action="store_true", help="coldstart: no cold-cache starts")
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds a part may take")
     p.add_argument("--fresh", action="store_true", help="run parts already under --work again")
-    p.add_argument("--reuse", action="append", default=[], metavar="NAME=PATH",
-                   help="a part's report from a file (e.g. multi_gpu from a 2-GPU host)")  # fmt: skip
+    p.add_argument(
+        "--reuse",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a part's report from a file (e.g. multi_gpu from a 2-GPU host)",
+    )
     a = p.parse_args(argv)
     a.work = a.work.resolve()
     bundle = a.bundle.resolve() if a.bundle else None
@@ -246,9 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python3", "bench/speed.py", *argv]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "code": code_version(ROOT),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "gpus": machine.gpus,
-                    "vllm_importable": machine.vllm},  # fmt: skip
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "gpus": machine.gpus,
+            "vllm_importable": machine.vllm,
+        },
         "asked": parts,
     }
     report |= measure(a, machine, parts)

@@ -70,8 +70,15 @@ def operator(report: Json) -> Json:
 def coldstart(report: Json) -> Json:
     """``bench/coldstart.py``: process spawn to the first token, with its limits."""
     s, lim = report["summary"], report["limits"]
-    keep = ("weights_gib", "cold_start_first_token_runs_s", "read_limit_s", "h2d_limit_s",
-            "process_floor_s", "cold_start_first_token_cold_cache_s", "cold_cache_method")  # fmt: skip
+    keep = (
+        "weights_gib",
+        "cold_start_first_token_runs_s",
+        "read_limit_s",
+        "h2d_limit_s",
+        "process_floor_s",
+        "cold_start_first_token_cold_cache_s",
+        "cold_cache_method",
+    )
     return {
         "cold_start_first_token_s": s["cold_start_first_token_s"],
         **{k: s[k] for k in keep if k in s},
