@@ -71,12 +71,9 @@ class Server:
     ready_s: float = 0.0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+        from tests.cluster.procs import terminate
+
+        terminate(self.proc, grace=120)
 
 
 def env_for(smoke: bool, fake_dir: Path | None) -> dict[str, str]:
