@@ -22,8 +22,8 @@ its keys ``None`` in the summary with the reason in ``summary.missing``. The ove
 hand-over exists nowhere yet, so ``overlapped_over_serial_bound`` is always ``None``. A report
 already under ``--work/parts`` is reused (``--fresh`` runs it again), so the parts can run in
 consecutive calls on one warm machine; ``--reuse NAME=PATH`` takes a part's report from a file
-(the ``multi_gpu`` part from a two-GPU machine). With ``--out``, each part's report is written
-beside it too, in ``<out's stem>_parts/``.
+(the ``multi_gpu`` part from a two-GPU machine). With ``--out``, each part's report and log
+are written beside it too, in ``<out's stem>_parts/``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -182,6 +183,16 @@ def part_main(part: str, argv: list[str]) -> int:
     return int(result or 0)
 
 
+def keep_beside(out: Path, part: str, report: Json | None, log: str | None) -> None:
+    """A part's own report and log beside ``out`` (``<stem>_parts/``): they come back with it."""
+    beside = out.parent / f"{out.stem}_parts"
+    beside.mkdir(parents=True, exist_ok=True)
+    if report is not None:
+        (beside / f"{part}.json").write_text(json.dumps(report, indent=2) + "\n")
+    if log is not None and Path(log).is_file():
+        shutil.copy(log, beside / f"{part}.log")
+
+
 def measure(a: argparse.Namespace, machine: Machine, parts: list[str]) -> Json:
     """Run each part asked for (a report given by ``--reuse`` or already under ``--work``
     is taken instead); the figures of those that ran, the reasons of the others."""
@@ -208,12 +219,10 @@ def measure(a: argparse.Namespace, machine: Machine, parts: list[str]) -> Json:
                 missing[part] = ran[part]["failed"]
         else:
             missing[part] = machine.cannot(part) or "not asked for (--parts)"
+        if a.out is not None and part in ran:
+            keep_beside(a.out, part, report, ran[part].get("log"))
         if report is not None:
             figures[part] = speed_figures.FIGURES[part](report)
-            if a.out is not None:  # each part's own report comes back beside the summary
-                beside = a.out.parent / f"{a.out.stem}_parts" / f"{part}.json"
-                beside.parent.mkdir(parents=True, exist_ok=True)
-                beside.write_text(json.dumps(report, indent=2) + "\n")
     return {"parts": ran, "figures": figures, "summary": speed_figures.summary(figures, missing)}
 
 

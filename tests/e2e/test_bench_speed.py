@@ -37,3 +37,6 @@ def test_cpu_mode_measures_the_operator_and_says_why_the_rest_is_missing(tmp_pat
     for key in set(speed_figures.GOALS) - {"operator_p50_ms"}:
         assert summary[key] is None and summary["missing"][key], key
     assert "GPU" in summary["missing"]["cold_start_first_token_s"]
+    beside = tmp_path / "speed_parts"  # what comes back from a device call with the summary
+    assert json.loads((beside / "operator.json").read_text()) == part
+    assert (beside / "operator.log").is_file()
