@@ -51,7 +51,7 @@ from bench.coldstart_limits import (  # noqa: E402
     resident_fraction,
     weight_files,
 )
-from bench.reporting import emit  # noqa: E402
+from bench.reporting import code_version, emit  # noqa: E402
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc  # noqa: E402
 
 Json = dict[str, Any]
@@ -239,23 +239,12 @@ def limits(model_dir: Path, cuda: bool) -> Json:
     return result
 
 
-def code_version() -> str | None:
-    """The tree's commit: a ``COMMIT`` file (a copy made for the GPU host), else git's."""
-    marker = REPO / "COMMIT"
-    if marker.exists():
-        return marker.read_text().strip()
-    found = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    )
-    return found.stdout.strip() or None
-
-
 def machine(cuda: bool) -> Json:
     info: Json = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "code": code_version(),
+        "code": code_version(REPO),
     }
     if cuda:
         import pynvml

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,3 +15,14 @@ def emit(report: dict[str, Any], out: Path | None) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def code_version(root: Path) -> str | None:
+    """The tree's commit: a ``COMMIT`` file (a copy made for the GPU host), else git's."""
+    marker = root / "COMMIT"
+    if marker.exists():
+        return marker.read_text().strip()
+    found = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return found.stdout.strip() or None

@@ -1,13 +1,13 @@
 """The openai-client conformance suite against a real vLLM stage, on the lent GPU host.
 
-Builds the random-weight Llama and byte-level tokenizer of ``bench/serving_vllm.py`` (its
-``build_model``, reused under ``--workdir``), starts a vLLM stage the way that bench does (the
-omnistage worker of this tree: vLLM's OpenAI app over its ``AsyncLLM`` behind the worker's
-gate, the same engine flags), waits for its ``/health`` to say Active, then runs
-``tests/worker/test_openai_conformance.py -k vllm`` with ``OMNISTAGE_CONFORMANCE_VLLM`` and
-``OMNISTAGE_CONFORMANCE_VLLM_MODEL`` naming it. Into ``--out``: the pytest report (``-rA``,
-``vllm_conformance.txt``), its JUnit XML, the stage's log and a JSON summary (machine, vLLM
-version, engine flags, every test's outcome).
+Builds the random-weight Llama and byte-level tokenizer of ``bench/serving_vllm.py``
+(``bench/vllm_servers.py``'s ``build_model``, reused under ``--workdir``), starts a vLLM
+stage the way that bench does (the omnistage worker of this tree: vLLM's OpenAI app over its
+``AsyncLLM`` behind the worker's gate, the same engine flags), waits for its ``/health`` to
+say Active, then runs ``tests/worker/test_openai_conformance.py -k vllm`` with
+``OMNISTAGE_CONFORMANCE_VLLM`` and ``OMNISTAGE_CONFORMANCE_VLLM_MODEL`` naming it. Into
+``--out``: the pytest report (``-rA``, ``vllm_conformance.txt``), its JUnit XML, the stage's
+log and a JSON summary (machine, vLLM version, engine flags, every test's outcome).
 
 pytest runs without the tests' conftest files (``--noconftest``: the vLLM target needs none of
 their fixtures, and the cluster plugin's imports are not on the host) and without plugin
@@ -36,7 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "worker_image/src"), str(REPO / "protos/gen/python"), str(REPO)]
 
-from bench.serving_vllm import (  # noqa: E402
+from bench.vllm_servers import (  # noqa: E402
     add_engine_arguments,
     build_model,
     env_for,

@@ -246,13 +246,10 @@ class Worker:
         return ack_json(reply.ack, time.perf_counter() - start)
 
     def stop(self) -> None:
+        from tests.cluster.procs import terminate
+
         self.channel.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
+        terminate(self.proc, grace=120)
 
 
 def worker_env(smoke: bool, fake_dir: Path | None, extra: dict[str, str]) -> dict[str, str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import psutil
 import pytest
 
@@ -190,3 +191,36 @@ def test_standin_refuses_a_start_the_free_memory_does_not_cover(
             _engine(model_dir, 0.6)
     finally:
         first.shutdown()
+
+
+async def test_standin_app_ignores_best_of_as_vllms_request_model_does(
+    gpu: FakeGpu, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's ``CompletionRequest`` (0.24) has no ``best_of``; its base model allows extra
+    fields, logs them as ignored and serves the request without them. The stand-in's bare app
+    (no worker front) does the same: the answer equals the one without the field."""
+    from vllm.entrypoints.openai import api_server  # the stand-in (gpu puts it on the path)
+
+    model_dir = build_model(tmp_path / "m")
+    args = parse_serve_args(["--model", str(model_dir), "--enable-sleep-mode",
+                             "--skip-tokenizer-init", "--enforce-eager",
+                             "--gpu-memory-utilization", str(BUDGET / TOTAL)])  # fmt: skip
+    engine = start_engine(args)
+    try:
+        app = api_server.build_app(args)
+        await api_server.init_app_state(engine, app.state, args)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://stand-in") as c:
+            ask = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+            plain = await c.post("/v1/completions", json=ask)
+            with caplog.at_level("WARNING"):
+                extra = await c.post("/v1/completions", json={**ask, "best_of": 3})
+        assert plain.status_code == 200, plain.text
+        assert extra.status_code == 200, extra.text
+        assert [ch["text"] for ch in extra.json()["choices"]] == [
+            ch["text"] for ch in plain.json()["choices"]
+        ]
+        assert extra.json()["usage"]["completion_tokens"] == 3
+        assert "ignored: {'best_of'}" in caplog.text
+    finally:
+        engine.shutdown()

@@ -5,8 +5,10 @@ The routes the stand-in serves, in vLLM 0.24's response shapes: ``/v1/completion
 ``ignore_eos``, streaming with ``stream_options.include_usage``; every answer carries
 ``usage``), ``/v1/models``, ``/health``, ``/tokenize``, and vLLM's development routes
 (``/sleep``, ``/wake_up``, ``/is_sleeping``) which real vLLM registers with
-``VLLM_SERVER_DEV_MODE``. Fields outside that set are ignored, as vLLM does with a warning;
-``logprobs`` and ``tools`` are refused (400) because the stand-in cannot compute them. Errors
+``VLLM_SERVER_DEV_MODE``. A field the route's request model does not define (``best_of``,
+gone from vLLM's models) is logged as ignored and the request served without it, as vLLM does;
+other fields of the models outside that set are ignored silently, except ``logprobs``,
+``tools`` and the like, refused (400) because the stand-in cannot compute them. Errors
 use vLLM's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -16,6 +18,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,8 +30,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from vllm import RequestOutputKind, SamplingParams
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "response_format", "echo", "best_of")
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "response_format", "echo")
+log = logging.getLogger(__name__)
+
+
+def _log_ignored(body: Any, chat: bool) -> None:
+    """As vLLM's request models (extra fields allowed): a field the model does not define is
+    logged, with vLLM's message, and the request served without it."""
+    if not isinstance(body, dict):
+        return
+    model = ChatCompletionRequest if chat else CompletionRequest
+    ignored = body.keys() - model.model_fields.keys()
+    if ignored:
+        log.warning("The following fields were present in the request but ignored: %s", ignored)
 
 
 class BadRequest(ValueError):
@@ -105,6 +122,7 @@ class Routes:
     async def _serve(self, request: Request, chat: bool) -> Response:
         try:
             body = await request.json()
+            _log_ignored(body, chat)
             prompt: Any
             if chat:
                 prompt = self._render(body.get("messages"))

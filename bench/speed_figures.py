@@ -1,0 +1,165 @@
+"""Pure figures of ``bench/speed.py``: issue 23's ratios read from each part's own report.
+
+Every function takes the unedited JSON of one existing bench and returns the figures with the
+limits that bench measured in the same run; :func:`summary` puts issue 23's keys together,
+``None`` with a ``missing`` reason for a key no part measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+Json = dict[str, Any]
+
+# issue 23's summary keys, each with its goal: (comparison, value)
+GOALS: dict[str, tuple[str, float]] = {
+    "handover_over_serial_bound": ("<=", 1.05),
+    "overlapped_over_serial_bound": ("<=", 0.65),
+    "operator_p50_ms": ("<=", 50.0),
+    "cold_start_first_token_s": ("<=", 6.0),
+    "vllm_l1_wake_of_h2d": (">=", 0.9),
+    "vllm_cold_start_s": ("<=", 20.0),
+    "multi_gpu_wake_of_limit": (">=", 0.9),
+}
+
+OVERLAPPED_MISSING = (
+    "no overlapped hand-over exists in this tree yet (issue 23's moonshot: chunked release and "
+    "claim with both copy directions at once); nothing to measure"
+)
+
+
+def handover(report: Json) -> Json:
+    """``bench/gpu_e2e.py``: each ``kubectl patch`` -> Active against its serial copy bound
+    (the loser's weights out at the D2H limit, then the gainer's in at the H2D limit)."""
+    lim, models = report["limits"], report["models"]
+    size = {"llm": models["llm_weight_bytes"], "sd": models["sd_weight_bytes"]}
+    d2h, h2d = lim["d2h_pinned_gbps"] * 1e9, lim["h2d_pinned_gbps"] * 1e9
+    rows = []
+    for r in report["runs"]:
+        bound = size[r["loser"]] / d2h + size[r["gainer"]] / h2d
+        rows.append({"total_s": r["total_s"], "bound_s": bound, "ratio": r["total_s"] / bound})
+    return {
+        "handovers": len(rows),
+        "all_acks_ok": report["all_acks_ok"],
+        "handover_over_serial_bound": statistics.median(r["ratio"] for r in rows),
+        "patch_to_active_p50_s": statistics.median(r["total_s"] for r in rows),
+        "serial_bound_p50_s": statistics.median(r["bound_s"] for r in rows),
+        "operator_p50_ms": report["operator_ms"]["p50"],
+        "operator_p95_ms": report["operator_ms"]["p95"],
+        "workers_p50_ms": report["workers_ms"]["p50"],
+        "weight_bytes": size,
+        "limits": {k: lim[k] for k in ("h2d_pinned_gbps", "d2h_pinned_gbps") if k in lim},
+    }
+
+
+def operator(report: Json) -> Json:
+    """``bench/operator_switch.py``: the operator's share of a hand-over on the local control
+    plane (patch to Active minus the workers' own sleep and wake), with its step budget."""
+    return {
+        "switches": report["switches"],
+        "operator_p50_ms": report["overhead_ms"]["p50"],
+        "operator_p95_ms": report["overhead_ms"]["p95"],
+        "budget_p50_ms": report.get("budget_p50_ms", {}),
+        "operator_cpu_ms_per_switch": report["operator_cpu_ms_per_switch"],
+        "round_api_requests_per_switch": report["round_api_requests_per_switch"],
+    }
+
+
+def coldstart(report: Json) -> Json:
+    """``bench/coldstart.py``: process spawn to the first token, with its limits."""
+    s, lim = report["summary"], report["limits"]
+    keep = (
+        "weights_gib",
+        "cold_start_first_token_runs_s",
+        "read_limit_s",
+        "h2d_limit_s",
+        "process_floor_s",
+        "cold_start_first_token_cold_cache_s",
+        "cold_cache_method",
+    )
+    return {
+        "cold_start_first_token_s": s["cold_start_first_token_s"],
+        **{k: s[k] for k in keep if k in s},
+        "limits": {k: v for k, v in lim.items() if isinstance(v, int | float)},
+    }
+
+
+def vllm(report: Json) -> Json:
+    """``bench/vllm_stage.py``: a vLLM stage's level-1 wake against H2D, and its cold start."""
+    s, lim = report["summary"], report["limits"]
+    return {
+        "vllm_l1_wake_of_h2d": s["l1_wake_ratio_to_h2d"],
+        "vllm_cold_start_s": s["cold_start_seconds"],
+        "weights_gib": s["weights_gib"],
+        "l1_wake_seconds_median": s.get("l1_wake_seconds_median"),
+        "l1_sleep_ratio_to_d2h": s.get("l1_sleep_ratio_to_d2h"),
+        "l2_wake_seconds_median": s.get("l2_wake_seconds_median"),
+        "all_acks_ok": s["all_acks_ok"],
+        "limits": {k: lim[k] for k in ("h2d_pinned_gbps", "d2h_pinned_gbps") if k in lim},
+    }
+
+
+def multi_gpu(report: Json) -> Json:
+    """``bench/multi_gpu.py``: both stages' level-1 wakes per device against that device's
+    limit when both devices copy at once; the key is the slowest device of either stage."""
+    s = report["summary"]
+    fractions = [*s["a_wake_fraction_of_together_limit"], *s["b_wake_fraction_of_together_limit"]]
+    return {
+        "multi_gpu_wake_of_limit": min(fractions),
+        "wake_fractions": {
+            "a": s["a_wake_fraction_of_together_limit"],
+            "b": s["b_wake_fraction_of_together_limit"],
+        },
+        "all_acks_ok": s["all_acks_ok"],
+        "limits": report["limits"],
+    }
+
+
+# which part measures which key; the first part that ran wins (the GPU hand-over's operator
+# share before the local control plane's)
+SOURCES: dict[str, tuple[str, ...]] = {
+    "handover_over_serial_bound": ("handover",),
+    "overlapped_over_serial_bound": (),
+    "operator_p50_ms": ("handover", "operator"),
+    "cold_start_first_token_s": ("coldstart",),
+    "vllm_l1_wake_of_h2d": ("vllm",),
+    "vllm_cold_start_s": ("vllm",),
+    "multi_gpu_wake_of_limit": ("multi_gpu",),
+}
+
+
+def summary(figures: Mapping[str, Json], missing_parts: Mapping[str, str]) -> Json:
+    """Issue 23's keys from the parts' figures; ``missing`` says why a key is ``None``,
+    ``source`` which part measured it, ``met`` whether its goal is met."""
+    out: Json = {}
+    missing: dict[str, str] = {}
+    source: dict[str, str] = {}
+    met: dict[str, bool] = {}
+    for key, parts in SOURCES.items():
+        found = next((p for p in parts if p in figures and key in figures[p]), None)
+        if found is None:
+            out[key] = None
+            reasons = [f"{p}: {missing_parts[p]}" for p in parts if p in missing_parts]
+            missing[key] = "; ".join(reasons) if parts else OVERLAPPED_MISSING
+            continue
+        value = figures[found][key]
+        out[key] = value
+        source[key] = found
+        op, goal = GOALS[key]
+        met[key] = value <= goal if op == "<=" else value >= goal
+    out["missing"] = missing
+    out["source"] = source
+    out["goals"] = {k: f"{op} {goal:g}" for k, (op, goal) in GOALS.items()}
+    out["met"] = met
+    return out
+
+
+FIGURES = {
+    "handover": handover,
+    "operator": operator,
+    "coldstart": coldstart,
+    "vllm": vllm,
+    "multi_gpu": multi_gpu,
+}

@@ -1,0 +1,75 @@
+"""bench/speed_figures.py: issue 23's figures read from the committed reports of the benches
+that bench/speed.py runs (pure logic; the CPU run itself: tests/e2e/test_bench_speed.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import speed_figures
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def _load(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((RESULTS / name).read_text())
+    return data
+
+
+def test_the_handover_is_held_against_its_own_runs_serial_copy_bound() -> None:
+    report = _load("gpu_e2e.json")
+    figures = speed_figures.handover(report)
+    lim, models = report["limits"], report["models"]
+    # every run moves one stage out and the other in: the same bytes either way round
+    bound = (models["llm_weight_bytes"] + models["sd_weight_bytes"]) / (
+        lim["h2d_pinned_gbps"] * 1e9
+    )
+    assert figures["serial_bound_p50_s"] == pytest.approx(bound, rel=0.01)
+    assert figures["handover_over_serial_bound"] == pytest.approx(
+        figures["patch_to_active_p50_s"] / bound, rel=0.02
+    )
+    assert figures["operator_p50_ms"] == report["operator_ms"]["p50"]
+    assert figures["limits"]["d2h_pinned_gbps"] == lim["d2h_pinned_gbps"]
+
+
+@pytest.mark.parametrize(
+    ("part", "name", "key", "expected"),
+    [
+        ("coldstart", "coldstart.json", "cold_start_first_token_s", 5.4868),
+        ("vllm", "vllm_stage.json", "vllm_cold_start_s", 113.87108087539673),
+        ("vllm", "vllm_stage.json", "vllm_l1_wake_of_h2d", 0.36370518340234925),
+        ("multi_gpu", "multi_gpu.json", "multi_gpu_wake_of_limit", 0.735),
+    ],
+)
+def test_each_part_gives_its_key_from_its_bench_report(
+    part: str, name: str, key: str, expected: float
+) -> None:
+    figures = speed_figures.FIGURES[part](_load(name))
+    assert figures[key] == expected
+    assert figures["limits"], "the limits measured in the same run come with the figure"
+
+
+def test_a_key_no_part_measured_is_none_with_the_reason() -> None:
+    report = _load("vllm_stage.json")
+    out = speed_figures.summary(
+        {"vllm": speed_figures.vllm(report)}, {"handover": "no GPU", "operator": "exit 1"}
+    )
+    assert set(speed_figures.GOALS) <= set(out)
+    assert out["vllm_cold_start_s"] == report["summary"]["cold_start_seconds"]
+    assert out["source"] == {"vllm_l1_wake_of_h2d": "vllm", "vllm_cold_start_s": "vllm"}
+    assert out["met"] == {"vllm_l1_wake_of_h2d": False, "vllm_cold_start_s": False}
+    assert out["operator_p50_ms"] is None
+    assert out["missing"]["operator_p50_ms"] == "handover: no GPU; operator: exit 1"
+    assert out["overlapped_over_serial_bound"] is None
+    assert "overlapped" in out["missing"]["overlapped_over_serial_bound"]
+    assert set(out["missing"]) == {k for k in speed_figures.GOALS if out[k] is None}
+
+
+def test_the_gpu_handovers_operator_share_comes_before_the_local_control_planes() -> None:
+    out = speed_figures.summary(
+        {"handover": {"operator_p50_ms": 150.0}, "operator": {"operator_p50_ms": 90.0}}, {}
+    )
+    assert (out["operator_p50_ms"], out["source"]["operator_p50_ms"]) == (150.0, "handover")
