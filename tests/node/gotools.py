@@ -32,7 +32,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster.build import KUBELET_MODULE_DIR, BuildError, cache_root, go_binary, go_env
+from tests.cluster.build import (
+    KUBELET_MODULE_DIR,
+    BuildError,
+    cache_root,
+    go_binary,
+    go_env,
+    ready_line,
+)
 from tests.cluster.gomod import render_plain_gomod, render_tools_go
 
 HERE = Path(__file__).resolve().parent
@@ -187,12 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(find_tool(name))
             else:
                 start = time.monotonic()
-                path = ensure_tool(name)
-                record = json.loads((path / "build.json").read_text())
-                print(
-                    f"{name} ready: {path} ({time.monotonic() - start:.1f}s now; recorded "
-                    f"build: {record['seconds']}s, {record['date']})"
-                )
+                print(ready_line(name, ensure_tool(name), start))
         return 0
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -27,7 +27,14 @@ import sys
 import time
 from pathlib import Path
 
-from tests.cluster.build import KUBELET_MODULE_DIR, BuildError, cache_root, go_binary, go_env
+from tests.cluster.build import (
+    KUBELET_MODULE_DIR,
+    BuildError,
+    cache_root,
+    go_binary,
+    go_env,
+    ready_line,
+)
 from tests.cluster.gomod import render_plain_gomod, render_tools_go
 
 MODULE = "sigs.k8s.io/kube-network-policies"
@@ -135,12 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             print(find_enforcer())
         else:
             start = time.monotonic()
-            path = ensure_enforcer()
-            record = json.loads((path.parent / "build.json").read_text())
-            print(
-                f"{NAME} ready: {path} ({time.monotonic() - start:.1f}s now; recorded build: "
-                f"{record['seconds']}s, {record['date']})"
-            )
+            print(ready_line(NAME, ensure_enforcer(), start))
         return 0
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
