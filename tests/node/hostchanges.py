@@ -20,12 +20,34 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.node.nodeconfig import NodeLayout, cgroup_mounts, iptables_undo, mounts_under
+from tests.node.nodeconfig import (
+    NodeLayout,
+    cgroup_mounts,
+    iptables_new_tables,
+    iptables_undo,
+    mounts_under,
+)
 
 NETNS_DIR = Path("/run/netns")
 # the kubelet's fixed directory of symlinks to container logs (podLogsDir is configurable)
 CONTAINER_LOG_LINKS = Path("/var/log/containers")
 IPTABLES_FAMILIES = ("iptables", "ip6tables")
+NFT_FAMILIES = {"iptables": "ip", "ip6tables": "ip6"}
+# Directories outside the state directory that containerd 1.7 (its shims' sockets: fixed
+# /run/containerd/s), runc (its state for namespace k8s.io), libcni (its cache) and the CNI
+# network namespaces make, deepest first: removed at teardown when the node made them.
+HOST_DIRS = tuple(
+    Path(p)
+    for p in (
+        "/run/containerd/s",
+        "/run/containerd/runc/k8s.io",
+        "/run/containerd/runc",
+        "/run/containerd",
+        "/var/lib/cni/results",
+        "/var/lib/cni",
+        str(NETNS_DIR),
+    )
+)
 
 
 class NodeError(RuntimeError):
@@ -40,10 +62,16 @@ def sh(*argv: str, check: bool = True, timeout: float = 600) -> str:
     return proc.stdout
 
 
-def iptables_save(family: str) -> str:
-    """``iptables-save`` (or ``ip6tables-save``) output; empty when the tool is missing."""
+def iptables_save(family: str) -> str | None:
+    """``iptables-save`` (or ``ip6tables-save``) output (empty with no table yet, as on a
+    fresh host); None when the tool is missing."""
     tool = f"{family}-save"
-    return sh(tool, check=False) if shutil.which(tool) else ""
+    return sh(tool, check=False) if shutil.which(tool) else None
+
+
+def _iptables_is_nft(family: str) -> bool:
+    """Whether ``family`` is the nf_tables backend (its tables can be deleted with nft)."""
+    return shutil.which(family) is not None and "nf_tables" in sh(family, "-V", check=False)
 
 
 def _mountinfo() -> str:
@@ -69,13 +97,16 @@ class HostChanges:
     iptables_before: dict[str, str] = field(default_factory=dict)
     netns_before: set[str] = field(default_factory=set)
     log_links_existed: bool = True
+    dirs_before: set[Path] = field(default_factory=lambda: set(HOST_DIRS))
     cgroups: list[Path] = field(default_factory=list)
 
     def snapshot(self) -> None:
         """Record the host as it is now (call holding the one-node-per-machine lock)."""
-        self.iptables_before = {f: iptables_save(f) for f in IPTABLES_FAMILIES}
+        saved = {f: iptables_save(f) for f in IPTABLES_FAMILIES}
+        self.iptables_before = {f: text for f, text in saved.items() if text is not None}
         self.netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
         self.log_links_existed = CONTAINER_LOG_LINKS.is_dir()
+        self.dirs_before = {d for d in HOST_DIRS if d.exists()}
 
     def make_cgroups(self) -> None:
         """The node's cgroup root in every cgroup v1 hierarchy (cpuset copied from the root)."""
@@ -121,10 +152,24 @@ class HostChanges:
                 CONTAINER_LOG_LINKS.rmdir()
         sh("ip", "link", "delete", self.layout.bridge, check=False)
         for family, before in self.iptables_before.items():
-            if before:
-                for command in iptables_undo(before, iptables_save(family)):
-                    sh(family, *command, check=False)
+            after = iptables_save(family) or ""
+            new_tables = self._removable_tables(family, before, after)
+            for command in iptables_undo(before, after, skip=new_tables):
+                sh(family, *command, check=False)
+            for table in new_tables:
+                sh("nft", "delete", "table", NFT_FAMILIES[family], table, check=False)
         self._remove_cgroups()
+        for directory in HOST_DIRS:
+            if directory not in self.dirs_before:
+                with contextlib.suppress(OSError):
+                    directory.rmdir()  # only when empty: never another runtime's state
+
+    @staticmethod
+    def _removable_tables(family: str, before: str, after: str) -> list[str]:
+        """The tables the node made, when they can go whole (the nf_tables backend)."""
+        if not (_iptables_is_nft(family) and shutil.which("nft")):
+            return []
+        return iptables_new_tables(before, after)
 
     def _remove_cgroups(self) -> None:
         for cgroup in self.cgroups:
@@ -161,8 +206,10 @@ class HostChanges:
         if Path(f"/sys/class/net/{layout.bridge}").exists():
             found.append(f"bridge {layout.bridge}")
         for family, before in self.iptables_before.items():
-            if before:
-                undo = iptables_undo(before, iptables_save(family))
-                found += [f"{family} " + " ".join(c) for c in undo]
+            after = iptables_save(family) or ""
+            found += [f"{family} " + " ".join(c) for c in iptables_undo(before, after)]
+            if _iptables_is_nft(family):
+                found += [f"{family} table {t}" for t in iptables_new_tables(before, after)]
+        found += [f"directory {d}" for d in HOST_DIRS if d not in self.dirs_before and d.exists()]
         found += [f"process {p}" for p in sorted(_pids_naming(str(layout.socket).encode()))]
         return found
