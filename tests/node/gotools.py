@@ -11,6 +11,9 @@ go.sum and the packages; a second run finds them and returns.
   node's GPUs reach containers through CDI (``enable_cdi``), as a DRA driver's do.
 * ``fakegpu-dra``: the node's DRA kubelet plugin for the simulated GPUs (its source is
   ``tests/node/fakegpudra``, this repository's own module).
+* ``kube-network-policies``: the node's NetworkPolicy enforcer (SIG Network's implementation:
+  nftables rules send the first packet of each connection to or from a selected pod to an
+  NFQUEUE, where it is judged against the policies; :mod:`tests.node.netpol` runs it).
 
 ``--print-bin NAME`` prints a tool's directory (fails if not built); ``--regen NAME`` rewrites a
 wrapper module's go.mod/go.sum/tools.go (network).
@@ -65,6 +68,9 @@ class GoTool:
 
 CONTAINERD_VERSION = "v1.7.35"
 CONTAINERD_CMD = "github.com/containerd/containerd/cmd"
+NETPOL = "kube-network-policies"
+NETPOL_MODULE = "sigs.k8s.io/kube-network-policies"
+NETPOL_VERSION = "v0.8.0"
 TOOLS: dict[str, GoTool] = {
     "containerd": GoTool(
         "containerd",
@@ -77,6 +83,12 @@ TOOLS: dict[str, GoTool] = {
     ),
     "fakegpu-dra": GoTool(
         "fakegpu-dra", HERE / "fakegpudra", {"fakegpu-dra": "omnistage.test/fakegpudra"}
+    ),
+    NETPOL: GoTool(
+        NETPOL,
+        HERE / "netpolbuild",
+        {NETPOL: f"{NETPOL_MODULE}/cmd"},
+        ((NETPOL_MODULE, NETPOL_VERSION),),
     ),
 }
 
