@@ -37,7 +37,6 @@ cluster-bin: setup
 # real-node lane.
 node-bin: setup
 	$(PY) -m tests.cluster.build --node
-	$(PY) -m tests.node.netpol_build
 	$(PY) -m tests.node.gotools
 
 # The pause, operator and worker images (buildah; base made from Debian's packages; cached

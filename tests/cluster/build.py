@@ -233,6 +233,19 @@ def build_record() -> dict[str, object]:
     return data
 
 
+def ready_line(what: str, where: Path, started: float) -> str:
+    """What a build CLI prints once ``what`` is in the cache: where (a binary or directory,
+    ``build.json`` beside it or in it), the seconds since ``started`` (``time.monotonic()``)
+    and the recorded build (seconds, cold or warm when recorded, date)."""
+    directory = where if where.is_dir() else where.parent
+    record = json.loads((directory / "build.json").read_text())
+    cold = f", cold={record['cold']}" if "cold" in record else ""
+    return (
+        f"{what} ready: {where} ({time.monotonic() - started:.1f}s now; recorded build: "
+        f"{record['seconds']}s{cold}, {record['date']})"
+    )
+
+
 def _go_cache_is_cold(gocache: Path) -> bool:
     """Whether the Go build cache holds (almost) nothing compiled yet."""
     if not gocache.is_dir():
@@ -420,23 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_bin:
             print(find_binaries().by_name(args.print_bin))
             return 0
-        if args.node:
-            start = time.monotonic()
-            kubelet = ensure_kubelet()
-            record = json.loads((kubelet.parent / "build.json").read_text())
-            print(
-                f"kubelet ready: {kubelet} ({time.monotonic() - start:.1f}s now; recorded build: "
-                f"{record['seconds']}s, cold={record['cold']}, {record['date']})"
-            )
-            return 0
         start = time.monotonic()
-        bins = ensure_binaries()
-        record = build_record()
-        print(
-            f"control-plane binaries ready in {bins.directory} "
-            f"({time.monotonic() - start:.1f}s now; recorded build: {record['seconds']}s, "
-            f"cold={record['cold']}, {record['date']})"
-        )
+        if args.node:
+            print(ready_line("kubelet", ensure_kubelet(), start))
+            return 0
+        print(ready_line("control-plane binaries", ensure_binaries().directory, start))
         return 0
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)

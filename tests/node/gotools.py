@@ -11,6 +11,9 @@ go.sum and the packages; a second run finds them and returns.
   node's GPUs reach containers through CDI (``enable_cdi``), as a DRA driver's do.
 * ``fakegpu-dra``: the node's DRA kubelet plugin for the simulated GPUs (its source is
   ``tests/node/fakegpudra``, this repository's own module).
+* ``kube-network-policies``: the node's NetworkPolicy enforcer (SIG Network's implementation:
+  nftables rules send the first packet of each connection to or from a selected pod to an
+  NFQUEUE, where it is judged against the policies; :mod:`tests.node.netpol` runs it).
 
 ``--print-bin NAME`` prints a tool's directory (fails if not built); ``--regen NAME`` rewrites a
 wrapper module's go.mod/go.sum/tools.go (network).
@@ -32,7 +35,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster.build import KUBELET_MODULE_DIR, BuildError, cache_root, go_binary, go_env
+from tests.cluster.build import (
+    KUBELET_MODULE_DIR,
+    BuildError,
+    cache_root,
+    go_binary,
+    go_env,
+    ready_line,
+)
 from tests.cluster.gomod import render_plain_gomod, render_tools_go
 
 HERE = Path(__file__).resolve().parent
@@ -58,6 +68,9 @@ class GoTool:
 
 CONTAINERD_VERSION = "v1.7.35"
 CONTAINERD_CMD = "github.com/containerd/containerd/cmd"
+NETPOL = "kube-network-policies"
+NETPOL_MODULE = "sigs.k8s.io/kube-network-policies"
+NETPOL_VERSION = "v0.8.0"
 TOOLS: dict[str, GoTool] = {
     "containerd": GoTool(
         "containerd",
@@ -70,6 +83,12 @@ TOOLS: dict[str, GoTool] = {
     ),
     "fakegpu-dra": GoTool(
         "fakegpu-dra", HERE / "fakegpudra", {"fakegpu-dra": "omnistage.test/fakegpudra"}
+    ),
+    NETPOL: GoTool(
+        NETPOL,
+        HERE / "netpolbuild",
+        {NETPOL: f"{NETPOL_MODULE}/cmd"},
+        ((NETPOL_MODULE, NETPOL_VERSION),),
     ),
 }
 
@@ -187,12 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(find_tool(name))
             else:
                 start = time.monotonic()
-                path = ensure_tool(name)
-                record = json.loads((path / "build.json").read_text())
-                print(
-                    f"{name} ready: {path} ({time.monotonic() - start:.1f}s now; recorded "
-                    f"build: {record['seconds']}s, {record['date']})"
-                )
+                print(ready_line(name, ensure_tool(name), start))
         return 0
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 The bridge CNI of :class:`tests.node.realnode.RealNode` ignores NetworkPolicy. ``Enforcer(cp,
 node, binary, subnet, state)`` is a context manager that runs SIG Network's kube-network-policies
-(:mod:`tests.node.netpol_build`) on the host, as its DaemonSet would in the host's network
+(built by :mod:`tests.node.gotools`) on the host, as its DaemonSet would in the host's network
 namespace: on entry it
 
 * creates its ServiceAccount, ClusterRole (list/watch pods, namespaces, networkpolicies) and
@@ -169,7 +169,7 @@ class Enforcer(Lifecycle):
 
     def _start(self) -> None:
         if not self.binary.is_file():
-            raise RuntimeError(f"{self.binary} is missing: run `python -m tests.node.netpol_build`")
+            raise RuntimeError(f"{self.binary} is missing: run `python -m tests.node.gotools`")
         if queue_bound(QUEUES.read_text()):
             raise RuntimeError(f"NFQUEUE {QUEUE_ID} has a listener already: another enforcer?")
         self.state.mkdir(parents=True)

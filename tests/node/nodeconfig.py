@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,11 +243,13 @@ def mounts_under(mountinfo: str, root: Path) -> list[Path]:
     return sorted(set(points), key=lambda p: (-len(p.parts), str(p)))
 
 
-_CHAIN = re.compile(r"^:(\S+)\s")
+# a user chain (no policy: "-"); a built-in one has a policy and can be neither flushed away
+# for good nor deleted
+_CHAIN = re.compile(r"^:(\S+)\s+-\s")
 
 
 def _iptables_tables(save: str) -> dict[str, tuple[list[str], list[str]]]:
-    """table -> (chains, rules) of ``iptables-save`` output."""
+    """table -> (user chains, rules) of ``iptables-save`` output."""
     tables: dict[str, tuple[list[str], list[str]]] = {}
     current = ""
     for line in save.splitlines():
@@ -260,15 +263,17 @@ def _iptables_tables(save: str) -> dict[str, tuple[list[str], list[str]]]:
     return tables
 
 
-def iptables_undo(before: str, after: str) -> list[list[str]]:
+def iptables_undo(before: str, after: str, skip: Collection[str] = ()) -> list[list[str]]:
     """``iptables`` argument lists that remove the rules and chains ``after`` added.
 
     Rules first (``-D`` by specification, added rules in reverse order), then the new
-    chains are flushed and deleted.
+    chains are flushed and deleted. ``skip``: tables left out (removed whole instead).
     """
     old, new = _iptables_tables(before), _iptables_tables(after)
     commands: list[list[str]] = []
     for table, (chains, rules) in new.items():
+        if table in skip:
+            continue
         old_chains, old_rules = old.get(table, ([], []))
         for rule in reversed([r for r in rules if r not in old_rules]):
             commands.append(["-t", table, "-D", *_split_rule(rule)])
@@ -279,6 +284,12 @@ def iptables_undo(before: str, after: str) -> list[list[str]]:
             if chain not in old_chains:
                 commands.append(["-t", table, "-X", chain])
     return commands
+
+
+def iptables_new_tables(before: str, after: str) -> list[str]:
+    """Tables ``after`` has that ``before`` had not (iptables-nft makes a table on first use)."""
+    old = _iptables_tables(before)
+    return [table for table in _iptables_tables(after) if table not in old]
 
 
 def _split_rule(rule: str) -> list[str]:

@@ -16,7 +16,7 @@
 * with ``containerd=`` (the directory of containerd 1.7 built by :mod:`tests.node.gotools`),
   runs that containerd and its shim instead of Debian's, with CDI enabled;
 * with ``gpus=`` (needs ``containerd=`` and ``dra_plugin=``), gives the node simulated GPUs
-  the way a real cluster's GPUs reach containers (:mod:`tests.node.gpuconfig`): their
+  the way a real cluster's GPUs reach containers (:mod:`tests.node.nodegpus`): their
   directories, the host side answering for their processes' host pids
   (:class:`tests.fakegpu.driver.DriverServer`), a CDI spec, the ``gpu.nvidia.com``
   DeviceClass and the DRA kubelet plugin publishing the node's ResourceSlice; a pod claiming a
@@ -29,10 +29,10 @@
 
 On exit it tears down completely: the node's pods are deleted (the kubelet stops their
 sandboxes, CNI DEL), kube-proxy, the kubelet and containerd stop, then whatever is left is
-removed (shims and container processes of this node, mounts under the state directory, the
-netns mounts it created, the bridge, the iptables and ip6tables rules and chains added
-meanwhile, the cgroups, the Node object and the state directory). ``OMNISTAGE_KEEP_NODE=1``
-keeps the state directory.
+removed (:mod:`tests.node.hostchanges`: shims and container processes of this node, mounts
+under the state directory, the netns mounts it created, the bridge, the iptables and ip6tables
+rules and chains added meanwhile, the cgroups), then the Node object and the state directory.
+``OMNISTAGE_KEEP_NODE=1`` keeps the state directory.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -54,53 +53,27 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.hostnet import host_ip
 from tests.cluster.kubeconfig import write_cert_kubeconfig
 from tests.cluster.lifecycle import Lifecycle
-from tests.cluster.localnode.devices import DRIVER, GpuDevice, device_class
+from tests.cluster.localnode.devices import GpuDevice
 from tests.cluster.pki import issue_client_cert
 from tests.cluster.procs import ManagedProcess, free_port, wait_for
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.driver import DriverServer
-from tests.node.gpuconfig import LIB_FILES, NodeGpus, cdi_spec, plugin_config
+from tests.node.gpuconfig import NodeGpus
+from tests.node.hostchanges import HostChanges, NodeError, sh
 from tests.node.images import PAUSE
 from tests.node.nodeconfig import (
     NodeLayout,
-    cgroup_mounts,
     cni_conflist,
     containerd_config,
     dumps,
-    iptables_undo,
     kube_proxy_config,
     kubelet_config,
-    mounts_under,
 )
+from tests.node.nodegpus import make_gpus, start_dra_plugin
 
-NETNS_DIR = Path("/run/netns")
-# the kubelet's fixed directory of symlinks to container logs (podLogsDir is configurable)
-CONTAINER_LOG_LINKS = Path("/var/log/containers")
 READY_TIMEOUT = 180.0
-IPTABLES_FAMILIES = ("iptables", "ip6tables")
 # the host's iptables are shared and teardown undoes what changed meanwhile: one node at a time
 NODE_LOCK = Path("/run/omnistage-realnode.lock")
-
-
-class NodeError(RuntimeError):
-    """The node could not start."""
-
-
-def _sh(*argv: str, check: bool = True, timeout: float = 600) -> str:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-    if check and proc.returncode != 0:
-        raise NodeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def _iptables_save(family: str) -> str:
-    """``iptables-save`` (or ``ip6tables-save``) output; empty when the tool is missing."""
-    tool = f"{family}-save"
-    return _sh(tool, check=False) if shutil.which(tool) else ""
-
-
-def _mountinfo() -> str:
-    return Path("/proc/self/mountinfo").read_text()
 
 
 class RealNode(Lifecycle):
@@ -145,11 +118,8 @@ class RealNode(Lifecycle):
         )
         self.timings: dict[str, float] = {}
         self._procs: list[ManagedProcess] = []
-        self._iptables_before: dict[str, str] = {}
+        self.host = HostChanges(self.layout)
         self._lock: int | None = None
-        self._netns_before: set[str] = set()
-        self._cgroups: list[Path] = []
-        self._log_links_existed = CONTAINER_LOG_LINKS.is_dir()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _started(self, seconds: float) -> str:
@@ -168,9 +138,8 @@ class RealNode(Lifecycle):
         (layout.state / "logs").mkdir(parents=True)
         self._lock = os.open(NODE_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_EX)
-        self._iptables_before = {f: _iptables_save(f) for f in IPTABLES_FAMILIES}
-        self._netns_before = set(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else set()
-        self._make_cgroups()
+        self.host.snapshot()
+        self.host.make_cgroups()
         layout.cni_conf_dir.mkdir(parents=True)
         (layout.cni_conf_dir / "10-omnistage.conflist").write_text(dumps(cni_conflist(layout)))
         layout.containerd_config.parent.mkdir(parents=True, exist_ok=True)
@@ -206,79 +175,17 @@ class RealNode(Lifecycle):
             self._start_kube_proxy(self.kube_proxy_bin)
 
     def _make_gpus(self, gpus: NodeGpus) -> None:
-        """The devices' directories (writable by the containers' users), the staged user-space
-        part, the host side serving them, and the CDI spec naming them."""
-        layout = self.layout
-        spec = gpus.spec(self.name)
-        self.gpu_devices = spec.devices()
-        dirs: dict[str, Path] = {}
-        for device in self.gpu_devices:
-            gpu = FakeGpu.create(layout.gpu_dir / device.name, spec.fake_device(device.name))
-            (gpu.dir / "lock").touch()
-            for path in (gpu.dir, gpu.procs_dir, gpu.dir / "lock"):
-                os.chmod(path, 0o666 if path.is_file() else 0o777)
-            dirs[device.name] = gpu.dir
-        lib = layout.gpu_dir / "lib"
-        repo = Path(__file__).resolve().parents[2]
-        for relative in LIB_FILES:
-            source, target = repo / relative, lib / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if source.is_dir():
-                shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(source, target)
-        for path in [lib, *lib.rglob("*")]:
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
-        self._driver = DriverServer(dirs.values()).__enter__()
-        layout.cdi_dir.mkdir(parents=True)
-        spec_file = layout.cdi_dir / "omnistage-fakegpu.json"
-        spec_file.write_text(dumps(cdi_spec(self.gpu_devices, dirs, lib)))
+        self.gpu_devices, self._driver = make_gpus(self.layout, gpus)
 
     def gpu(self, device: str = "gpu-0") -> FakeGpu:
         """Simulated device ``device`` as the host sees it."""
         return FakeGpu(self.layout.gpu_dir / device)
 
     def _start_dra_plugin(self) -> None:
-        """The DRA kubelet plugin (the node's credentials); ready once its ResourceSlice is
-        published (the kubelet retries a pod whose driver has not registered yet)."""
         assert self.dra_plugin is not None
-        layout = self.layout
-        self.cp.apply(device_class())
-        config = layout.state / "fakegpu-dra.json"
-        config.write_text(dumps(plugin_config(self.name, self.gpu_devices)))
-        registry = layout.kubelet_dir / "plugins_registry"
-        registry.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        plugin = self._spawn(
-            "fakegpu-dra",
-            [
-                str(self.dra_plugin),
-                f"--config={config}",
-                f"--kubeconfig={layout.kubeconfig}",
-                f"--registry-dir={registry}",
-                f"--plugin-dir={layout.kubelet_dir / 'plugins' / DRIVER}",
-                "--v=2",
-            ],
+        self.timings["dra-plugin"] = start_dra_plugin(
+            self.cp, self.layout, self.gpu_devices, self.dra_plugin, self._spawn
         )
-
-        def published() -> bool:
-            selector = f"spec.nodeName={self.name}"
-            slices = self.cp.get_json("resourceslices", "--field-selector", selector)["items"]
-            return any(s["spec"]["driver"] == DRIVER for s in slices)
-
-        wait_for("the DRA plugin's ResourceSlice", published, 60, interval=0.5, alive=plugin.died)
-        self.timings["dra-plugin"] = time.monotonic() - t0
-
-    def _make_cgroups(self) -> None:
-        for hierarchy in cgroup_mounts(_mountinfo()):
-            if not hierarchy.is_dir():
-                continue
-            path = hierarchy / self.layout.cgroup_root.lstrip("/")
-            path.mkdir(exist_ok=True)
-            self._cgroups.append(path)
-            for knob in ("cpuset.cpus", "cpuset.mems"):
-                if (path / knob).is_file():
-                    (path / knob).write_text((hierarchy / knob).read_text())
 
     def _start_kubelet(self) -> None:
         layout = self.layout
@@ -344,7 +251,7 @@ class RealNode(Lifecycle):
         proxy = self._spawn("kube-proxy", [str(binary), f"--config={layout.proxy_config}", "--v=2"])
         wait_for(
             "kube-proxy's rules for the kubernetes Service",
-            lambda: "default/kubernetes:https" in _sh("iptables-save", "-t", "nat", check=False),
+            lambda: "default/kubernetes:https" in sh("iptables-save", "-t", "nat", check=False),
             READY_TIMEOUT,
             interval=0.5,
             alive=proxy.died,
@@ -361,7 +268,7 @@ class RealNode(Lifecycle):
     # ---- helpers ---------------------------------------------------------------------------
     def ctr(self, *args: str, check: bool = True) -> str:
         """``ctr`` against this node's containerd, namespace ``k8s.io``."""
-        return _sh("ctr", "--address", str(self.layout.socket), "-n", "k8s.io", *args, check=check)
+        return sh("ctr", "--address", str(self.layout.socket), "-n", "k8s.io", *args, check=check)
 
     def import_archive(self, archive: Path) -> None:
         """Load an OCI archive (``buildah push ... oci-archive:``) into the runtime."""
@@ -408,29 +315,12 @@ class RealNode(Lifecycle):
             proc.stop(grace=10.0)
         self._procs.clear()
         if proxy_ran and self.kube_proxy_bin is not None:  # its own removal of its rules
-            _sh(str(self.kube_proxy_bin), "--cleanup", check=False)
-        self._kill_leftovers()
+            sh(str(self.kube_proxy_bin), "--cleanup", check=False)
+        self.host.kill_processes()
         if self._driver is not None:
             self._driver.__exit__(None, None, None)
             self._driver = None
-        for point in mounts_under(_mountinfo(), self.layout.state):
-            _sh("umount", "-l", str(point), check=False)
-        if NETNS_DIR.is_dir():
-            for entry in set(os.listdir(NETNS_DIR)) - self._netns_before:
-                if entry.startswith("cni-"):
-                    _sh("umount", "-l", str(NETNS_DIR / entry), check=False)
-                    (NETNS_DIR / entry).unlink(missing_ok=True)
-        for link in self._log_links():
-            link.unlink(missing_ok=True)
-        if not self._log_links_existed:
-            with contextlib.suppress(OSError):
-                CONTAINER_LOG_LINKS.rmdir()
-        _sh("ip", "link", "delete", self.layout.bridge, check=False)
-        for family, before in self._iptables_before.items():
-            if before:
-                for command in iptables_undo(before, _iptables_save(family)):
-                    _sh(family, *command, check=False)
-        self._remove_cgroups()
+        self.host.undo()
         with contextlib.suppress(Exception):
             self.cp.kubectl("delete", "node", self.name, "--ignore-not-found", "--wait=false")
         if not os.environ.get("OMNISTAGE_KEEP_NODE"):
@@ -468,79 +358,9 @@ class RealNode(Lifecycle):
                 interval=0.5,
             )
 
-    def _kill_leftovers(self) -> None:
-        """SIGKILL this node's shims (they name its socket) and its containers (its cgroups)."""
-        pids: set[int] = set()
-        for cgroup in self._cgroups:
-            for procs in cgroup.rglob("cgroup.procs"):
-                with contextlib.suppress(OSError):
-                    pids.update(int(p) for p in procs.read_text().split())
-        socket = str(self.layout.socket).encode()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError):
-                    if socket in (entry / "cmdline").read_bytes():
-                        pids.add(int(entry.name))
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
-            time.sleep(0.1)
-
-    def _remove_cgroups(self) -> None:
-        for cgroup in self._cgroups:
-            if not cgroup.is_dir():
-                continue
-            for directory in sorted(
-                (p for p in cgroup.rglob("*") if p.is_dir()),
-                key=lambda p: -len(p.parts),
-            ):
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
-            with contextlib.suppress(OSError):
-                cgroup.rmdir()
-
-    def _log_links(self) -> list[Path]:
-        """The kubelet's log symlinks that point into this node's state directory."""
-        if not CONTAINER_LOG_LINKS.is_dir():
-            return []
-        state = str(self.layout.state) + "/"
-        links = [p for p in CONTAINER_LOG_LINKS.iterdir() if p.is_symlink()]
-        return [p for p in links if os.readlink(p).startswith(state)]
-
     def leftovers(self) -> list[str]:
         """What of this node is still on the machine (empty after a clean teardown)."""
-        found = [f"log link {p}" for p in self._log_links()]
-        if self.layout.state.exists():
-            found.append(f"state dir {self.layout.state}")
-        found += [f"mount {p}" for p in mounts_under(_mountinfo(), self.layout.state)]
-        found += [f"cgroup {c}" for c in self._cgroups if c.exists()]
-        if Path(f"/sys/class/net/{self.layout.bridge}").exists():
-            found.append(f"bridge {self.layout.bridge}")
-        for family, before in self._iptables_before.items():
-            if before:
-                undo = iptables_undo(before, _iptables_save(family))
-                found += [f"{family} " + " ".join(c) for c in undo]
-        socket = str(self.layout.socket).encode()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError):
-                    if socket in (entry / "cmdline").read_bytes():
-                        found.append(f"process {entry.name}")
-        return found
-
-
-def gpu_node_args(gpus: NodeGpus) -> dict[str, Any]:
-    """RealNode's arguments for simulated GPUs through DRA and CDI: the tools built by
-    ``python -m tests.node.gotools`` (BuildError when they are not)."""
-    from tests.node.gotools import find_tool
-
-    return {
-        "containerd": find_tool("containerd"),
-        "gpus": gpus,
-        "dra_plugin": find_tool("fakegpu-dra") / "fakegpu-dra",
-    }
+        return self.host.leftovers()
 
 
 def main() -> int:

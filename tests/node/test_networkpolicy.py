@@ -1,7 +1,7 @@
 """The chart's NetworkPolicy, enforced on the real node by kube-network-policies.
 
 Needs what ``tests/node/test_realnode.py`` needs, plus the enforcer (``python -m
-tests.node.netpol_build``; ``make e2e-node`` builds it) and ``nft``. With the chart installed
+tests.node.gotools``; ``make e2e-node`` builds it) and ``nft``. With the chart installed
 (its policy for a stage namespace admitting HTTP from a namespace the user names), a stand-in
 stage pod (the operator image serving the worker's HTTP and gRPC ports) is reached on HTTP from
 that namespace and from pods with the stage's router's labels, on gRPC from pods with the
@@ -21,9 +21,9 @@ from tests.cluster.build import BuildError, find_kubelet, find_node_binary
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.podwait import wait_pod
 from tests.node.chart import enforce_restricted, install_on_node
+from tests.node.gotools import NETPOL, find_tool
 from tests.node.images import IMAGES, PAUSE, archive_path
 from tests.node.netpol import Enforcer
-from tests.node.netpol_build import find_enforcer
 from tests.node.netprobe import GRPC_PORT, HTTP_PORT, outcomes, probe, stand_in
 from tests.node.realnode import RealNode
 
@@ -36,7 +36,8 @@ WINDOW = 10.0
 @pytest.fixture(scope="module")
 def policed_node(control_plane: ControlPlane) -> Iterator[tuple[RealNode, Enforcer]]:
     try:
-        kubelet, proxy, enforcer = find_kubelet(), find_node_binary("kube-proxy"), find_enforcer()
+        kubelet, proxy = find_kubelet(), find_node_binary("kube-proxy")
+        enforcer = find_tool(NETPOL) / NETPOL
     except BuildError as exc:
         pytest.fail(str(exc), pytrace=False)
     archives = (archive_path(PAUSE), archive_path(IMAGES["operator"]))

@@ -25,7 +25,8 @@ from tests.cluster.podwait import wait_gone, wait_pod
 from tests.node.chart import enforce_restricted, install_on_node, operator_pod
 from tests.node.gpuconfig import CONTAINER_GPU_ROOT, NodeGpus
 from tests.node.images import IMAGES, PAUSE, archive_path
-from tests.node.realnode import RealNode, gpu_node_args
+from tests.node.nodegpus import gpu_node_args
+from tests.node.realnode import RealNode
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 OPERATOR = IMAGES["operator"]

@@ -42,7 +42,8 @@ from tests.e2e.conftest import wait_for
 from tests.node.chart import enforce_restricted, install_on_node, operator_pod
 from tests.node.gpuconfig import NodeGpus
 from tests.node.images import IMAGES, PAUSE, archive_path
-from tests.node.realnode import RealNode, gpu_node_args
+from tests.node.nodegpus import gpu_node_args
+from tests.node.realnode import RealNode
 from tests.worker.test_operator_tls import issue
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 

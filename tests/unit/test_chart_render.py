@@ -213,7 +213,7 @@ def test_operator_values_become_flags() -> None:
 
 def test_image_tag_defaults_to_app_version() -> None:
     container = operator_container(render())
-    assert container["image"] == "omnistage/omnistage-operator:0.1.0"
+    assert container["image"] == "your-registry.invalid/omnistage-operator:0.1.0"
     assert container["imagePullPolicy"] == "IfNotPresent"
 
 

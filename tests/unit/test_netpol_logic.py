@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.node.gotools import NETPOL, NETPOL_MODULE, NETPOL_VERSION, TOOLS, build_key
 from tests.node.netpol import (
     CHAIN,
     QUEUE_ID,
@@ -14,7 +15,6 @@ from tests.node.netpol import (
     rbac,
     unhook_rules,
 )
-from tests.node.netpol_build import MODULE, MODULE_DIR, VERSION, build_key
 from tests.node.netprobe import GRPC_PORT, HTTP_PORT, outcomes, probe, stand_in
 
 # /proc/net/netfilter/nfnetlink_queue: queue, portid, waiting, copy mode, range, dropped...
@@ -61,9 +61,10 @@ def test_rbac_grants_only_list_and_watch() -> None:
 
 
 def test_build_key_names_the_version_and_follows_the_module_files() -> None:
-    assert build_key().startswith(f"knp-{VERSION}_")
-    assert f"{MODULE} {VERSION}" in (MODULE_DIR / "go.mod").read_text()
-    assert f'_ "{MODULE}/cmd"' in (MODULE_DIR / "tools.go").read_text()
+    tool = TOOLS[NETPOL]
+    assert build_key(tool).startswith(f"{NETPOL}-{NETPOL_VERSION}_")
+    assert f"{NETPOL_MODULE} {NETPOL_VERSION}" in (tool.module_dir / "go.mod").read_text()
+    assert f'_ "{NETPOL_MODULE}/cmd"' in (tool.module_dir / "tools.go").read_text()
 
 
 def test_probe_and_stand_in_pods_fit_restricted_and_report_per_port() -> None:

@@ -25,6 +25,7 @@ from tests.node.nodeconfig import (
     cgroup_mounts,
     cni_conflist,
     containerd_config,
+    iptables_new_tables,
     iptables_undo,
     kube_proxy_config,
     kubelet_config,
@@ -197,6 +198,17 @@ def test_iptables_undo_removes_only_what_was_added() -> None:
         ["-t", "filter", "-X", "KUBE-FIREWALL"],
     ]  # fmt: skip
     assert iptables_undo(AFTER, AFTER) == []
+    assert iptables_undo(BEFORE, AFTER, skip={"mangle"}) == iptables_undo(BEFORE, AFTER)[2:]
+
+
+def test_iptables_undo_on_a_host_without_tables() -> None:
+    """A fresh host has no table at all: everything after is the node's, built-in chains stay."""
+    assert iptables_new_tables("", AFTER) == ["mangle", "filter"]
+    assert iptables_new_tables(BEFORE, AFTER) == ["mangle"]
+    undo = iptables_undo("", AFTER)
+    assert ["-t", "filter", "-D", "INPUT", "-j", "OLD"] in undo
+    assert ["-t", "filter", "-X", "KUBE-FIREWALL"] in undo
+    assert not [c for c in undo if c[3] in ("INPUT", "OUTPUT") and c[2] in ("-F", "-X")]
 
 
 def test_first_global_ipv4() -> None:
