@@ -17,7 +17,7 @@ import pytest
 
 from omnistage_worker.serving.router import Router
 from tests.worker.conftest import StartWorker
-from tests.worker.test_openai_conformance import MODEL, base, client, serve
+from tests.worker.openai_targets import MODEL, base, client, serve
 
 pytestmark = [pytest.mark.timeout(180)]
 
