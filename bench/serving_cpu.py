@@ -65,8 +65,8 @@ def build(work: Path, smoke: bool) -> tuple[Any, Any]:
         )
         LlamaForCausalLM(config).save_pretrained(model_dir)
     ensure_tokenizer(model_dir)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
+    model: Any = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
 def generate_rates(model: Any, tokenizer: Any, plan: Plan) -> Json:

@@ -59,7 +59,7 @@ class LoopMeter:
             return handover(callback, *args, **kwargs)
 
         selector.select = timed_select
-        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
 
     def totals(self) -> dict[str, float]:
         elapsed = time.monotonic() - self.started
