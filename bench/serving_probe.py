@@ -38,6 +38,8 @@ class LoopMeter:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.idle = 0.0
+        self.selecting: float | None = None
+        """When the select under way began (a total read meanwhile counts it as idle)."""
         self.wakeups = 0
         self.threadsafe_calls = 0
 
@@ -47,11 +49,12 @@ class LoopMeter:
         handover = loop.call_soon_threadsafe
 
         def timed_select(timeout: float | None = None) -> Any:
-            began = time.perf_counter()
+            self.selecting = began = time.monotonic()
             try:
                 return select(timeout)
             finally:
-                self.idle += time.perf_counter() - began
+                self.selecting = None
+                self.idle += time.monotonic() - began
                 self.wakeups += 1
 
         def counted(callback: Any, *args: Any, **kwargs: Any) -> Any:
@@ -62,9 +65,11 @@ class LoopMeter:
         loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
 
     def totals(self) -> dict[str, float]:
-        elapsed = time.monotonic() - self.started
+        now = time.monotonic()
+        selecting = self.selecting
+        idle = self.idle + (now - selecting if selecting is not None else 0.0)
         return {
-            "loop_busy_s": elapsed - self.idle,
+            "loop_busy_s": now - self.started - idle,
             "loop_wakeups": self.wakeups,
             "loop_threadsafe_calls": self.threadsafe_calls,
         }
