@@ -274,8 +274,9 @@ class Worker:
 
 
 def start_worker(runner: str, backend: str, model: Path, plan: Plan, *, max_batch: int,
-                 log_path: Path) -> Worker:  # fmt: skip
-    """Spawn ``python -m omnistage_worker``; return once it is Active."""
+                 log_path: Path, launcher: list[str] | None = None) -> Worker:  # fmt: skip
+    """Spawn ``python -m omnistage_worker`` (or ``launcher`` + the worker's flags); return
+    once it is Active."""
     port, http_port = free_port(), free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -283,8 +284,9 @@ def start_worker(runner: str, backend: str, model: Path, plan: Plan, *, max_batc
     )
     dtype = plan.dtype if runner == "ar" or plan.device == "cpu" else "float16"
     cmd = [
-        sys.executable, "-m", "omnistage_worker", f"--runner={runner}", f"--backend={backend}",
-        f"--model={model}", f"--device={plan.device}", f"--dtype={dtype}", "--host=127.0.0.1",
+        *(launcher or [sys.executable, "-m", "omnistage_worker"]),
+        f"--runner={runner}", f"--backend={backend}", f"--model={model}",
+        f"--device={plan.device}", f"--dtype={dtype}", "--host=127.0.0.1",
         f"--port={port}", f"--http-port={http_port}", "--served-model-name=bench",
         f"--max-batch={max_batch}", "--activation=ondemand", "--hold-timeout=120",
     ]  # fmt: skip

@@ -38,6 +38,8 @@ class Clients:
     new_tokens: int
     rounds: int | None = None
     """Requests per client (None: until :meth:`finish`)."""
+    stream: bool = False
+    """Streamed completions (SSE, with the usage chunk) instead of whole answers."""
     stop: threading.Event = field(default_factory=threading.Event)
     answers: list[Answer] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -59,19 +61,21 @@ class Clients:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         turn = 0
         while not self.stop.is_set() and (self.rounds is None or turn < self.rounds):
-            body = json.dumps(
-                {
-                    "model": "bench",
-                    "prompt": prompt(index * 1000 + turn),
-                    "max_tokens": self.new_tokens,
-                    "temperature": 0,
-                }
-            )
+            fields: dict[str, Any] = {
+                "model": "bench",
+                "prompt": prompt(index * 1000 + turn),
+                "max_tokens": self.new_tokens,
+                "temperature": 0,
+            }
+            if self.stream:
+                fields.update(stream=True, stream_options={"include_usage": True})
+            body = json.dumps(fields)
             began = time.monotonic()
             try:
                 conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
                 reply = conn.getresponse()
-                data = json.loads(reply.read())
+                raw = reply.read()
+                data = last_event(raw) if self.stream and reply.status == 200 else json.loads(raw)
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 self.errors.append(f"client {index}: {exc!r}")
                 conn.close()
@@ -84,6 +88,12 @@ class Clients:
             self.answers.append(Answer(began, ended, reply.status, tokens))
             turn += 1
         conn.close()
+
+
+def last_event(raw: bytes) -> Any:
+    """The last JSON event of a server-sent event stream (its usage chunk when asked for)."""
+    events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: {")]
+    return json.loads(events[-1]) if events else None
 
 
 def completion_tokens(data: Any, asked: int) -> int:

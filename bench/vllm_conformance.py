@@ -47,7 +47,11 @@ from bench.vllm_servers import (  # noqa: E402
 )
 
 Json = dict[str, Any]
-SUITE = "tests/worker/test_openai_conformance.py"
+SUITE = [
+    "tests/worker/test_openai_conformance.py",
+    "tests/worker/test_openai_conformance_refusals.py",
+]
+"""The suite's files with a vLLM target (the image tests have none)."""
 SERVED = "llm"  # the served model name serving_vllm's worker flags give the stage
 NAME = "vllm_conformance"
 
@@ -55,7 +59,7 @@ NAME = "vllm_conformance"
 def pytest_argv(out: Path) -> list[str]:
     """pytest on the suite's vLLM target: the report to stdout and JUnit XML under ``out``."""
     return [
-        sys.executable, "-m", "pytest", SUITE, "-k", "vllm", "-rA", "-v",
+        sys.executable, "-m", "pytest", *SUITE, "-k", "vllm", "-rA", "-v",
         "-p", "no:cacheprovider", "--noconftest",
         "-p", "pytest_asyncio.plugin", "-p", "pytest_timeout",
         f"--junitxml={out / f'{NAME}.xml'}",

@@ -9,7 +9,7 @@ import torch
 from omnistage.worker.v1 import inference_service_pb2
 from omnistage_worker.runners.base import InvalidRequest
 from omnistage_worker.runners.sampling import Sampling, resolve_sampling, validate_sampling
-from omnistage_worker.runners.text_output import TextOutput
+from omnistage_worker.runners.text_output import WINDOW, TextOutput
 from omnistage_worker.runners.token_choice import choose, new_generator, read_step, warp_rows
 
 Request = inference_service_pb2.GenerateRequest
@@ -181,3 +181,36 @@ def test_unstreamed_text_without_stops_is_decoded_once_at_the_end() -> None:
     assert [text.add(i) for i in (1, 2, 3)] == ["", "", ""]
     assert text.finish() == "" and text.text == "w1 w2 w3"
     assert calls == [[1, 2, 3]]
+
+
+def test_streaming_decodes_a_window_per_token_not_the_whole_output() -> None:
+    """A long stream costs the same per token: each token decodes at most ``WINDOW`` ids, and
+    the streamed text is still the whole output's text."""
+    sizes: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        sizes.append(len(ids))
+        return words(ids)
+
+    text = TextOutput(decode, ["w9999"], streamed=True)
+    ids = [1 + i % 50 for i in range(300)]
+    streamed = "".join(text.add(i) for i in ids) + text.finish()
+    assert streamed == text.text == words(ids)
+    assert max(sizes[:-1]) <= WINDOW  # the last call: the final text, decoded whole
+    assert sum(sizes) < 2 * WINDOW * len(ids)
+
+
+def _pieces(ids: list[int]) -> str:
+    """A SentencePiece-like decoder over byte pieces: id 0 is a space marker word, odd ids
+    are the two halves of "é" (UTF-8 split over two tokens), the sequence's leading space is
+    stripped."""
+    raw = b"".join(b" w" if i == 0 else (b"\xc3" if i % 2 else b"\xa9") for i in ids)
+    return raw.decode("utf-8", errors="replace").removeprefix(" ")
+
+
+def test_windowed_streaming_keeps_spaces_and_split_characters() -> None:
+    ids = [0, 1, 2, 0, 0, 1, 2, 1, 2] * 12
+    text = TextOutput(_pieces, [], streamed=True)
+    chunks = [text.add(i) for i in ids]
+    assert not any("\ufffd" in c for c in chunks)
+    assert "".join(chunks) + text.finish() == _pieces(ids) == text.text

@@ -74,6 +74,7 @@ WORKER_PURE = {
     "omnistage_worker.serving.vllm_fields",
     "omnistage_worker.engine.layout",
     "omnistage_worker.memory.base",
+    "omnistage_worker.runners.chunk_hop",
 }
 # What pure logic must not use: network and cluster clients, servers, processes, files and the
 # environment, exported metrics, and the device and model libraries. gRPC status codes are

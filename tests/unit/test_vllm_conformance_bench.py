@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def collected(env: dict[str, str]) -> list[str]:
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", SUITE],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *SUITE],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=True,
     )  # fmt: skip
     return [line for line in done.stdout.splitlines() if "::" in line]

@@ -16,8 +16,13 @@ import openai
 import pytest
 
 from omnistage_worker.serving.router import Router
+from tests.worker import openai_targets
 from tests.worker.conftest import StartWorker
-from tests.worker.test_openai_conformance import MODEL, base, client, serve
+from tests.worker.openai_targets import MODEL, base, client, serve
+
+# Closes the clients this module opens (else the next module that closes them finds their loop
+# closed).
+_close_clients = openai_targets.close_clients
 
 pytestmark = [pytest.mark.timeout(180)]
 

@@ -15,9 +15,9 @@ from omnistage_worker.serving.pipeline_def import Passes, PipelineDef, PipelineS
 from omnistage_worker.serving.pipeline_serve import PipelineServer, grpc_targets
 from omnistage_worker.serving.router import Router
 from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
+from tests.worker.openai_targets import serve
 from tests.worker.pipeline_reference import InProcessPipeline
 from tests.worker.test_embeds import encoder_dir
-from tests.worker.test_router import serve
 
 __all__ = ["encoder_dir"]  # the fixture, used here
 
@@ -69,7 +69,7 @@ async def test_image_pipeline_equals_one_process(
     router = _router("tiny-image=enc:embeds,dit", {"enc": encoder, "dit": dit})
     reference = InProcessPipeline(encoder_dir, diffusion_dir)
     prompts = ["the cat sat on the mat", "a bird can fly over the tree", "we like to read books"]
-    async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
+    async with serve(router.asgi) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["tiny-image"]
         first = await http.post(
@@ -126,7 +126,7 @@ async def test_text_pipeline_and_mismatched_stages(
     wrong = parse_pipeline("wrong=lm:embeds,dit")
     targets = {"lm": _grpc(lm), "dit": _grpc(dit)}
     router = Router({}, pipelines={p.name: PipelineServer(p, targets) for p in (text, wrong)})
-    async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
+    async with serve(router.asgi) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
         got = _png(
             await http.post(
                 "/v1/images/generations",
@@ -169,7 +169,10 @@ async def test_a_stage_not_reachable_yet_is_called_again(
     )
     late = WorkerServer(config)
     try:
-        async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
+        async with (
+            serve(router.asgi) as base,
+            httpx.AsyncClient(base_url=base, timeout=120) as http,
+        ):
             body = {"model": "late", "prompt": "the cat", "seed": 2, **BODY}
             answer = asyncio.ensure_future(http.post("/v1/images/generations", json=body))
 
@@ -194,7 +197,7 @@ async def test_a_text_pipeline_streams_its_last_stage(
     server = PipelineServer(defn, {"first": _grpc(first), "second": _grpc(second)})
     router = Router({}, pipelines={"chain": server})
     chat = {"model": "chain", "messages": [{"role": "user", "content": "the cat"}], "seed": 1}
-    async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
+    async with serve(router.asgi) as base, httpx.AsyncClient(base_url=base, timeout=120) as http:
         whole = await http.post("/v1/chat/completions", json={**chat, "max_tokens": 6})
         assert whole.status_code == 200, whole.text
         content = whole.json()["choices"][0]["message"]["content"]

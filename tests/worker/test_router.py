@@ -3,44 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-import uvicorn
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
 from omnistage_worker.serving.router import Router, parse_routes
-from tests.worker.conftest import StartWorker, WorkerHandle, wait_for
+from tests.worker.conftest import StartWorker, wait_for
+from tests.worker.openai_targets import base as url
+from tests.worker.openai_targets import serve
 from tests.worker.test_cli import Subprocess, spawn
 
 __all__ = ["spawn"]  # the fixture, used here
-
-
-@contextlib.asynccontextmanager
-async def serve(router: Router) -> AsyncIterator[str]:
-    config = uvicorn.Config(router.asgi, host="127.0.0.1", port=0, log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:  # noqa: ASYNC110 - uvicorn has no "started" event to await
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
-
-
-def url(worker: WorkerHandle) -> str:
-    return f"http://127.0.0.1:{worker.server.http_port}"
 
 
 async def test_requests_go_to_the_stage_named_by_model(
@@ -53,7 +33,7 @@ async def test_requests_go_to_the_stage_named_by_model(
     )  # fmt: skip
     routes = {"one": [url(awake)], "two": [url(lazy)], "gone": ["http://127.0.0.1:9"]}
     router = Router(routes, retry_within=0.5)
-    async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+    async with serve(router.asgi) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
         models = (await http.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["gone", "one", "two"]
         one = await http.post(
@@ -132,7 +112,7 @@ async def test_a_going_worker_answers_its_held_requests_and_the_router_sends_the
     router = Router({"lm": [going_url, staying_url]})
     body = {"model": "lm", "prompt": "the cat", "max_tokens": 3}
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
-    async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+    async with serve(router.asgi) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
 
         async def both_up() -> bool:
             for url in (going_url, staying_url):
@@ -193,7 +173,7 @@ async def test_behind_one_url_a_request_waits_for_the_next_pod(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     router = Router({"lm": [f"http://127.0.0.1:{port}"]}, retry_within=60.0)
-    async with serve(router) as base, httpx.AsyncClient(base_url=base, timeout=90) as http:
+    async with serve(router.asgi) as base, httpx.AsyncClient(base_url=base, timeout=90) as http:
         sent = asyncio.ensure_future(
             http.post("/v1/completions", json={"model": "lm", "prompt": "the cat", "max_tokens": 2})
         )

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from omnistage.worker.v1 import inference_service_pb2
+from omnistage_worker.runners.chunk_hop import hand_over
 from omnistage_worker.runners.kv_buckets import (
     BucketCache,
     column_bucket,
@@ -235,10 +236,14 @@ class DecodeBatcher(ServingThread):
         tops = [r.job.sampling.top_logprobs for r in rows]
         results = read_step(tokens, logits, tops, self._decode_one)  # the step's one wait
         del logits, tokens
+        streamed: list[tuple[Job, inference_service_pb2.TextChunk]] = []
         for row, feed, (token, logprob) in zip(rows, feeds, results, strict=True):
             row.seen += len(feed)
             row.batch_size = max(row.batch_size, len(rows))
-            self._take(row, token, logprob)
+            chunk = self._take(row, token, logprob)
+            if chunk is not None:
+                streamed.append((row.job, chunk))
+        self._stream(streamed)
         return self._drop_finished()
 
     def _new_row(self, job: Job) -> Row:
@@ -341,8 +346,9 @@ class DecodeBatcher(ServingThread):
 
     def _take(
         self, row: Row, token: int, logprob: inference_service_pb2.TokenLogprob | None
-    ) -> None:
-        """Append ``token`` to ``row``, stream it, and decide whether the row is done."""
+    ) -> inference_service_pb2.TextChunk | None:
+        """Append ``token`` to ``row`` and decide whether the row is done; the chunk to
+        stream (None: the request does not stream)."""
         job = row.job
         row.pending = token
         if logprob is not None:
@@ -354,16 +360,22 @@ class DecodeBatcher(ServingThread):
             row.finish = FINISH_LENGTH
         if row.finish:
             delta += row.output.finish()
-        if job.sink is not None:
-            chunk = inference_service_pb2.TextChunk(token_ids=[token], text=delta)
-            if logprob is not None:
-                chunk.logprobs.append(logprob)
-            try:
-                job.sink(chunk)
-            except Exception:  # a receiver gone (its loop closed) must not fail the batch
-                log.exception(
-                    "request %r: its stream failed; it goes on unstreamed", job.request.request_id
-                )
+        if job.sink is None:
+            return None
+        chunk = inference_service_pb2.TextChunk(token_ids=[token], text=delta)
+        if logprob is not None:
+            chunk.logprobs.append(logprob)
+        return chunk
+
+    def _stream(self, chunks: list[tuple[Job, inference_service_pb2.TextChunk]]) -> None:
+        """Hand the step's chunks to their sinks: one hand-over per event loop for the whole
+        step (:mod:`.chunk_hop`). A sink that fails (its loop closed) must not fail the batch:
+        its request goes on unstreamed."""
+        failed = hand_over([(job.sink, chunk) for job, chunk in chunks if job.sink is not None])
+        for job, _ in chunks:
+            if job.sink is not None and any(job.sink is sink for sink in failed):
+                log.warning("request %r: its stream failed; it goes on unstreamed",
+                            job.request.request_id)  # fmt: skip
                 job.sink = None
 
     def _drop_finished(

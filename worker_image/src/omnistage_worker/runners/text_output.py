@@ -5,6 +5,12 @@ Generation ends once the decoded text contains a stop sequence: the text is cut 
 the tokens run up to the one that completed it. A streamed chunk never holds text that a stop
 sequence could still take back (the tail that is a prefix of a stop waits), nor a trailing
 replacement character (a multi-byte character not complete yet).
+
+Each token decodes a window of the newest ids (at most :data:`WINDOW`, starting
+:data:`CONTEXT` tokens before the text not decoded yet, so a leading space or a joined
+character sees its neighbour), not all of them: a request's decoding costs the same per token
+however long it runs (it ran on the batch's thread, once per row and token). Up to
+:data:`WINDOW` tokens the window is the whole output; the final text is always decoded whole.
 """
 
 from __future__ import annotations
@@ -12,6 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 Decode = Callable[[list[int]], str]
+
+WINDOW = 16
+"""Most ids decoded for one token ..."""
+CONTEXT = 4
+"""... of which this many before the text not taken yet (when the window moves on)."""
 
 
 class TextOutput:
@@ -25,6 +36,12 @@ class TextOutput:
         self.text = ""
         self.stopped = False
         self._sent = ""
+        self._start = 0
+        """Where the decoded window begins in ``ids``."""
+        self._window_text = ""
+        """The text of ``ids[_start:]`` as far as it has been taken into ``_decoded``."""
+        self._decoded = ""
+        """The text of the ids taken so far (a tail not complete yet waits)."""
 
     @property
     def needs_text(self) -> bool:
@@ -36,7 +53,7 @@ class TextOutput:
         self.ids.append(token_id)
         if not self.needs_text:
             return ""
-        text = self._decode(self.ids)
+        text = self._decode_newest()
         cut = self._first_stop(text)
         if cut is not None:
             self.stopped = True
@@ -50,6 +67,18 @@ class TextOutput:
         if not self.stopped:
             self.text = self._decode(self.ids)
         return self._advance(self.text, final=True)
+
+    def _decode_newest(self) -> str:
+        """The text of all ids so far, decoding the window of the newest ones only."""
+        window = self._decode(self.ids[self._start :])
+        if window.endswith("\ufffd"):
+            return self._decoded + window[len(self._window_text) :]  # not complete yet
+        self._decoded += window[len(self._window_text) :]
+        self._window_text = window
+        if len(self.ids) - self._start >= WINDOW:
+            self._start = len(self.ids) - CONTEXT
+            self._window_text = self._decode(self.ids[self._start :])
+        return self._decoded
 
     def _first_stop(self, text: str) -> int | None:
         found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
