@@ -296,7 +296,7 @@ class KubeGroupPort(FactsPort):
             self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
             raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
         self._listed = False
-        await self.r.fence_confirmed(self.ns, stage, body)
+        self.r.fence_confirmed(self.ns, stage, body)
         metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
         self.r.fenced[key] = reason
         self.r.emit(
