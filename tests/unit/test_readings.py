@@ -75,12 +75,15 @@ def test_a_wake_ack_sets_the_footprint_and_peak_to_what_the_wake_holds() -> None
 
 def test_anything_the_acks_do_not_prove_asks_the_workers_again() -> None:
     everyone = ["ar", "sd"]
+    # 9.5 GiB left the worker by its figures, but the device's free memory did not move.
+    lie = DeviceFigures("GPU-0", 0, TOTAL, 10 * GIB, GIB // 2, 5 * GIB, 5 * GIB)
     cases = {
         "no ACK": ({"ar"}, {}),
         "not ok": ({"ar"}, {"ar": replace(SLEPT, ok=False, error="residual")}),
         "replayed": ({"ar"}, {"ar": replace(SLEPT, replayed=True)}),
         "component sleep": ({"ar"}, {"ar": replace(SLEPT, state=WorkerPhase.ACTIVE)}),
         "unmeasured": ({"ar"}, {"ar": replace(SLEPT, devices=(), total_bytes=0)}),
+        "contradicted": ({"ar"}, {"ar": replace(SLEPT, devices=(lie,))}),
         "an Active worker not ordered": (set(), {}),
     }  # fmt: skip
     for why, (ordered, acks) in cases.items():

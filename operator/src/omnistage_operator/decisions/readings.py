@@ -13,9 +13,10 @@ GetStatus round trip:
 - each device's free memory is the latest ACK's reading of it (``acked_memory``): the promise's
   own figures, taken after the older readings of the same device.
 
-Anything else (an order without an ok ACK, a replayed ACK, a component sleep that leaves the
-worker Active, an Active or starting worker that was not ordered, a worker without a report)
-asks every worker again (``reuse_reports`` answers None).
+Anything else (an order without an ok ACK, a replayed ACK, an ACK the device's own figures
+contradict, a component sleep that leaves the worker Active, an Active or starting worker that
+was not ordered, a worker without a report) asks every worker again (``reuse_reports`` answers
+None).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 
 from omnistage_operator.decisions.arbiter import DeviceMemory, GroupMemory, WorkerPhase
-from omnistage_operator.decisions.facts import AckFacts, WorkerReport
+from omnistage_operator.decisions.facts import AckFacts, WorkerReport, ack_contradiction
 
 __all__ = ["acked_memory", "report_after_ack", "reuse_reports"]
 
@@ -94,6 +95,8 @@ def reuse_reports(
             ack = acks.get(name)
             if ack is None or not _trusted(ack):
                 return None
+            if ack_contradiction(ack, None, last.context_bytes or None) is not None:
+                return None  # the device's own figures disagree: nobody's reading is reused
             out[name] = report_after_ack(last, ack)
         elif last.phase is WorkerPhase.ASLEEP and not last.inflight_requests:
             out[name] = last
