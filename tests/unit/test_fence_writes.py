@@ -16,6 +16,7 @@ from omnistage_operator.decisions.handover import FenceResult, RoundOutcome
 from omnistage_operator.k8s.port import KubeGroupPort
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.runtime.runner import GroupRunner
+from tests.unit.test_publish_order import _body
 
 
 class Api:
@@ -38,26 +39,11 @@ class Api:
         return None
 
 
-def _body() -> dict[str, Any]:
-    return {
-        "metadata": {"name": "a", "namespace": "ns", "uid": "u-a", "generation": 1},
-        "spec": {
-            "runner": "AR",
-            "backend": "Transformers",
-            "image": "img",
-            "model": {"path": "/models/m"},
-            "colocation": {"group": "g"},
-            "state": "Asleep",
-        },
-        "status": {"state": "Active"},
-    }
-
-
 async def test_a_confirmed_fence_is_cleared_by_the_checkpoint_not_by_a_write_of_its_own() -> None:
     api = Api()
     runner = GroupRunner(api, Settings())  # type: ignore[arg-type]
     port = KubeGroupPort(runner, "ns", "g")
-    body = _body()
+    body = {**_body("a", "Asleep"), "status": {"state": "Active"}}
     port.specs["a"], port.bodies["a"] = parse_stage(body), body
     port.pods["a"] = {"metadata": {"name": "a-worker", "uid": "p-a"}, "status": {}}
 
