@@ -13,6 +13,10 @@ GetStatus round trip:
 - each device's free memory is the latest ACK's reading of it (``acked_memory``): the promise's
   own figures, taken after the older readings of the same device.
 
+A stage's status shows its worker's own last reading: after a hand-over, the sleeper's device
+free memory as its sleep ACK measured it (not read again after the wake, so its status is not
+written a second time); the next round's GetStatus brings it up to date.
+
 Anything else (an order without an ok ACK, a replayed ACK, an ACK the device's own figures
 contradict, a component sleep that leaves the worker Active, an Active or starting worker that
 was not ordered, a worker without a report) asks every worker again (``reuse_reports`` answers
