@@ -30,6 +30,7 @@ from omnistage_operator.decisions.handover import (
 )
 from omnistage_operator.decisions.memory import group_memory
 from omnistage_operator.decisions.peaks import StagePeaks
+from omnistage_operator.decisions.readings import acked_memory, reuse_reports
 from omnistage_operator.k8s import metrics
 from omnistage_operator.k8s.builders import (
     build_group_claim,
@@ -65,9 +66,15 @@ class KubeGroupPort(FactsPort):
     def __init__(self, runner: PortHost, namespace: str, group: str) -> None:
         super().__init__(runner, namespace, group)
         self._waking_written = set()
+        # Since the last observe: the stages sent a Sleep or WakeUp, their ACKs, and whether
+        # a pod was created or fenced (then every worker is asked again).
+        self._ordered: set[str] = set()
+        self._acks: dict[str, AckFacts] = {}
+        self._reread = False
 
     def _acked(self, stage: str, ack: AckFacts) -> None:
         """Keep an ACK for status, and count it into the stage's per-device peaks."""
+        self._acks[stage] = ack
         key = (self.ns, stage)
         self.r.last_acks[key] = ack
         self.r.peaks[key] = self.r.peaks.get(key, StagePeaks()).acked(ack)
@@ -77,8 +84,13 @@ class KubeGroupPort(FactsPort):
 
         Within one round, specs, pods and the claim are read again only after this port created
         or deleted a pod; otherwise only the workers are asked again (a spec changed meanwhile
-        kicks another round).
+        kicks another round), and not even they when the round's ACKs already say where the
+        group stands (``readings.reuse_reports``: every worker ordered since answered with an
+        ok ACK, every other one is asleep; each device's free memory is then the latest ACK's
+        reading of it).
         """
+        ordered, acks, reread = self._ordered, self._acks, self._reread
+        self._ordered, self._acks, self._reread = set(), {}, False
         if not self._listed:
             await self._list()
             self._listed = True
@@ -91,8 +103,12 @@ class KubeGroupPort(FactsPort):
             if n in self.pods
             and (self.pods[n]["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
         ]
-        reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
-        self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
+        reused = None if reread else reuse_reports(self.reports, ordered, acks, with_pod)
+        if reused is None:
+            reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
+            self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
+        else:
+            self.reports = reused
         self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
         self._note_exits(names)
         # A stage in crash back-off holds nothing (its container ended) and is left out of the
@@ -109,6 +125,8 @@ class KubeGroupPort(FactsPort):
             {n: self.specs[n].gpus for n in arbitrated},
             claim_uuids,
         )
+        if reused is not None:
+            memory = acked_memory(memory, acks.values())
         intents = {
             n: self._intent(self.specs[n], self.bodies[n], self.facts[n]) for n in arbitrated
         }
@@ -130,6 +148,7 @@ class KubeGroupPort(FactsPort):
         if body["metadata"].get("deletionTimestamp"):
             return
         self._ensure_leading(f"start of {stage}")
+        self._reread = True
         old = self.pods.get(stage)
         if old is not None:  # ended or of another group: delete it, wait until confirmed gone
             await self._delete_confirmed(old, f"old pod of {stage} not gone", count_timeout=False)
@@ -189,6 +208,7 @@ class KubeGroupPort(FactsPort):
         in flight), else the drain timeout plus --sleep-timeout. The ACK is kept for status."""
         client = self._client(stage)
         self._ensure_leading(f"Sleep {task_id}")
+        self._ordered.add(stage)
         drain = (
             float(self.specs[stage].drain_timeout_s) if drain_timeout_s is None else drain_timeout_s
         )
@@ -210,6 +230,7 @@ class KubeGroupPort(FactsPort):
         """WakeUp with the contract's deadline; the ACK is kept for status."""
         client = self._client(stage)
         self._ensure_leading(f"WakeUp {task_id}")
+        self._ordered.add(stage)
         t0 = time.monotonic()
         shown = self._show_waking(stage)
         try:
@@ -263,6 +284,7 @@ class KubeGroupPort(FactsPort):
         body = self.bodies[stage]
         key = (self.ns, stage)
         self._ensure_leading(f"fence of {stage}")
+        self._reread = True
         # Persisted before the delete: an operator restarted from here on keeps the gate
         # closed until the API confirms the pod gone (status.fencePending).
         await self.r.fence_started(self.ns, stage, reason)
@@ -274,7 +296,7 @@ class KubeGroupPort(FactsPort):
             self.r.emit(body, "FenceFailed", f"pod {name} still exists", warning=True)
             raise FenceFailed(f"pod {name} of {stage} not confirmed gone")
         self._listed = False
-        await self.r.fence_confirmed(self.ns, stage, body)
+        self.r.fence_confirmed(self.ns, stage, body)
         metrics.FENCES.labels(self.ns, self.group, "fenced").inc()
         self.r.fenced[key] = reason
         self.r.emit(

@@ -240,7 +240,7 @@ class FactsPort(ListingPort):
                 if kept is not None:
                     self.r.peaks[key] = kept
             if key in self.r.fence_pending and name not in self.pods:
-                await self.r.fence_confirmed(self.ns, name, self.bodies[name])
+                self.r.fence_confirmed(self.ns, name, self.bodies[name])
 
     def _note_exits(self, names: list[str]) -> None:
         """Count exited worker containers into each stage's back-off; reset the back-off of a

@@ -205,7 +205,7 @@ class PortHost(Memory, Protocol):
 
     async def fence_started(self, namespace: str, name: str, reason: str) -> None: ...
 
-    async def fence_confirmed(
+    def fence_confirmed(
         self, namespace: str, name: str, body: Mapping[str, Any] | None = None
     ) -> None: ...
 

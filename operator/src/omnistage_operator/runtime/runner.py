@@ -201,19 +201,19 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         except KubeError as exc:
             raise FenceFailed(f"fence of {name} not recorded in status: {exc}") from exc
 
-    async def fence_confirmed(
+    def fence_confirmed(
         self, namespace: str, name: str, body: Mapping[str, Any] | None = None
     ) -> None:
-        """The API confirmed the fenced pod gone: clear the pending fence (memory and status)."""
+        """The API confirmed the fenced pod gone: clear the pending fence in memory (the gate
+        opens at once). Its status is cleared by the stage's next write, with the fence's
+        outcome: the round that confirmed it writes the stage (its checkpoint, else its publish:
+        ``published`` is dropped, so the write goes out), not a write of its own. Until then the
+        status still says pending: a process that takes over reads it, finds the pod gone and
+        confirms again."""
         key = (namespace, name)
         was = self.fence_pending.pop(key, None)
         self.fences_cleared.add(key)
         self.published.pop(key, None)
-        patch = {"status": {"fencePending": None}}
-        try:
-            await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
-        except KubeError as exc:
-            log.warning("%s/%s: pending fence not cleared in status: %s", namespace, name, exc)
         if was is not None and body is not None:
             self.emit(body, "FenceConfirmed", f"pod confirmed gone; fence done: {was}")
 

@@ -105,7 +105,9 @@ class GroupPort(Protocol):
     """The side effects a round needs; implemented for Kubernetes and for the simulator."""
 
     async def observe(self) -> GroupObservation:
-        """Read specs, pods and every reachable worker's GetStatus."""
+        """Read specs, pods and every reachable worker's GetStatus (within a round, a port may
+        answer from the round's own ACKs where they prove where the group stands:
+        ``readings.reuse_reports``)."""
         ...
 
     async def start(self, stage: str, *, active: bool = False) -> None:
