@@ -38,6 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(sys.stdout, settings.log_level, settings.log_format)
     os.environ["OMNISTAGE_RESYNC_INTERVAL"] = str(settings.resync_interval_s)
+    os.environ["OMNISTAGE_PEERING"] = settings.peering or ""
     from omnistage_operator.runtime import handlers  # noqa: F401  (registers the kopf handlers)
 
     start_http_server(settings.metrics_port)

@@ -97,6 +97,16 @@ class GroupViews:
         """The group's OmniStages (deleting ones included)."""
         return list(self._stages.get(("group", namespace, group), ()))
 
+    def groups(self) -> list[tuple[str, str]]:
+        """Every (namespace, group) with a stage not being deleted (what a resync visits)."""
+        return [
+            (key[1], key[2])
+            for key, bodies in list(self._stages.items())
+            if isinstance(key, tuple)
+            and key[0] == "group"
+            and any(not b["metadata"].get("deletionTimestamp") for b in bodies)
+        ]
+
     def stage(self, namespace: str, name: str) -> Body | None:
         """One OmniStage by name, whatever its group."""
         return next(iter(self._stages.get(("name", namespace, name), ())), None)

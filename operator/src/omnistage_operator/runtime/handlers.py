@@ -39,6 +39,7 @@ from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.views import GroupViews, group_of, pod_keys, stage_keys
 from omnistage_operator.runtime import login  # noqa: F401  (registers kopf's login handlers)
 from omnistage_operator.runtime.diffbase import LeanDiffBaseStorage
+from omnistage_operator.runtime.resync import Resync
 from omnistage_operator.runtime.runner import GroupRunner
 
 __all__ = ["configure"]
@@ -46,9 +47,13 @@ __all__ = ["configure"]
 log = logging.getLogger(__name__)
 
 FINALIZER = "omnistage.io/finalizer"
-# The timer's interval is fixed when kopf registers it: cli.main exports --resync-interval
-# into this variable before importing this module.
+# Fixed when kopf registers the handlers: cli.main exports --resync-interval and --peering
+# into these variables before importing this module.
 RESYNC_S = float(os.environ.get("OMNISTAGE_RESYNC_INTERVAL", "10") or 10)
+# Under kopf peering, resync rounds run on a kopf timer per OmniStage (kopf pauses it with the
+# operator while another instance of the peering acts); otherwise one loop over the stages'
+# index runs them (``resync.Resync``), so kopf keeps no raw body and no task per stage.
+KOPF_PEERING = bool(os.environ.get("OMNISTAGE_PEERING"))
 # How long a spec handler waits for the round its change kicked (then kopf records the change).
 HANDOVER_WAIT_S = 5.0
 
@@ -56,6 +61,7 @@ HANDOVER_WAIT_S = 5.0
 class _State:
     settings: Settings | None = None
     runner: GroupRunner | None = None
+    resync: Resync | None = None
     leadership: Leadership = SoleWriter()
 
 
@@ -153,12 +159,17 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         kwargs["omnistages_by_group"], kwargs["worker_pods"], kwargs["omnipipelines_by_stage"]
     )
     _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership, views)
+    if not KOPF_PEERING:
+        _State.resync = Resync(views.groups, _State.runner.resync, RESYNC_S)
+        _State.resync.start()
     log.info("omnistage operator started (namespaces: %s)", ",".join(ours.namespaces) or "all")
 
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
-    """Close worker channels."""
+    """Stop the resync loop, close worker channels."""
+    if _State.resync is not None:
+        await _State.resync.stop()
     if _State.runner is not None:
         await _State.runner.close()
 
@@ -218,13 +229,17 @@ async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: 
     _kick(namespace, group_of(body))
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=min(5.0, RESYNC_S))
 async def resync(body: kopf.Body, namespace: str | None, **_: Any) -> None:
     """Re-read worker facts now and then (status stays true without events): one round per
-    group per interval (the group's other stages' timers find it fresh)."""
+    group per interval (the group's other stages' timers find it fresh). Under kopf peering
+    only; standalone, ``resync.Resync`` does the same for every group."""
     group = group_of(body)
     if group is not None and _State.runner is not None:
         _State.runner.resync(namespace or "default", group, RESYNC_S)
+
+
+if KOPF_PEERING:
+    kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_S, initial_delay=min(5.0, RESYNC_S))(resync)
 
 
 @kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER})
