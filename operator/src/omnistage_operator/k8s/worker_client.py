@@ -79,6 +79,7 @@ class WorkerClient:
         self._stub = sleep_service_pb2_grpc.SleepServiceStub(self._channel)
         self._demand = demand_service_pb2_grpc.DemandServiceStub(self._channel)
         self._token = token
+        self.closed = False
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -87,7 +88,8 @@ class WorkerClient:
         return (("authorization", f"Bearer {token}"),) if token else ()
 
     async def close(self) -> None:
-        """Close the channel."""
+        """Close the channel (its RPCs in flight end CANCELLED)."""
+        self.closed = True
         await self._channel.close()
 
     def _error(self, what: str, exc: grpc.aio.AioRpcError) -> Exception:

@@ -50,6 +50,7 @@ from omnistage_operator.k8s.port import KubeGroupPort
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.token_secret import build_token_secret
 from omnistage_operator.k8s.views import GroupViews, group_of
+from omnistage_operator.k8s.worker_channels import WorkerChannels
 from omnistage_operator.k8s.worker_client import WorkerClient
 from omnistage_operator.runtime import stage_metrics
 from omnistage_operator.runtime.demand_watch import DemandWatcher
@@ -141,7 +142,8 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         self._loops: dict[GroupKey, _Loop] = {}
         # Per group: its sleeps in flight across rounds (a drain holds up no other transition).
         self._sleeps: dict[GroupKey, SleepTracker] = {}
-        self._clients: dict[str, WorkerClient] = {}
+        # one per stage, closed when its pod is replaced or the stage deleted
+        self.channels: WorkerChannels[WorkerClient] = WorkerChannels()
         self._secrets: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ids = itertools.count(1)
@@ -167,26 +169,27 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
     def client_for(
         self, namespace: str, spec: StageSpec, pod: Mapping[str, Any]
     ) -> WorkerClient | None:
-        """The cached channel to a pod's worker (None while it has no address)."""
+        """The channel to a pod's worker (None while it has no address); the channel to the
+        stage's previous pod is closed."""
         ip = (pod.get("status") or {}).get("podIP")
         if not ip or (pod.get("status") or {}).get("phase") in _TERMINAL:
             return None
         host = f"[{ip}]" if ":" in ip else ip
         target = f"{host}:{spec.worker.port}"
         tls = spec.worker.tls.enabled  # spec.worker.tls: TLS, verified with --worker-tls-ca
-        key = f"{target}+tls" if tls else target
-        client = self._clients.get(key)
-        if client is None:
-            name = f"{service_name(spec.name)}.{namespace}.svc"  # what a worker certificate names
-            client = WorkerClient(
+        name = f"{service_name(spec.name)}.{namespace}.svc"  # what a worker certificate names
+        return self.channels.get(
+            (namespace, spec.name),
+            str((pod.get("metadata") or {}).get("uid") or ""),
+            f"{target}+tls" if tls else target,
+            lambda: WorkerClient(
                 target,
                 token=self.credentials.current,
                 ca_pem=self._ca if tls else None,
                 server_name=name,
                 tls=tls,
-            )
-            self._clients[key] = client
-        return client
+            ),
+        )
 
     async def fence_started(self, namespace: str, name: str, reason: str) -> None:
         """Record a fence before its delete: in memory and in ``status.fencePending`` (raises
@@ -267,8 +270,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         for tracker in self._sleeps.values():
             tracker.cancel()
         await self.demand.close()
-        for client in self._clients.values():
-            await client.close()
+        await self.channels.close()
 
     # -- loops -----------------------------------------------------------------------------
 
@@ -320,6 +322,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         self.component_refused.pop(key, None)
         self.stage_problems.pop(key, None)
         self.demand.drop(namespace, name)
+        self.channels.drop(key)
 
     async def round(self, namespace: str, group: str) -> bool:
         """One round; True when something is still in progress (poll again soon).
