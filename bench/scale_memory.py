@@ -35,7 +35,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scale import GPUS_PER_NODE, WEIGHTS, NamedOperator  # noqa: E402
+from bench.scale import GPUS_PER_NODE, WEIGHTS  # noqa: E402
+from bench.scale_operators import NamedOperator  # noqa: E402
 from bench.scale_storms import Fleet, generate, pod_targets, stage  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.kubeconfig import load_kubeconfig  # noqa: E402

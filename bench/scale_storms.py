@@ -10,12 +10,17 @@ one of them. :class:`Fleet` creates them, watches them (one watch over the names
 
 Per group, overhead = latency - the sleep ACK's and the wake ACK's own durations (as measured
 by the workers, read from ``status.lastAck``).
+
+``patch_storm``, ``ondemand_storm`` and ``later_storms`` (the leader killed midway, one host in
+ten stopped) run them and return their figures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,7 +28,11 @@ from typing import Any
 
 import grpc
 
+from bench.scale_operators import NamedOperator
+from bench.scale_report import percentiles
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
+from tests.cluster.controlplane import ControlPlane
+from tests.cluster.localnode import LocalNodes
 from tests.cluster.localnode.api import Api, ApiError
 
 GROUP = "omnistage.io/v1alpha1"
@@ -210,3 +219,115 @@ async def pod_targets(api: Api, namespace: str) -> dict[str, str]:
         if ip:
             out[stage_name] = f"{ip}:50051"
     return out
+
+
+async def patch_storm(
+    fleet: Fleet, gainer: str, loser: str, groups: list[str], *, within_s: float,
+    during: Any = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Patch every group's ``gainer`` Active at once; latencies, overheads, watch lag."""
+    fleet.storm += 1
+    n = fleet.storm
+    t0 = time.monotonic()
+    side = asyncio.create_task(during(fleet, gainer, groups)) if during else None
+    patches = await bounded(
+        [functools.partial(fleet.patch_state, f"{g}-{gainer}", "Active") for g in groups]
+    )
+    try:
+        await fleet.settle(gainer, loser, groups, within_s)
+    finally:
+        if side is not None:
+            side.cancel()
+    converge = time.monotonic() - t0
+    latency, overhead, lag = [], [], []
+    for g, (tp, tr, rv) in zip(groups, patches, strict=True):
+        seen = fleet.seen[f"{g}-{gainer}"]
+        lat = seen.active_at[n] - tp
+        latency.append(lat)
+        overhead.append(fleet.overhead(f"{g}-{gainer}", f"{g}-{loser}", lat))
+        if rv in seen.rv_seen:
+            lag.append(max(seen.rv_seen[rv] - tr, 0.0))
+    return {
+        "groups": len(groups),
+        "converge_s": round(converge, 2),
+        "latency_s": percentiles(latency),
+        "overhead_s": percentiles(overhead),
+        "watch_lag_s": percentiles(lag),
+        "patches_sent_s": round(max(tr for _, tr, _ in patches) - t0, 2),
+    }
+
+
+async def ondemand_storm(fleet: Fleet, api: Api, ns: str, groups: list[str]) -> dict[str, Any]:
+    """A request to every group's sleeping ``b`` at once."""
+    fleet.storm += 1
+    targets = await pod_targets(api, ns)
+    t0 = time.monotonic()
+    answers = await asyncio.gather(
+        *(generate(targets[f"{g}-b"], 600) for g in groups), return_exceptions=True
+    )
+    converge = time.monotonic() - t0
+    await fleet.settle("b", "a", groups, 120)
+    ok = [(g, a) for g, a in zip(groups, answers, strict=True) if isinstance(a, float)]
+    failed = [repr(a) for a in answers if not isinstance(a, float)]
+    return {
+        "groups": len(groups),
+        "answered": len(ok),
+        "failed": failed[:5],
+        "converge_s": round(converge, 2),
+        "latency_s": percentiles([a for _, a in ok]),
+        "overhead_s": percentiles([fleet.overhead(f"{g}-b", f"{g}-a", a) for g, a in ok]),
+    }
+
+
+async def kill_leader_midway(
+    ops: list[NamedOperator], cp: ControlPlane, ns: str, *, fleet: Fleet, gainer: str,
+    groups: list[str],
+) -> None:  # fmt: skip
+    """SIGKILL the Lease holder once a third of the groups' gainers are Active."""
+    third = max(1, len(groups) // 3)
+    while sum(fleet.seen[f"{g}-{gainer}"].state == "Active" for g in groups) < third:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    lease_ns, lease_name = ops[0].lease
+    holder = cp.get_json("lease", lease_name, namespace=lease_ns)["spec"]["holderIdentity"]
+    for op in ops:
+        if holder.startswith(op.name) and op.proc is not None:
+            print(f"[scale] killing the leader {op.name} mid-storm", flush=True)
+            op.proc.send_signal(signal.SIGKILL)
+            op.proc.wait(30)
+
+
+async def later_storms(
+    fleet: Fleet, ops: list[NamedOperator], cp: ControlPlane, nodes: LocalNodes, *,
+    measured: Callable[[str, Awaitable[dict[str, Any]]], Awaitable[None]], out: dict[str, Any],
+) -> None:  # fmt: skip
+    """The leader killed mid-storm (or a second hand-over storm with one replica), then one
+    simulated host in ten stopped during a hand-over storm of the others."""
+    names = fleet.groups
+    if len(ops) > 1:
+
+        async def kill(f: Fleet, gainer: str, gs: list[str]) -> None:
+            await kill_leader_midway(ops, cp, fleet.ns, fleet=f, gainer=gainer, groups=gs)
+
+        await measured(
+            "leader_kill", patch_storm(fleet, "b", "a", names, within_s=600, during=kill)
+        )
+    else:
+        await measured("handover_again", patch_storm(fleet, "b", "a", names, within_s=600))
+    # every a withdraws its (lost) wish, so its next Active is a new ask
+    await bounded([functools.partial(fleet.patch_state, f"{g}-a", "Asleep") for g in names])
+    await asyncio.sleep(2)
+    hosts = nodes.sim_hosts()
+    frozen_nodes = set(hosts[0]["nodes"]) if len(hosts) >= 10 else set()
+    frozen = [g for i, g in enumerate(names) if nodes.node_names[i // 2] in frozen_nodes]
+    live = [g for g in names if g not in frozen]
+    if frozen:
+        os.kill(hosts[0]["pid"], signal.SIGSTOP)
+    try:
+        await measured("unresponsive", patch_storm(fleet, "a", "b", live, within_s=600))
+        out["unresponsive"]["frozen_groups"] = len(frozen)
+        out["unresponsive"]["frozen_converged"] = sum(
+            fleet.seen[f"{g}-a"].state == "Active" for g in frozen
+        )
+    finally:
+        if frozen:
+            os.kill(hosts[0]["pid"], signal.SIGCONT)
