@@ -87,3 +87,22 @@ def test_index_entries_hold_no_managed_fields() -> None:
             assert "managedFields" not in value["metadata"]
             assert value["metadata"]["name"]
     assert stage["metadata"]["managedFields"] == managed  # the watched body is left alone
+
+
+def test_a_pods_entry_keeps_of_its_spec_only_where_it_was_scheduled() -> None:
+    pod = _pod("a", "g1", "u1")
+    pod["spec"] = {
+        "nodeName": "node-0",
+        "containers": [{"name": "worker", "image": "img", "env": [{"name": "A", "value": "1"}]}],
+        "volumes": [{"name": "models", "hostPath": {"path": "/models"}}],
+    }
+    pod["status"] = {"phase": "Running", "podIP": "10.0.0.1"}
+    entry = pod_keys(pod, "ns")
+    assert entry is not None
+    for value in entry.values():
+        assert value["spec"] == {"nodeName": "node-0"}
+        assert value["status"] == pod["status"] and value["metadata"]["uid"] == "u1"
+    views = GroupViews({}, {})
+    views.created("ns", "a", pod)
+    assert views.pods("ns", "g1", ["a"])[0]["spec"] == {"nodeName": "node-0"}
+    assert len(pod["spec"]) == 3  # the watched body is left alone

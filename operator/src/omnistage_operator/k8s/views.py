@@ -58,15 +58,26 @@ def pod_keys(body: Mapping[str, Any], namespace: str | None) -> dict[Hashable, B
         keys.append(("group", ns, labels[GROUP_LABEL]))
     if not keys:
         return None
-    pod = _copy(body)
+    pod = _copy(body, pod=True)
     return dict.fromkeys(keys, pod)
 
 
-def _copy(body: Mapping[str, Any]) -> Body:
+# The only field of a pod's spec a round reads (where it was scheduled); the rest (containers,
+# volumes, the API server's defaults) is what the operator built, kept by the API server.
+_POD_SPEC_READ = ("nodeName",)
+
+
+def _copy(body: Mapping[str, Any], *, pod: bool = False) -> Body:
     """The fields a round reads, as plain data (kopf's bodies are views of a changing event),
     without ``metadata.managedFields``: no round reads them, and on a pod or a stage whose
-    status is written often they are a large part of the body (kept per object)."""
-    out = {k: _plain(body[k]) for k in ("apiVersion", "kind", "spec", "status") if k in body}
+    status is written often they are a large part of the body (kept per object); of a
+    ``pod``'s spec only ``_POD_SPEC_READ``."""
+    out = {k: _plain(body[k]) for k in ("apiVersion", "kind", "status") if k in body}
+    spec = body.get("spec")
+    if pod and isinstance(spec, Mapping):
+        out["spec"] = {k: _plain(spec[k]) for k in _POD_SPEC_READ if k in spec}
+    elif spec is not None:
+        out["spec"] = _plain(spec)
     meta = body.get("metadata")
     if isinstance(meta, Mapping):
         out["metadata"] = {k: _plain(v) for k, v in meta.items() if k != "managedFields"}
@@ -145,7 +156,7 @@ class GroupViews:
 
     def created(self, namespace: str, stage: str, pod: Mapping[str, Any]) -> None:
         """This process created ``pod`` (seen before the watch delivers it)."""
-        self._created[(namespace, stage)] = (_copy(pod), time.monotonic())
+        self._created[(namespace, stage)] = (_copy(pod, pod=True), time.monotonic())
 
     def gone(self, uid: str) -> None:
         """The API confirmed the pod with ``uid`` gone (hidden even while the watch lags)."""
