@@ -2,7 +2,9 @@
 
 Two kopf indexes (``omnistages_by_group``, ``worker_pods``) keep the groups' stages and worker
 pods as the watches see them; rounds read them through ``views.GroupViews`` instead of listing
-the namespace (kopf fills the indexes before any handler runs).
+the namespace (kopf fills the indexes before any handler runs). Every group is resynced once per
+``--resync-interval`` by one loop over that index (``resync.Resync``), not by a kopf timer per
+stage (kopf would keep each stage's last raw body for it), except under kopf peering.
 
 The runner is set by ``cli.main`` before kopf starts (``configure``). Every decision is made in
 the round, which first reads every worker's real state (GetStatus), so a resumed operator never
