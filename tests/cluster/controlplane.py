@@ -214,7 +214,9 @@ class ControlPlane(Lifecycle):
             f"--service-account-key-file={pki.sa_pub}",
             f"--service-account-signing-key-file={pki.sa_key}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            "--service-cluster-ip-range=10.0.0.0/24",
+            # /16: a Service per stage; a /24 (254 ClusterIPs) refused every Service beyond
+            # that with HTTP 500 in the 1000-stage scale runs
+            "--service-cluster-ip-range=10.0.0.0/16",
             "--allow-privileged=true",
             "--runtime-config=resource.k8s.io/v1=true",
             "--profiling=false",
