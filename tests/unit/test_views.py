@@ -3,6 +3,7 @@ own creations seen at once and confirmed deletions hidden at once."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable
 from typing import Any
 
@@ -106,3 +107,19 @@ def test_a_pods_entry_keeps_of_its_spec_only_where_it_was_scheduled() -> None:
     views.created("ns", "a", pod)
     assert views.pods("ns", "g1", ["a"])[0]["spec"] == {"nodeName": "node-0"}
     assert len(pod["spec"]) == 3  # the watched body is left alone
+
+
+def test_entries_share_their_keys_and_short_strings_not_their_long_ones() -> None:
+    """Each decoded body has its own copy of every key; the entries share one."""
+    text = json.dumps({**_stage("a", "g1"), "status": {"phase": "Asleep", "message": "x" * 100}})
+    first, second = (stage_keys(json.loads(text), "ns") for _ in range(2))
+    assert first is not None and second is not None
+    one, two = first[("name", "ns", "a")], second[("name", "ns", "a")]
+    assert one == two
+    key_one = next(k for k in one["status"] if k == "phase")
+    key_two = next(k for k in two["status"] if k == "phase")
+    assert key_one is key_two and one["status"]["phase"] is two["status"]["phase"]
+    assert next(k for k in one["metadata"] if k == "name") is next(
+        k for k in two["metadata"] if k == "name"
+    )
+    assert one["status"]["message"] is not two["status"]["message"]  # long: left as decoded

@@ -12,6 +12,7 @@ reading the API, never the watch.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Collection, Hashable, Mapping
 from typing import Any
@@ -80,17 +81,30 @@ def _copy(body: Mapping[str, Any], *, pod: bool = False) -> Body:
         out["spec"] = _plain(spec)
     meta = body.get("metadata")
     if isinstance(meta, Mapping):
-        out["metadata"] = {k: _plain(v) for k, v in meta.items() if k != "managedFields"}
+        out["metadata"] = {_shared(k): _plain(v) for k, v in meta.items() if k != "managedFields"}
     elif meta is not None:
         out["metadata"] = meta
     return out
 
 
+# Strings up to this long are shared between entries (``sys.intern``): every decoded body has
+# its own copy of each key and of values such as "True" or a condition's reason, and they were
+# about half of an entry; longer ones (messages, the diff base) are mostly unique.
+_SHARED_MAX = 64
+
+
 def _plain(value: Any) -> Any:
+    """Plain data, its keys and short strings shared (``_SHARED_MAX``)."""
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {_shared(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_plain(v) for v in value]
+    return _shared(value)
+
+
+def _shared(value: Any) -> Any:
+    if type(value) is str and len(value) <= _SHARED_MAX:
+        return sys.intern(value)
     return value
 
 
