@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,11 +77,23 @@ async def _settle(cp: ControlPlane, nodes: LocalNodes, ns: str, groups: int, mod
         await fleet.create(manifests)
         await fleet.settle_both_asleep(fleet.groups, 120 + 2.0 * len(manifests))
         targets = await pod_targets(api, ns)
-        await asyncio.gather(*(generate(targets[f"{g}-a"], 600) for g in fleet.groups))
+        await asyncio.gather(*(_served(targets[f"{g}-a"]) for g in fleet.groups))
         await fleet.settle("a", "b", fleet.groups, 300)
     finally:
         await fleet.stop_watch()
         await api.close()
+
+
+async def _served(target: str, tries: int = 5) -> None:
+    """A request answered: one the worker held past its hold timeout while its stage woke
+    (500 wakes at once on a loaded machine) is sent again."""
+    for attempt in range(tries):
+        try:
+            await generate(target, 600)
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAVAILABLE or attempt == tries - 1:
+                raise
 
 
 def _rss_settled(pid: int, within_s: float = 120, step_s: float = 5) -> int:
