@@ -55,6 +55,7 @@ from omnistage_worker.runners.kv_buckets import (
 )
 from omnistage_worker.runners.sampling import Sampling
 from omnistage_worker.runners.serving_thread import ServingThread
+from omnistage_worker.runners.step_graphs import StepGraphs
 from omnistage_worker.runners.text_output import TextOutput
 from omnistage_worker.runners.token_choice import choose, new_generator, read_step, to_device
 
@@ -125,6 +126,7 @@ class DecodeBatcher(ServingThread):
         max_batch: int,
         eos_ids: set[int],
         pad_id: int,
+        graphs: bool = True,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -136,6 +138,7 @@ class DecodeBatcher(ServingThread):
         config = getattr(model, "config", None)
         self._additive = getattr(config, "_attn_implementation", "sdpa") == "eager"
         self._dtype: torch.dtype = getattr(model, "dtype", torch.float32)
+        self._graphs = StepGraphs(self._last_logits, device, graphs)
         super().__init__("omnistage-decode-batch")
         self._pending: deque[Job] = deque()
         self._rows: list[Row] = []
@@ -308,24 +311,34 @@ class DecodeBatcher(ServingThread):
         # One copy up for the three, queued without waiting.
         inputs = to_device(torch.tensor([ids, fed, positions], dtype=torch.long), self._device)
         attention = cache.attention(inputs[1].bool(), self._dtype)
+        if width == 1:
+            last = self._graphs.step(cache, inputs[0], inputs[2], attention)
+            cache.plain_steps += 1
+        else:
+            last = self._last_logits(inputs[0], inputs[2], attention, cache)
+        cache.advance(width)
+        order = [row.slot for row in rows]
+        if order != list(range(len(order))):
+            last = last.index_select(0, to_device(torch.tensor(order), last.device))
+        elif len(order) < slots:
+            last = last[: len(order)]
+        return last.float()
+
+    def _last_logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: BucketCache
+    ) -> torch.Tensor:
+        """The model's forward over ``cache``: the last position's logits, a row per slot."""
         kwargs: dict[str, Any] = {
-            "input_ids": inputs[0],
-            "attention_mask": attention,
-            "position_ids": inputs[2],
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": positions,
             "past_key_values": cache,
             "use_cache": True,
         }
         if self._keeps_logits:
             kwargs["logits_to_keep"] = 1
-        out = self._model(**kwargs)
-        cache.advance(width)
-        logits: torch.Tensor = out.logits[:, -1, :]
-        order = [row.slot for row in rows]
-        if order != list(range(len(order))):
-            logits = logits.index_select(0, to_device(torch.tensor(order), logits.device))
-        elif len(order) < slots:
-            logits = logits[: len(order)]
-        return logits.float()
+        logits: torch.Tensor = self._model(**kwargs).logits[:, -1, :]
+        return logits
 
     def _forward_alone(self, row: Row, feed: list[int]) -> torch.Tensor:
         """One row's step in the model's own cache, unpadded and unmasked."""
