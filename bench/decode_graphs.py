@@ -14,7 +14,12 @@ GPU, then for each mode (``eager``: ``graphs=False``; ``graphs``) drives the wor
 2. speed (bf16): one request, and ``--clients`` closed-loop threads for ``--seconds``: tokens/s,
    ms per step, rows per step, join steps, captures, replays and the seconds captures took.
 
-The summary holds ``graphs_over_eager`` (closed-loop tokens/s) and the identity counts.
+3. what each mode's batches leave on the device once they end: NVML's figure for this process
+   after the batcher is idle and the caches are emptied, less the same figure before it ran
+   (the CUDA graphs and their memory pools must go with the batch, as a sleep needs).
+
+The summary holds ``graphs_over_eager`` (closed-loop tokens/s), the identity counts and the
+largest ``left_on_device_mib`` per mode.
 ``--smoke`` runs the same code on CPU with a tiny model (graphs stay off there: CUDA only).
 """
 
@@ -52,7 +57,8 @@ def build(layers: int, smoke: bool, device: Any, dtype: Any) -> Any:
     with device:
         model = LlamaForCausalLM(config)
     torch.set_default_dtype(torch.float32)
-    return model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
+    return model
 
 
 def batcher(model: Any, device: Any, graphs: bool, max_batch: int) -> Any:
@@ -113,9 +119,32 @@ def identity(model: Any, device: Any, requests: int, new_tokens: int) -> Json:
     return out
 
 
-def speed(model: Any, device: Any, graphs: bool, clients: int, seconds: float, new: int) -> Json:
+def device_used_mib() -> float:
+    """NVML's figure for this process after the caches are emptied (-1 without NVML)."""
+    import os
+
+    import torch
+
+    torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid():
+                return float(proc.usedGpuMemory) / 2**20
+    except Exception:  # a figure we report, not one we need
+        pass
+    return -1.0
+
+
+def speed(model: Any, device: Any, graphs: bool, args: argparse.Namespace) -> Json:
     """One request, then ``clients`` closed-loop threads: tokens/s and the batcher's counters."""
     vocab = model.config.vocab_size
+    clients, seconds, new = args.clients, args.seconds, args.new_tokens
     run = batcher(model, device, graphs, 64)
     run.submit(job(0, new, vocab)).result()  # warm
     began = time.perf_counter()
@@ -128,9 +157,12 @@ def speed(model: Any, device: Any, graphs: bool, clients: int, seconds: float, n
     def loop(index: int) -> None:
         turn = 0
         while time.monotonic() < stop:
-            done.append(len(run.submit(job(index * 100 + turn, new, vocab)).result().text.token_ids))
+            answer = run.submit(job(index * 100 + turn, new, vocab)).result()
+            done.append(len(answer.text.token_ids))
             turn += 1
 
+    cuda = device.type == "cuda"
+    before = device_used_mib() if cuda else 0.0
     steps0, rows0, joins0, secs0 = run.steps, run.row_steps, run.join_steps, run.step_seconds
     began = time.perf_counter()
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
@@ -154,6 +186,7 @@ def speed(model: Any, device: Any, graphs: bool, clients: int, seconds: float, n
         "capture_failures": run._graphs.failures,
     }
     run.close()
+    out["left_on_device_mib"] = device_used_mib() - before if cuda else 0.0
     return out
 
 
@@ -170,7 +203,6 @@ def main(argv: list[str] | None = None) -> Json:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
-    seconds = 1.0 if args.smoke else args.seconds
     out: Json = {"command": " ".join(sys.argv), "device": str(device)}
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
@@ -181,14 +213,15 @@ def main(argv: list[str] | None = None) -> Json:
     small = build(args.identity_layers, args.smoke, device, torch.float32)
     out["identity_float32"] = identity(small, device, 12, 24 if not args.smoke else 6)
     del small
-    model = build(args.layers, args.smoke, device, torch.bfloat16 if not args.smoke else torch.float32)
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = build(args.layers, args.smoke, device, dtype)
     out["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-    new = 8 if args.smoke else args.new_tokens
-    clients = 4 if args.smoke else args.clients
+    if args.smoke:
+        args.new_tokens, args.clients, args.seconds = 8, 4, 1.0
     runs: dict[str, list[Json]] = {"eager": [], "graphs": []}
     for _ in range(2):  # in turns, so drift on the machine falls on both
         for mode in ("eager", "graphs"):
-            runs[mode].append(speed(model, device, mode == "graphs", clients, seconds, new))
+            runs[mode].append(speed(model, device, mode == "graphs", args))
             print(f"{mode}: {runs[mode][-1]}", flush=True)
     out["speed"] = runs
     rates = {m: statistics.median(r["tokens_per_s"] for r in runs[m]) for m in runs}
@@ -200,6 +233,7 @@ def main(argv: list[str] | None = None) -> Json:
         "identical_graphs": out["identity_float32"]["graphs"]["identical"],
         "identical_eager": out["identity_float32"]["eager"]["identical"],
         "requests": 12,
+        "left_on_device_mib": {m: max(r["left_on_device_mib"] for r in runs[m]) for m in runs},
     }
     emit(out, args.out)
     return out
