@@ -73,6 +73,9 @@ JOIN_PADDING = 512
 """... unless its join pads the running rows with at most this many tokens in all: then it joins
 at the next step (a step that small costs what a plain one does while the host, not the
 device, sets the pace; a request that waits leaves its slot idle). See :func:`join_now`."""
+GRAPH_SPARE = 64
+"""With CUDA graphs, a new layout leaves room for up to this many more steps (no more than its
+rows still want): each layout is captured anew, so fewer layouts mean fewer captures."""
 MIN_HOLES = 64
 """Padding columns the cache may hold beyond its longest row before it is compacted ..."""
 HOLE_RATIO = 1.0
@@ -261,9 +264,10 @@ class DecodeBatcher(ServingThread):
         step does not fit in it, the rows have shrunk to half its slots or holes are to be
         compacted; joining rows take free slots (their past all masked)."""
         cache, rows = self._cache, len(running) + len(joining)
+        spare = self._spare(running, joining)
         if cache is None or not running:
             cache = BucketCache(
-                row_bucket(rows), column_bucket(width), self._device, self._additive
+                row_bucket(rows), column_bucket(width + spare), self._device, self._additive
             )
         else:
             used = cache.at - min(row.first for row in running)
@@ -280,6 +284,7 @@ class DecodeBatcher(ServingThread):
                     rows=rows,
                     width=width,
                     compact=compact,
+                    spare=spare,
                 )
                 self.compactions += compact
                 for slot, (row, first) in enumerate(zip(running, firsts, strict=True)):
@@ -291,6 +296,15 @@ class DecodeBatcher(ServingThread):
         cache.clear([row.slot for row in joining])
         self._cache = cache
         return cache
+
+    def _spare(self, running: list[Row], joining: list[Row]) -> int:
+        """Columns a new layout keeps free beyond the step: with CUDA graphs, room for the
+        steps its rows still want, up to :data:`GRAPH_SPARE`; else none."""
+        if not self._graphs.enabled:
+            return 0
+        return spare_columns(
+            [r.job.max_new_tokens - len(r.output.ids) for r in (*running, *joining)]
+        )
 
     def _forward(
         self, cache: BucketCache, rows: list[Row], feeds: list[list[int]], width: int
@@ -442,6 +456,12 @@ def join_now(waiting: list[int], running: int, room: int, since_join: int) -> bo
     return (
         not running or len(waiting) >= room or padding <= JOIN_PADDING or since_join >= JOIN_EVERY
     )
+
+
+def spare_columns(left: list[int]) -> int:
+    """Room a new layout keeps for rows that still want ``left`` tokens each: what the
+    longest still wants, up to :data:`GRAPH_SPARE`."""
+    return max(0, min(GRAPH_SPARE, max(left, default=0)))
 
 
 def should_compact(used: int, longest: int) -> bool:

@@ -191,11 +191,13 @@ class BucketCache(Cache):
         rows: int,
         width: int,
         compact: bool,
+        spare: int = 0,
     ) -> tuple[BucketCache, list[int]]:
         """A new cache holding the slots ``keep`` (in that order, as slots 0..) with room for
         ``rows`` rows and a step of ``width`` columns. ``firsts``: each kept slot's first column;
-        ``seen``: its tokens. Columns no kept slot uses are dropped; with ``compact`` the holes
-        joins left inside the rows go too (each slot's tokens move to the right end). Returns
+        ``seen``: its tokens; ``spare``: columns of room wanted beyond the step. Columns no
+        kept slot uses are dropped; with ``compact`` the holes joins left inside the rows go too
+        (each slot's tokens move to the right end). Returns
         the cache and each kept slot's first column in it."""
         device = self.mask.device
         index = to_device(torch.tensor(list(keep)), device)
@@ -211,7 +213,9 @@ class BucketCache(Cache):
             order = None
             used = self.at - start
             new_firsts = [f - start for f in firsts]
-        cache = BucketCache(row_bucket(rows), column_bucket(used + width), device, self._additive)
+        cache = BucketCache(
+            row_bucket(rows), column_bucket(used + width + spare), device, self._additive
+        )
         kept = len(keep)
 
         def moved(tensor: torch.Tensor) -> torch.Tensor:

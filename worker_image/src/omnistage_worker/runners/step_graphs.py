@@ -120,9 +120,10 @@ class StepGraphs:
         """Run the step eagerly on the capture stream, then capture it onto ``cache``; the
         step's logits, or None when the capture failed (graphs are then off)."""
         began = time.perf_counter()
-        main = torch.cuda.current_stream(self._device)
-        ids, positions, mask = ids.clone(), positions.clone(), mask.clone()
+        main: Any = None
         try:
+            main = torch.cuda.current_stream(self._device)
+            ids, positions, mask = ids.clone(), positions.clone(), mask.clone()
             if self._stream is None:
                 self._stream = own_stream(self._device)
             stream = self._stream
@@ -137,7 +138,7 @@ class StepGraphs:
             self.enabled = False
             self.failures += 1
             log.warning("decode steps run without CUDA graphs: the capture failed: %s", exc)
-            if self._stream is not None:
+            if self._stream is not None and main is not None:
                 main.wait_stream(self._stream)
             return None
         main.wait_stream(stream)
