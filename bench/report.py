@@ -28,8 +28,8 @@ MiB = 1024**2
 GiB = 1024**3
 
 
-#: Runs of the same batcher as serving.json, listed beside it.
-SERVING_SAME_CODE = ("serving_graphs_pool_stream.json",)
+#: Earlier runs of the batcher with CUDA graphs, listed beside serving.json.
+SERVING_SAME_CODE = ("serving_graphs_04fd316.json", "serving_graphs_pool_stream.json")
 
 
 def _load(name: str) -> dict[str, Any] | None:

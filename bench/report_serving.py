@@ -92,7 +92,8 @@ def serving_section(
         met = "met in every run" if min(ratios) >= 0.8 else "**not met reliably**"
         lines += [
             "",
-            f"16 clients of batched in runs of the same batcher: {listed}; the goal is {met}.",
+            f"16 clients of batched in runs of the batcher with CUDA graphs: {listed}; the "
+            f"goal is {met}.",
         ]
         for name, o in others.items():
             os_, sw = o["summary"], o.get("swaps") or {}
