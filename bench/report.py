@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report_coldstart import coldstart_section  # noqa: E402
-from bench.report_serving import serving_section  # noqa: E402
+from bench.report_serving import decode_graphs_section, serving_section  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
@@ -28,8 +28,8 @@ MiB = 1024**2
 GiB = 1024**3
 
 
-#: Runs of the same code as serving.json, listed beside it.
-SERVING_SAME_CODE = ("serving_swaps120.json", "serving_window30.json")
+#: Earlier runs of the batcher with CUDA graphs, listed beside serving.json.
+SERVING_SAME_CODE = ("serving_graphs_04fd316.json", "serving_graphs_pool_stream.json")
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -362,6 +362,9 @@ def render() -> str:
     if serving:
         same_code = {n: d for n in SERVING_SAME_CODE if (d := _load(n))}
         lines += serving_section(serving, _load("serving_first_run.json"), same_code)
+    graphs = _load("decode_graphs.json")
+    if graphs:
+        lines += decode_graphs_section(graphs)
     coldstart = _load("coldstart.json")
     if coldstart:
         lines += coldstart_section(

@@ -92,7 +92,8 @@ def serving_section(
         met = "met in every run" if min(ratios) >= 0.8 else "**not met reliably**"
         lines += [
             "",
-            f"16 clients of batched in runs of the same code: {listed}; the goal is {met}.",
+            f"16 clients of batched in runs of the batcher with CUDA graphs: {listed}; the "
+            f"goal is {met}.",
         ]
         for name, o in others.items():
             os_, sw = o["summary"], o.get("swaps") or {}
@@ -123,3 +124,31 @@ def serving_section(
             f"same-size requests over gRPC{source}: {figures}.",
         ]
     return lines
+
+
+def decode_graphs_section(data: dict[str, Any]) -> list[str]:
+    """The batcher's plain decode steps as CUDA graphs against the same steps run eagerly
+    (``bench/decode_graphs.py``); a ``--smoke`` run on CPU is not rendered."""
+    if data.get("device") != "cuda":
+        return []
+    s = data["summary"]
+    runs = data["speed"]
+    graphs, eager = runs["graphs"], runs["eager"]
+    ident = data["identity_float32"]
+    left = s["left_on_device_mib"]
+    return [
+        "",
+        f"Where the stage's speed comes from, `bench/decode_graphs.py` on {data.get('gpu', '?')} "
+        f"(transformers {data['transformers']}): the worker's batcher in one process, the "
+        f"{data['weights_bytes'] / GiB:.1f} GiB model, {graphs[0]['clients']} closed-loop "
+        f"threads, plain decode steps replayed as CUDA graphs against the same steps run "
+        f"eagerly, in turns: **{s['graphs_over_eager']:.2f}x** the tokens/s "
+        f"({s['tokens_per_s']['graphs']:.0f} against {s['tokens_per_s']['eager']:.0f}; "
+        f"{graphs[0]['ms_per_step']:.1f} against {eager[0]['ms_per_step']:.1f} ms per step, "
+        f"{graphs[0]['captures']} captures taking {graphs[0]['capture_seconds']:.2f} s of the "
+        f"run), one request {s['one_request_graphs_over_eager']:.2f}x. Greedy tokens of "
+        f"{ident['graphs']['requests']} requests joining a running batch (float32) equal each "
+        f"request run alone: {ident['graphs']['identical']} of {ident['graphs']['requests']} "
+        f"with graphs, {ident['eager']['identical']} eagerly. Left on the device once the "
+        f"batches ended: {left['graphs']:.0f} MiB with graphs, {left['eager']:.0f} MiB eagerly.",
+    ]

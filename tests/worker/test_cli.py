@@ -427,6 +427,13 @@ def test_gpus_flag_and_environment(tmp_path: Path) -> None:
             config_from_args(build_parser({}).parse_args([*base, "--gpus", bad]))
 
 
+def test_decode_graphs_on_by_default_and_off_by_flag(tmp_path: Path) -> None:
+    base = ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
+    assert config_from_args(build_parser({}).parse_args(base)).decode_graphs
+    off = build_parser({}).parse_args([*base, "--no-decode-graphs"])
+    assert not config_from_args(off).decode_graphs
+
+
 def test_max_batch_flag_environment_and_bounds(tmp_path: Path) -> None:
     base = ["--runner", "ar", "--backend", "transformers", "--model", str(tmp_path)]
     assert config_from_args(build_parser({}).parse_args(base)).max_batch == 32

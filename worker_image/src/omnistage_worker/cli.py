@@ -179,6 +179,12 @@ def build_parser(env: Mapping[str, str]) -> Parser:
         f"diffusion call (default {DEFAULT_MAX_BATCH})",
     )
     p.add_argument(
+        "--no-decode-graphs",
+        dest="decode_graphs",
+        action="store_false",
+        help="AR on one GPU: run every decode step eagerly instead of replaying CUDA graphs",
+    )
+    p.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -260,6 +266,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         hold_timeout_s=args.hold_timeout,
         max_held=args.max_held,
         max_batch=args.max_batch,
+        decode_graphs=args.decode_graphs,
         limits=request_limits(args),
         http_token=(
             read_token(args.http_token_file, "--http-token-file")

@@ -206,6 +206,8 @@ class WorkerConfig:
     max_held: int = DEFAULT_MAX_HELD
     # How many requests a torch runner runs together (one batch).
     max_batch: int = DEFAULT_MAX_BATCH
+    # AR on one CUDA device: replay plain decode steps as CUDA graphs (runners/step_graphs.py).
+    decode_graphs: bool = True
     # Bounds on one request (spec.limits) and the HTTP API's bearer token (spec.http).
     limits: RequestLimits = field(default_factory=RequestLimits)
     http_token: str | None = None

@@ -144,6 +144,7 @@ class CausalLMRunner(TorchRunner):
                 max_batch=self._batch_limit(),
                 eos_ids=_eos_ids(self.model, tok),
                 pad_id=0 if pad is None else int(pad),
+                graphs=self.config.decode_graphs and self.config.gpus == 1,
             )
         return self._batcher
 

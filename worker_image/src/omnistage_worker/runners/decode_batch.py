@@ -55,6 +55,7 @@ from omnistage_worker.runners.kv_buckets import (
 )
 from omnistage_worker.runners.sampling import Sampling
 from omnistage_worker.runners.serving_thread import ServingThread
+from omnistage_worker.runners.step_graphs import StepGraphs
 from omnistage_worker.runners.text_output import TextOutput
 from omnistage_worker.runners.token_choice import choose, new_generator, read_step, to_device
 
@@ -72,6 +73,9 @@ JOIN_PADDING = 512
 """... unless its join pads the running rows with at most this many tokens in all: then it joins
 at the next step (a step that small costs what a plain one does while the host, not the
 device, sets the pace; a request that waits leaves its slot idle). See :func:`join_now`."""
+GRAPH_SPARE = 64
+"""With CUDA graphs, a new layout leaves room for up to this many more steps (no more than its
+rows still want): each layout is captured anew, so fewer layouts mean fewer captures."""
 MIN_HOLES = 64
 """Padding columns the cache may hold beyond its longest row before it is compacted ..."""
 HOLE_RATIO = 1.0
@@ -125,6 +129,7 @@ class DecodeBatcher(ServingThread):
         max_batch: int,
         eos_ids: set[int],
         pad_id: int,
+        graphs: bool = True,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -136,6 +141,7 @@ class DecodeBatcher(ServingThread):
         config = getattr(model, "config", None)
         self._additive = getattr(config, "_attn_implementation", "sdpa") == "eager"
         self._dtype: torch.dtype = getattr(model, "dtype", torch.float32)
+        self._graphs = StepGraphs(self._last_logits, device, graphs)
         super().__init__("omnistage-decode-batch")
         self._pending: deque[Job] = deque()
         self._rows: list[Row] = []
@@ -258,9 +264,10 @@ class DecodeBatcher(ServingThread):
         step does not fit in it, the rows have shrunk to half its slots or holes are to be
         compacted; joining rows take free slots (their past all masked)."""
         cache, rows = self._cache, len(running) + len(joining)
+        spare = self._spare(running, joining)
         if cache is None or not running:
             cache = BucketCache(
-                row_bucket(rows), column_bucket(width), self._device, self._additive
+                row_bucket(rows), column_bucket(width + spare), self._device, self._additive
             )
         else:
             used = cache.at - min(row.first for row in running)
@@ -277,6 +284,7 @@ class DecodeBatcher(ServingThread):
                     rows=rows,
                     width=width,
                     compact=compact,
+                    spare=spare,
                 )
                 self.compactions += compact
                 for slot, (row, first) in enumerate(zip(running, firsts, strict=True)):
@@ -288,6 +296,15 @@ class DecodeBatcher(ServingThread):
         cache.clear([row.slot for row in joining])
         self._cache = cache
         return cache
+
+    def _spare(self, running: list[Row], joining: list[Row]) -> int:
+        """Columns a new layout keeps free beyond the step: with CUDA graphs, room for the
+        steps its rows still want, up to :data:`GRAPH_SPARE`; else none."""
+        if not self._graphs.enabled:
+            return 0
+        return spare_columns(
+            [r.job.max_new_tokens - len(r.output.ids) for r in (*running, *joining)]
+        )
 
     def _forward(
         self, cache: BucketCache, rows: list[Row], feeds: list[list[int]], width: int
@@ -308,24 +325,34 @@ class DecodeBatcher(ServingThread):
         # One copy up for the three, queued without waiting.
         inputs = to_device(torch.tensor([ids, fed, positions], dtype=torch.long), self._device)
         attention = cache.attention(inputs[1].bool(), self._dtype)
+        if width == 1:
+            last = self._graphs.step(cache, inputs[0], inputs[2], attention)
+            cache.plain_steps += 1
+        else:
+            last = self._last_logits(inputs[0], inputs[2], attention, cache)
+        cache.advance(width)
+        order = [row.slot for row in rows]
+        if order != list(range(len(order))):
+            last = last.index_select(0, to_device(torch.tensor(order), last.device))
+        elif len(order) < slots:
+            last = last[: len(order)]
+        return last.float()
+
+    def _last_logits(
+        self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: BucketCache
+    ) -> torch.Tensor:
+        """The model's forward over ``cache``: the last position's logits, a row per slot."""
         kwargs: dict[str, Any] = {
-            "input_ids": inputs[0],
-            "attention_mask": attention,
-            "position_ids": inputs[2],
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": positions,
             "past_key_values": cache,
             "use_cache": True,
         }
         if self._keeps_logits:
             kwargs["logits_to_keep"] = 1
-        out = self._model(**kwargs)
-        cache.advance(width)
-        logits: torch.Tensor = out.logits[:, -1, :]
-        order = [row.slot for row in rows]
-        if order != list(range(len(order))):
-            logits = logits.index_select(0, to_device(torch.tensor(order), logits.device))
-        elif len(order) < slots:
-            logits = logits[: len(order)]
-        return logits.float()
+        logits: torch.Tensor = self._model(**kwargs).logits[:, -1, :]
+        return logits
 
     def _forward_alone(self, row: Row, feed: list[int]) -> torch.Tensor:
         """One row's step in the model's own cache, unpadded and unmasked."""
@@ -429,6 +456,12 @@ def join_now(waiting: list[int], running: int, room: int, since_join: int) -> bo
     return (
         not running or len(waiting) >= room or padding <= JOIN_PADDING or since_join >= JOIN_EVERY
     )
+
+
+def spare_columns(left: list[int]) -> int:
+    """Room a new layout keeps for rows that still want ``left`` tokens each: what the
+    longest still wants, up to :data:`GRAPH_SPARE`."""
+    return max(0, min(GRAPH_SPARE, max(left, default=0)))
 
 
 def should_compact(used: int, longest: int) -> bool:

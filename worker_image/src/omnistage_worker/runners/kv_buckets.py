@@ -12,6 +12,10 @@ slots masked). A finished row frees its slot (a joining row takes it over, its p
 and the buffer is laid out anew (:meth:`BucketCache.relayout`) only when a step would not fit,
 when the batch has shrunk to half its slots, or when holes are compacted away.
 
+A plain decode step (one column) writes through a device index (:attr:`BucketCache.column`)
+rather than a slice at a host integer, so the same kernels serve every column: what lets a
+captured CUDA graph of the step (:mod:`.step_graphs`) be replayed while ``at`` moves on.
+
 Attention over masked columns adds exactly nothing (their weight is zero), and a row still sees
 only its own tokens at its own positions, so a request's tokens do not depend on the batch.
 """
@@ -52,14 +56,17 @@ def width_bucket(width: int) -> int:
 class BucketLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     """One layer's keys and values, ``[slots, heads, columns, dim]``, written in place at
     ``at`` (which its cache moves; the layer keeps no reference to the cache, so dropping the
-    cache frees its buffers at once, without waiting for Python's cycle collector)."""
+    cache frees its buffers at once, without waiting for Python's cycle collector). A
+    one-column write goes to the column ``column`` holds (a one-element device tensor the
+    cache fills), so its kernels do not depend on ``at``."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, slots: int, columns: int, at: int) -> None:
+    def __init__(self, slots: int, columns: int, at: int, column: torch.Tensor) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.slots, self.columns, self.at = slots, columns, at
+        self.column = column
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         for name, states in (("keys", key_states), ("values", value_states)):
@@ -74,8 +81,12 @@ class BucketLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
             self.lazy_initialization(key_states, value_states)
         assert self.keys is not None and self.values is not None
         at, width = self.at, key_states.shape[2]
-        self.keys[:, :, at : at + width] = key_states
-        self.values[:, :, at : at + width] = value_states
+        if width == 1:
+            self.keys.index_copy_(2, self.column, key_states)
+            self.values.index_copy_(2, self.column, value_states)
+        else:
+            self.keys[:, :, at : at + width] = key_states
+            self.values[:, :, at : at + width] = value_states
         return self.keys, self.values
 
     def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
@@ -90,7 +101,9 @@ class BucketLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 
 class BucketCache(Cache):
     """The batch's cache: ``slots`` rows by ``columns`` columns per layer, a ``[slots, columns]``
-    mask of the tokens each slot holds, and ``at``: the first column not yet written."""
+    mask of the tokens each slot holds, and ``at``: the first column not yet written (for a
+    one-column step also in the device tensor ``column``). ``graph``: the captured plain step
+    that runs on this cache's buffers, if any (:mod:`.step_graphs`; it goes with the cache)."""
 
     def __init__(self, slots: int, columns: int, device: torch.device, additive: bool) -> None:
         super().__init__(layers=[])
@@ -100,6 +113,10 @@ class BucketCache(Cache):
         self.mask = torch.zeros((slots, columns), dtype=torch.bool, device=device)
         self._additive = additive
         self._columns_index = torch.arange(columns, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.plain_steps = 0
+        """One-column steps run on this cache."""
+        self.graph: Any = None
 
     def update(
         self,
@@ -110,7 +127,7 @@ class BucketCache(Cache):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.own) <= layer_idx:
-            self._add(BucketLayer(self.slots, self.columns, self.at))
+            self._add(BucketLayer(self.slots, self.columns, self.at, self.column))
         return self.own[layer_idx].update(key_states, value_states)
 
     def _add(self, layer: BucketLayer) -> None:
@@ -138,6 +155,8 @@ class BucketCache(Cache):
         including its own column (a padding position sees only itself, so no row of the
         attention is empty)."""
         width = fed.shape[1]
+        if width == 1:
+            self.column.fill_(self.at)
         self.mask[:, self.at : self.at + width] = fed
         columns = self._columns_index
         own = self.at + torch.arange(width, device=columns.device)
@@ -172,11 +191,13 @@ class BucketCache(Cache):
         rows: int,
         width: int,
         compact: bool,
+        spare: int = 0,
     ) -> tuple[BucketCache, list[int]]:
         """A new cache holding the slots ``keep`` (in that order, as slots 0..) with room for
         ``rows`` rows and a step of ``width`` columns. ``firsts``: each kept slot's first column;
-        ``seen``: its tokens. Columns no kept slot uses are dropped; with ``compact`` the holes
-        joins left inside the rows go too (each slot's tokens move to the right end). Returns
+        ``seen``: its tokens; ``spare``: columns of room wanted beyond the step. Columns no
+        kept slot uses are dropped; with ``compact`` the holes joins left inside the rows go too
+        (each slot's tokens move to the right end). Returns
         the cache and each kept slot's first column in it."""
         device = self.mask.device
         index = to_device(torch.tensor(list(keep)), device)
@@ -192,7 +213,9 @@ class BucketCache(Cache):
             order = None
             used = self.at - start
             new_firsts = [f - start for f in firsts]
-        cache = BucketCache(row_bucket(rows), column_bucket(used + width), device, self._additive)
+        cache = BucketCache(
+            row_bucket(rows), column_bucket(used + width + spare), device, self._additive
+        )
         kept = len(keep)
 
         def moved(tensor: torch.Tensor) -> torch.Tensor:
@@ -205,7 +228,7 @@ class BucketCache(Cache):
         kept_mask = mask[:, start : self.at] if order is None else mask.gather(1, order)
         cache.mask[:kept, :used] = kept_mask
         for layer in self.own:
-            new = BucketLayer(cache.slots, cache.columns, used)
+            new = BucketLayer(cache.slots, cache.columns, used, cache.column)
             assert layer.keys is not None and layer.values is not None
             for name in ("keys", "values"):
                 old: torch.Tensor = getattr(layer, name)
