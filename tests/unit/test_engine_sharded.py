@@ -145,6 +145,15 @@ def test_a_tied_weight_lives_once_and_its_user_runs_where_it_is() -> None:
     engine.close()
 
 
+def test_every_device_wakes_on_the_streams_asked_for() -> None:
+    model = tiny_llama(tied=False)
+    modules = {"model": model}
+    device_map = plan_device_map(blocks_of(modules, no_split=model._no_split_modules), 2)
+    engine = ShardedEngine(modules, CPU2, device_map, wake_streams=4)
+    assert [s.wake_streams for s in engine.shards] == [4, 4]
+    engine.close()
+
+
 def test_a_device_left_empty_is_refused() -> None:
     model = tiny_llama(tied=False)
     with pytest.raises(EngineError, match="leaves device 1"):

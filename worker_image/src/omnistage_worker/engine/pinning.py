@@ -23,7 +23,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -174,9 +174,18 @@ class ChunkPinner:
         self.buffer.release()
 
 
-def split_copy(dst: torch.Tensor, src: torch.Tensor, host_offset: int, chunk_bytes: int) -> int:
+def split_copy(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    host_offset: int,
+    chunk_bytes: int,
+    streams: Sequence[torch.cuda.Stream | None] = (),
+) -> int:
     """Copy 1-D uint8 ``src`` into ``dst`` in pieces that do not cross a chunk boundary of the host
-    buffer (``host_offset``: where this range starts in it); returns the number of pieces."""
+    buffer (``host_offset``: where this range starts in it); returns the number of pieces.
+
+    ``streams``: the pieces are issued on these CUDA streams in turn (none: the current stream);
+    the caller makes them wait for the current stream first and synchronizes them after."""
     if dst.numel() != src.numel():
         raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()}")
     total = src.numel()
@@ -185,7 +194,12 @@ def split_copy(dst: torch.Tensor, src: torch.Tensor, host_offset: int, chunk_byt
     while done < total:
         edge = (host_offset + done) // chunk_bytes * chunk_bytes + chunk_bytes
         length = min(total - done, edge - (host_offset + done))
-        dst[done : done + length].copy_(src[done : done + length], non_blocking=True)
+        target, source = dst[done : done + length], src[done : done + length]
+        if streams:
+            with torch.cuda.stream(streams[pieces % len(streams)]):
+                target.copy_(source, non_blocking=True)
+        else:
+            target.copy_(source, non_blocking=True)
         done += length
         pieces += 1
     return pieces

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from omnistage_worker.engine.flat_weights import EngineError, WeightFiles
+from omnistage_worker.engine.flat_weights import WAKE_STREAMS, EngineError, WeightFiles
 from omnistage_worker.engine.placement import DeviceMap, assign_ordinals
 from omnistage_worker.engine.slots import Slot, collect_slots
 from omnistage_worker.engine.weights import TransferStats, WeightEngine
@@ -38,6 +38,7 @@ class ShardedEngine:
         reload_threads: int | None = None,
         slots: Sequence[Slot] | None = None,
         host_copy: bool = True,
+        wake_streams: int = WAKE_STREAMS,
     ) -> None:
         if not devices:
             raise EngineError("no devices to place the weights on")
@@ -59,6 +60,7 @@ class ShardedEngine:
                     reload_threads=readers,
                     slots=mine,
                     host_copy=host_copy,
+                    wake_streams=wake_streams,
                 )
             )
         self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="omnistage-device")

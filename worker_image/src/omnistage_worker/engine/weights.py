@@ -5,7 +5,8 @@ device buffer (256-byte aligned slots). So:
 - level-1 sleep is one device-to-host copy of that buffer into a host buffer that was page-locked
   once (in the background, right after activation) and is reused on every later cycle; then the
   device buffer is freed and the allocator's cache returned to the driver;
-- level-1 wake is one allocation and one host-to-device copy, then the views are rebound;
+- level-1 wake is one allocation and one host-to-device copy (in pieces at the host copy's
+  page-locked chunks, on ``wake_streams`` CUDA streams), then the views are rebound;
 - level-2 sleep drops the weights (and the host buffer); level-2 wake reloads the bytes from the
   model's safetensors files with overlapped multi-threaded reads (see reload.py). Tensors that are
   not in the files (non-persistent buffers, weights converted at load) are kept on the host; their
@@ -196,8 +197,8 @@ class WeightEngine(FlatWeights):
             if not self._host_valid:
                 raise EngineError("the host copy is not valid")
             with self._host_held():
-                split_copy(flat, host.tensor, 0, self._chunk())
-                self._sync()
+                split_copy(flat, host.tensor, 0, self._chunk(), self._copy_streams())
+                self._sync()  # the whole device: every copy stream
             moved = self._layout.total_bytes
             if not self.host_copy:
                 self._drop_host()  # a level-2 stage keeps no host copy while awake
