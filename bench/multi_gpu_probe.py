@@ -365,17 +365,37 @@ class busy_thread:
 
 
 def ack_reads(devices: int) -> Json:
-    """Seconds of the worker's per-device NVML reading (an Ack takes two, before and after)."""
-    from omnistage_worker.memory.devices import DeviceProbes
-    from omnistage_worker.memory.nvml import NvmlProbe
+    """Seconds of the worker's per-device NVML reading (an Ack takes two, before and after);
+    the same NVML calls made directly where the worker's probe does not import here."""
+    read: Callable[[], object]
+    try:
+        from omnistage_worker.memory.devices import DeviceProbes
+        from omnistage_worker.memory.nvml import NvmlProbe
 
-    probes = DeviceProbes([NvmlProbe(i) for i in range(devices)])
+        read, source = DeviceProbes([NvmlProbe(i) for i in range(devices)]).read, "worker"
+    except Exception as exc:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(devices)]
+
+        def read() -> object:
+            return [
+                (pynvml.nvmlDeviceGetMemoryInfo(h), pynvml.nvmlDeviceGetComputeRunningProcesses(h))
+                for h in handles
+            ]
+
+        source = f"pynvml directly (the worker's probe: {exc!r})"
     times = []
     for _ in range(10):
         started = time.perf_counter()
-        probes.read()
+        read()
         times.append(time.perf_counter() - started)
-    return {"read_seconds_median": statistics.median(times), "read_seconds": times}
+    return {
+        "source": source,
+        "read_seconds_median": statistics.median(times),
+        "read_seconds": times,
+    }
 
 
 def multi_gpu_limit(gib: float) -> Json:
