@@ -7,19 +7,16 @@ whether the pinning finished, is stopped half-way (pageable rest), or is finishe
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
 
-from omnistage_worker.engine import pinning, weights
+from omnistage_worker.engine import pinning
 from omnistage_worker.engine.activity import Activity
-from omnistage_worker.engine.flat_weights import EngineError
 from omnistage_worker.engine.pinning import ChunkPinner, split_copy
 from omnistage_worker.engine.weights import WeightEngine
 
@@ -193,104 +190,3 @@ def test_sleep_before_the_pinning_finished(wait: bool) -> None:
         assert torch.equal(run(net), reference)
     engine.close()
     poll(lambda: len(locker.unlocked) == len(locker.calls), "every chunk unlocked")
-
-
-class StreamRecorder:
-    """Stands in for ``torch.cuda.stream``: records the stream current at each piece's copy."""
-
-    def __init__(self) -> None:
-        self.current: object = None
-        self.pieces: list[object] = []
-
-    @contextlib.contextmanager
-    def __call__(self, stream: object) -> Iterator[None]:
-        self.current = stream
-        try:
-            yield
-        finally:
-            self.current = None
-
-
-def test_split_copy_deals_the_pieces_to_the_streams_in_turn(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A wake on several streams: piece k on stream k mod n, every byte where it belongs."""
-    recorder = StreamRecorder()
-    monkeypatch.setattr(torch.cuda, "stream", recorder)
-    copy = torch.Tensor.copy_
-
-    def recording_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> Any:
-        recorder.pieces.append(recorder.current)
-        return copy(self, src, non_blocking)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
-    src = torch.arange(7 * CHUNK + 5, dtype=torch.int64).to(torch.uint8)
-    dst = torch.zeros_like(src)
-    streams = ["s0", "s1", "s2"]
-    pieces = split_copy(dst, src, 0, CHUNK, streams)  # type: ignore[arg-type]
-    monkeypatch.undo()
-    assert torch.equal(dst, src)
-    assert pieces == 8 and recorder.pieces == [streams[k % 3] for k in range(8)]
-
-
-class FakeStream:
-    """A CUDA stream as the engine uses it: made for a device, told to wait for another."""
-
-    made = 0
-
-    def __init__(self, device: torch.device) -> None:
-        FakeStream.made += 1
-        self.device = device
-        self.waited: list[object] = []
-
-    def wait_stream(self, other: object) -> None:
-        self.waited.append(other)
-
-
-def test_wake_streams_are_made_once_and_wait_for_the_current_stream(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``wake_streams=n`` on CUDA: n streams made at the first wake and reused; at every wake
-    each waits for the current stream first (the new flat buffer was allocated on it)."""
-    with pytest.raises(EngineError, match="at least 1"):
-        WeightEngine({"m": model()}, torch.device("cpu"), wake_streams=0)
-    engine = WeightEngine({"m": model()}, torch.device("cpu"), wake_streams=3)
-    assert engine._copy_streams() == []  # CPU: no streams, the plain path
-    current = object()
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
-    engine._cuda = True
-    FakeStream.made = 0
-    first = engine._copy_streams()
-    again = engine._copy_streams()
-    assert len(first) == 3 and again == first and FakeStream.made == 3
-    assert all(s.waited == [current, current] for s in first)  # type: ignore[attr-defined]
-    engine.wake_streams = 1
-    assert engine._copy_streams() == []  # one stream: the current one, as before
-
-
-@pytest.mark.parametrize("count", [1, 2, 4])
-def test_a_wake_on_several_streams_brings_back_the_same_bytes(
-    monkeypatch: pytest.MonkeyPatch, count: int
-) -> None:
-    """The wake hands the engine's streams to the copy; the weights come back exact."""
-    net = model()
-    reference = run(net)
-    engine = WeightEngine({"m": net}, torch.device("cpu"), wake_streams=count)
-    streams: list[object] = [None] * count if count > 1 else []
-    monkeypatch.setattr(engine, "_copy_streams", lambda: streams)
-    given: list[int | None] = []
-
-    def recording(*args: Any) -> int:
-        given.append(len(args[4]) if len(args) > 4 else None)  # sleeps pass no streams
-        return split_copy(*args)
-
-    monkeypatch.setattr(weights, "split_copy", recording)
-    engine.activate()
-    for _ in range(2):
-        engine.sleep(1)
-        assert engine.device_bytes() == 0
-        engine.wake()
-        assert torch.equal(run(net), reference)
-    assert given == [None, len(streams)] * 2  # a sleep copies on the current stream
-    engine.close()

@@ -45,11 +45,6 @@ WeightFiles = Mapping[str, Sequence[Path]]
 
 SAMPLE_BYTES = 4096
 
-WAKE_STREAMS = 1
-"""CUDA streams a level-1 wake spreads its host-to-device copy over, per device (1: the calling
-thread's current stream). Several let the driver run the pieces on more than one copy engine;
-``bench/multi_gpu_probe.py`` measures 1, 2 and 4 on two devices at once (issue 23)."""
-
 _RELEASE_LOCK = threading.Lock()
 """cuBLAS workspaces are one process-wide table: engines of several devices clear it in turn."""
 
@@ -74,10 +69,7 @@ class FlatWeights:
         skip: Collection[tuple[str, str]] = (),
         host_locker: PageLocker | None = None,
         wait_for_pin: bool = False,
-        wake_streams: int = WAKE_STREAMS,
     ) -> None:
-        if wake_streams < 1:
-            raise EngineError(f"wake_streams must be at least 1, got {wake_streams}")
         self.device = torch.device(device)
         self.modules = dict(modules)
         refused = unmovable(self.modules)
@@ -108,9 +100,6 @@ class FlatWeights:
         self._pinner: ChunkPinner | None = None
         self._host_locker = host_locker
         self._wait_for_pin = wait_for_pin
-        self.wake_streams = wake_streams
-        """Streams a level-1 wake copies on (see :data:`WAKE_STREAMS`); read at each wake."""
-        self._streams: list[torch.cuda.Stream] = []
         """Sleeping before the pinning is done: finish it (True), else copy the rest pageable."""
         self._host_valid = False
         self._releasing: list[threading.Thread] = []
@@ -290,21 +279,6 @@ class FlatWeights:
         if self._pinner is None:
             return contextlib.nullcontext(0)
         return self._pinner.hold(wait=self._wait_for_pin)
-
-    def _copy_streams(self) -> list[torch.cuda.Stream]:
-        """The streams of a wake's copy (none: the current stream), made once per device; each
-        waits for the current stream's work first (the new flat buffer was allocated there)."""
-        if not self._cuda or self.wake_streams <= 1:
-            return []
-        if len(self._streams) != self.wake_streams:
-            self._streams = [
-                torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-                for _ in range(self.wake_streams)
-            ]
-        current = torch.cuda.current_stream(self.device)
-        for stream in self._streams:
-            stream.wait_stream(current)
-        return self._streams
 
     def _chunk(self) -> int:
         return self._pinner.chunk_bytes if self._pinner is not None else CHUNK_BYTES
