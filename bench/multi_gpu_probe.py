@@ -1,22 +1,26 @@
-"""Why a 2-GPU level-1 wake reaches 0.74-0.76 of each device's copy limit (issue 23): one probe.
+"""Why a 2-GPU level-1 wake reached 0.74-0.76 of each device's copy limit (issue 23), and how
+the engine's wake does now: one probe.
 
-Every variant copies ``--gib`` per device on both devices at once (one thread per device and a
-barrier, as the worker's ShardedEngine and ``bench/multi_gpu.py``'s limit do) and reports each
-device's GB/s beside (a) the limit exactly as ``bench/multi_gpu.py`` measures it
+Every variant copies ``--gib`` per device on both devices at once (bare copies: one thread per
+device and a barrier, as ``bench/multi_gpu.py``'s limit does, or one thread for both) and
+reports each device's GB/s beside (a) the limit exactly as ``bench/multi_gpu.py`` measures it
 (``bench/copy_limits.py``, in a child process) and (b) the same limit in this process at this
 size. A variant changes one thing at a time: the host buffer (``bench/multi_gpu_probe_host.py``),
-how the copy is issued (one copy, 64 MiB pieces, pieces over several streams, one thread for
-both devices), the destination (kept, or allocated in the step: after the memory settled, just
-freed by this process, or just freed by another process as in a hand-over, optionally with a
-ballast so that the new allocation must reuse what was freed), and the worker's own
-:class:`ShardedEngine` wake (``wake_streams`` 1 = as before, 2 and 4) on a synthetic model of
-16 blocks of 9 tensors per device (``bench/multi_gpu_probe_engine.py``). ``VARIANTS`` in
+how the copy is issued (one copy, 64 MiB pieces), the destination (kept, or allocated in the
+step: after the memory settled, just freed by this process, or just freed by another process as
+in a hand-over, optionally with a ballast so that the new allocation must reuse what was
+freed), and the worker's own :class:`ShardedEngine` wake on a synthetic model of 16 blocks of 9
+tensors per device (``bench/multi_gpu_probe_engine.py``): as the worker runs it (one thread
+issues every device's pieces), one device at a time, one thread per device (the issue before),
+and beside a busy Python thread with and without the lowered switch interval. ``VARIANTS`` in
 ``bench/multi_gpu_probe_report.py`` says what each variant tests, ``HYPOTHESES`` which ratio
 decides each hypothesis; the JSON's ``summary.evidence`` holds those ratios.
 
-On the lent ``nvidia-h200-x2`` (about 3-4 minutes):
+On the lent ``nvidia-h200-x2``, every variant (about 3 minutes), or the engine's check alone
+(``ENGINE_CHECK``, about 2 minutes):
 
     python bench/multi_gpu_probe.py --gib 8 --out $OUT/multi_gpu_probe.json
+    python bench/multi_gpu_probe.py --gib 8 --engine-check --out $OUT/multi_gpu_engine.json
 
 On CPU it checks its own logic (1 MiB pieces of 8 MiB, two simulated devices, a CPU peer, NUMA
 placement on node 0; no limits, events or NVML):
@@ -56,8 +60,15 @@ from bench.multi_gpu_probe_host import (  # noqa: E402
     pattern_ok,
     topology,
 )
-from bench.multi_gpu_probe_report import HYPOTHESES, VARIANTS, Variant, summarize  # noqa: E402
+from bench.multi_gpu_probe_report import (  # noqa: E402
+    ENGINE_CHECK,
+    HYPOTHESES,
+    VARIANTS,
+    Variant,
+    summarize,
+)
 from bench.reporting import code_version, emit  # noqa: E402
+from omnistage_worker.engine import gil  # noqa: E402
 from omnistage_worker.engine.pinning import CHUNK_BYTES, split_copy  # noqa: E402
 
 Json = dict[str, Any]
@@ -138,11 +149,12 @@ class Probe:
             self.drop_warm()
             if self.engine is not None:  # asleep: a wake then needs what the peer frees
                 self.engine.sleep()
-            self.peer.ask(f"alloc {self.setup.size}")
-            room = self.setup.size // 2  # the bench's default: half a share stays free
-            self.ballast = self.peer.ask(f"ballast {room}")
-            self.peer.ask("free")
             self.freed()
+            # Taken while the peer holds nothing else: room for its hand-over block (allocated
+            # and freed before every round) and half a share more (the bench's default), so
+            # the wake must reuse what the peer freed; a GiB spare for the allocators' rounding.
+            room = self.setup.size + self.setup.size // 2 + GiB
+            self.ballast = self.peer.ask(f"ballast {room}")
         elif not on and self.ballast is not None:
             self.peer.ask("unballast")
             self.ballast = None
@@ -179,20 +191,8 @@ class Probe:
 
     # -- copy variants -------------------------------------------------------------------------
 
-    def streams(self, issue: str) -> list[list[Any]]:
-        count = int(issue.removeprefix("streams")) if issue.startswith("streams") else 0
-        if not count:
-            return [[] for _ in self.setup.devices]
-        if not self.setup.cuda:
-            return [[None] * count for _ in self.setup.devices]  # no-op stream contexts
-        return [
-            [torch.cuda.Stream(d) for _ in range(count)]  # type: ignore[no-untyped-call]
-            for d in self.setup.devices
-        ]
-
     def copy_round(self, v: Variant, hosts: list[HostSide], check: bool) -> list[Json]:
         s = self.setup
-        streams = self.streams(v.issue)
         targets: list[torch.Tensor | None] = [None] * len(s.devices)
 
         def issue(i: int) -> Json:
@@ -207,17 +207,14 @@ class Probe:
             if s.cuda:
                 events = [torch.cuda.Event(enable_timing=True)]  # type: ignore[no-untyped-call]
                 events[0].record(torch.cuda.current_stream(i))
-                for stream in streams[i]:
-                    stream.wait_stream(torch.cuda.current_stream(i))
             if v.issue == "one":
                 dst.copy_(hosts[i].tensor, non_blocking=True)
             else:
-                split_copy(dst, hosts[i].tensor, 0, s.chunk, streams[i])
+                split_copy(dst, hosts[i].tensor, 0, s.chunk)
             if events is not None:
-                for stream in streams[i] or [torch.cuda.current_stream(i)]:
-                    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                    end.record(stream)
-                    events.append(end)
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end.record(torch.cuda.current_stream(i))
+                events.append(end)
             targets[i] = dst
             return {
                 "t0": t0,
@@ -236,7 +233,7 @@ class Probe:
 
         if v.alone:
             results = [finish(i, issue(i)) for i in range(len(s.devices))]
-        elif v.threads:
+        elif not v.one_thread:
             results = together(len(s.devices), lambda i: finish(i, issue(i)))
         else:  # one thread issues both, then waits for each
             issued = [issue(i) for i in range(len(s.devices))]
@@ -262,7 +259,6 @@ class Probe:
             self.engine = EngineRig(self.setup.devices, self.setup.size, self.setup.cuda)
             log(f"engine built, activated and pinned: {time.perf_counter() - started:.1f}s")
         rig = self.engine
-        rig.set_streams(v.wake_streams)
         if v.condition == "own_free":  # the wake right after the engine's own sleep
             self.settled()
             rig.sleep()
@@ -271,8 +267,13 @@ class Probe:
             rig.sleep()
             self.freed()
             self.prepare(v.condition)
-        with busy_thread(v.gil_busy):
-            results = rig.wake(alone=v.alone)
+        interval = gil.SWITCH_INTERVAL_S
+        gil.SWITCH_INTERVAL_S = interval if v.switch else None
+        try:
+            with busy_thread(v.gil_busy):
+                results = rig.wake(alone=v.alone, threads=v.threads)
+        finally:
+            gil.SWITCH_INTERVAL_S = interval
         if check:
             for i, ok in enumerate(rig.bytes_ok()):
                 results[i]["bytes_ok"] = ok
@@ -460,7 +461,10 @@ def run(args: argparse.Namespace) -> Json:
     probe = Probe(setup, peer)
     variants: Json = {}
     try:
+        only = ENGINE_CHECK if args.engine_check else [n for n in args.only.split(",") if n]
         for v in VARIANTS:
+            if only and v.name not in only:
+                continue
             if any(word and word in v.name for word in args.skip.split(",")):
                 variants[v.name] = {"tests": v.tests, "skipped": "--skip"}
                 continue
@@ -503,6 +507,10 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=1.5, help="seconds after a free")
     parser.add_argument("--budget-s", type=float, default=240.0, help="skip variants after it")
     parser.add_argument("--skip", default="", help="skip variants whose name has any of these")
+    parser.add_argument("--only", default="", help="run only these variants (names, commas)")
+    parser.add_argument(
+        "--engine-check", action="store_true", help="run only ENGINE_CHECK (the engine's wake)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny, simulated devices")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

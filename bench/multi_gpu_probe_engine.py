@@ -7,14 +7,16 @@ measurement, and every wake's flat buffers are compared with their bytes before 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from omnistage_worker.engine.placement import blocks_of, plan_device_map
 from omnistage_worker.engine.sharded import ShardedEngine
+from omnistage_worker.engine.weights import TransferStats
 
 Json = dict[str, Any]
 BLOCKS_PER_DEVICE = 16
@@ -40,6 +42,29 @@ class Synthetic(torch.nn.Module):
     def __init__(self, blocks: int, block_bytes: int) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(Block(block_bytes) for _ in range(blocks))
+
+
+def on_threads(steps: Sequence[Callable[[], TransferStats]]) -> list[TransferStats]:
+    """Each step on a thread of its own, released at once by a barrier; their results."""
+    results: list[TransferStats | None] = [None] * len(steps)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(steps))
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = steps[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(steps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None]
 
 
 class EngineRig:
@@ -86,10 +111,6 @@ class EngineRig:
         assert flat is not None, "the engine is asleep"
         return flat
 
-    def set_streams(self, count: int) -> None:
-        for shard in self.engine.shards:
-            shard.wake_streams = count
-
     def sleep(self) -> None:
         """Level 1 (when awake); each device's sleep figures are kept for the report."""
         if self.engine.level != 0:
@@ -98,14 +119,19 @@ class EngineRig:
         self.engine.sleep(1)
         self.last_sleep = [{"seconds": s.seconds, "bytes": s.bytes_moved} for s in self.engine.last]
 
-    def wake(self, alone: bool = False) -> list[Json]:
-        """One wake of every device at once (``alone``: one device after the other, each
-        shard's own wake); per device its engine seconds and allocation."""
+    def wake(self, alone: bool = False, threads: bool = False) -> list[Json]:
+        """One wake of every device at once, as the worker runs it (``alone``: one device after
+        the other, each shard's own wake; ``threads``: each shard's own wake on a thread of
+        its own, released by a barrier: the engine's issue before); per device its engine
+        seconds and allocation."""
         for record in self._allocs:
             record.clear()
-        if alone:
+        if alone or threads:
             started = time.perf_counter()
-            last = [shard.wake() for shard in self.engine.shards]
+            if alone:
+                last = [shard.wake() for shard in self.engine.shards]
+            else:
+                last = on_threads([shard.wake for shard in self.engine.shards])
             wall = time.perf_counter() - started
         else:
             stats = self.engine.wake()

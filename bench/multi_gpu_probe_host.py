@@ -283,7 +283,11 @@ def child_peer(devices: int, cuda: bool) -> None:
         command, *args = line.split()
         reply: Json = {}
         if command == "alloc":
-            blocks = [torch.empty(int(args[0]), dtype=torch.uint8, device=n) for n in names]
+            blocks = []
+            try:
+                blocks = [torch.empty(int(args[0]), dtype=torch.uint8, device=n) for n in names]
+            except torch.OutOfMemoryError as exc:  # answered: the probe's other variants go on
+                reply["error"] = str(exc).splitlines()[0]
             for block in blocks:
                 block.fill_(1)
             settle()
@@ -340,6 +344,8 @@ class Peer:
         if not line:
             raise RuntimeError(f"the peer process died on {command!r}")
         reply: Json = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"the peer could not {command!r}: {reply['error']}")
         return reply
 
     def close(self) -> None:

@@ -18,13 +18,14 @@ class Variant:
     name: str
     tests: str
     host: str  # whole | chunks | hostalloc | numa | engine
-    issue: str  # one | split | streams2 | streams4 (engine: its own wake)
+    issue: str  # one | split (engine: its own wake)
     dest: str  # warm (allocated once, kept) | fresh (allocated inside the step)
     condition: str  # settled | own_free | peer_free | peer_free_ballast
-    threads: bool = True  # one issuing thread per device (False: one thread for both)
+    one_thread: bool = False  # bare copies: one thread issues both devices' (else one each)
     alone: bool = False  # the devices one after the other instead of at once
-    wake_streams: int = 1
+    threads: bool = False  # engine: one thread per device, each its shard's own wake
     gil_busy: bool = False
+    switch: bool = True  # engine: the switch interval lowered while it copies (engine/gil.py)
 
 
 def V(name: str, spec: str, tests: str, **options: Any) -> Variant:
@@ -38,16 +39,42 @@ VARIANTS: list[Variant] = [  # in order of importance: a short budget drops the 
     V("limit", "whole one warm settled", "the limit as bench/multi_gpu.py takes it, here"),
     V("engine_peer_free", f"{E} peer_free", "the worker's wake in a hand-over (the bench's)"),
     V("engine_settled", f"{E} settled", "the worker's wake with no recent free"),
-    V("peer_free_one", "whole one fresh peer_free", "bare allocate+copy after a peer's free"),
-    V("settled_fresh_one", "whole one fresh settled", "the allocation in the step, no free"),
-    V("own_free_one", "whole one fresh own_free", "allocate+copy after this process's free"),
     V(
         "engine_settled_alone",
         f"{E} settled",
         "the worker's wake, one device at a time",
         alone=True,
     ),
+    V(
+        "engine_settled_gil_busy",
+        f"{E} settled",
+        "the wake beside a busy Python thread",
+        gil_busy=True,
+    ),
+    V(
+        "engine_settled_gil_busy_no_switch",
+        f"{E} settled",
+        "the same with the switch interval left at its default (the one-call issue alone)",
+        gil_busy=True,
+        switch=False,
+    ),
+    V(
+        "engine_settled_threads",
+        f"{E} settled",
+        "one thread per device, each its own device's wake (the issue before)",
+        threads=True,
+    ),
     V("engine_peer_free_alone", f"{E} peer_free", "the same in a hand-over", alone=True),
+    V("engine_own_free", f"{E} own_free", "the worker's wake right after its own sleep"),
+    V(
+        "warm_one_thread",
+        "whole one warm settled",
+        "one thread issues both devices' copies",
+        one_thread=True,
+    ),
+    V("peer_free_one", "whole one fresh peer_free", "bare allocate+copy after a peer's free"),
+    V("settled_fresh_one", "whole one fresh settled", "the allocation in the step, no free"),
+    V("own_free_one", "whole one fresh own_free", "allocate+copy after this process's free"),
     V("warm_split_whole", "whole split warm settled", "64 MiB pieces instead of one copy"),
     V(
         "warm_split_chunks",
@@ -56,11 +83,6 @@ VARIANTS: list[Variant] = [  # in order of importance: a short budget drops the 
     ),
     V("settled_fresh_split_chunks", "chunks split fresh settled", "the engine's copy, bare"),
     V("peer_free_split_chunks", "chunks split fresh peer_free", "the same in a hand-over"),
-    V("peer_free_streams4_chunks", "chunks streams4 fresh peer_free", "4 streams, hand-over"),
-    V("peer_free_streams2_chunks", "chunks streams2 fresh peer_free", "2 streams, hand-over"),
-    V("engine_peer_free_s4", f"{E} peer_free", "the wake on 4 streams, hand-over", wake_streams=4),
-    V("engine_peer_free_s2", f"{E} peer_free", "the wake on 2 streams, hand-over", wake_streams=2),
-    V("engine_settled_s4", f"{E} settled", "the wake on 4 streams, no free", wake_streams=4),
     V(
         "peer_free_ballast_one",
         "whole one fresh peer_free_ballast",
@@ -68,37 +90,53 @@ VARIANTS: list[Variant] = [  # in order of importance: a short budget drops the 
     ),
     V("engine_peer_free_ballast", f"{E} peer_free_ballast", "the bench's hand-over exactly"),
     V(
-        "engine_peer_free_ballast_s4",
-        f"{E} peer_free_ballast",
-        "the same on 4 streams",
-        wake_streams=4,
-    ),
-    V(
         "peer_free_one_alone",
         "whole one fresh peer_free",
         "bare copy after a peer's free, one device at a time",
         alone=True,
     ),
-    V("engine_own_free", f"{E} own_free", "the worker's wake right after its own sleep"),
-    V("warm_streams4_chunks", "chunks streams4 warm settled", "4 streams, kept destination"),
     V("warm_one_hostalloc", "hostalloc one warm settled", "cudaHostAlloc, not HostRegister"),
     V("warm_one_numa", "numa one warm settled", "host pages on the GPU's NUMA node"),
-    V(
-        "warm_one_thread",
-        "whole one warm settled",
-        "one thread issues both devices' copies",
-        threads=False,
-    ),
-    V(
-        "engine_settled_gil_busy",
-        f"{E} settled",
-        "the wake beside a busy Python thread",
-        gil_busy=True,
-    ),
 ]
+
+ENGINE_CHECK = [
+    "limit",
+    "engine_peer_free",
+    "engine_settled",
+    "engine_settled_alone",
+    "engine_settled_gil_busy",
+    "engine_settled_gil_busy_no_switch",
+    "engine_settled_threads",
+    "engine_peer_free_alone",
+    "engine_own_free",
+    "warm_one_thread",
+]
+"""``--engine-check``: the engine's wake against the same limits, in about 2 minutes."""
 
 
 HYPOTHESES: list[Json] = [
+    {
+        "id": "one_thread",
+        "claim": "the engine's wake issued from one thread (every device's pieces interleaved, "
+        "in one call) runs both devices at the rate of one device alone",
+        "compare": ["engine_settled", "engine_settled_alone"],
+        "also": [
+            ["engine_peer_free", "engine_peer_free_alone"],
+            ["engine_settled", "engine_settled_threads"],
+            ["engine_settled", "warm_one_thread"],
+        ],
+        "confirmed_if": "engine_settled/engine_settled_alone at or above 0.97 (0.90 with one "
+        "thread per device, code db31bba), and engine_settled/engine_settled_threads above 1",
+    },
+    {
+        "id": "gil",
+        "claim": "a busy Python thread no longer slows the wake: one call issues the pieces, "
+        "and the switch interval is lowered while the transition runs",
+        "compare": ["engine_settled_gil_busy", "engine_settled"],
+        "also": [["engine_settled_gil_busy_no_switch", "engine_settled"]],
+        "confirmed_if": "engine_settled_gil_busy/engine_settled at or above 0.95 (0.028 at code "
+        "db31bba); the no_switch ratio says how much of it the one call alone gives",
+    },
     {
         "id": "postfree",
         "claim": "a wake right after another process freed memory (the hand-over) copies slower: "
@@ -124,18 +162,6 @@ HYPOTHESES: list[Json] = [
         "confirmed_if": "ratio under 0.97, and its alloc_ms a visible share of its seconds",
     },
     {
-        "id": "together",
-        "claim": "two devices copying at once slow each other in the wake's path (driver or "
-        "process-wide locks, host memory), though the bare copies do not",
-        "compare": ["engine_settled", "engine_settled_alone"],
-        "also": [
-            ["engine_peer_free", "engine_peer_free_alone"],
-            ["peer_free_one", "peer_free_one_alone"],
-        ],
-        "confirmed_if": "engine ratios under 0.97 while multi_gpu_limit's together/alone "
-        "(in its JSON) and peer_free_one/peer_free_one_alone stay near 1",
-    },
-    {
         "id": "pieces",
         "claim": "64 MiB pieces copy slower than one copy",
         "compare": ["warm_split_whole", "limit"],
@@ -152,32 +178,10 @@ HYPOTHESES: list[Json] = [
     },
     {
         "id": "engine",
-        "claim": "the engine adds time of its own (threads, views, Python) to the bare copy",
+        "claim": "the engine adds time of its own (views, Python) to the bare copy",
         "compare": ["engine_settled", "settled_fresh_split_chunks"],
         "also": [["engine_peer_free", "peer_free_split_chunks"]],
         "confirmed_if": "ratio under 0.97",
-    },
-    {
-        "id": "gil",
-        "claim": "the copies are issued from threads that wait for the GIL",
-        "compare": ["warm_one_thread", "limit"],
-        "also": [["engine_settled_gil_busy", "engine_settled"]],
-        "confirmed_if": "engine_settled_gil_busy/engine_settled under 0.95 (then a busy worker "
-        "thread slows wakes); warm_one_thread/limit above 1.03 (threads cost)",
-    },
-    {
-        "id": "streams",
-        "claim": "pieces over several streams (more copy engines) beat the post-free slowdown",
-        "compare": ["peer_free_streams4_chunks", "peer_free_split_chunks"],
-        "also": [
-            ["peer_free_streams2_chunks", "peer_free_split_chunks"],
-            ["engine_peer_free_s4", "engine_peer_free"],
-            ["engine_peer_free_s2", "engine_peer_free"],
-            ["engine_peer_free_ballast_s4", "engine_peer_free_ballast"],
-            ["warm_streams4_chunks", "warm_split_chunks"],
-        ],
-        "confirmed_if": "ratios above 1.03 in a hand-over (then WAKE_STREAMS should become the "
-        "best count), and not under 0.99 with a kept destination",
     },
     {
         "id": "hostalloc",
@@ -211,6 +215,9 @@ HYPOTHESES: list[Json] = [
         " (ack_reads gives the two readings' share)",
     },
 ]
+
+HEADLINE = ["engine_peer_free", "engine_settled", "engine_settled_alone", "engine_settled_gil_busy"]
+"""The summary's ``headline``: each one's per-device share of ``multi_gpu_limit``."""
 
 
 def _median(values: list[float]) -> float:
@@ -292,6 +299,11 @@ def summarize(report: Json) -> Json:
             2e3 * report["ack_reads"]["read_seconds_median"], 2
         )
     return {
+        "headline_of_multi_gpu_limit": {
+            name: figures[name]["of_multi_gpu_limit"]
+            for name in HEADLINE
+            if "of_multi_gpu_limit" in figures.get(name, {})
+        },
         "multi_gpu_limit_gbps": limits,
         "inprocess_limit_best_gbps": inprocess,
         "variants": figures,

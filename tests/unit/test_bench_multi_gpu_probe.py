@@ -10,7 +10,7 @@ import torch
 
 from bench.multi_gpu_probe import run
 from bench.multi_gpu_probe_host import PATTERN_BLOCK, pattern_fill, pattern_ok
-from bench.multi_gpu_probe_report import HYPOTHESES, VARIANTS, summarize
+from bench.multi_gpu_probe_report import ENGINE_CHECK, HEADLINE, HYPOTHESES, VARIANTS, summarize
 
 
 def test_the_pattern_shows_a_block_copied_to_the_wrong_place() -> None:
@@ -46,11 +46,27 @@ def test_summary_rates_each_variant_against_both_limits() -> None:
     assert summary["evidence"]["numa"]["warm_one_numa / limit"] is None
 
 
-def test_a_dry_run_runs_every_variant_with_the_right_bytes() -> None:
+def dry_run(**options: Any) -> dict[str, Any]:
     args = argparse.Namespace(
-        dry_run=True, gib=8.0, limit_gib=4.0, repeats=1, settle=0.0, budget_s=600.0, out=None
+        dry_run=True,
+        gib=8.0,
+        limit_gib=4.0,
+        repeats=1,
+        settle=0.0,
+        budget_s=600.0,
+        out=None,
+        skip="",
+        only="",
+        engine_check=False,
     )
-    report = run(args)
+    for key, value in options.items():
+        setattr(args, key, value)
+    report: dict[str, Any] = run(args)
+    return report
+
+
+def test_a_dry_run_runs_every_variant_with_the_right_bytes() -> None:
+    report = dry_run()
     assert set(report["variants"]) == {v.name for v in VARIANTS}
     for name, result in report["variants"].items():
         assert "error" not in result, (name, result)
@@ -58,7 +74,17 @@ def test_a_dry_run_runs_every_variant_with_the_right_bytes() -> None:
     summary = report["summary"]
     assert summary["all_bytes_ok"]
     assert set(summary["evidence"]) == {h["id"] for h in HYPOTHESES}
-    engine = report["variants"]["engine_peer_free_s4"]["rounds"][0]
-    assert all(d["bytes"] > 0 and d["bytes_ok"] for d in engine)
+    for name in ("engine_settled_threads", "engine_settled_gil_busy_no_switch"):
+        engine = report["variants"][name]["rounds"][0]
+        assert all(d["bytes"] > 0 and d["bytes_ok"] for d in engine), name
     numa = report["variants"]["warm_one_numa"]["host_facts"]
     assert all("bind" in f and "page_nodes" in f for f in numa)  # placed on node 0, read back
+
+
+def test_the_engine_check_runs_its_variants_only() -> None:
+    report = dry_run(engine_check=True)
+    assert list(report["variants"]) == ENGINE_CHECK
+    assert all("error" not in r for r in report["variants"].values())
+    assert report["summary"]["all_bytes_ok"]
+    assert set(HEADLINE) <= set(ENGINE_CHECK)
+    assert dry_run(only="limit,engine_settled")["variants"].keys() == {"limit", "engine_settled"}
