@@ -32,12 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,10 +46,11 @@ REPO = Path(__file__).resolve().parent.parent
 for extra in ("worker_image/src", "protos/gen/python", "."):
     sys.path.insert(0, str(REPO / extra))
 
-from bench.multi_gpu_probe_engine import EngineRig  # noqa: E402
+from bench.multi_gpu_probe_engine import EngineRig, busy_thread, together  # noqa: E402
 from bench.multi_gpu_probe_host import (  # noqa: E402
     HostSide,
     Peer,
+    ack_reads,
     child_peer,
     gpu_node,
     make_host,
@@ -317,86 +315,6 @@ class Probe:
             self.engine.close()
         for kind in list(self.hosts):
             self.drop_host(kind)
-
-
-def together(n: int, step: Callable[[int], Json]) -> list[Json]:
-    """``step(i)`` on ``n`` threads released at once by a barrier; their results in order."""
-    results: list[Json] = [{} for _ in range(n)]
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(n)
-
-    def run(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = step(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-class busy_thread:
-    """While inside: a Python thread that never waits (holds the GIL for its switch interval)."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._spin, daemon=True)
-
-    def _spin(self) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-
-    def __enter__(self) -> None:
-        if self.on:
-            self.thread.start()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.on:
-            self.stop.set()
-            self.thread.join()
-
-
-def ack_reads(devices: int) -> Json:
-    """Seconds of the worker's per-device NVML reading (an Ack takes two, before and after);
-    the same NVML calls made directly where the worker's probe does not import here."""
-    read: Callable[[], object]
-    try:
-        from omnistage_worker.memory.devices import DeviceProbes
-        from omnistage_worker.memory.nvml import NvmlProbe
-
-        read, source = DeviceProbes([NvmlProbe(i) for i in range(devices)]).read, "worker"
-    except Exception as exc:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(devices)]
-
-        def read() -> object:
-            return [
-                (pynvml.nvmlDeviceGetMemoryInfo(h), pynvml.nvmlDeviceGetComputeRunningProcesses(h))
-                for h in handles
-            ]
-
-        source = f"pynvml directly (the worker's probe: {exc!r})"
-    times = []
-    for _ in range(10):
-        started = time.perf_counter()
-        read()
-        times.append(time.perf_counter() - started)
-    return {
-        "source": source,
-        "read_seconds_median": statistics.median(times),
-        "read_seconds": times,
-    }
 
 
 def multi_gpu_limit(gib: float) -> Json:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from omnistage_worker.engine.placement import blocks_of, plan_device_map
 from omnistage_worker.engine.sharded import ShardedEngine
-from omnistage_worker.engine.weights import TransferStats
 
 Json = dict[str, Any]
 BLOCKS_PER_DEVICE = 16
@@ -44,27 +43,53 @@ class Synthetic(torch.nn.Module):
         self.layers = torch.nn.ModuleList(Block(block_bytes) for _ in range(blocks))
 
 
-def on_threads(steps: Sequence[Callable[[], TransferStats]]) -> list[TransferStats]:
-    """Each step on a thread of its own, released at once by a barrier; their results."""
-    results: list[TransferStats | None] = [None] * len(steps)
+T = TypeVar("T")
+
+
+def together(n: int, step: Callable[[int], T]) -> list[T]:
+    """``step(i)`` on ``n`` threads released at once by a barrier; their results in order."""
+    results: dict[int, T] = {}
     errors: list[BaseException] = []
-    barrier = threading.Barrier(len(steps))
+    barrier = threading.Barrier(n)
 
     def run(i: int) -> None:
         try:
             barrier.wait()
-            results[i] = steps[i]()
+            results[i] = step(i)
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(steps))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    return [r for r in results if r is not None]
+    return [results[i] for i in range(n)]
+
+
+class busy_thread:
+    """While inside: a Python thread that never waits (holds the GIL for its switch interval)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+
+    def _spin(self) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+
+    def __enter__(self) -> None:
+        if self.on:
+            self.thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.on:
+            self.stop.set()
+            self.thread.join()
 
 
 class EngineRig:
@@ -131,7 +156,8 @@ class EngineRig:
             if alone:
                 last = [shard.wake() for shard in self.engine.shards]
             else:
-                last = on_threads([shard.wake for shard in self.engine.shards])
+                shards = self.engine.shards
+                last = together(len(shards), lambda i: shards[i].wake())
             wall = time.perf_counter() - started
         else:
             stats = self.engine.wake()

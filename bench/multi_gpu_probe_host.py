@@ -19,8 +19,10 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -355,3 +357,40 @@ class Peer:
             self._proc.wait(30)
         if self._proc.poll() is None:
             self._proc.kill()
+
+
+# ---- the Ack's NVML readings ----------------------------------------------------------------
+
+
+def ack_reads(devices: int) -> Json:
+    """Seconds of the worker's per-device NVML reading (an Ack takes two, before and after);
+    the same NVML calls made directly where the worker's probe does not import here."""
+    read: Callable[[], object]
+    try:
+        from omnistage_worker.memory.devices import DeviceProbes
+        from omnistage_worker.memory.nvml import NvmlProbe
+
+        read, source = DeviceProbes([NvmlProbe(i) for i in range(devices)]).read, "worker"
+    except Exception as exc:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(devices)]
+
+        def read() -> object:
+            return [
+                (pynvml.nvmlDeviceGetMemoryInfo(h), pynvml.nvmlDeviceGetComputeRunningProcesses(h))
+                for h in handles
+            ]
+
+        source = f"pynvml directly (the worker's probe: {exc!r})"
+    times = []
+    for _ in range(10):
+        started = time.perf_counter()
+        read()
+        times.append(time.perf_counter() - started)
+    return {
+        "source": source,
+        "read_seconds_median": statistics.median(times),
+        "read_seconds": times,
+    }
