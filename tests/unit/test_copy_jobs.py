@@ -161,6 +161,40 @@ def test_a_failed_issue_aborts_every_job_and_restores_the_interval() -> None:
     assert [s.bytes_moved for s in stats] == [8, 8] and aborted == [0, 1]
 
 
+@pytest.mark.parametrize(("at", "blamed"), [(0, 1), (copy_jobs.LEAD_PIECES, -1)])
+def test_a_piece_that_fails_to_copy_names_its_job_or_the_interleaved_issue(
+    at: int, blamed: int
+) -> None:
+    """A bad piece among a job's lead blames that job; after it, the issue of all of them."""
+    aborted: list[int] = []
+    good = (torch.empty(4, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))
+    bad = (torch.empty(4, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8))
+
+    def job(i: int, pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyJob:
+        return CopyJob(pieces, lambda: 4, lambda: aborted.append(i))
+
+    second = [good] * (copy_jobs.LEAD_PIECES + 1)
+    second[at] = bad
+    with pytest.raises(JobError) as failed:
+        run_jobs([lambda: job(0, [good]), lambda: job(1, second)])
+    assert failed.value.index == blamed and aborted == [0, 1]
+
+
+def test_an_interrupt_stays_an_interrupt_after_the_aborts() -> None:
+    aborted: list[int] = []
+
+    def interrupted() -> CopyJob:
+        raise KeyboardInterrupt
+
+    src = torch.zeros(4, dtype=torch.uint8)
+    first = CopyJob(
+        [(torch.empty(4, dtype=torch.uint8), src)], lambda: 4, lambda: aborted.append(0)
+    )
+    with pytest.raises(KeyboardInterrupt):
+        run_jobs([lambda: first, interrupted])
+    assert aborted == [0]
+
+
 def test_interleave_deals_one_piece_of_each_queue_in_turn() -> None:
     a, b, c = (torch.empty(1) for _ in range(3))
     queues = [[(a, a), (a, b)], [(b, b)], [(c, c), (c, a), (c, b)]]

@@ -74,19 +74,23 @@ def run_jobs(makers: Sequence[Callable[[], CopyJob]]) -> list[JobStats]:
     in a finish is raised once the other jobs are finished (theirs have moved)."""
     with quick_switching():
         jobs: list[CopyJob] = []
+        where = 0  # the job being made or given its lead; -1: the interleaved issue
         try:
             for make in makers:
+                where = len(jobs)
                 jobs.append(make())
                 copy_pieces(jobs[-1].pieces[:LEAD_PIECES])
+            where = -1
             copy_pieces(interleave([job.pieces[LEAD_PIECES:] for job in jobs]))
         except BaseException as error:
-            index = len(jobs) if len(jobs) < len(makers) else -1  # -1: in the interleaved issue
             aborts = [job.abort for job in jobs]
             jobs.clear()  # their device buffers go before the aborts give memory back
             for abort in aborts:
                 with contextlib.suppress(Exception):
                     abort()
-            raise JobError(index, error) from error
+            if not isinstance(error, Exception):
+                raise  # an interrupt stays one
+            raise JobError(where, error) from error
         stats: list[JobStats] = []
         failed: JobError | None = None
         for index, job in enumerate(jobs):
