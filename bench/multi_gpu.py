@@ -8,7 +8,7 @@ What it does, in order, all through the real ``omnistage-worker`` processes over
 
 1. Copy limits, measured in this run, in a child process: page-locked host<->device copies of
    ``--limit-gib`` per device, H2D and D2H, each device alone and both devices at once (one
-   thread per device, as the worker's engine copies).
+   thread per device, as the worker's engine copies; ``bench/copy_limits.py``).
 2. Two causal LMs of ``--gib`` each (Llama-shaped, random bf16 weights, different seeds), saved
    as safetensors; each is a stage with ``--gpus 2``: its worker splits it over cuda:0 and
    cuda:1 (device map of whole decoder layers, one flat buffer per device).
@@ -40,7 +40,6 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from datetime import UTC, datetime
@@ -51,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 for extra in ("worker_image/src", "protos/gen/python", "."):
     sys.path.insert(0, str(REPO / extra))
 
+from bench.copy_limits import child_limits  # noqa: E402
 from bench.reporting import emit  # noqa: E402
 from bench.worker_grpc import (  # noqa: E402
     INFERENCE,
@@ -70,64 +70,6 @@ DEVICES = 2
 
 def log(msg: str) -> None:
     print(f"[multi_gpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ---- 1. copy limits (child process) ----------------------------------------------------------
-
-
-def child_limits(gib: float) -> Json:
-    """H2D and D2H GB/s per device, alone and with both devices copying at once, with the
-    engine's own page-locked host buffers (registered portable, as the engine does)."""
-    import torch
-
-    from omnistage_worker.engine.host_memory import HostBuffer
-
-    size = int(gib * GiB)
-    buffers = [HostBuffer(size, pin=True) for _ in range(DEVICES)]
-    hosts = [b.tensor for b in buffers]
-    gpus = [torch.empty(size, dtype=torch.uint8, device=f"cuda:{i}") for i in range(DEVICES)]
-    for h in hosts:
-        h.fill_(7)
-
-    def copy(i: int, direction: str) -> float:
-        with torch.cuda.device(i):
-            torch.cuda.synchronize(i)
-            start = time.perf_counter()
-            if direction == "h2d":
-                gpus[i].copy_(hosts[i], non_blocking=True)
-            else:
-                hosts[i].copy_(gpus[i], non_blocking=True)
-            torch.cuda.synchronize(i)
-            return time.perf_counter() - start
-
-    def together(direction: str) -> tuple[list[float], float]:
-        times = [0.0] * DEVICES
-        barrier = threading.Barrier(DEVICES)
-
-        def run(i: int) -> None:
-            barrier.wait()
-            times[i] = copy(i, direction)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(DEVICES)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return times, time.perf_counter() - start
-
-    out: Json = {"buffer_bytes_per_device": size}
-    for direction in ("h2d", "d2h"):
-        for i in range(DEVICES):
-            best = min(copy(i, direction) for _ in range(4))
-            out[f"{direction}_alone_gbps_cuda{i}"] = size / best / 1e9
-        runs = [together(direction) for _ in range(4)]
-        per = [min(r[0][i] for r in runs) for i in range(DEVICES)]
-        wall = min(r[1] for r in runs)
-        for i in range(DEVICES):
-            out[f"{direction}_together_gbps_cuda{i}"] = size / per[i] / 1e9
-        out[f"{direction}_together_aggregate_gbps"] = DEVICES * size / wall / 1e9
-    return out
 
 
 # ---- 2. models (child process) ---------------------------------------------------------------

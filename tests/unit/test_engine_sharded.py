@@ -151,28 +151,37 @@ def test_a_device_left_empty_is_refused() -> None:
         ShardedEngine({"model": model}, CPU2, {"model": {"": 0}})
 
 
-def test_a_device_that_fails_to_wake_fails_the_wake_and_sleep_brings_all_back(
+def test_a_device_that_fails_to_wake_leaves_every_device_asleep(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Device 1 cannot allocate its buffer: device 0's copy, already issued, is waited for and
+    its new buffer given back; nothing woke, and the next wake brings the same outputs."""
     model = tiny_llama(tied=False)
     expected = logits(model)
     engine = sharded(model)
     engine.activate()
     engine.sleep(1)
-    second = engine.shards[1]
-    real_wake = second.wake
+    first, second = engine.shards
+    real_new_flat = second._new_flat
+    released: list[int] = []
+    real_release = first._release_device
 
-    def out_of_memory() -> object:
+    def out_of_memory() -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory (simulated on device 1)")
 
-    monkeypatch.setattr(second, "wake", out_of_memory)
+    def release() -> None:
+        released.append(first.device_bytes())
+        real_release()
+
+    monkeypatch.setattr(second, "_new_flat", out_of_memory)
+    monkeypatch.setattr(first, "_release_device", release)
     with pytest.raises(EngineError, match=r"device 1 \(cpu\): CUDA out of memory"):
         engine.wake()
-    assert [s.level for s in engine.shards] == [0, 1]  # device 0 woke, device 1 did not
-    engine.sleep(1)  # what the worker does after a failed wake: every device asleep again
-    assert [s.level for s in engine.shards] == [1, 1]
-    assert engine.device_bytes() == 0
-    monkeypatch.setattr(second, "wake", real_wake)
+    assert [s.level for s in engine.shards] == [1, 1]  # neither device woke
+    assert released == [0] and engine.device_bytes() == 0
+    engine.sleep(1)  # what the worker does after a failed wake: nothing left to do
+    monkeypatch.setattr(second, "_new_flat", real_new_flat)
     engine.wake()
+    assert [s.level for s in engine.shards] == [0, 0]
     assert torch.equal(logits(model), expected)
     engine.close()

@@ -10,10 +10,11 @@ driver let them run only in the pauses), so a chunk starts only when no request 
 or after :data:`MAX_WAIT_S` of waiting (pinning still ends under a steady load). The pages of
 a chunk are faulted in before its registration, outside the driver's lock, where possible.
 
-A copy between the host buffer and the device goes through :func:`split_copy`, piece by piece at
-chunk boundaries (one piece never spans two registrations), while :meth:`ChunkPinner.hold` keeps
-the pinned prefix still: the pinned prefix is copied at the page-locked rate, the rest through the
-pageable path (``wait=True`` finishes the pinning first, at full speed, instead).
+A copy between the host buffer and the device is issued as :func:`pieces` at chunk boundaries
+(one piece never spans two registrations), all in one call (:func:`copy_pieces`), while
+:meth:`ChunkPinner.hold` keeps the pinned prefix still: the pinned prefix is copied at the
+page-locked rate, the rest through the pageable path (``wait=True`` finishes the pinning
+first, at full speed, instead).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -174,18 +175,38 @@ class ChunkPinner:
         self.buffer.release()
 
 
-def split_copy(dst: torch.Tensor, src: torch.Tensor, host_offset: int, chunk_bytes: int) -> int:
-    """Copy 1-D uint8 ``src`` into ``dst`` in pieces that do not cross a chunk boundary of the host
-    buffer (``host_offset``: where this range starts in it); returns the number of pieces."""
+Piece = tuple[torch.Tensor, torch.Tensor]
+"""A destination and a source of the same size: one call of the copy."""
+
+
+def pieces(dst: torch.Tensor, src: torch.Tensor, host_offset: int, chunk_bytes: int) -> list[Piece]:
+    """1-D uint8 ``src`` -> ``dst`` as pieces that do not cross a chunk boundary of the host
+    buffer (``host_offset``: where this range starts in it): one piece never spans two
+    registrations (a copy that does is staged through the pageable path)."""
     if dst.numel() != src.numel():
         raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()}")
     total = src.numel()
     done = 0
-    pieces = 0
+    out: list[Piece] = []
     while done < total:
         edge = (host_offset + done) // chunk_bytes * chunk_bytes + chunk_bytes
         length = min(total - done, edge - (host_offset + done))
-        dst[done : done + length].copy_(src[done : done + length], non_blocking=True)
+        out.append((dst[done : done + length], src[done : done + length]))
         done += length
-        pieces += 1
-    return pieces
+    return out
+
+
+def copy_pieces(batch: Sequence[Piece]) -> None:
+    """Issue every piece's copy (asynchronous where the host side is page-locked) in ONE call:
+    ``torch._foreach_copy_`` loops over them in C++ with the GIL released once, so a busy Python
+    thread cannot slow the issue down piece by piece. Pieces may be on different devices (each
+    copy runs on its device's current stream)."""
+    if batch:
+        torch._foreach_copy_([d for d, _ in batch], [s for _, s in batch], non_blocking=True)
+
+
+def split_copy(dst: torch.Tensor, src: torch.Tensor, host_offset: int, chunk_bytes: int) -> int:
+    """:func:`pieces` of ``src`` -> ``dst``, copied (:func:`copy_pieces`); their number."""
+    batch = pieces(dst, src, host_offset, chunk_bytes)
+    copy_pieces(batch)
+    return len(batch)

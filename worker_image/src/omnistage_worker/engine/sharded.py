@@ -1,10 +1,13 @@
 """A stage's weights over several devices: one weight engine (one flat buffer) per device.
 
 Each device's engine owns the slots placed there (:mod:`.placement`); a transition runs on
-every device at once, one thread per device, so the host<->device copies of the devices
-overlap (each device has its own copy engines and PCIe link). The transition waits for every
-device; one that fails fails the whole (the others have moved; the worker measures each device
-and reports each in its Ack).
+every device at once, so the host<->device copies of the devices overlap (each device has its
+own copy engines and PCIe link). A level-1 sleep or wake is issued from the calling thread,
+every device's pieces interleaved, each device's on its own current stream (:mod:`.copy_jobs`:
+one thread per device ran at 0.90 of one device alone, and collapsed beside a busy Python
+thread); other transitions (level 2, a sleep with rebound weights) run one thread per device.
+The transition waits for every device; one that fails fails the whole (the others have moved;
+the worker measures each device and reports each in its Ack).
 
 On a CPU the devices are simulated: every shard's ``torch.device`` is ``cpu``, but each keeps
 its own flat buffer, host copy and byte accounting, which a simulated GPU per device charges.
@@ -12,12 +15,14 @@ its own flat buffer, host copy and byte accounting, which a simulated GPU per de
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from omnistage_worker.engine.copy_jobs import CopyJob, JobError, run_jobs
 from omnistage_worker.engine.flat_weights import EngineError, WeightFiles
 from omnistage_worker.engine.placement import DeviceMap, assign_ordinals
 from omnistage_worker.engine.slots import Slot, collect_slots
@@ -106,6 +111,22 @@ class ShardedEngine:
             noop=all(s.noop for s in self.last),
         )
 
+    def _together(self, job: Callable[[WeightEngine], CopyJob]) -> TransferStats:
+        """Every device's copy job from this thread (:func:`run_jobs`); each device's seconds
+        run from the transition's start to the end of its own finish."""
+        started = time.perf_counter()
+        try:
+            stats = run_jobs([functools.partial(job, s) for s in self.shards])
+        except JobError as error:
+            where = (
+                f"device {error.index} ({self.devices[error.index]})"
+                if error.index >= 0
+                else "the devices' copies"
+            )
+            raise EngineError(f"{where}: {error.error}") from error.error
+        self.last = [TransferStats(s.bytes_moved, s.ended - started) for s in stats]
+        return TransferStats(sum(s.bytes_moved for s in self.last), time.perf_counter() - started)
+
     def activate(self) -> TransferStats:
         return self._all(lambda s: s.activate())
 
@@ -113,9 +134,13 @@ class ShardedEngine:
         return self._all(lambda s: s.start_asleep(level))
 
     def sleep(self, level: int) -> TransferStats:
+        if level == 1 and all(s.can_sleep_by_job() for s in self.shards):
+            return self._together(lambda s: s.sleep_job())
         return self._all(lambda s: s.sleep(level))
 
     def wake(self) -> TransferStats:
+        if all(s.level == 1 for s in self.shards):
+            return self._together(lambda s: s.wake_job())
         return self._all(lambda s: s.wake())
 
     def close(self) -> None:

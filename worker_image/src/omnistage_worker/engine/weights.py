@@ -6,6 +6,8 @@ device buffer (256-byte aligned slots). So:
   once (in the background, right after activation) and is reused on every later cycle; then the
   device buffer is freed and the allocator's cache returned to the driver;
 - level-1 wake is one allocation and one host-to-device copy, then the views are rebound;
+  a level-1 copy goes in pieces at the host copy's page-locked chunks, issued in one call with
+  the switch interval lowered (:mod:`.copy_jobs`), so a busy Python thread does not slow it;
 - level-2 sleep drops the weights (and the host buffer); level-2 wake reloads the bytes from the
   model's safetensors files with overlapped multi-threaded reads (see reload.py). Tensors that are
   not in the files (non-persistent buffers, weights converted at load) are kept on the host; their
@@ -13,21 +15,24 @@ device buffer (256-byte aligned slots). So:
 Parameters keep their identity: only their ``.data`` is swapped, so tied weights stay tied.
 
 One engine serves one device. A stage on several devices runs one engine per device, each over
-the slots placed there (``slots=``), side by side (see :mod:`.sharded`).
+the slots placed there (``slots=``); their level-1 copies are issued together from one thread
+(:meth:`WeightEngine.wake_job`, :meth:`WeightEngine.sleep_job`; see :mod:`.sharded`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from omnistage_worker.engine.copy_jobs import CopyJob, JobError, run_jobs
 from omnistage_worker.engine.flat_weights import EngineError, FlatWeights
+from omnistage_worker.engine.gil import quick_switching
 from omnistage_worker.engine.host_memory import HostBuffer
-from omnistage_worker.engine.pinning import (
-    split_copy,
-)
+from omnistage_worker.engine.pinning import pieces, split_copy
 from omnistage_worker.engine.reload import FileLoader
 
 
@@ -147,41 +152,88 @@ class WeightEngine(FlatWeights):
         if self.level == 2 and level == 1:
             raise EngineError("cannot go from level 2 to level 1 without waking first")
         # awake -> asleep
+        if level == 1 and self.can_sleep_by_job(reuse_host):
+            return self._run_job(self.sleep_job, started)
         moved = 0
         has_host = self._host is not None or self._pinner is not None
         reused = reuse_host and has_host and self._host_valid
         if level == 1 and reused and self._flat_intact():
             pass  # the host copy already holds these bytes
-        elif level == 1:
+        elif level == 1:  # some weight was rebound: slot by slot
             host = self._take_host().tensor
             chunk = self._chunk()
-            with self._host_held():
-                if self._flat_intact():
-                    assert self._flat is not None
-                    split_copy(host, self._flat, 0, chunk)
-                else:
-                    for slot in self._slots:
-                        if slot.nbytes == 0:
-                            continue
-                        place = self._offsets[slot.key]
-                        source = slot.tensors[0].data.contiguous().reshape(-1).view(torch.uint8)
-                        split_copy(
-                            host[place.offset : place.offset + slot.nbytes],
-                            source,
-                            place.offset,
-                            chunk,
-                        )
+            with quick_switching(), self._host_held():
+                for slot in self._slots:
+                    if slot.nbytes == 0:
+                        continue
+                    place = self._offsets[slot.key]
+                    source = slot.tensors[0].data.contiguous().reshape(-1).view(torch.uint8)
+                    split_copy(
+                        host[place.offset : place.offset + slot.nbytes],
+                        source,
+                        place.offset,
+                        chunk,
+                    )
                 moved = self._layout.total_bytes
                 self._sync()
             self._host_valid = True
         else:
             moved = self._keep_unbacked(from_host=False)
+        self._slept(level)
+        return TransferStats(moved, time.perf_counter() - started)
+
+    def _slept(self, level: int) -> None:
+        """The rest of a sleep once the copy is done: loose tensors out, device memory freed."""
         self._offload_loose()
         self._release_device()
         if level == 2:
             self._drop_host()  # after the device memory is free: that is what others wait for
         self.level = level
-        return TransferStats(moved, time.perf_counter() - started)
+
+    def can_sleep_by_job(self, reuse_host: bool = False) -> bool:
+        """Whether a level-1 sleep now is one copy of the intact flat buffer (a :meth:`sleep_job`):
+        awake, nothing rebound, and the host copy not reused."""
+        reused = (
+            reuse_host and self._host_valid and (self._host is not None or self._pinner is not None)
+        )
+        return self._placed and self.level == 0 and self._flat_intact() and not reused
+
+    def sleep_job(self) -> CopyJob:
+        """A level-1 sleep (:meth:`can_sleep_by_job`) as a copy job; its finish frees the device
+        memory."""
+        if not self.can_sleep_by_job():
+            raise EngineError("a level-1 sleep job needs the awake, intact flat buffer")
+        assert self._flat is not None
+        host = self._take_host().tensor
+        held = contextlib.ExitStack()
+        held.enter_context(self._host_held())
+        batch = pieces(host, self._flat, 0, self._chunk())
+
+        def finish() -> int:
+            with held:
+                self._sync()
+            self._host_valid = True
+            self._slept(1)
+            return self._layout.total_bytes
+
+        return CopyJob(batch, finish, lambda: self._abort(held))
+
+    def _abort(self, held: contextlib.ExitStack, release: bool = False) -> None:
+        """A job that will not finish: its copies waited for, the host copy let go;
+        ``release``: a wake's, whose device buffer was just dropped, goes back to the driver."""
+        with held:
+            self._sync()
+        if release:
+            self._release_device()
+
+    @staticmethod
+    def _run_job(make: Callable[[], CopyJob], started: float) -> TransferStats:
+        """One job of this device alone (:func:`run_jobs`); a failure raised as it was."""
+        try:
+            (stats,) = run_jobs([make])
+        except JobError as error:
+            raise error.error  # noqa: B904 - the job's own exception, its traceback kept
+        return TransferStats(stats.bytes_moved, stats.ended - started)
 
     def wake(self) -> TransferStats:
         """Bring the weights back onto the device; the next output is bit-identical to before."""
@@ -190,32 +242,50 @@ class WeightEngine(FlatWeights):
         started = time.perf_counter()
         if self.level == 0:
             return TransferStats(0, 0.0, noop=True)
-        flat = self._new_flat()
         if self.level == 1:
-            host = self._take_host()
-            if not self._host_valid:
-                raise EngineError("the host copy is not valid")
-            with self._host_held():
-                split_copy(flat, host.tensor, 0, self._chunk())
+            return self._run_job(self.wake_job, started)
+        flat = self._new_flat()
+        moved = self._loader.load(self._file_runs(), flat)
+        for key, kept in self._kept.items():
+            slot = self._by_key[key]
+            self._view(flat, slot).copy_(kept, non_blocking=False)
+            moved += slot.nbytes
+        self._sync()
+        self._kept = {}
+        self._woken(flat)
+        return TransferStats(moved, time.perf_counter() - started)
+
+    def wake_job(self) -> CopyJob:
+        """A level-1 wake as a copy job: allocates the device buffer now; its finish rebinds the
+        weights."""
+        if not self._placed or self.level != 1:
+            raise EngineError(f"a level-1 wake job needs level 1, the engine is at {self.level}")
+        host = self._take_host()
+        if not self._host_valid:
+            raise EngineError("the host copy is not valid")
+        flat = self._new_flat()
+        held = contextlib.ExitStack()
+        held.enter_context(self._host_held())
+        batch = pieces(flat, host.tensor, 0, self._chunk())
+
+        def finish() -> int:
+            with held:
                 self._sync()
-            moved = self._layout.total_bytes
             if not self.host_copy:
                 self._drop_host()  # a level-2 stage keeps no host copy while awake
-        else:
-            moved = self._loader.load(self._file_runs(), flat)
-            for key, kept in self._kept.items():
-                slot = self._by_key[key]
-                self._view(flat, slot).copy_(kept, non_blocking=False)
-                moved += slot.nbytes
-            self._sync()
-            self._kept = {}
+            self._woken(flat)
+            return self._layout.total_bytes
+
+        return CopyJob(batch, finish, lambda: self._abort(held, release=True))
+
+    def _woken(self, flat: torch.Tensor) -> None:
+        """The rest of a wake once the bytes are in ``flat``: the weights become its views."""
         self._flat = flat
         self._bind_views(flat)
         self._restore_loose()
         self.level = 0
         if self._pin_in_background:
             self._start_host_prep()
-        return TransferStats(moved, time.perf_counter() - started)
 
     def close(self) -> None:
         """Free every buffer the engine holds."""

@@ -1,0 +1,104 @@
+"""Level-1 transitions of one or several devices, issued from one thread.
+
+A level-1 sleep or wake is one device's copy of its flat buffer, in pieces (``pinning.pieces``)
+followed by work that waits for them. Each device's part is a :class:`CopyJob`. :func:`run_jobs`
+makes the jobs in turn (a wake allocates its device buffer then), issues the first
+:data:`LEAD_PIECES` of each as soon as it is made, so a device copies while the next one
+allocates, then issues the rest of every device's pieces interleaved (device 0 piece i,
+device 1 piece i, ...) in one call, each on its own device's current stream, so the devices
+copy at once; then finishes the jobs in device order. Everything runs with the switch interval
+lowered (:mod:`.gil`).
+
+Why one thread, measured on 2 x H200 (``bench/results/multi_gpu_probe.json``): a bare copy
+into a kept buffer issued for both devices from one thread ran at 0.999 of the per-device limit
+(both copying at once), while the engine's wake on one thread per device ran at 0.90 of the same
+wake done one device at a time, and at 0.025 beside a busy Python thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from omnistage_worker.engine.gil import quick_switching
+from omnistage_worker.engine.pinning import Piece, copy_pieces
+
+LEAD_PIECES = 8
+"""Pieces a device is given before the next device's job is made: 512 MiB, about 10 ms of
+copying at 54 GB/s, which covers the next wake's allocation (4-9 ms for 8 GiB on the H200)."""
+
+
+@dataclass(frozen=True)
+class JobStats:
+    """What one device's part of a transition moved and when it ended."""
+
+    bytes_moved: int
+    ended: float  # time.perf_counter()
+
+
+@dataclass
+class CopyJob:
+    """One device's part of a level-1 transition: its pieces, then what completes it."""
+
+    pieces: list[Piece]
+    finish: Callable[[], int]
+    """Waits for the pieces and completes the transition; the bytes it moved."""
+    abort: Callable[[], None]
+    """The transition did not happen: waits for what was issued and gives back what is held
+    (called once nothing references the job, so a wake's new device buffer is gone by then)."""
+
+
+def interleave(queues: Sequence[Sequence[Piece]]) -> list[Piece]:
+    """Piece 0 of every queue, then piece 1 of every queue, ...; a short queue drops out."""
+    return [
+        piece for round_ in itertools.zip_longest(*queues) for piece in round_ if piece is not None
+    ]
+
+
+class JobError(RuntimeError):
+    """Job ``index`` failed (made, issued or finished); the cause is chained."""
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        super().__init__(f"job {index}: {error}")
+        self.index = index
+        self.error = error
+
+
+def run_jobs(makers: Sequence[Callable[[], CopyJob]]) -> list[JobStats]:
+    """Make, issue and finish the jobs from this thread (see the module's docstring).
+
+    A failure before every job is issued aborts every job made (nothing has moved); a failure
+    in a finish is raised once the other jobs are finished (theirs have moved)."""
+    with quick_switching():
+        jobs: list[CopyJob] = []
+        where = 0  # the job being made or given its lead; -1: the interleaved issue
+        try:
+            for make in makers:
+                where = len(jobs)
+                jobs.append(make())
+                copy_pieces(jobs[-1].pieces[:LEAD_PIECES])
+            where = -1
+            copy_pieces(interleave([job.pieces[LEAD_PIECES:] for job in jobs]))
+        except BaseException as error:
+            aborts = [job.abort for job in jobs]
+            jobs.clear()  # their device buffers go before the aborts give memory back
+            for abort in aborts:
+                with contextlib.suppress(Exception):
+                    abort()
+            if not isinstance(error, Exception):
+                raise  # an interrupt stays one
+            raise JobError(where, error) from error
+        stats: list[JobStats] = []
+        failed: JobError | None = None
+        for index, job in enumerate(jobs):
+            try:
+                stats.append(JobStats(job.finish(), time.perf_counter()))
+            except Exception as error:
+                failed = failed or JobError(index, error)
+                stats.append(JobStats(0, time.perf_counter()))
+        if failed is not None:
+            raise failed from failed.error
+        return stats
