@@ -79,16 +79,21 @@ class ControlPlane(Lifecycle):
         build: bool = False,
         controller_manager: bool = True,
         max_inflight: tuple[int, int] | None = None,
+        *,
+        authorization_config: Path | None = None,
     ):
         """``controller_manager=False``: no kube-controller-manager (the GPU host's bundle may
         leave it out); ``create_namespace`` then creates the ``default`` ServiceAccount itself,
         and nothing garbage-collects, publishes ``kube-root-ca.crt`` or tidies claims.
         ``max_inflight``: the API server's ``--max-requests-inflight`` and
         ``--max-mutating-requests-inflight`` (with API Priority and Fairness, their sum is the
-        seats it shares among the priority levels); None: its defaults."""
+        seats it shares among the priority levels); None: its defaults.
+        ``authorization_config``: an ``AuthorizationConfiguration`` file given to the API server
+        instead of ``--authorization-mode=Node,RBAC`` (it must list Node and RBAC itself)."""
         self.binaries = binaries or (ensure_binaries() if build else find_binaries())
         self.controller_manager = controller_manager
         self.max_inflight = max_inflight
+        self.authorization_config = authorization_config
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="omnistage-cp-"))
         self.kubeconfig = self.workdir / "admin.kubeconfig"
@@ -209,7 +214,11 @@ class ControlPlane(Lifecycle):
             f"--tls-cert-file={pki.serving_cert}",
             f"--tls-private-key-file={pki.serving_key}",
             f"--client-ca-file={pki.ca_cert}",
-            "--authorization-mode=Node,RBAC",
+            *(
+                [f"--authorization-config={self.authorization_config}"]
+                if self.authorization_config is not None
+                else ["--authorization-mode=Node,RBAC"]
+            ),
             "--enable-admission-plugins=NodeRestriction",
             f"--service-account-key-file={pki.sa_pub}",
             f"--service-account-signing-key-file={pki.sa_key}",
