@@ -15,11 +15,12 @@ model) and the real operator(s), then storms over every group at once (bench/sca
 Reported per storm: per-hand-over operator overhead p50/p95/p99 (latency less both ACKs' own
 durations), convergence time, the operator's API requests and objects read per round and per
 second (its ``omnistage_round_api_*`` counters) and the most one group's rounds read per round,
-operator CPU seconds and RSS, watch event lag (PATCH answered -> the bench's watch sees it),
-the operator's mean wait for an API request slot (per lane: Events, the rest) and the API
-server's mean answer time (``omnistage_api_*_seconds``), and where the storm's CPU went
-(``cpu_s``: the API server, etcd, localnode, simulated hosts, operators, this process, and
-``others_s``, the machine's busy time that was none of these: other work on a shared machine);
+operator CPU seconds and RSS, how often a replica lost its Lease (``leader_lost``), watch event
+lag (PATCH answered -> the bench's watch sees it), the operator's mean wait for an API request
+slot (per lane: Events, the rest) and the API server's mean answer time
+(``omnistage_api_*_seconds``), and where the storm's CPU went (``cpu_s``: the API server, etcd,
+localnode, simulated hosts, operators, this process, and ``others_s``, the machine's busy time
+that was none of these: other work on a shared machine);
 per size: etcd's db size and localnode's own figures. Writes JSON (and an SVG plot of overhead
 against stages) under bench/results/.
 
