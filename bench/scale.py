@@ -15,11 +15,12 @@ model) and the real operator(s), then storms over every group at once (bench/sca
 Reported per storm: per-hand-over operator overhead p50/p95/p99 (latency less both ACKs' own
 durations), convergence time, the operator's API requests and objects read per round and per
 second (its ``omnistage_round_api_*`` counters) and the most one group's rounds read per round,
-operator CPU seconds and RSS, watch event lag (PATCH answered -> the bench's watch sees it),
-the operator's mean wait for an API request slot (per lane: Events, the rest) and the API
-server's mean answer time (``omnistage_api_*_seconds``), and where the storm's CPU went
-(``cpu_s``: the API server, etcd, localnode, simulated hosts, operators, this process, and
-``others_s``, the machine's busy time that was none of these: other work on a shared machine);
+operator CPU seconds and RSS, how often a replica lost its Lease (``leader_lost``), watch event
+lag (PATCH answered -> the bench's watch sees it), the operator's mean wait for an API request
+slot (per lane: Events, the rest) and the API server's mean answer time
+(``omnistage_api_*_seconds``), and where the storm's CPU went (``cpu_s``: the API server, etcd,
+localnode, simulated hosts, operators, this process, and ``others_s``, the machine's busy time
+that was none of these: other work on a shared machine);
 per size: etcd's db size and localnode's own figures. Writes JSON (and an SVG plot of overhead
 against stages) under bench/results/.
 
@@ -68,6 +69,11 @@ GiB = 1024**3
 GPUS_PER_NODE = 8
 WEIGHTS = 50 * GiB  # two stages of a group never fit one 80 GiB GPU together
 STORMS = ("ondemand", "handover", "leader_kill", "unresponsive")
+# The controller-manager without its Endpoints and EndpointSlice controllers: localnode's pods
+# have loopback IPs, which both refuse (HTTP 422), and each retried every stage's Service for
+# minutes: a third of the API server's requests in a 200-stage storm, a harness cost a real
+# cluster does not have (the operator reaches workers by pod IP, not through Services).
+CONTROLLERS = "*,-endpoint,-endpointslice,-endpointslicemirroring"
 
 
 async def _storms(
@@ -126,18 +132,19 @@ async def _storms(
 
 def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
              transfer_s: float = 0.1, storms: frozenset[str] = frozenset(STORMS),
-             as_chart: bool = True) -> dict[str, Any]:  # fmt: skip
+             as_chart: bool = True, nice: int = 0) -> dict[str, Any]:  # fmt: skip
     """One size with ``replicas`` operators on a fresh control plane: the storms' figures.
 
     ``as_chart``: the operators act as the chart's ServiceAccount (its RBAC, its Lease and the
-    FlowSchema that gives the Lease requests the leader-election priority level); off: admin."""
+    FlowSchema that gives the Lease requests the leader-election priority level); off: admin.
+    ``nice``: etcd's and the API server's niceness (``ControlPlane(nice=)``)."""
     groups = stages // 2
     node_count = max(1, math.ceil(groups / 2))
     model_dir = work / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     started = time.monotonic()
-    with ControlPlane() as cp:
+    with ControlPlane(controllers=CONTROLLERS, nice=nice) as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
         cp.wait_crd_established("omnistages.omnistage.io")
         ns = cp.create_namespace("scale")
@@ -170,6 +177,7 @@ def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
     result.update({
         "stages": stages, "groups": groups, "nodes": node_count, "gpus_per_node": GPUS_PER_NODE,
         "identity": "chart" if as_chart else "admin",
+        "controllers": CONTROLLERS, "control_plane_nice": nice,
         "replicas": replicas, "nodes_ready_s": round(nodes_s, 1),
         "load_avg_at_start": [round(x, 2) for x in load],
         "wall_s": round(time.monotonic() - started, 1),
@@ -202,6 +210,9 @@ def main() -> int:
     identity = "the operators' API identity: the chart's ServiceAccount (its RBAC and Lease "
     identity += "FlowSchema) or the admin (exempt from API Priority and Fairness)"
     p.add_argument("--identity", choices=("chart", "admin"), default="chart", help=identity)
+    nice = "etcd's and the API server's niceness: below 0 they go ahead of the harness's other "
+    nice += "processes (and other work on the machine), as a control plane on its own cores would"
+    p.add_argument("--control-plane-nice", type=int, default=-5, help=nice)
     args = p.parse_args()
     runs = []
     for size in [int(s) for s in args.sizes.split(",")]:
@@ -210,7 +221,8 @@ def main() -> int:
             print(f"[scale] {size} stages, {replicas} replica(s) in {work}", flush=True)
             runs.append(run_size(size, replicas, work, sim_hosts=args.sim_hosts,
                                  transfer_s=args.transfer_s,
-                                 as_chart=args.identity == "chart"))  # fmt: skip
+                                 as_chart=args.identity == "chart",
+                                 nice=args.control_plane_nice))  # fmt: skip
             args.out.write_text(json.dumps({"partial": True, "runs": runs}, indent=1) + "\n")
     result = {
         "benchmark": "scale",

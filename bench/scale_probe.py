@@ -148,6 +148,10 @@ class Probe:
                 k: counters(text, f"omnistage_{k}_total")
                 for k in ("rounds", "round_api_requests", "round_api_objects")
             }
+            # leadership changes of this replica (the only one: did it step down mid-storm?)
+            snap["metrics"][op.name]["leader"] = counters(
+                text, "omnistage_leader_transitions_total", "change"
+            )
             for key, (name, label) in API_TIMES.items():
                 for part in ("sum", "count"):
                     by = counters(text, f"{name}_{part}", label)
@@ -184,6 +188,7 @@ class Probe:
             "api_requests_per_s": round(sum(reqs.values()) / max(seconds, 1e-6), 1),
             "api_objects_per_s": round(sum(objs.values()) / max(seconds, 1e-6), 1),
             "operator_cpu_s": round(cpu, 2),
+            "leader_lost": int(summed("leader").get("lost", 0.0)),
             "operator_rss_mib": round(max(after["rss"].values(), default=0) / 2**20, 1),
             **api_times(
                 {n: before["metrics"][n] for n in names}, {n: after["metrics"][n] for n in names}

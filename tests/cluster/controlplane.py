@@ -79,16 +79,28 @@ class ControlPlane(Lifecycle):
         build: bool = False,
         controller_manager: bool = True,
         max_inflight: tuple[int, int] | None = None,
+        *,
+        authorization_config: Path | None = None,
+        controllers: str = "*",
+        nice: int = 0,
     ):
         """``controller_manager=False``: no kube-controller-manager (the GPU host's bundle may
         leave it out); ``create_namespace`` then creates the ``default`` ServiceAccount itself,
         and nothing garbage-collects, publishes ``kube-root-ca.crt`` or tidies claims.
         ``max_inflight``: the API server's ``--max-requests-inflight`` and
         ``--max-mutating-requests-inflight`` (with API Priority and Fairness, their sum is the
-        seats it shares among the priority levels); None: its defaults."""
+        seats it shares among the priority levels); None: its defaults.
+        ``authorization_config``: an ``AuthorizationConfiguration`` file given to the API server
+        instead of ``--authorization-mode=Node,RBAC`` (it must list Node and RBAC itself).
+        ``controllers``: the controller-manager's ``--controllers``. ``nice``: etcd's and the
+        API server's CPU scheduling niceness (negative: ahead of the other processes on the
+        machine, as a control plane on its own cores would be; needs root)."""
         self.binaries = binaries or (ensure_binaries() if build else find_binaries())
         self.controller_manager = controller_manager
         self.max_inflight = max_inflight
+        self.authorization_config = authorization_config
+        self.controllers = controllers
+        self.nice = nice
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="omnistage-cp-"))
         self.kubeconfig = self.workdir / "admin.kubeconfig"
@@ -181,7 +193,7 @@ class ControlPlane(Lifecycle):
                 f"--cluster-signing-cert-file={pki.ca_cert}",
                 f"--cluster-signing-key-file={pki.ca_key}",
                 "--use-service-account-credentials=false",
-                "--controllers=*",
+                f"--controllers={self.controllers}",
                 "--concurrent-gc-syncs=5",
             ],
         )
@@ -209,7 +221,11 @@ class ControlPlane(Lifecycle):
             f"--tls-cert-file={pki.serving_cert}",
             f"--tls-private-key-file={pki.serving_key}",
             f"--client-ca-file={pki.ca_cert}",
-            "--authorization-mode=Node,RBAC",
+            *(
+                [f"--authorization-config={self.authorization_config}"]
+                if self.authorization_config is not None
+                else ["--authorization-mode=Node,RBAC"]
+            ),
             "--enable-admission-plugins=NodeRestriction",
             f"--service-account-key-file={pki.sa_pub}",
             f"--service-account-signing-key-file={pki.sa_key}",
@@ -225,6 +241,8 @@ class ControlPlane(Lifecycle):
         ]
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
+        if self.nice and name in ("etcd", "kube-apiserver"):
+            argv = ["nice", "-n", str(self.nice), *argv]  # every thread inherits it
         proc = ManagedProcess(name, argv, self.workdir / "logs" / f"{name}.log")
         self._procs.append(proc)
         return proc

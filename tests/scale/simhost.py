@@ -11,7 +11,8 @@ and health) on its own podIP:port, with :mod:`tests.scale.simrunner` as its engi
 What it does not cover (use the ordinary one-process-per-pod localnode for these):
 
 - models and the weight engine: weights are a byte count, a move takes a fixed time;
-- the OpenAI HTTP front (``--http-port`` is ignored), TLS, vLLM, several devices per stage;
+- the OpenAI HTTP front (``--http-port`` is ignored), the Prometheus endpoint
+  (``--metrics-port`` is ignored), TLS, vLLM, several devices per stage;
 - the simulated GPU's faults (leaks, lies, slow serving, tenants) and per-process isolation:
   workers share one interpreter, so one worker's CPU use delays the others on the host, a
   crash takes the host down, and every ACK carries the host's pid;
@@ -63,7 +64,9 @@ def worker_config(argv: list[str], env: dict[str, str]) -> WorkerConfig:
         last = said.getvalue().strip().splitlines()[-1:] or ["refused"]
         raise ConfigError("args", last[0]) from None
     config = cli.config_from_args(args)
-    return dataclasses.replace(config, http_port=None, termination_log=None)
+    # No HTTP front and no /metrics server: each is a uvicorn server waking 10 times a second,
+    # hundreds of them in one process (nothing scrapes the simulated workers).
+    return dataclasses.replace(config, http_port=None, metrics_port=None, termination_log=None)
 
 
 class SimHost:

@@ -54,6 +54,7 @@ async def test_a_confirmed_fence_is_cleared_by_the_checkpoint_not_by_a_write_of_
     port.facts["a"] = StageFacts(WorkerPhase.ABSENT)
     order = FenceOrder("a", BlockReason.UNREACHABLE, "a does not answer")
     await port.checkpoint(RoundOutcome(fences=[FenceResult(order, True)]))
+    await port.checkpoint_written()  # issued by the checkpoint, answered by the round's end
     assert len(api.patches) == 2
     name, status = api.patches[1]
     assert name == "a" and "fencePending" in status and status["fencePending"] is None

@@ -35,6 +35,7 @@ OPERATOR_IO = {
     "omnistage_operator.k8s.kube",
     "omnistage_operator.k8s.claim_slices",
     "omnistage_operator.k8s.leader",
+    "omnistage_operator.k8s.lease_store",
     "omnistage_operator.runtime.election_thread",
     "omnistage_operator.k8s.worker_client",
     "omnistage_operator.runtime.login",

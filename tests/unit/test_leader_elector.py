@@ -1,8 +1,9 @@
 """The elector's loop against an in-memory Lease with the API server's concurrency rules.
 
 ``MemoryLeases`` behaves as the API server does for one Lease: every write bumps the
-``resourceVersion``, a patch carrying an older one is refused (409 -> None), a create of an
-existing Lease is refused, and a call can be made to hang (a partition). Time is a fake
+``resourceVersion``, a patch carrying an older one is refused (409 -> None), a renewal whose
+holder or transitions no longer match is refused (a JSON patch's failed test, 422 -> None), a
+create of an existing Lease is refused, and a call can be made to hang (a partition). Time is a fake
 monotonic clock the test advances.
 """
 
@@ -77,6 +78,18 @@ class MemoryLeases:
         self.writes.append(("patch", str(spec.get("holderIdentity"))))
         return self._bump(spec)
 
+    async def renew(
+        self, holder: str, transitions: int, spec: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        await self._net()
+        if self.obj is None:
+            return None
+        now = self.obj["spec"]
+        if now.get("holderIdentity") != holder or now.get("leaseTransitions") != transitions:
+            return None  # a JSON patch's failed test: 422
+        self.writes.append(("renew", holder))
+        return self._bump(spec)
+
 
 class MemoryEpochs:
     """The ConfigMap that keeps the last epoch; ``broken`` makes writes fail."""
@@ -111,7 +124,7 @@ async def test_first_candidate_creates_with_epoch_one_and_renews() -> None:
     await a.step()
     assert a.leading() and a.epoch == 1
     assert store.obj["spec"]["leaseTransitions"] == 1
-    assert [w[0] for w in store.writes] == ["create", "patch"]
+    assert [w[0] for w in store.writes] == ["create", "renew"]
 
 
 async def test_a_deleted_lease_is_created_again_above_the_last_epoch() -> None:
@@ -196,22 +209,53 @@ async def test_two_candidates_racing_for_a_free_lease_one_wins() -> None:
     assert winner.epoch == 2
 
 
-async def test_conflicting_renew_drops_leadership_at_once() -> None:
+async def test_a_renewal_that_finds_another_holder_drops_leadership_at_once() -> None:
     store, clock = MemoryLeases(), Clock()
     a = _elector(store, "a", clock)
     await a.step()
     assert a.leading()
-    # Another writer changed the Lease between a's read and a's renew.
-    real_get = store.get
-
-    async def get_then_race() -> dict[str, Any] | None:
-        got = await real_get()
-        store._bump({"holderIdentity": "intruder", "leaseTransitions": 2})
-        return got
-
-    store.get = get_then_race  # type: ignore[method-assign]
+    store._bump({"holderIdentity": "intruder", "leaseTransitions": 2})  # written by another
     await a.step()
+    assert not a.leading() and a.holder == "intruder"
+    assert [w[0] for w in store.writes] == ["create"]  # the renewal was refused
+
+
+async def test_a_renewal_of_a_lease_taken_over_and_back_is_refused() -> None:
+    """Holder and epoch both must match: the same holder at a later epoch (it lost the Lease
+    and took it again) is not the tenure the renewal was for."""
+    store, clock = MemoryLeases(), Clock()
+    a = _elector(store, "a", clock)
+    await a.step()
+    store._bump({"holderIdentity": "a", "leaseTransitions": 3})
+    assert not await a.renew()
     assert not a.leading()
+
+
+async def test_renewals_do_not_wait_for_slow_answers() -> None:
+    """An API server answering each renewal later than half the renew deadline: one renewal
+    at a time (or each cut at half the deadline) cannot keep the Lease, renewals sent every
+    retry period, each allowed up to the deadline, keep it without a gap (real time)."""
+    timing = Timing(lease_duration_s=3, renew_deadline_s=2, retry_period_s=0.25)
+    store = MemoryLeases()
+    lost: list[bool] = []
+    a = Elector(store, "a", timing, on_lost=lambda: lost.append(True))
+    run = asyncio.create_task(a.run())
+    watch = asyncio.create_task(a.watch_deadline())
+    try:
+        for _ in range(100):
+            if a.leading():
+                break
+            await asyncio.sleep(0.02)
+        assert a.leading()
+        store.delay_s = 1.2  # > renew deadline / 2, and 2 x 1.2 + 0.25 > 2
+        for _ in range(int(4 * timing.renew_deadline_s / 0.05)):
+            await asyncio.sleep(0.05)
+            assert a.leading() and not lost
+        assert sum(w[0] == "renew" for w in store.writes) >= 10
+    finally:
+        for task in (run, watch):
+            task.cancel()
+        await asyncio.gather(run, watch, return_exceptions=True)
 
 
 async def test_leadership_runs_out_while_a_renew_hangs() -> None:

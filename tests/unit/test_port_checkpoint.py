@@ -1,8 +1,9 @@
 """What the round's checkpoint writes on the Kubernetes side (``KubeGroupPort``).
 
 Before its first wake a round writes the status of the stages its sleeps and fences concern
-(their ACKs, the gate's evidence). The stage it wakes is written by the round's publish after
-the wake, not also before it: one status write less on the hand-over's path. A wake that takes
+(their ACKs, the gate's evidence): issued before the wake, answered before the round ends. The
+stage it wakes is written by the round's publish after the wake, not also before it: one status
+write less on the hand-over's path. A wake that takes
 a while still shows Waking, written once it has run ``WAKING_STATUS_AFTER_S``, and that write
 lands before the wake's own result is taken (so before the round's publish).
 """
@@ -62,12 +63,13 @@ async def test_the_checkpoint_writes_the_sleepers_and_a_fast_wake_nothing_more(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     port, log = _port(0.0, monkeypatch)
-    await port.checkpoint(_outcome())
+    await port.checkpoint(_outcome())  # issued, not waited for: the wake goes out meanwhile
     await port.wake("b", "h1-b-wake")
+    await port.checkpoint_written()
     assert log == [
         ("write", frozenset({"a"})),
-        ("written", frozenset({"a"})),
         ("woken", "h1-b-wake"),
+        ("written", frozenset({"a"})),
     ]
 
 

@@ -2,7 +2,8 @@
 
 After a wake, the woken stage's status turns Active while the stage that slept only gets new
 figures (the device's free memory): the first is what a user (``kubectl get -w``) waits for, so
-it does not share the API server with the second.
+it does not share the API server with the second, nor wait for the checkpoint's write of the
+stage that slept (a later write of that stage does).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import asyncio
 from typing import Any
 
 from omnistage_operator.api.spec_parse import parse_stage
-from omnistage_operator.decisions.arbiter import StageFacts, WorkerPhase
-from omnistage_operator.decisions.handover import RoundOutcome
+from omnistage_operator.decisions.arbiter import SleepOrder, StageFacts, WorkerPhase
+from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.handover import RoundOutcome, SleepResult
 from omnistage_operator.k8s.port import KubeGroupPort
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.runtime.runner import GroupRunner
@@ -61,3 +63,54 @@ async def test_the_new_state_is_written_before_the_new_figures() -> None:
     runner.published[("ns", "b")] = {"state": "Asleep", "devices": []}  # figures only
     await runner.publish(port, RoundOutcome(), events=False)
     assert kube.log == [("begin", "a"), ("end", "a"), ("begin", "b"), ("end", "b")]
+
+
+class HeldPatches(SlowPatches):
+    """``SlowPatches`` whose first write of ``held`` waits until ``release`` is set."""
+
+    def __init__(self, held: str) -> None:
+        super().__init__()
+        self.held = held
+        self.release = asyncio.Event()
+
+    async def merge_patch(self, kind: Any, namespace: str, name: str, patch: Any, **_: Any) -> Any:
+        if name == self.held and not self.release.is_set():
+            self.log.append(("begin", name))
+            await self.release.wait()
+            self.log.append(("end", name))
+            return {}
+        return await super().merge_patch(kind, namespace, name, patch)
+
+
+async def test_the_woken_stage_is_written_without_waiting_for_the_checkpoint() -> None:
+    """Under load each write waits for a request slot: the woken stage's Active does not queue
+    behind the checkpoint's write of the stage that slept, which still lands before that
+    stage's next write."""
+    kube = HeldPatches("b")
+    runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
+    port = KubeGroupPort(runner, "ns", "g")
+    for name, state, phase in (
+        ("a", "Active", WorkerPhase.ASLEEP),
+        ("b", "Asleep", WorkerPhase.ASLEEP),
+    ):
+        body = _body(name, state)
+        port.specs[name] = parse_stage(body)
+        port.bodies[name] = body
+        port.facts[name] = StageFacts(phase)
+    runner.published[("ns", "a")] = {"state": "Asleep"}
+    runner.published[("ns", "b")] = {"state": "Active"}
+    ack = AckFacts("h1-b-sleep1", True, "sleep", WorkerPhase.ASLEEP, level=1)
+    slept = RoundOutcome(sleeps=[SleepResult(SleepOrder("b", 1), "h1-b-sleep1", ack, 1)])
+    await asyncio.wait_for(port.checkpoint(slept), 1)  # issued, not answered
+    port.facts["a"] = StageFacts(WorkerPhase.ACTIVE)  # woken
+    runner.published[("ns", "b")] = {"state": "Asleep", "devices": []}  # b: new figures
+    publish = asyncio.create_task(runner.publish(port, RoundOutcome(), events=False))
+    for _ in range(100):
+        if ("end", "a") in kube.log:
+            break
+        await asyncio.sleep(0.01)
+    assert kube.log == [("begin", "b"), ("begin", "a"), ("end", "a")]
+    kube.release.set()
+    await asyncio.wait_for(publish, 1)
+    await port.checkpoint_written()
+    assert kube.log[3:] == [("end", "b"), ("begin", "b"), ("end", "b")]

@@ -1,8 +1,9 @@
 """Leader election on a ``coordination.k8s.io/v1`` Lease: the decisions, as pure functions.
 
-``leader.Elector`` does the I/O (read, create and patch the Lease; every write carries the
-``resourceVersion`` it was decided from, so two candidates can never both win one round) and
-asks this module what to do. The rules, as in client-go's leaderelection:
+``leader.Elector`` does the I/O (read, create and patch the Lease; every acquisition carries
+the ``resourceVersion`` it was decided from, so two candidates can never both win one round;
+a renewal is conditional on the holder and its epoch) and asks this module what to do. The
+rules, as in client-go's leaderelection:
 
 - A candidate judges a Lease expired by its OWN monotonic clock: the Lease is free once the
   record (its ``resourceVersion``) has not changed for ``leaseDurationSeconds`` since this
@@ -18,9 +19,13 @@ asks this module what to do. The rules, as in client-go's leaderelection:
 - Epochs never go back: the last granted epoch is also kept outside the Lease (``floor``, see
   ``leader.KrEpochStore``), so a Lease deleted and created again continues above it (a
   re-created Lease at 1 would be refused by every worker that obeyed a later epoch).
-- A holder that loses its deadline but finds the record still naming it, unchanged, renews it
-  and leads again with the same epoch: the ``resourceVersion`` precondition proves nobody held
-  the Lease in between.
+- The holder renews without reading first (client-go's fast path): its write is applied only
+  while the Lease still names it with its epoch (``leaseTransitions``), which proves nobody
+  held the Lease in between as well as a ``resourceVersion`` would (a change of holder always
+  raises the transitions), but does not need the answer of the previous write. So a renewal
+  is sent every retry period whatever the earlier ones are doing, and each may take up to the
+  renew deadline. A holder that lost its deadline and finds the Lease still its own leads
+  again with the same epoch.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ __all__ = [
     "observe",
     "parse_record",
     "release_patch",
+    "renew_spec",
     "write_for",
 ]
 
@@ -163,6 +169,15 @@ def _stamp(when: datetime) -> str:
     return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def renew_spec(identity: str, now_wall: datetime, timing: Timing) -> dict[str, Any]:
+    """The ``spec`` fields every write of the holder sets (a renewal sets only these)."""
+    return {
+        "holderIdentity": identity,
+        "leaseDurationSeconds": timing.lease_seconds,
+        "renewTime": _stamp(now_wall),
+    }
+
+
 def write_for(
     action: Action,
     identity: str,
@@ -179,11 +194,7 @@ def write_for(
     ``metadata.resourceVersion`` of ``record`` (the API server refuses it with 409 if the
     Lease changed since)."""
     stamp = _stamp(now_wall)
-    base = {
-        "holderIdentity": identity,
-        "leaseDurationSeconds": timing.lease_seconds,
-        "renewTime": stamp,
-    }
+    base = renew_spec(identity, now_wall, timing)
     if action is Action.CREATE:
         epoch = max(floor, 0) + 1
         return {**base, "acquireTime": stamp, "leaseTransitions": epoch}, epoch

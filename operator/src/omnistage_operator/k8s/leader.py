@@ -1,10 +1,10 @@
 """The leader elector: one operator replica orders a group's workers at a time.
 
-``Elector`` implements ``leadership.Leadership`` on a ``coordination.k8s.io/v1`` Lease (kr8s
-objects; every acquire and renew is a merge patch carrying the ``resourceVersion`` it was decided
-from, so the API server refuses it with 409 when another replica wrote first). The decisions are
-``election``'s pure functions; this module only reads and writes the Lease, keeps time on the
-monotonic clock, and reports changes (Events on the Lease, Prometheus metrics, callbacks).
+``Elector`` implements ``leadership.Leadership`` on a ``coordination.k8s.io/v1`` Lease (read and
+written through ``lease_store``: acquisitions conditional on the ``resourceVersion``, renewals on
+the holder and its epoch, so renewals need no read first and need not wait for each other). The
+decisions are ``election``'s pure functions; this module keeps time on the monotonic clock and
+reports changes (Events on the Lease, Prometheus metrics, callbacks).
 
 Every replica runs kopf; the handlers of a replica that does not lead only record what they see
 (see ``handlers``), and ``GroupRunner`` runs no round and sends no order unless ``leading()``.
@@ -23,10 +23,9 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 import kr8s
-from kr8s.asyncio.objects import new_class
 
 from omnistage_operator.decisions.election import (
     Action,
@@ -38,9 +37,17 @@ from omnistage_operator.decisions.election import (
     observe,
     parse_record,
     release_patch,
+    renew_spec,
     write_for,
 )
 from omnistage_operator.k8s import metrics
+from omnistage_operator.k8s.lease_store import (
+    EPOCH_KEY,
+    EpochStore,
+    KrEpochStore,
+    KrLeaseStore,
+    LeaseStore,
+)
 
 __all__ = [
     "EPOCH_KEY",
@@ -54,159 +61,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Lease = new_class("Lease", "coordination.k8s.io/v1", namespaced=True)
-
 
 def new_identity(pod_name: str | None = None) -> str:
     """``<pod name>_<random>``: unique per process, so a restarted pod is a new candidate."""
     base = pod_name or os.environ.get("POD_NAME") or socket.gethostname()
     return f"{base}_{secrets.token_hex(4)}"
-
-
-class LeaseStore(Protocol):
-    """Reads and conditional writes of one Lease (None: absent, or the write lost a race)."""
-
-    async def get(self) -> dict[str, Any] | None:
-        """The Lease, or None when it does not exist."""
-        ...
-
-    async def create(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Create it with ``spec``; None when it already exists."""
-        ...
-
-    async def patch(self, resource_version: str, spec: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Merge ``spec`` if the Lease is still at ``resource_version``; None on conflict."""
-        ...
-
-
-def _code(exc: kr8s.ServerError) -> int:
-    return exc.response.status_code if exc.response is not None else 0
-
-
-class KrLeaseStore:
-    """``LeaseStore`` with kr8s objects."""
-
-    def __init__(self, api: Any, namespace: str, name: str) -> None:
-        self.api = api
-        self.namespace = namespace
-        self.name = name
-
-    def _obj(self, spec: Mapping[str, Any] | None = None) -> Any:
-        raw: dict[str, Any] = {"metadata": {"name": self.name, "namespace": self.namespace}}
-        if spec is not None:
-            raw["spec"] = dict(spec)
-        return Lease(raw, api=self.api)
-
-    async def get(self) -> dict[str, Any] | None:
-        """GET the Lease by name."""
-        obj = self._obj()
-        try:
-            await obj.refresh()
-        except kr8s.NotFoundError:
-            return None
-        return dict(obj.raw.to_dict())
-
-    async def create(self, spec: Mapping[str, Any]) -> dict[str, Any] | None:
-        """POST the Lease; None when another replica created it first (409)."""
-        obj = self._obj(spec)
-        try:
-            await obj.create()
-        except kr8s.ServerError as exc:
-            if _code(exc) == 409:
-                return None
-            raise
-        return dict(obj.raw.to_dict())
-
-    async def patch(self, resource_version: str, spec: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Merge patch with ``metadata.resourceVersion``: the API server applies it only to that
-        version of the Lease (409 otherwise, returned as None)."""
-        obj = self._obj()
-        body = {"metadata": {"resourceVersion": resource_version}, "spec": dict(spec)}
-        try:
-            await obj.patch(body)
-        except kr8s.ServerError as exc:
-            if _code(exc) == 409:
-                return None
-            raise
-        except kr8s.NotFoundError:
-            return None
-        return dict(obj.raw.to_dict())
-
-
-EPOCH_KEY = "epoch"
-
-
-class EpochStore(Protocol):
-    """Where the last granted epoch outlives the Lease (a Lease deleted and created again
-    continues above it)."""
-
-    async def get(self) -> int:
-        """The last epoch persisted (0: none)."""
-        ...
-
-    async def put(self, epoch: int) -> None:
-        """Persist ``epoch`` (never lowers what is stored; raises when it cannot be written)."""
-        ...
-
-
-ConfigMap = new_class("ConfigMap", "v1", namespaced=True)
-
-
-class KrEpochStore:
-    """``EpochStore`` in a ConfigMap beside the Lease (``<lease name>-epoch``, key ``epoch``):
-    the last epoch a holder acquired, written before that holder orders anything."""
-
-    def __init__(self, api: Any, namespace: str, name: str) -> None:
-        self.api = api
-        self.namespace = namespace
-        self.name = name
-
-    def _obj(self, data: Mapping[str, str] | None = None) -> Any:
-        raw: dict[str, Any] = {"metadata": {"name": self.name, "namespace": self.namespace}}
-        if data is not None:
-            raw["data"] = dict(data)
-        return ConfigMap(raw, api=self.api)
-
-    async def _read(self) -> tuple[int, str] | None:
-        obj = self._obj()
-        try:
-            await obj.refresh()
-        except kr8s.NotFoundError:
-            return None
-        raw = obj.raw.to_dict()
-        text = str((raw.get("data") or {}).get(EPOCH_KEY) or "0")
-        version = str(raw["metadata"].get("resourceVersion", ""))
-        return (int(text) if text.isdigit() else 0), version
-
-    async def get(self) -> int:
-        """The stored epoch (0 when the ConfigMap does not exist)."""
-        found = await self._read()
-        return 0 if found is None else found[0]
-
-    async def put(self, epoch: int) -> None:
-        """Create the ConfigMap, or raise its epoch (a patch conditional on what was read: a
-        concurrent writer makes it read again; a higher stored epoch is left alone)."""
-        for _ in range(5):
-            found = await self._read()
-            if found is None:
-                try:
-                    await self._obj({EPOCH_KEY: str(epoch)}).create()
-                    return
-                except kr8s.ServerError as exc:
-                    if _code(exc) == 409:
-                        continue
-                    raise
-            stored, version = found
-            if stored >= epoch:
-                return
-            body = {"metadata": {"resourceVersion": version}, "data": {EPOCH_KEY: str(epoch)}}
-            try:
-                await self._obj().patch(body)
-                return
-            except kr8s.ServerError as exc:
-                if _code(exc) != 409:
-                    raise
-        raise RuntimeError(f"epoch {epoch} not persisted in {self.namespace}/{self.name}")
 
 
 EventSink = Callable[[Mapping[str, Any], str, str, bool], Coroutine[Any, Any, None]]
@@ -244,6 +103,7 @@ class Elector:
         self._was_leading = False
         self._epoch = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._renewals: set[asyncio.Task[None]] = set()
         metrics.LEADER.set_function(lambda: 1.0 if self.leading() else 0.0)
         metrics.LEADER_EPOCH.set_function(lambda: float(self.epoch))
 
@@ -267,36 +127,61 @@ class Elector:
 
     @property
     def _request_timeout(self) -> float:
-        """A read or write of the Lease may take half the renew deadline: on a loaded machine
-        an API answer can take longer than the retry period, and cutting each try at the
-        retry period then loses leadership while every renewal would have landed in time
-        (bench/scale at 50 stages, load 20 on 2 cores). A renewal counts from when it was
-        sent, and the deadline watch reports a loss on time whatever a request is doing."""
-        return max(self.timing.renew_deadline_s / 2, self.timing.retry_period_s, 1.0)
+        """A read or write of the Lease may take up to the renew deadline (client-go gives its
+        election client that timeout): on a loaded machine an API answer can take longer than
+        the retry period and than half the deadline (bench/scale at 1000 stages, 2 cores), and
+        cutting it shorter loses leadership while the renewal would have landed in time. A
+        renewal counts from when it was sent, and the deadline watch reports a loss on time
+        whatever a request is doing."""
+        return max(self.timing.renew_deadline_s, 1.0)
 
     async def run(self) -> None:
-        """Try to acquire, then renew, every retry period until cancelled."""
+        """Every retry period until cancelled: the holder sends a renewal (without waiting for
+        the earlier ones: each may take up to the renew deadline, so at most about
+        ``renew_deadline / retry_period`` are in flight), a candidate tries to acquire."""
         log.info(
             "leader election on lease %s/%s as %s (lease %ss, renew deadline %ss, retry %ss)",
             getattr(self.store, "namespace", "?"), getattr(self.store, "name", "?"),
             self.identity, self.timing.lease_duration_s, self.timing.renew_deadline_s,
             self.timing.retry_period_s,
         )  # fmt: skip
-        while True:
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # an API error: leading() runs out by itself
-                log.warning("leader election: %r (leading: %s)", exc, self.leading())
-            self._notice()
-            delay = self.timing.retry_period_s
-            if not self.leading():
-                delay *= random.uniform(1.0, 1.2)  # candidates do not all try at once
-            await asyncio.sleep(delay)
+        try:
+            while True:
+                if self._tenure is not None:
+                    task = asyncio.create_task(self._renewal())
+                    self._renewals.add(task)
+                    task.add_done_callback(self._renewals.discard)
+                else:
+                    await self._try(self.step())
+                self._notice()
+                delay = self.timing.retry_period_s
+                if not self.leading():
+                    delay *= random.uniform(1.0, 1.2)  # candidates do not all try at once
+                await asyncio.sleep(delay)
+        finally:
+            for task in list(self._renewals):
+                task.cancel()
+
+    async def _try(self, attempt: Awaitable[Any]) -> None:
+        try:
+            await attempt
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an API error: leading() runs out by itself
+            log.warning("leader election: %r (leading: %s)", exc, self.leading())
+
+    async def _renewal(self) -> None:
+        await self._try(self.renew())
+        self._notice()
 
     async def _call(self, coro: Awaitable[dict[str, Any] | None]) -> dict[str, Any] | None:
         return await asyncio.wait_for(coro, self._request_timeout)
+
+    @staticmethod
+    async def _call_for(
+        coro: Awaitable[dict[str, Any] | None], timeout_s: float
+    ) -> dict[str, Any] | None:
+        return await asyncio.wait_for(coro, timeout_s)
 
     async def _call_int(self, coro: Awaitable[int]) -> int:
         return await asyncio.wait_for(coro, self._request_timeout)
@@ -304,8 +189,34 @@ class Elector:
     async def _call_none(self, coro: Awaitable[None]) -> None:
         await asyncio.wait_for(coro, self._request_timeout)
 
+    async def renew(self) -> bool:
+        """The holder's renewal, without reading the Lease first: False when the Lease no longer
+        names this process with its epoch (then it no longer holds it). A late answer counts
+        from when its request was sent, and only while this process still holds that epoch."""
+        tenure = self._tenure
+        if tenure is None:
+            return False
+        spec = renew_spec(self.identity, datetime.now(UTC), self.timing)
+        sent = self._clock()
+        written = await self._call(self.store.renew(self.identity, tenure.epoch, spec))
+        current = self._tenure
+        if current is None or current.epoch != tenure.epoch:
+            return False
+        if written is None:
+            log.warning("lease no longer held with epoch %s: reading it again", tenure.epoch)
+            self._tenure = None
+            return False
+        if sent > current.renewed_at:
+            self._tenure = Tenure(tenure.epoch, sent)
+            self._lease = written
+            self._obs = observe(self._obs, parse_record(written), self._clock())
+        return True
+
     async def step(self) -> None:
-        """One try: read the Lease, then create, renew or take it over when ``decide`` says so."""
+        """One try: the holder renews; a candidate (or a holder whose renewal was refused) reads
+        the Lease, then creates, renews or takes it over when ``decide`` says so."""
+        if self._tenure is not None and await self.renew():
+            return
         raw = await self._call(self.store.get())
         # Seen when the answer arrived: never earlier than the holder's write it shows.
         self._obs = observe(self._obs, parse_record(raw) if raw else None, self._clock())
@@ -392,13 +303,13 @@ class Elector:
         if not held or self._obs is None:
             return
         try:
-            raw = await self._call(self.store.get())
+            raw = await self._call_for(self.store.get(), self.timing.renew_deadline_s / 2)
             if raw is None or parse_record(raw).holder != self.identity:
                 return
-            done = await self._call(
-                self.store.patch(
-                    parse_record(raw).resource_version, release_patch(datetime.now(UTC))
-                )
+            version = parse_record(raw).resource_version
+            done = await self._call_for(
+                self.store.patch(version, release_patch(datetime.now(UTC))),
+                self.timing.renew_deadline_s / 2,
             )
             if done is not None:
                 log.info("lease released by %s", self.identity)

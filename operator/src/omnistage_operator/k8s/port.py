@@ -61,6 +61,9 @@ class KubeGroupPort(FactsPort):
     """``GroupPort`` of one group, for one round."""
 
     _checkpointed: RoundOutcome | None = None  # the round's checkpoint, once started
+    # Its writes (the publish, a task) and the stages they concern.
+    _checkpoint_writes: asyncio.Task[None] | None = None
+    _checkpoint_stages: frozenset[str] = frozenset()
     _waking_written: set[str]
 
     def __init__(self, runner: PortHost, namespace: str, group: str) -> None:
@@ -249,10 +252,33 @@ class KubeGroupPort(FactsPort):
         """Publish the sleeps' ACKs and the fences in status before any wake goes out: the
         status of the stages they concern. A stage woken next is written by the round's
         publish after its wake (one status write less on the hand-over's path), or as Waking
-        once its wake has taken ``WAKING_STATUS_AFTER_S`` (``wake``)."""
+        once its wake has taken ``WAKING_STATUS_AFTER_S`` (``wake``).
+
+        Returns once the status is built and its writes issued, not answered: the round's
+        publish writes these stages only after them (``after_checkpoint``) and the woken one
+        without waiting for them (under load each write waits for a request slot: two in a
+        row on the hand-over's path), and the round ends once they are answered
+        (``checkpoint_written``)."""
         self._checkpointed = outcome
         stages = {s.order.stage for s in outcome.sleeps} | {f.order.stage for f in outcome.fences}
-        await self.r.publish(self, outcome, events=False, stages=frozenset(stages))
+        self._checkpoint_stages = frozenset(stages)
+        self._checkpoint_writes = asyncio.ensure_future(
+            self.r.publish(self, outcome, events=False, stages=self._checkpoint_stages)
+        )
+        await asyncio.sleep(0)  # the publish builds the status and issues its writes
+
+    def after_checkpoint(self, stage: str) -> asyncio.Task[None] | None:
+        """The checkpoint's writes, when they concern ``stage`` and are not the caller: a later
+        write of ``stage`` waits for them, so it never lands first."""
+        writes = self._checkpoint_writes
+        if writes is None or stage not in self._checkpoint_stages or writes.done():
+            return None
+        return None if asyncio.current_task() is writes else writes
+
+    async def checkpoint_written(self) -> None:
+        """Wait until the checkpoint's writes are answered (the end of the round)."""
+        if self._checkpoint_writes is not None:
+            await self._checkpoint_writes
 
     def _show_waking(self, stage: str) -> asyncio.Task[None] | None:
         """After a checkpoint: write the stage's status (Waking) if its wake takes a while."""

@@ -9,6 +9,7 @@ imports only point down: runner -> port -> port_host (no circle, typing-only one
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -80,6 +81,11 @@ class RoundView(Protocol):
 
     @property
     def held_events(self) -> list[tuple[Mapping[str, Any], str, str, bool]]: ...
+
+    def after_checkpoint(self, stage: str) -> asyncio.Future[None] | None:
+        """The round's checkpoint writes a later write of ``stage`` must wait for (None:
+        none)."""
+        ...
 
 
 class DemandShaper(Protocol):

@@ -288,7 +288,7 @@ class StatusPublisher:
             if old_state != status["state"]:
                 self.emit(body, "StateChanged", f"{old_state or 'None'} -> {status['state']}")
             self.published[key] = status
-            write = self._patch_status(port.ns, name, status)
+            write = self._patch_status(port.ns, name, status, port.after_checkpoint(name))
             (states if old_state != status["state"] else patches).append(write)
         for name, (body, exc) in port.invalid.items():
             if stages is not None and name not in stages:
@@ -300,7 +300,7 @@ class StatusPublisher:
                 continue
             self.published[(port.ns, name)] = status
             self.emit(body, "SpecInvalid", str(exc), warning=True)
-            patches.append(self._patch_status(port.ns, name, status))
+            patches.append(self._patch_status(port.ns, name, status, port.after_checkpoint(name)))
         return states, patches
 
     def _extend_status(
@@ -379,7 +379,13 @@ class StatusPublisher:
                     continue  # the round's own Events already say it
                 self.emit(body, str(reason), str(c.get("message", "")), warning=True)
 
-    async def _patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    async def _patch_status(
+        self, namespace: str, name: str, status: dict[str, Any],
+        after: asyncio.Future[None] | None = None,
+    ) -> None:  # fmt: skip
+        """Write ``status`` (once ``after``, an earlier write of the same stage, is answered)."""
+        if after is not None:
+            await asyncio.wait([after])  # its errors are its own
         try:
             await self.kube.merge_patch(OMNISTAGE, namespace, name, {"status": status}, status=True)
         except KubeError as exc:

@@ -345,6 +345,12 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
 
     async def _round(self, namespace: str, group: str) -> bool:
         port = KubeGroupPort(self, namespace, group)
+        try:
+            return await self._round_of(port, namespace, group)
+        finally:  # every write of an ended round is answered (``persist_ask`` relies on it)
+            await port.checkpoint_written()
+
+    async def _round_of(self, port: KubeGroupPort, namespace: str, group: str) -> bool:
         t0 = time.monotonic()
         tracker = self._sleeps.get((namespace, group))
         if tracker is None:

@@ -147,7 +147,9 @@ class GroupPort(Protocol):
         ...
 
     async def checkpoint(self, outcome: RoundOutcome) -> None:
-        """The sleeps are ACKed: publish them (status) before any wake is sent."""
+        """The sleeps are ACKed: publish them (status) before any wake is sent (it may return
+        once the writes are issued; the port keeps a later write of the same stage behind
+        them)."""
         ...
 
 

@@ -22,11 +22,12 @@ a simulated fleet in the property tests. One round:
    side persists ``RoundOutcome.fence_pending``, and the arbiter keeps the gate closed);
 4. observe again and plan with this hand-over's bookkeeping (who had to sleep or be fenced, who
    ACKed ok, who was fenced); publish that (``checkpoint``: started, its status built and
-   its writes sent, before the first wake; finished before the round ends, so before its
-   publish), then wake what the arbiter now allows. A wake refused for lack of memory teaches the
-   stage's need (``RoundOutcome.learned_needs``, persisted by the kube side and given back as
-   ``StageFacts.learned_need``); it is not asked again until the memory is there, and never when
-   the need exceeds the device (``LargerThanDevice``). A wake that ran out of memory during its
+   its writes sent, before the first wake; the kube side writes those stages again only after
+   them, and answers them before its round ends), then wake what the arbiter now allows. A
+   wake refused for lack of memory teaches the stage's need (``RoundOutcome.learned_needs``,
+   persisted by the kube side and given back as ``StageFacts.learned_need``); it is not asked
+   again until the memory is there, and never when the need exceeds the device
+   (``LargerThanDevice``). A wake that ran out of memory during its
    copy (the room taken after the gate; the worker is back asleep and says how much more it
    needed: ``AckFacts.needed_bytes``) teaches the same, at least what the wake needed
    (``oom_need``), and is listed in ``RoundOutcome.wake_oom`` (the kube side backs off).
@@ -192,7 +193,7 @@ async def run_round(
             obs = _remember(await port.observe(), out)
             decision = _plan(obs, handover, policy, started)
     finally:
-        if checkpoint is not None:  # its writes land before any later one (the publish)
+        if checkpoint is not None:  # started (its writes issued) before the round returns
             await checkpoint
 
     out.decision = decision
