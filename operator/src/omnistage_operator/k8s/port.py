@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from omnistage_operator.api.labels import GROUP_LABEL
 from omnistage_operator.api.spec import DesiredState
@@ -30,7 +31,14 @@ from omnistage_operator.decisions.handover import (
 )
 from omnistage_operator.decisions.memory import group_memory
 from omnistage_operator.decisions.peaks import StagePeaks
-from omnistage_operator.decisions.readings import acked_memory, reuse_reports
+from omnistage_operator.decisions.readings import (
+    KeptReadings,
+    acked_memory,
+    acks_measure,
+    keep_readings,
+    kept_reports,
+    reuse_reports,
+)
 from omnistage_operator.k8s import metrics
 from omnistage_operator.k8s.builders import (
     build_group_claim,
@@ -63,7 +71,15 @@ class KubeGroupPort(FactsPort):
     _checkpointed: RoundOutcome | None = None  # the round's checkpoint, once started
     _waking_written: set[str]
 
-    def __init__(self, runner: PortHost, namespace: str, group: str) -> None:
+    def __init__(
+        self,
+        runner: PortHost,
+        namespace: str,
+        group: str,
+        kept: KeptReadings | None = None,
+    ) -> None:
+        """``kept``: the group's readings from its last round (its first observe may answer
+        from them: ``readings.kept_reports``)."""
         super().__init__(runner, namespace, group)
         self._waking_written = set()
         # Since the last observe: the stages sent a Sleep or WakeUp, their ACKs, and whether
@@ -71,6 +87,8 @@ class KubeGroupPort(FactsPort):
         self._ordered: set[str] = set()
         self._acks: dict[str, AckFacts] = {}
         self._reread = False
+        self._kept = kept
+        self._from_kept = False  # the last observe answered from kept readings
 
     def _acked(self, stage: str, ack: AckFacts) -> None:
         """Keep an ACK for status, and count it into the stage's per-device peaks."""
@@ -87,7 +105,9 @@ class KubeGroupPort(FactsPort):
         kicks another round), and not even they when the round's ACKs already say where the
         group stands (``readings.reuse_reports``: every worker ordered since answered with an
         ok ACK, every other one is asleep; each device's free memory is then the latest ACK's
-        reading of it).
+        reading of it). A round's first observe answers from the group's kept readings while
+        they are still the group's (``readings.kept_reports``); the next one reads every worker
+        unless the sleeps sent since say where the group stands and measured every device.
         """
         ordered, acks, reread = self._ordered, self._acks, self._reread
         self._ordered, self._acks, self._reread = set(), {}, False
@@ -103,7 +123,22 @@ class KubeGroupPort(FactsPort):
             if n in self.pods
             and (self.pods[n]["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
         ]
-        reused = None if reread else reuse_reports(self.reports, ordered, acks, with_pod)
+        kept, self._kept = self._kept, None
+        after_kept, self._from_kept = self._from_kept, False
+        if kept is not None and not reread and set(with_pod) == set(names):
+            pods = {n: _pod_key(self.pods[n]) for n in with_pod}
+            reused = kept_reports(kept, pods, self.r.leadership.epoch, time.monotonic())
+            self._from_kept = reused is not None
+        elif after_kept:
+            # After a plan from kept readings: its sleeps' ACKs must say where the group stands
+            # and have measured every device, else every worker is read now.
+            reused = None
+            if ordered and not reread:
+                reused = reuse_reports(self.reports, ordered, acks, with_pod)
+                if reused is not None and not acks_measure(reused.values(), acks.values()):
+                    reused = None
+        else:
+            reused = None if reread else reuse_reports(self.reports, ordered, acks, with_pod)
         if reused is None:
             reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
             self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
@@ -137,7 +172,14 @@ class KubeGroupPort(FactsPort):
             self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
         self.demand_idle |= self.demand.idle
         facts = {n: loading_asleep(self.facts[n], self.pods.get(n)) for n in arbitrated}
-        return GroupObservation(intents, facts, memory)
+        return GroupObservation(intents, facts, memory, kept=self._from_kept)
+
+    def kept_readings(self) -> KeptReadings | None:
+        """This round's last readings, worth keeping for the group's next round (or None)."""
+        if self._from_kept:
+            return None  # never read back after a plan from kept readings
+        pods = {n: _pod_key(self.pods[n]) for n in self.reports if n in self.pods}
+        return keep_readings(self.reports, pods, self.r.leadership.epoch, time.monotonic())
 
     # -- acting ----------------------------------------------------------------------------
 
@@ -313,3 +355,9 @@ class KubeGroupPort(FactsPort):
             # its stage backs off before a new pod, with the worker's own reason in status.
             why = f"worker failed: {rep.error}" if rep.error else "worker failed"
             self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time(), spec_hash)
+
+
+def _pod_key(pod: Mapping[str, Any]) -> tuple[str, str]:
+    """A pod as kept readings name it: its uid and resourceVersion (any change reads anew)."""
+    meta = pod.get("metadata") or {}
+    return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
