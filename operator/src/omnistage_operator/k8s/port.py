@@ -48,7 +48,6 @@ from omnistage_operator.k8s.builders import (
 )
 from omnistage_operator.k8s.group_claims import claim_holders
 from omnistage_operator.k8s.kube import CLAIMS, PODS, SERVICES
-from omnistage_operator.k8s.pod_hash import pod_spec_hash
 from omnistage_operator.k8s.port_facts import FactsPort, loading_asleep
 from omnistage_operator.k8s.port_listing import _built_from
 from omnistage_operator.k8s.views import group_of
@@ -344,7 +343,7 @@ class KubeGroupPort(FactsPort):
         self.r.emit(
             body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
         )
-        spec_hash = pod_spec_hash(self.specs[stage], self.r.pod_profile)
+        spec_hash = self.spec_hash(stage)
         if (
             pod is not None
             and rep is not None
