@@ -11,7 +11,11 @@ It prints and writes p50/p95 to bench/results/operator_switch.json with the comm
 machine and the date, and a budget of the operator's path read from its log (millisecond
 timestamps): ``front`` (PATCH -> the Sleep order), ``sleep`` (Sleep order -> WakeUp order: the
 sleep RPC, the reading after it, the status checkpoint), ``wake`` (WakeUp order -> the round's
-end), ``publish`` (the round's end -> Active seen by a watch). It also reads the operator
+end), ``publish`` (the round's end -> Active seen by a watch); where the operator logs its
+handler and the ACKs' arrival, also ``patch_to_handler`` (the API server and kopf),
+``sleep_call`` and ``wake_call`` (the RPCs, the workers' transitions included) and ``own`` (the
+operator's own work on the path: handler -> Sleep order, sleep ACK -> WakeUp order, wake ACK ->
+the round's end). It also reads the operator
 process's CPU time (``/proc``) over the switches: ``operator_cpu_ms_per_switch`` depends far
 less on the machine's load than the wall times do. Targets (2-core machine): p50 <= 300 ms,
 p95 <= 1 s.
@@ -141,26 +145,50 @@ def _log_time(line: str) -> float | None:
     return stamp.timestamp()
 
 
+# The operator's log lines that mark a hand-over's steps (the first of each in its window).
+_MARKS = (
+    ("asked", "omnistage_operator.runtime.handlers: "),  # the spec change reached the handler
+    ("sleep", "omnistage_operator.decisions.handover.orders: sleep "),
+    ("slept", "omnistage_operator.k8s.port: sleep "),  # its ACK arrived
+    ("wake", "omnistage_operator.decisions.handover.orders: wake "),
+    ("woken", "omnistage_operator.k8s.port: wake "),
+    ("end", "hand-over "),
+)
+
+
 def _budget(log: Path, since: float, until: float) -> dict[str, float] | None:
-    """The steps of one hand-over from the operator's log lines between two wall times."""
+    """The steps of one hand-over from the operator's log lines between two wall times:
+    ``front``, ``sleep``, ``wake``, ``publish``, and where the operator logs them (its handler
+    and the ACKs' arrival) their split into the API server's and the workers' calls and the
+    operator's own work (``own``: handler to Sleep order, sleep ACK to WakeUp order, wake ACK
+    to the round's end)."""
     marks: dict[str, float] = {}
     for line in log.read_text(errors="replace").splitlines():
         when = _log_time(line)
         if when is None or when < since - 0.002 or when > until + 0.002:
             continue
-        for mark, text in (("sleep", "omnistage_operator.decisions.handover.orders: sleep "),
-                           ("wake", "omnistage_operator.decisions.handover.orders: wake "),
-                           ("end", "hand-over ")):  # fmt: skip
+        for mark, text in _MARKS:
             if text in line and mark not in marks:
+                if mark == "asked" and "spec.state" not in line:
+                    continue
                 marks[mark] = when
-    if len(marks) < 3:
+    if not {"sleep", "wake", "end"} <= set(marks):
         return None
-    return {
+    steps = {
         "front_s": marks["sleep"] - since,
         "sleep_s": marks["wake"] - marks["sleep"],
         "wake_s": marks["end"] - marks["wake"],
         "publish_s": until - marks["end"],
     }
+    if {"asked", "slept", "woken"} <= set(marks):
+        steps |= {
+            "patch_to_handler_s": marks["asked"] - since,
+            "sleep_call_s": marks["slept"] - marks["sleep"],
+            "wake_call_s": marks["woken"] - marks["wake"],
+            "own_s": (marks["sleep"] - marks["asked"]) + (marks["wake"] - marks["slept"])
+            + (marks["end"] - marks["woken"]),
+        }  # fmt: skip
+    return steps
 
 
 async def _switch(kube: Kube, ns: str, state: str) -> dict[str, float]:
@@ -220,6 +248,10 @@ async def _run(ns: str, switches: int, kubeconfig: Path, log: Path) -> list[dict
     return results
 
 
+# The budget's steps (``_budget``), reported as p50 in ``budget_p50_ms``.
+_STEPS = ("front", "sleep", "wake", "publish", "patch_to_handler", "sleep_call", "wake_call", "own")
+
+
 def _figures(
     results: list[dict[str, float]], cpu_s: float, requests: float, kept: float = 0.0
 ) -> dict[str, Any]:
@@ -241,7 +273,7 @@ def _figures(
         },
         "budget_p50_ms": {
             step: round(_pct([r[f"{step}_s"] for r in results if f"{step}_s" in r], 0.5) * 1000, 1)
-            for step in ("front", "sleep", "wake", "publish")
+            for step in _STEPS
             if any(f"{step}_s" in r for r in results)
         },
         # Load-independent: the rounds' API requests per hand-over (resyncs and Events included).

@@ -259,7 +259,9 @@ class KubeGroupPort(FactsPort):
             level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain,
             components=components,
         )  # fmt: skip
-        metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
+        took = time.monotonic() - t0
+        metrics.ACK_SECONDS.labels("sleep").observe(took)
+        _log_ack("sleep", task_id, stage, ack, took)
         self._acked(stage, ack)
         result = "ok" if ack.ok else "not_ok"
         metrics.TRANSITIONS.labels(self.ns, self.group, "sleep", result).inc()
@@ -280,7 +282,9 @@ class KubeGroupPort(FactsPort):
             )
         finally:
             await self._waking_settled(stage, shown)
-        metrics.ACK_SECONDS.labels("wake").observe(time.monotonic() - t0)
+        took = time.monotonic() - t0
+        metrics.ACK_SECONDS.labels("wake").observe(took)
+        _log_ack("wake", task_id, stage, ack, took)
         self._acked(stage, ack)
         result = "ok" if ack.ok else "not_ok"
         metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
@@ -360,3 +364,12 @@ def _pod_key(pod: Mapping[str, Any]) -> tuple[str, str]:
     """A pod as kept readings name it: its uid and resourceVersion (any change reads anew)."""
     meta = pod.get("metadata") or {}
     return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
+
+
+def _log_ack(op: str, task_id: str, stage: str, ack: AckFacts, took: float) -> None:
+    """The ACK's arrival: the call's time and the worker's own (the budget's marks)."""
+    verdict = "ok" if ack.ok else "not ok"
+    log.info(
+        "%s %s of %s: ACK %s in %.3fs (the worker's transition %.3fs)",
+        op, task_id, stage, verdict, took, ack.duration_s,
+    )  # fmt: skip

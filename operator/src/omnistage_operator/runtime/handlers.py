@@ -196,6 +196,8 @@ async def stage_updated(
     old_state = (old or {}).get("state", "Active")
     new_state = (new or {}).get("state", "Active")
     asked = new_state == "Active" and old_state != "Active"
+    if old_state != new_state:
+        log.info("%s/%s: spec.state %s -> %s", ns, name, old_state, new_state)
     if asked:
         runner.record_ask(ns, name)
     old_group = group_of({"spec": old or {}})
