@@ -120,6 +120,13 @@ async def test_a_pod_that_changed_is_read(monkeypatch: pytest.MonkeyPatch) -> No
     assert not (await port.observe()).kept and sorted(asked) == ["ar", "sd"]
 
 
+async def test_a_listing_that_deleted_a_pod_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    kept = keep_readings(BEFORE, PODS, 0, time.monotonic())
+    port, asked = _port(monkeypatch, kept)
+    port.listing_deleted = True  # an orphan or outdated pod went before the round acts
+    assert not (await port.observe()).kept and sorted(asked) == ["ar", "sd"]
+
+
 async def test_without_orders_since_the_kept_plan_every_worker_is_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

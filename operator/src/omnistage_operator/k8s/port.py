@@ -124,7 +124,8 @@ class KubeGroupPort(FactsPort):
         ]
         kept, self._kept = self._kept, None
         after_kept, self._from_kept = self._from_kept, False
-        if kept is not None and not reread and set(with_pod) == set(names):
+        settled = not reread and not self.listing_deleted and set(with_pod) == set(names)
+        if kept is not None and settled:
             pods = {n: _pod_key(self.pods[n]) for n in with_pod}
             reused = kept_reports(kept, pods, self.r.leadership.epoch, time.monotonic())
             self._from_kept = reused is not None

@@ -58,6 +58,7 @@ class ListingPort:
         self._claim_uuids: tuple[str, ...] | None = None
         self._claims_read = False
         self._spec_hashes: dict[str, str] = {}  # of the specs as listed (``spec_hash``)
+        self.listing_deleted = False  # the last listing deleted a pod (orphan or outdated)
 
     def spec_hash(self, stage: str) -> str:
         """``pod_spec_hash`` of the stage's spec as listed, computed once per listing (every
@@ -96,10 +97,12 @@ class ListingPort:
             and p["metadata"].get("labels", {}).get(STAGE_LABEL) not in self.specs
             and (p.get("status") or {}).get("phase") not in _TERMINAL
         ]
+        self.listing_deleted = bool(orphans)  # pods deleted before the round acts
         for pod in orphans:
             await self._fence_orphan(pod)
         for name, pod in list(self.pods.items()):
             if _outdated(pod, self.spec_hash(name)):
+                self.listing_deleted = True
                 await self._replace_outdated(name, pod)
                 del self.pods[name]
 
