@@ -4,8 +4,9 @@ A hand-over round used to ask every worker for its GetStatus before its first Sl
 the round before had just read them (or proved their state with its ACKs). While those readings
 are still the group's (same epoch, same pods at the same resourceVersion, every worker Active or
 Asleep, not old), the round sends its sleeps from them: one worker round trip less before the
-first Sleep. Only whole sleeps of every Active stage go out that way; the gate after them reads
-the group from their ACKs, or reads every worker when the ACKs do not say where it stands.
+first Sleep (the asleep workers are read beside the sleeps). Only whole sleeps of every Active
+stage go out that way; the gate after them reads the group from their ACKs and those answers, or
+reads every worker when they do not say where it stands.
 """
 
 from __future__ import annotations
@@ -104,12 +105,13 @@ async def test_a_round_after_a_round_reads_no_worker_before_its_plan(
 
     port, asked = _port(monkeypatch, kept)
     obs = await port.observe()
-    assert obs.kept and asked == []  # planned from the kept readings
+    assert obs.kept and asked == []  # planned from the kept readings, nobody awaited
     assert obs.facts["ar"].phase is WorkerPhase.ACTIVE
-    # ar's sleep ACK measured the device, sd is asleep: the gate reads nobody either.
+    # ar's sleep ACK measured the device; sd, asleep, was read beside the sleep: the gate
+    # asks nobody (ar is never read in this round).
     port._ordered, port._acks = {"ar"}, {"ar": SLEPT}
     after = await port.observe()
-    assert not after.kept and asked == []
+    assert not after.kept and asked == ["sd"]
     assert after.facts["ar"].phase is WorkerPhase.ASLEEP
     assert after.memory.free == int(14.5 * GIB)  # the ACK's reading of the device
 

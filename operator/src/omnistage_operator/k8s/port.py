@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from omnistage_operator.api.labels import GROUP_LABEL
 from omnistage_operator.api.spec import DesiredState
 from omnistage_operator.decisions.arbiter import StageFacts, WorkerPhase
-from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.facts import AckFacts, WorkerReport
 from omnistage_operator.decisions.handover import (
     FenceFailed,
     GroupObservation,
@@ -88,6 +88,8 @@ class KubeGroupPort(FactsPort):
         self._reread = False
         self._kept = kept
         self._from_kept = False  # the last observe answered from kept readings
+        # Then: the asleep workers' GetStatus, sent at once and taken by the next observe.
+        self._early: dict[str, asyncio.Future[WorkerReport | None]] = {}
 
     def _acked(self, stage: str, ack: AckFacts) -> None:
         """Keep an ACK for status, and count it into the stage's per-device peaks."""
@@ -124,24 +126,38 @@ class KubeGroupPort(FactsPort):
         ]
         kept, self._kept = self._kept, None
         after_kept, self._from_kept = self._from_kept, False
+        early, self._early = self._early, {}
+        answered: dict[str, WorkerReport | None] = {}
+        if early:  # asked at the plan from kept readings: taken now (from pods not replaced)
+            answers = await asyncio.gather(*early.values())
+            answered = {} if reread else dict(zip(early, answers, strict=True))
         settled = not reread and not self.listing_deleted and set(with_pod) == set(names)
         if kept is not None and settled:
             pods = {n: _pod_key(self.pods[n]) for n in with_pod}
             reused = kept_reports(kept, pods, self.r.leadership.epoch, time.monotonic())
             self._from_kept = reused is not None
+            # The asleep workers are read meanwhile (beside the sleeps, for the gate after them).
+            for name, report in (reused or {}).items():
+                if report.phase is WorkerPhase.ASLEEP:
+                    self._early[name] = _asked(self._status_of(name, self.pods[name]))
         elif after_kept:
-            # After a plan from kept readings: its sleeps' ACKs must say where the group stands
-            # and have measured every device, else every worker is read now.
+            # After a plan from kept readings: its sleeps' ACKs and the asleep workers' answers
+            # must say where the group stands, the ACKs having measured every device, else
+            # every worker is read now.
             reused = None
-            if ordered and not reread:
-                reused = reuse_reports(self.reports, ordered, acks, with_pod)
+            if ordered and not reread and all(a is not None for a in answered.values()):
+                read = {n: a for n, a in answered.items() if a is not None}
+                reused = reuse_reports({**self.reports, **read}, ordered, acks, with_pod)
                 if reused is not None and not acks_measure(reused.values(), acks.values()):
                     reused = None
         else:
             reused = None if reread else reuse_reports(self.reports, ordered, acks, with_pod)
         if reused is None:
-            reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
-            self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
+            unread = [n for n in with_pod if answered.get(n) is None]
+            reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in unread))
+            got: dict[str, WorkerReport | None] = dict(answered)
+            got.update(zip(unread, reports, strict=True))
+            self.reports = {n: rep for n in with_pod if (rep := got.get(n)) is not None}
         else:
             self.reports = reused
         self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
@@ -374,3 +390,10 @@ def _log_ack(op: str, task_id: str, stage: str, ack: AckFacts, took: float) -> N
         "%s %s of %s: ACK %s in %.3fs (the worker's transition %.3fs)",
         op, task_id, stage, verdict, took, ack.duration_s,
     )  # fmt: skip
+
+
+def _asked(read: Coroutine[Any, Any, WorkerReport | None]) -> asyncio.Future[WorkerReport | None]:
+    """A GetStatus sent now, taken by a later observe (an error never taken is not logged)."""
+    task = asyncio.ensure_future(read)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
