@@ -26,10 +26,11 @@ A group's readings at the end of a round are kept for its next round (``KeptRead
 they are still the group's (``kept_reports``: the same leadership epoch, the same worker pods at
 the same resourceVersion, every worker Active or Asleep, at most ``KEPT_MAX_AGE_S`` old), that
 round plans its first step from them, without a GetStatus round trip before its first Sleep,
-when that step puts every Active stage to sleep whole (``handover.rounds``). The gate after
-those sleeps then reads the group as above, only when their ACKs measured every device the
-readings name (``acks_measure``); otherwise every worker is read. No wake, fence or pod creation
-is decided from kept readings.
+when that step puts every Active stage to sleep whole (``handover.rounds``); the asleep workers
+are read beside those sleeps. The gate after them then reads the group as above (the asleep
+workers from those answers), only when their ACKs measured every device the readings name
+(``acks_measure``); otherwise every worker is read. No wake, fence or pod creation is decided
+from kept readings.
 """
 
 from __future__ import annotations
