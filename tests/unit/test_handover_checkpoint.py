@@ -52,27 +52,3 @@ async def test_the_wake_goes_out_while_the_checkpoint_is_written() -> None:
     assert calls.index(("sleep", "a")) < checkpoint and calls.index(("sleep", "c")) < checkpoint
     assert checkpoint < calls.index(("wake", "b")) < calls.index(("written", ""))
     assert calls[-1] == ("written", "")  # the round ended once it was written (the publish next)
-
-
-async def test_a_checkpoint_still_being_written_is_handed_to_the_caller() -> None:
-    """With ``hand_checkpoint`` the round ends once its wake's result is in; its checkpoint,
-    still being written, is the caller's to await (before any write of the sleepers)."""
-    port = SlowStatusPort(a_inflight=0)
-    port.release.set()
-    answered = asyncio.Event()
-
-    async def checkpoint(outcome: RoundOutcome) -> None:
-        await answered.wait()  # the API answers only after the round
-        port.calls.append(("written", ""))
-
-    port.checkpoint = checkpoint  # type: ignore[method-assign]
-    ids = iter(["h1", "h2"])
-    out = await asyncio.wait_for(
-        run_round(port, POLICY, lambda: next(ids), hand_checkpoint=True), 3.0
-    )
-    assert list(out.wakes) == ["b"] and ("written", "") not in port.calls
-    assert out.checkpoint is not None and not out.checkpoint.done()
-    assert out.checkpointed == frozenset({"a", "c"})
-    answered.set()
-    await out.checkpoint
-    assert port.calls[-1] == ("written", "")

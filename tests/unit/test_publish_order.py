@@ -61,32 +61,3 @@ async def test_the_new_state_is_written_before_the_new_figures() -> None:
     runner.published[("ns", "b")] = {"state": "Asleep", "devices": []}  # figures only
     await runner.publish(port, RoundOutcome(), events=False)
     assert kube.log == [("begin", "a"), ("end", "a"), ("begin", "b"), ("end", "b")]
-
-
-async def test_the_woken_stage_is_written_while_the_sleepers_checkpoint_is() -> None:
-    """A round's publish while its checkpoint (the sleeper's status) is still being written:
-    the woken stage's new state goes out at once; a write of the sleeper waits for it."""
-    kube = SlowPatches()
-    runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
-    port = KubeGroupPort(runner, "ns", "g")
-    for name, state, phase in (
-        ("a", "Asleep", WorkerPhase.ASLEEP),
-        ("b", "Active", WorkerPhase.ACTIVE),
-    ):
-        body = _body(name, state)
-        port.specs[name], port.bodies[name] = parse_stage(body), body
-        port.facts[name] = StageFacts(phase)
-    runner.published[("ns", "a")] = {"state": "Active"}  # its figures change too
-    runner.published[("ns", "b")] = {"state": "Asleep"}  # woken
-    checkpoint = asyncio.get_running_loop().create_future()
-    outcome = RoundOutcome(checkpoint=checkpoint, checkpointed=frozenset({"a"}))
-    publish = asyncio.ensure_future(runner.publish(port, outcome, events=False, after=checkpoint))
-    for _ in range(100):
-        if ("end", "b") in kube.log:
-            break
-        await asyncio.sleep(0.01)
-    # Before: the round awaited its checkpoint first, so b waited for a's write.
-    assert kube.log == [("begin", "b"), ("end", "b")]
-    checkpoint.set_result(None)
-    await publish
-    assert kube.log[2:] == [("begin", "a"), ("end", "a")]

@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 StageKey = tuple[str, str]
 HeldEvent = tuple[Mapping[str, Any], str, str, bool]  # body, reason, message, warning
-_Write = tuple[str, Coroutine[Any, Any, None]]  # a stage and its status patch (not started)
 # While a publish builds its status: where its Events wait (the port's ``held_events``).
 _HELD: ContextVar[list[HeldEvent] | None] = ContextVar("omnistage_held_events", default=None)
 # Condition reasons that are news for a user: an Event (Warning) when a condition takes one.
@@ -194,48 +193,29 @@ class StatusPublisher:
         *,
         events: bool = True,
         stages: frozenset[str] | None = None,
-        after: asyncio.Future[None] | None = None,
     ) -> None:
         """Patch every stage's status (of ``stages`` only, when given) from the facts (only
         where it changed): the writes that change a stage's state first, the others once those
         are answered (a stage's new state does not share the API server with another stage's
         new figures); then post the Events (a checkpoint's, ``events=False``, wait for the
-        round's last publish). ``after``: the round's checkpoint still being written; a write
-        of a stage it wrote (``outcome.checkpointed``) waits for it, the others do not."""
+        round's last publish)."""
         token = _HELD.set(port.held_events)
         try:
             states, figures = self._status_patches(port, outcome, events=events, stages=stages)
         finally:
             _HELD.reset(token)
-        if after is not None and not after.done():
-            written = outcome.checkpointed
-            states = [(n, _after(after, w) if n in written else w) for n, w in states]
-            figures = [(n, _after(after, w) if n in written else w) for n, w in figures]
         try:
-            await asyncio.gather(*(w for _, w in states))
+            await asyncio.gather(*states)
         except BaseException:
-            for _, write in figures:
+            for write in figures:
                 write.close()  # never started
             raise
-        await asyncio.gather(*(w for _, w in figures))
+        await asyncio.gather(*figures)
         if events:
             held = list(port.held_events)
             port.held_events.clear()
             for body, reason, message, warning in held:
                 self._post(body, reason, message, warning)
-
-    async def checkpoint_written(
-        self, port: RoundView, outcome: RoundOutcome, *, rewrite: bool
-    ) -> None:
-        """Await the checkpoint the round handed over; a stage whose checkpoint write failed
-        is written again (``rewrite``), as the publish would have written it after the
-        checkpoint."""
-        if outcome.checkpoint is None:
-            return
-        await outcome.checkpoint
-        lost = frozenset(n for n in outcome.checkpointed if (port.ns, n) not in self.published)
-        if lost and rewrite:
-            await self.publish(port, outcome, events=False, stages=lost)
 
     def _status_patches(
         self,
@@ -244,15 +224,15 @@ class StatusPublisher:
         *,
         events: bool,
         stages: frozenset[str] | None = None,
-    ) -> tuple[list[_Write], list[_Write]]:
+    ) -> tuple[list[Coroutine[Any, Any, None]], list[Coroutine[Any, Any, None]]]:
         """Build every stage's status (of ``stages`` only, when given); the patches of those
-        that changed (not started), by stage: those whose state changed, and the others."""
+        that changed (not started): those whose state changed, and the others."""
         if events:
             self._events(port, outcome)
         decision = outcome.decision
         now = datetime.now(UTC)
-        states: list[_Write] = []
-        patches: list[_Write] = []
+        states: list[Coroutine[Any, Any, None]] = []
+        patches: list[Coroutine[Any, Any, None]] = []
         for name, spec in port.specs.items():
             if stages is not None and name not in stages:
                 continue
@@ -309,7 +289,7 @@ class StatusPublisher:
                 self.emit(body, "StateChanged", f"{old_state or 'None'} -> {status['state']}")
             self.published[key] = status
             write = self._patch_status(port.ns, name, status)
-            (states if old_state != status["state"] else patches).append((name, write))
+            (states if old_state != status["state"] else patches).append(write)
         for name, (body, exc) in port.invalid.items():
             if stages is not None and name not in stages:
                 continue
@@ -320,7 +300,7 @@ class StatusPublisher:
                 continue
             self.published[(port.ns, name)] = status
             self.emit(body, "SpecInvalid", str(exc), warning=True)
-            patches.append((name, self._patch_status(port.ns, name, status)))
+            patches.append(self._patch_status(port.ns, name, status))
         return states, patches
 
     def _extend_status(
@@ -405,12 +385,6 @@ class StatusPublisher:
         except KubeError as exc:
             self.published.pop((namespace, name), None)
             log.warning("status of %s/%s not written: %s", namespace, name, exc)
-
-
-async def _after(first: asyncio.Future[None], write: Coroutine[Any, Any, None]) -> None:
-    """``write`` once ``first`` is over (its outcome is its owner's to take)."""
-    await asyncio.wait([first])
-    await write
 
 
 def _same(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> bool:

@@ -355,7 +355,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
             tracker = SleepTracker(lambda: self.kick(namespace, group))
             self._sleeps[(namespace, group)] = tracker
         try:
-            outcome = await run_round(port, self.policy, self.new_id, tracker, hand_checkpoint=True)
+            outcome = await run_round(port, self.policy, self.new_id, tracker)
         except LeadershipLost as exc:
             log.warning("group %s/%s: round ended: %s", namespace, group, exc)
             metrics.ROUNDS.labels(namespace, group, "leadership_lost").inc()
@@ -379,16 +379,10 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         waits = [*port.held_back.values(), *port.wake_held.values()]
         if waits:
             self._retry_in[(namespace, group)] = min(waits)
-        leading = self.leadership.leading()
-        try:
-            if not leading:  # lost while the round ran: the new leader writes
-                log.warning("group %s/%s: leadership lost; status not written", namespace, group)
-                return False
-            # The stages the checkpoint did not write go out at once (the woken stage's Active
-            # does not wait for the sleeper's status write to be answered).
-            await self.publish(port, outcome, after=outcome.checkpoint)
-        finally:
-            await self.checkpoint_written(port, outcome, rewrite=leading)
+        if not self.leadership.leading():  # lost while the round ran: the new leader writes
+            log.warning("group %s/%s: leadership lost; status not written", namespace, group)
+            return False
+        await self.publish(port, outcome)
         await after_group_round(self, port, outcome)
         facts = port.facts.values()
         return (

@@ -9,7 +9,6 @@ or one wake.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -285,11 +284,6 @@ class RoundOutcome:
     handover_began: float | None = None  # monotonic: the hand-over's first order (maybe rounds ago)
     decision: Decision | None = None
     observation: GroupObservation | None = None
-    # The checkpoint's status writes, still in flight, when the round handed them to its caller
-    # (``run_round(..., hand_checkpoint=True)``): the caller awaits them, and writes none of
-    # ``checkpointed`` before they are answered.
-    checkpoint: asyncio.Future[None] | None = None
-    checkpointed: frozenset[str] = frozenset()
     from_kept: bool = False  # its sleeps went out from kept readings (``GroupObservation.kept``)
 
     @property

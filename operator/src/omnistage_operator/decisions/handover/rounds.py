@@ -26,8 +26,7 @@ a simulated fleet in the property tests. One round:
 4. observe again and plan with this hand-over's bookkeeping (who had to sleep or be fenced, who
    ACKed ok, who was fenced); publish that (``checkpoint``: started, its status built and
    its writes sent, before the first wake; finished before the round ends, so before its
-   publish, or handed to the caller, who writes none of its stages before it is answered), then
-   wake what the arbiter now allows. A wake refused for lack of memory teaches the
+   publish), then wake what the arbiter now allows. A wake refused for lack of memory teaches the
    stage's need (``RoundOutcome.learned_needs``, persisted by the kube side and given back as
    ``StageFacts.learned_need``); it is not asked again until the memory is there, and never when
    the need exceeds the device (``LargerThanDevice``). A wake that ran out of memory during its
@@ -149,15 +148,11 @@ async def run_round(
     policy: RoundPolicy,
     new_id: Callable[[], str],
     tracker: SleepTracker | None = None,
-    *,
-    hand_checkpoint: bool = False,
 ) -> RoundOutcome:
     """Observe, sleep or fence what must release memory, then wake what the arbiter allows.
 
     ``tracker``: the group's sleeps in flight across rounds (``sleep_tasks``); without one, the
-    round waits for every sleep it sent. ``hand_checkpoint``: a checkpoint still being written
-    when the round is over is handed to the caller (``RoundOutcome.checkpoint``) instead of
-    awaited, so the caller's writes of other stages need not wait for it."""
+    round waits for every sleep it sent."""
     tracker = tracker if tracker is not None else SleepTracker(background=False)
     out = RoundOutcome()
     done = tracker.collect()  # sleeps that ended since the last round
@@ -212,12 +207,8 @@ async def run_round(
         out.decision, out.observation = decision, obs
         if out.sleeps or out.fences:
             # Started (its status built, its writes sent) before any wake; awaited before the
-            # round ends (or by the caller it is handed to), so a later write of the same status
-            # never lands first.
+            # round ends, so a later write of the same status never lands first.
             checkpoint = asyncio.ensure_future(port.checkpoint(out))
-            out.checkpointed = frozenset(
-                [s.order.stage for s in out.sleeps] + [f.order.stage for f in out.fences]
-            )
             await asyncio.sleep(0)
         tracker.close_if_idle()
 
@@ -226,14 +217,8 @@ async def run_round(
             await _wake_allowed(port, policy, new_id, tracker, decision=decision, out=out)
             obs = _remember(await port.observe(), out)
             decision = _plan(obs, handover, policy, started)
-    except BaseException:
-        if checkpoint is not None:  # its writes land before any later one
-            await checkpoint
-        raise
-    if checkpoint is not None:
-        if hand_checkpoint and not checkpoint.done():
-            out.checkpoint = checkpoint
-        else:
+    finally:
+        if checkpoint is not None:  # its writes land before any later one (the publish)
             await checkpoint
 
     out.decision = decision
