@@ -120,6 +120,21 @@ def operator_section(data: dict[str, Any]) -> list[str]:
             f"WakeUp order to the round's end {budget['wake']:.0f} ms, round's end to Active "
             f"seen by a watch {budget['publish']:.0f} ms."
         )
+        if "own" in budget:
+            text += (
+                f" Of these, the patch to the operator's handler (the API server's write and "
+                f"watch, kopf) took {budget['patch_to_handler']:.0f} ms, the Sleep and WakeUp "
+                f"calls {budget['sleep_call']:.0f} and {budget['wake_call']:.0f} ms (the workers' "
+                f"transitions included), and the operator's own work on the path (handler to "
+                f"Sleep order, sleep ACK to WakeUp order, wake ACK to the round's end) "
+                f"{budget['own']:.0f} ms."
+            )
+    kept = data.get("rounds_from_kept_readings_per_switch")
+    if kept:
+        text += (
+            f" Hand-overs whose first Sleep went out from the readings kept from the round "
+            f"before (no GetStatus first): {kept * 100:.0f}%."
+        )
     if "operator_cpu_ms_per_switch" in data:
         text += (
             f" Operator CPU {data['operator_cpu_ms_per_switch']:.0f} ms and "

@@ -29,6 +29,7 @@ class RecordingRunner:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.published: dict[Any, Any] = {("ns", "x"): {"state": "Active"}}
+        self.kept: dict[Any, Any] = {("ns", "g"): "readings of epoch 2"}
 
     def kick(self, namespace: str, group: str) -> None:
         self.calls.append(("kick", (namespace, group)))
@@ -150,6 +151,7 @@ async def test_acquiring_kicks_every_group_and_forgets_what_was_published(
     handlers.on_acquired(3)
     assert runner.ops() == ["kick_all"]
     assert runner.published == {}
+    assert runner.kept == {}  # its first rounds read every worker before they order
 
 
 async def test_kicks_reach_the_runner_whoever_leads(runner: RecordingRunner) -> None:

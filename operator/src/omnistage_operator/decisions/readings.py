@@ -21,17 +21,42 @@ Anything else (an order without an ok ACK, a replayed ACK, an ACK the device's o
 contradict, a component sleep that leaves the worker Active, an Active or starting worker that
 was not ordered, a worker without a report) asks every worker again (``reuse_reports`` answers
 None).
+
+A group's readings at the end of a round are kept for its next round (``KeptReadings``): while
+they are still the group's (``kept_reports``: the same leadership epoch, the same worker pods at
+the same resourceVersion, every worker Active or Asleep, at most ``KEPT_MAX_AGE_S`` old), that
+round plans its first step from them, without a GetStatus round trip before its first Sleep,
+when that step puts every Active stage to sleep whole (``handover.rounds``); the asleep workers
+are read beside those sleeps. The gate after them then reads the group as above (the asleep
+workers from those answers), only when their ACKs measured every device the readings name
+(``acks_measure``); otherwise every worker is read. No wake, fence or pod creation is decided
+from kept readings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from omnistage_operator.decisions.arbiter import DeviceMemory, GroupMemory, WorkerPhase
 from omnistage_operator.decisions.facts import AckFacts, WorkerReport, ack_contradiction
 
-__all__ = ["acked_memory", "report_after_ack", "reuse_reports"]
+__all__ = [
+    "KEPT_MAX_AGE_S",
+    "KeptReadings",
+    "acked_memory",
+    "acks_measure",
+    "keep_readings",
+    "kept_reports",
+    "report_after_ack",
+    "reuse_reports",
+]
+
+# How long a group's last readings may plan its next round's sleeps (a resync round reads the
+# workers at least every --resync-interval, 10 s by default, and keeps what it read).
+KEPT_MAX_AGE_S = 10.0
+# The phases a kept reading may show: a worker in a transition, starting, failed or lost is read.
+_SETTLED = frozenset({WorkerPhase.ACTIVE, WorkerPhase.ASLEEP})
 
 # The state an ok ACK of each operation leaves a whole worker in.
 _ACKED_STATE = {"sleep": WorkerPhase.ASLEEP, "wake": WorkerPhase.ACTIVE}
@@ -134,3 +159,56 @@ def acked_memory(memory: GroupMemory, acks: Iterable[AckFacts]) -> GroupMemory:
     if scalar is None or memory.free is None:
         return memory
     return replace(memory, free=scalar[1])
+
+
+PodKeys = Mapping[str, tuple[str, str]]  # stage -> (pod uid, resourceVersion)
+
+
+@dataclass(frozen=True)
+class KeptReadings:
+    """A group's readings at the end of a round: each worker's report, the pods they came from
+    (uid and resourceVersion, by stage), the leadership epoch and when (monotonic seconds)."""
+
+    reports: Mapping[str, WorkerReport]
+    pods: PodKeys
+    epoch: int
+    at: float
+
+
+def keep_readings(
+    reports: Mapping[str, WorkerReport], pods: PodKeys, epoch: int, at: float
+) -> KeptReadings | None:
+    """The readings worth keeping: every worker with a pod read, each Active or Asleep whole
+    (no component asleep or in a transition), none with requests in flight; else None."""
+    if set(reports) != set(pods):
+        return None
+    for report in reports.values():
+        if report.phase not in _SETTLED or report.inflight_requests:
+            return None
+        if report.phase is WorkerPhase.ACTIVE and any(c.asleep for c in report.components):
+            return None
+    return KeptReadings(dict(reports), dict(pods), epoch, at)
+
+
+def kept_reports(
+    kept: KeptReadings | None, pods: PodKeys, epoch: int, now: float
+) -> dict[str, WorkerReport] | None:
+    """The kept reports while they are still the group's: the same epoch, the same pods at the
+    same resourceVersion (a pod that changed, was replaced or is new is read), not older than
+    ``KEPT_MAX_AGE_S``; else None."""
+    if kept is None or kept.epoch != epoch or dict(pods) != dict(kept.pods):
+        return None
+    if not 0 <= now - kept.at <= KEPT_MAX_AGE_S:
+        return None
+    return dict(kept.reports)
+
+
+def acks_measure(reports: Iterable[WorkerReport], acks: Iterable[AckFacts]) -> bool:
+    """The ACKs measured every device the reports name (by UUID; without per-device figures,
+    some ACK carries the device's sums): the gate then reads no device from older readings."""
+    acked = list(acks)
+    measured = {d.uuid for a in acked for d in a.devices if d.uuid and d.total > 0}
+    named = {d.uuid for r in reports for d in r.devices if d.uuid and d.total > 0}
+    if named:
+        return named <= measured
+    return any(a.total_bytes > 0 for a in acked)

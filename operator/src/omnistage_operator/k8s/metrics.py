@@ -68,6 +68,11 @@ ROUNDS = Counter(
     "Arbitration rounds run, by outcome.",
     ["namespace", "group", "outcome"],
 )
+ROUNDS_FROM_KEPT = Counter(
+    "omnistage_rounds_from_kept_readings_total",
+    "Rounds whose sleeps went out from the group's kept readings (no GetStatus before them).",
+    ["namespace", "group"],
+)
 ROUND_API_REQUESTS = Counter(
     "omnistage_round_api_requests_total",
     "Kubernetes API requests made by the group's rounds (specs and pods come from the watches).",

@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine, Mapping
+from typing import TYPE_CHECKING, Any
 
 from omnistage_operator.api.labels import GROUP_LABEL
 from omnistage_operator.api.spec import DesiredState
 from omnistage_operator.decisions.arbiter import StageFacts, WorkerPhase
-from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.facts import AckFacts, WorkerReport
 from omnistage_operator.decisions.handover import (
     FenceFailed,
     GroupObservation,
@@ -30,7 +31,14 @@ from omnistage_operator.decisions.handover import (
 )
 from omnistage_operator.decisions.memory import group_memory
 from omnistage_operator.decisions.peaks import StagePeaks
-from omnistage_operator.decisions.readings import acked_memory, reuse_reports
+from omnistage_operator.decisions.readings import (
+    KeptReadings,
+    acked_memory,
+    acks_measure,
+    keep_readings,
+    kept_reports,
+    reuse_reports,
+)
 from omnistage_operator.k8s import metrics
 from omnistage_operator.k8s.builders import (
     build_group_claim,
@@ -40,7 +48,6 @@ from omnistage_operator.k8s.builders import (
 )
 from omnistage_operator.k8s.group_claims import claim_holders
 from omnistage_operator.k8s.kube import CLAIMS, PODS, SERVICES
-from omnistage_operator.k8s.pod_hash import pod_spec_hash
 from omnistage_operator.k8s.port_facts import FactsPort, loading_asleep
 from omnistage_operator.k8s.port_listing import _built_from
 from omnistage_operator.k8s.views import group_of
@@ -66,7 +73,15 @@ class KubeGroupPort(FactsPort):
     _checkpoint_stages: frozenset[str] = frozenset()
     _waking_written: set[str]
 
-    def __init__(self, runner: PortHost, namespace: str, group: str) -> None:
+    def __init__(
+        self,
+        runner: PortHost,
+        namespace: str,
+        group: str,
+        kept: KeptReadings | None = None,
+    ) -> None:
+        """``kept``: the group's readings from its last round (its first observe may answer
+        from them: ``readings.kept_reports``)."""
         super().__init__(runner, namespace, group)
         self._waking_written = set()
         # Since the last observe: the stages sent a Sleep or WakeUp, their ACKs, and whether
@@ -74,6 +89,10 @@ class KubeGroupPort(FactsPort):
         self._ordered: set[str] = set()
         self._acks: dict[str, AckFacts] = {}
         self._reread = False
+        self._kept = kept
+        self._from_kept = False  # the last observe answered from kept readings
+        # Then: the asleep workers' GetStatus, sent at once and taken by the next observe.
+        self._early: dict[str, asyncio.Future[WorkerReport | None]] = {}
 
     def _acked(self, stage: str, ack: AckFacts) -> None:
         """Keep an ACK for status, and count it into the stage's per-device peaks."""
@@ -90,7 +109,9 @@ class KubeGroupPort(FactsPort):
         kicks another round), and not even they when the round's ACKs already say where the
         group stands (``readings.reuse_reports``: every worker ordered since answered with an
         ok ACK, every other one is asleep; each device's free memory is then the latest ACK's
-        reading of it).
+        reading of it). A round's first observe answers from the group's kept readings while
+        they are still the group's (``readings.kept_reports``); the next one reads every worker
+        unless the sleeps sent since say where the group stands and measured every device.
         """
         ordered, acks, reread = self._ordered, self._acks, self._reread
         self._ordered, self._acks, self._reread = set(), {}, False
@@ -106,10 +127,40 @@ class KubeGroupPort(FactsPort):
             if n in self.pods
             and (self.pods[n]["metadata"].get("labels") or {}).get(GROUP_LABEL) == self.group
         ]
-        reused = None if reread else reuse_reports(self.reports, ordered, acks, with_pod)
+        kept, self._kept = self._kept, None
+        after_kept, self._from_kept = self._from_kept, False
+        early, self._early = self._early, {}
+        answered: dict[str, WorkerReport | None] = {}
+        if early:  # asked at the plan from kept readings: taken now (from pods not replaced)
+            answers = await asyncio.gather(*early.values())
+            answered = {} if reread else dict(zip(early, answers, strict=True))
+        settled = not reread and not self.listing_deleted and set(with_pod) == set(names)
+        if kept is not None and settled:
+            pods = {n: _pod_key(self.pods[n]) for n in with_pod}
+            reused = kept_reports(kept, pods, self.r.leadership.epoch, time.monotonic())
+            self._from_kept = reused is not None
+            # The asleep workers are read meanwhile (beside the sleeps, for the gate after them).
+            for name, report in (reused or {}).items():
+                if report.phase is WorkerPhase.ASLEEP:
+                    self._early[name] = _asked(self._status_of(name, self.pods[name]))
+        elif after_kept:
+            # After a plan from kept readings: its sleeps' ACKs and the asleep workers' answers
+            # must say where the group stands, the ACKs having measured every device, else
+            # every worker is read now.
+            reused = None
+            if ordered and not reread and all(a is not None for a in answered.values()):
+                read = {n: a for n, a in answered.items() if a is not None}
+                reused = reuse_reports({**self.reports, **read}, ordered, acks, with_pod)
+                if reused is not None and not acks_measure(reused.values(), acks.values()):
+                    reused = None
+        else:
+            reused = None if reread else reuse_reports(self.reports, ordered, acks, with_pod)
         if reused is None:
-            reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in with_pod))
-            self.reports = {n: rep for n, rep in zip(with_pod, reports, strict=True) if rep}
+            unread = [n for n in with_pod if answered.get(n) is None]
+            reports = await asyncio.gather(*(self._status_of(n, self.pods[n]) for n in unread))
+            got: dict[str, WorkerReport | None] = dict(answered)
+            got.update(zip(unread, reports, strict=True))
+            self.reports = {n: rep for n in with_pod if (rep := got.get(n)) is not None}
         else:
             self.reports = reused
         self.facts = {n: self._facts(n, self.pods.get(n), self.reports.get(n)) for n in names}
@@ -140,7 +191,14 @@ class KubeGroupPort(FactsPort):
             self.demand_asked.setdefault(name, self.r.demand.held(self.ns, name))
         self.demand_idle |= self.demand.idle
         facts = {n: loading_asleep(self.facts[n], self.pods.get(n)) for n in arbitrated}
-        return GroupObservation(intents, facts, memory)
+        return GroupObservation(intents, facts, memory, kept=self._from_kept)
+
+    def kept_readings(self) -> KeptReadings | None:
+        """This round's last readings, worth keeping for the group's next round (or None)."""
+        if self._from_kept:
+            return None  # never read back after a plan from kept readings
+        pods = {n: _pod_key(self.pods[n]) for n in self.reports if n in self.pods}
+        return keep_readings(self.reports, pods, self.r.leadership.epoch, time.monotonic())
 
     # -- acting ----------------------------------------------------------------------------
 
@@ -221,7 +279,9 @@ class KubeGroupPort(FactsPort):
             level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain,
             components=components,
         )  # fmt: skip
-        metrics.ACK_SECONDS.labels("sleep").observe(time.monotonic() - t0)
+        took = time.monotonic() - t0
+        metrics.ACK_SECONDS.labels("sleep").observe(took)
+        _log_ack("sleep", task_id, stage, ack, took)
         self._acked(stage, ack)
         result = "ok" if ack.ok else "not_ok"
         metrics.TRANSITIONS.labels(self.ns, self.group, "sleep", result).inc()
@@ -242,7 +302,9 @@ class KubeGroupPort(FactsPort):
             )
         finally:
             await self._waking_settled(stage, shown)
-        metrics.ACK_SECONDS.labels("wake").observe(time.monotonic() - t0)
+        took = time.monotonic() - t0
+        metrics.ACK_SECONDS.labels("wake").observe(took)
+        _log_ack("wake", task_id, stage, ack, took)
         self._acked(stage, ack)
         result = "ok" if ack.ok else "not_ok"
         metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
@@ -328,7 +390,7 @@ class KubeGroupPort(FactsPort):
         self.r.emit(
             body, "Fenced", f"worker pod deleted and confirmed gone: {reason}", warning=True
         )
-        spec_hash = pod_spec_hash(self.specs[stage], self.r.pod_profile)
+        spec_hash = self.spec_hash(stage)
         if (
             pod is not None
             and rep is not None
@@ -339,3 +401,25 @@ class KubeGroupPort(FactsPort):
             # its stage backs off before a new pod, with the worker's own reason in status.
             why = f"worker failed: {rep.error}" if rep.error else "worker failed"
             self.r.worker_exited(body, pod["metadata"]["uid"], why, time.time(), spec_hash)
+
+
+def _pod_key(pod: Mapping[str, Any]) -> tuple[str, str]:
+    """A pod as kept readings name it: its uid and resourceVersion (any change reads anew)."""
+    meta = pod.get("metadata") or {}
+    return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
+
+
+def _log_ack(op: str, task_id: str, stage: str, ack: AckFacts, took: float) -> None:
+    """The ACK's arrival: the call's time and the worker's own (the budget's marks)."""
+    verdict = "ok" if ack.ok else "not ok"
+    log.info(
+        "%s %s of %s: ACK %s in %.3fs (the worker's transition %.3fs)",
+        op, task_id, stage, verdict, took, ack.duration_s,
+    )  # fmt: skip
+
+
+def _asked(read: Coroutine[Any, Any, WorkerReport | None]) -> asyncio.Future[WorkerReport | None]:
+    """A GetStatus sent now, taken by a later observe (an error never taken is not logged)."""
+    task = asyncio.ensure_future(read)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task

@@ -34,7 +34,6 @@ from omnistage_operator.decisions.pods import (
 from omnistage_operator.decisions.remembered import adopt_status
 from omnistage_operator.decisions.status import parse_timestamp, persisted_facts
 from omnistage_operator.k8s.builders import INITIAL_STATE_ANNOTATION, can_start_asleep
-from omnistage_operator.k8s.pod_hash import pod_spec_hash
 from omnistage_operator.k8s.port_listing import ListingPort, _built_from
 
 __all__ = ["FactsPort", "deepen_level", "loading_asleep"]
@@ -251,7 +250,7 @@ class FactsPort(ListingPort):
             key = (self.ns, name)
             pod = self.pods.get(name)
             fact = self.facts[name]
-            spec_hash = pod_spec_hash(self.specs[name], self.r.pod_profile)
+            spec_hash = self.spec_hash(name)
             counted = self.r.backoffs.get(key)
             if counted is not None and not counted.current(spec_hash):
                 del self.r.backoffs[key]

@@ -21,7 +21,7 @@ from omnistage_operator.decisions.peaks import StagePeaks
 from omnistage_operator.decisions.pods import TERMINAL_PHASES
 from omnistage_operator.k8s import metrics
 from omnistage_operator.k8s.builders import POD_SPEC_HASH_ANNOTATION
-from omnistage_operator.k8s.pod_hash import PodProfile, pod_spec_hash
+from omnistage_operator.k8s.pod_hash import pod_spec_hash
 
 if TYPE_CHECKING:
     from omnistage_operator.k8s.port_host import PortHost
@@ -57,6 +57,16 @@ class ListingPort:
         # after it created or deleted a pod): not a GET on every observe of the hand-over path.
         self._claim_uuids: tuple[str, ...] | None = None
         self._claims_read = False
+        self._spec_hashes: dict[str, str] = {}  # of the specs as listed (``spec_hash``)
+        self.listing_deleted = False  # the last listing deleted a pod (orphan or outdated)
+
+    def spec_hash(self, stage: str) -> str:
+        """``pod_spec_hash`` of the stage's spec as listed, computed once per listing (every
+        observe of a round checks it, and it is a JSON dump and a SHA-256 of the spec)."""
+        known = self._spec_hashes.get(stage)
+        if known is None:
+            known = self._spec_hashes[stage] = pod_spec_hash(self.specs[stage], self.r.pod_profile)
+        return known
 
     async def _list(self) -> None:
         """The group's stages and worker pods, from the watches (``views``): no LIST."""
@@ -65,6 +75,7 @@ class ListingPort:
         self.specs.clear()
         self.bodies.clear()
         self.invalid.clear()
+        self._spec_hashes.clear()
         for body in bodies:
             try:
                 spec = parse_stage(body)
@@ -86,10 +97,12 @@ class ListingPort:
             and p["metadata"].get("labels", {}).get(STAGE_LABEL) not in self.specs
             and (p.get("status") or {}).get("phase") not in _TERMINAL
         ]
+        self.listing_deleted = bool(orphans)  # pods deleted before the round acts
         for pod in orphans:
             await self._fence_orphan(pod)
         for name, pod in list(self.pods.items()):
-            if _outdated(pod, self.specs[name], self.r.pod_profile):
+            if _outdated(pod, self.spec_hash(name)):
+                self.listing_deleted = True
                 await self._replace_outdated(name, pod)
                 del self.pods[name]
 
@@ -153,12 +166,12 @@ def _built_from(pod: Mapping[str, Any], spec_hash: str) -> bool:
     return built is None or built == spec_hash
 
 
-def _outdated(pod: Mapping[str, Any], spec: StageSpec, profile: PodProfile) -> bool:
+def _outdated(pod: Mapping[str, Any], spec_hash: str) -> bool:
     """The pod was built from another version of the fields (or operator settings) a pod is
-    made of."""
+    made of than ``spec_hash``."""
     if (pod.get("status") or {}).get("phase") in _TERMINAL or pod["metadata"].get(
         "deletionTimestamp"
     ):
         return False  # ended or already going: the round's usual path handles it
     built = (pod["metadata"].get("annotations") or {}).get(POD_SPEC_HASH_ANNOTATION)
-    return built is not None and built != pod_spec_hash(spec, profile)
+    return built is not None and built != spec_hash

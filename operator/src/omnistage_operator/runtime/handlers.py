@@ -74,12 +74,14 @@ def configure(settings: Settings, leadership: Leadership | None = None) -> None:
 
 
 def on_acquired(epoch: int) -> None:
-    """Leadership acquired: forget what status this replica last wrote (another leader may have
-    written since) and kick every group seen; each round reads the workers' real state first."""
+    """Leadership acquired: forget what status this replica last wrote and the workers'
+    readings it kept (another leader may have acted since) and kick every group seen; each
+    round reads the workers' real state first."""
     runner = _State.runner
     if runner is None:
         return  # kopf not started yet: its resume handlers kick every group
     runner.published.clear()
+    runner.kept.clear()
     log.info("leading with epoch %d: a round for every group", epoch)
     runner.kick_all()
 
@@ -194,6 +196,8 @@ async def stage_updated(
     old_state = (old or {}).get("state", "Active")
     new_state = (new or {}).get("state", "Active")
     asked = new_state == "Active" and old_state != "Active"
+    if old_state != new_state:
+        log.info("%s/%s: spec.state %s -> %s", ns, name, old_state, new_state)
     if asked:
         runner.record_ask(ns, name)
     old_group = group_of({"spec": old or {}})

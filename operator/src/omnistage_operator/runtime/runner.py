@@ -30,6 +30,7 @@ from omnistage_operator.decisions.handover.sleep_tasks import SleepTracker
 from omnistage_operator.decisions.leadership import Leadership, LeadershipLost, SoleWriter
 from omnistage_operator.decisions.peaks import StagePeaks
 from omnistage_operator.decisions.pods import TERMINAL_PHASES, CrashBackoff
+from omnistage_operator.decisions.readings import KeptReadings
 from omnistage_operator.decisions.status import format_timestamp
 from omnistage_operator.decisions.wake_backoff import WakeBackoff
 from omnistage_operator.k8s import metrics
@@ -139,6 +140,8 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         self._claim_errors: set[str] = set()
         self._retry_in: dict[GroupKey, float] = {}
         self.published: dict[StageKey, dict[str, Any]] = {}
+        # Each group's readings at the end of its last round (``readings.KeptReadings``).
+        self.kept: dict[GroupKey, KeptReadings] = {}
         self._loops: dict[GroupKey, _Loop] = {}
         # Per group: its sleeps in flight across rounds (a drain holds up no other transition).
         self._sleeps: dict[GroupKey, SleepTracker] = {}
@@ -344,7 +347,8 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
             return await self._round(namespace, group)
 
     async def _round(self, namespace: str, group: str) -> bool:
-        port = KubeGroupPort(self, namespace, group)
+        # The group's last readings: this round's first plan may send its sleeps from them.
+        port = KubeGroupPort(self, namespace, group, self.kept.pop((namespace, group), None))
         try:
             return await self._round_of(port, namespace, group)
         finally:  # every write of an ended round is answered (``persist_ask`` relies on it)
@@ -371,6 +375,9 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
                 [s.order.stage for s in outcome.sleeps], list(outcome.wakes), took,
                 extra=_handover_fields(namespace, group, outcome, self.leadership.epoch),
             )  # fmt: skip
+        kept = port.kept_readings()
+        if kept is not None:
+            self.kept[(namespace, group)] = kept
         metrics.ROUNDS.labels(namespace, group, "acted" if outcome.changed else "idle").inc()
         stage_metrics.record_round(namespace, group, outcome)
         self._remember(namespace, outcome)

@@ -41,7 +41,9 @@ def sleep_verdict(s: SleepResult) -> str:
 
 
 def record_round(namespace: str, group: str, outcome: RoundOutcome) -> None:
-    """Count the verdicts of the round's sleep and wake ACKs."""
+    """Count the verdicts of the round's sleep and wake ACKs (and a plan from kept readings)."""
+    if outcome.from_kept:
+        metrics.ROUNDS_FROM_KEPT.labels(namespace, group).inc()
     for s in outcome.sleeps:
         metrics.ACK_VERDICTS.labels(namespace, group, "sleep", sleep_verdict(s)).inc()
     for name, ack in outcome.wakes.items():

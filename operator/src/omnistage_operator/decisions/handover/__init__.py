@@ -94,11 +94,15 @@ class FenceFailed(Exception):
 
 @dataclass(frozen=True)
 class GroupObservation:
-    """Everything the arbiter needs about one group, freshly read."""
+    """Everything the arbiter needs about one group, freshly read; ``kept``: the workers'
+    facts are the group's readings from its last round (``readings.KeptReadings``), good for
+    sending sleeps only (the next observe reads the workers unless those sleeps' ACKs say where
+    the group stands)."""
 
     intents: Mapping[str, StageIntent]
     facts: Mapping[str, StageFacts]
     memory: GroupMemory
+    kept: bool = False
 
 
 class GroupPort(Protocol):
@@ -107,7 +111,8 @@ class GroupPort(Protocol):
     async def observe(self) -> GroupObservation:
         """Read specs, pods and every reachable worker's GetStatus (within a round, a port may
         answer from the round's own ACKs where they prove where the group stands:
-        ``readings.reuse_reports``)."""
+        ``readings.reuse_reports``; a round's first observe may answer from the group's kept
+        readings, marked ``kept``)."""
         ...
 
     async def start(self, stage: str, *, active: bool = False) -> None:
@@ -281,6 +286,7 @@ class RoundOutcome:
     handover_began: float | None = None  # monotonic: the hand-over's first order (maybe rounds ago)
     decision: Decision | None = None
     observation: GroupObservation | None = None
+    from_kept: bool = False  # its sleeps went out from kept readings (``GroupObservation.kept``)
 
     @property
     def changed(self) -> bool:

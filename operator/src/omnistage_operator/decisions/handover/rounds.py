@@ -4,7 +4,10 @@
 same code runs against real workers and the Kubernetes API (``port.KubeGroupPort``) and against
 a simulated fleet in the property tests. One round:
 
-1. observe every stage (GetStatus of every reachable worker, pods from the API) and plan;
+1. observe every stage (GetStatus of every reachable worker, pods from the API) and plan; a
+   first plan from the group's kept readings (``GroupObservation.kept``, ``readings``) goes on
+   only when it puts every Active stage to sleep whole and orders nothing else, else the round
+   reads every worker and plans again;
 2. create the pods of stages that have none and can start asleep (a wake goes through the gate;
    no wake in a round that started pods, their contexts are not measured yet); a stage that
    cannot start asleep (vLLM) is started Active in step 4, once the arbiter admits it and its
@@ -119,6 +122,23 @@ def _plan(
     )  # fmt: skip
 
 
+def _sleeps_only(obs: GroupObservation, decision: Decision) -> bool:
+    """The plan puts every Active stage to sleep whole, every other stage is asleep, and it
+    orders nothing else (no fence, no pod to create, no component order): what a round may
+    send from kept readings."""
+    if not decision.sleep or decision.fence or decision.start or decision.component_wakes:
+        return False
+    ordered = {o.stage for o in decision.sleep}
+    for o in decision.sleep:
+        if not o.releases_memory or o.components:
+            return False
+    for name, fact in obs.facts.items():
+        want = WorkerPhase.ACTIVE if name in ordered else WorkerPhase.ASLEEP
+        if fact.phase is not want:
+            return False
+    return ordered <= set(obs.facts)
+
+
 def _sleep_id(hid: str, order: SleepOrder) -> str:
     parts = "-parts" if order.components else ""
     return f"{hid}-{order.stage}-sleep{order.level}{parts}"
@@ -142,6 +162,12 @@ async def run_round(
         tracker.close_if_idle()  # e.g. a round ended by LeadershipLost before it closed it
     obs = await port.observe()
     decision = _plan(obs, tracker.handover(), policy)
+    if obs.kept and (done or tracker.running or not _sleeps_only(obs, decision)):
+        # Kept readings send whole sleeps of every Active stage only: anything else is
+        # decided from the workers' answers.
+        obs = await port.observe()
+        decision = _plan(obs, tracker.handover(), policy)
+    out.from_kept = obs.kept
 
     for name, intent in sorted(obs.intents.items()):
         absent = obs.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase is WorkerPhase.ABSENT
