@@ -4,7 +4,6 @@ the model's batched ``generate`` and the worker's batcher driven in this process
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from bench.serving_clients import Answer, prompt, tokens_in
 from bench.serving_models import llm_config
 from bench.serving_plan import Json, Plan
+from bench.threads import run_threads
 from bench.worker_grpc import ensure_tokenizer
 
 GENERATE_RUNS = 3
@@ -123,11 +123,7 @@ def batcher_in_process(model: Any, tokenizer: Any, device: Any, plan: Plan) -> J
                 done.append((began, time.monotonic()))
                 turn += 1
 
-        threads = [threading.Thread(target=loop, args=(i,)) for i in range(count)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        run_threads(count, loop)
         answers = [Answer(a, b, 200, plan.new_tokens) for a, b in done]
         start = min(a for a, _ in done) + plan.warmup_s
         return tokens_in(answers, start, stop) / (stop - start)

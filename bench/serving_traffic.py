@@ -13,6 +13,7 @@ import grpc
 from bench.serving_clients import Clients, tokens_in
 from bench.serving_plan import Json, Plan
 from bench.serving_worker import Worker
+from bench.threads import run_threads
 from omnistage.worker.v1 import inference_service_pb2, sleep_service_pb2, types_pb2
 
 
@@ -139,11 +140,7 @@ def run_images(worker: Worker, count: int, plan: Plan) -> Json:
     warm.join()
     sizes.clear()
     began = time.monotonic()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(count, client)
     seconds = time.monotonic() - began
     print(f"{count} image clients: {len(sizes) / seconds:.2f} images/s", flush=True)
     return {
