@@ -280,7 +280,7 @@ def build_models(models: Path, tiny: bool, small_sd: bool = False) -> Json:
     (``small_sd``: the pipeline in its tiny configuration, for runs about the LLM alone)."""
     import torch
 
-    from bench.worker_sleep import llm_config
+    from bench.sleep_models import llm_config
     from tests.worker.tiny_models import build_causal_lm
 
     dev = torch.device("cuda:0" if torch.cuda.is_available() and not tiny else "cpu")
@@ -419,7 +419,7 @@ def build_sd3(directory: Path, dev: Any, tiny: bool) -> None:
 
 
 def child_limits() -> Json:
-    from bench.worker_sleep import child_limits as limits
+    from bench.sleep_limits import child_limits as limits
 
     return limits(4 * GiB)
 
