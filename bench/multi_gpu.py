@@ -258,7 +258,7 @@ def summarize(report: Json) -> Json:
 
 def use_bundle(bundle: Path, work: Path) -> None:
     """The packages the host lacks (grpc health/reflection...), from gpu_bundle's site archive."""
-    from bench.gpu_e2e import extract_xz
+    from bench.gpu_e2e_host import extract_xz
 
     site = work / "site"
     if not (site / ".installed").is_file():
