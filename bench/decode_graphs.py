@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ for extra in ("worker_image/src", "protos/gen/python", "."):
     sys.path.insert(0, str(REPO / extra))
 
 from bench.reporting import emit  # noqa: E402
+from bench.threads import run_threads  # noqa: E402
 
 Json = dict[str, Any]
 
@@ -165,11 +165,7 @@ def speed(model: Any, device: Any, graphs: bool, args: argparse.Namespace) -> Js
     before = device_used_mib() if cuda else 0.0
     steps0, rows0, joins0, secs0 = run.steps, run.row_steps, run.join_steps, run.step_seconds
     began = time.perf_counter()
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(clients, loop)
     elapsed = time.perf_counter() - began
     steps = run.steps - steps0
     out = {

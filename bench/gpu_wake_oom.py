@@ -81,7 +81,7 @@ def build_model(directory: Path, layers: int, tiny: bool) -> int:
     """The LM (tokenizer from the tests' tiny model, weights from a config); its weight bytes."""
     import torch
 
-    from bench.worker_sleep import llm_config
+    from bench.sleep_models import llm_config
     from tests.worker.tiny_models import build_causal_lm
 
     done = directory / f".done-{layers}-{int(tiny)}"

@@ -52,17 +52,15 @@ for _p in reversed([ROOT / "operator" / "src", ROOT / "worker_image" / "src",
                     ROOT / "protos" / "gen" / "python", ROOT]):  # fmt: skip
     sys.path.insert(0, str(_p))
 
-from bench.gpu_e2e import (  # noqa: E402
+from bench.gpu_e2e_cluster import (  # noqa: E402
     TOKEN,
     Operator,
-    nvml_devices,
     stage_manifest,
     stage_status,
     start_localnode,
-    unpack_bundle,
-    versions,
     wait_states,
 )
+from bench.gpu_e2e_host import nvml_devices, unpack_bundle, versions  # noqa: E402
 from bench.wake_tenant import TenantFiles  # noqa: E402
 
 Json = dict[str, Any]

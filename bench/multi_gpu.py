@@ -41,7 +41,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -51,98 +50,26 @@ for extra in ("worker_image/src", "protos/gen/python", "."):
     sys.path.insert(0, str(REPO / extra))
 
 from bench.copy_limits import child_limits  # noqa: E402
-from bench.reporting import emit  # noqa: E402
-from bench.worker_grpc import (  # noqa: E402
-    INFERENCE,
-    SLEEP,
-    Worker,
-    ensure_tokenizer,
-    generate,
-    start_worker,
+from bench.multi_gpu_acks import (  # noqa: E402
+    DEVICES,
+    Nvml,
+    per_device_rates,
+    stage_bytes,
+    transition,
+    wait_asleep,
 )
-from omnistage.worker.v1 import sleep_service_pb2, types_pb2  # noqa: E402
+from bench.multi_gpu_children import child_ballast, child_build  # noqa: E402
+from bench.reporting import emit  # noqa: E402
+from bench.worker_grpc import INFERENCE, SLEEP, generate, start_worker  # noqa: E402
+from omnistage.worker.v1 import sleep_service_pb2  # noqa: E402
 
 Json = dict[str, Any]
 GiB = 1024**3
 MiB = 1024**2
-DEVICES = 2
 
 
 def log(msg: str) -> None:
     print(f"[multi_gpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ---- 2. models (child process) ---------------------------------------------------------------
-
-
-def llama_config(gib: float, tiny: bool) -> Any:
-    from transformers import LlamaConfig
-
-    if tiny:
-        return LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    hidden, inter, vocab, kv = 4096, 14336, 32000, 1024
-    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden)
-    outside = 2 * (2 * vocab * hidden + hidden)
-    layers = max(2, round((gib * GiB - outside) / per_layer))
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    )
-
-
-def child_build(directory: Path, gib: float, seed: int, tiny: bool) -> Json:
-    """Random bf16 weights (the model's own init, seeded) built on cuda:0, saved as safetensors."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    if (directory / "config.json").exists():
-        return {"built": False}
-    start = time.monotonic()
-    config = llama_config(gib, tiny)
-    dev = torch.device("cpu" if tiny else "cuda:0")
-    dtype = torch.float32 if tiny else torch.bfloat16
-    torch.manual_seed(seed)  # the model's own init (std 0.02, norms one), on the device
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.save_pretrained(directory, safe_serialization=True)
-    ensure_tokenizer(directory)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"built": True, "weights_bytes": weights, "seconds": time.monotonic() - start}
-
-
-# ---- 3. the ballast tenant (child process) ---------------------------------------------------
-
-
-def child_ballast(sizes: list[int]) -> None:
-    """Hold ``sizes[i]`` bytes on cuda:i until stdin closes; print 'ready' once they are held."""
-    import torch
-
-    held = []
-    for i, size in enumerate(sizes):
-        if size > 0:
-            block = torch.empty(size, dtype=torch.uint8, device=f"cuda:{i}")
-            block.fill_(1)
-            held.append(block)
-        torch.cuda.synchronize(i)
-    print("ready", flush=True)
-    sys.stdin.read()
 
 
 def run_child(args: list[str], timeout: float) -> Json:
@@ -157,100 +84,6 @@ def run_child(args: list[str], timeout: float) -> Json:
         raise RuntimeError(f"child {args} failed:\n{proc.stderr[-4000:]}")
     result: Json = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
-
-
-# ---- NVML from outside -----------------------------------------------------------------------
-
-
-class Nvml:
-    """Per device: free memory and each process's memory, as nvidia-smi shows them."""
-
-    def __init__(self) -> None:
-        import pynvml
-
-        self.nvml: Any = pynvml
-        pynvml.nvmlInit()
-        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(DEVICES)]
-
-    def free(self) -> list[int]:
-        return [int(self.nvml.nvmlDeviceGetMemoryInfo(h).free) for h in self.handles]
-
-    def processes(self) -> list[dict[int, int]]:
-        """Per device: pid -> used bytes (host pids: they may differ from ours in a container)."""
-        out = []
-        for h in self.handles:
-            procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(h)
-            out.append({int(p.pid): int(p.usedGpuMemory or 0) for p in procs})
-        return out
-
-
-# ---- 4. the stages ---------------------------------------------------------------------------
-
-
-def devices_json(ack: types_pb2.Ack) -> list[Json]:
-    return [
-        {
-            "device": d.device,
-            "uuid": d.uuid,
-            "used_before_bytes": d.used_before_bytes,
-            "used_after_bytes": d.used_after_bytes,
-            "freed_bytes": d.freed_bytes,
-            "free_before_bytes": d.free_before_bytes,
-            "free_after_bytes": d.free_after_bytes,
-        }
-        for d in ack.devices
-    ]
-
-
-def transition(worker: Worker, op: str, level: int, nvml: Nvml | None) -> Json:
-    """One Sleep or WakeUp; the Ack with per-device figures, and NVML read from outside."""
-    task = str(uuid.uuid4())
-    if op == "sleep":
-        level_enum = types_pb2.SleepLevel.ValueType(level)
-        sleep_request = sleep_service_pb2.SleepRequest(task_id=task, level=level_enum)
-        ack = worker.sleep.Sleep(sleep_request, timeout=600).ack
-    else:
-        wake_request = sleep_service_pb2.WakeUpRequest(task_id=task)
-        ack = worker.sleep.WakeUp(wake_request, timeout=600).ack
-    out: Json = {
-        "op": op,
-        "level": level,
-        "ok": ack.ok,
-        "error": ack.error,
-        "state": types_pb2.WorkerState.Name(ack.state),
-        "worker_seconds": ack.duration.ToTimedelta().total_seconds(),
-        "bytes_moved": ack.bytes_moved,
-        "devices": devices_json(ack),
-    }
-    if nvml is not None:
-        # NVML's per-process figures on each device just after the ACK, from outside; the
-        # worker's own figure must be one of them (its pid may be renumbered in a container)
-        out["nvml_processes_after"] = [sorted(procs.values()) for procs in nvml.processes()]
-    return out
-
-
-def per_device_rates(t: Json, per_device_bytes: list[int]) -> list[float]:
-    """GB/s of each device's own bytes over the transition (the devices copy at once)."""
-    seconds = t["worker_seconds"]
-    return [b / seconds / 1e9 if seconds else 0.0 for b in per_device_bytes]
-
-
-def stage_bytes(cycles: list[Json], stage: str) -> list[int]:
-    """Each device's share of a stage: what its wakes took there (the flat buffer)."""
-    wakes = [c[f"{stage}_wake"] for c in cycles]
-    return [max(-w["devices"][i]["freed_bytes"] for w in wakes) for i in range(DEVICES)]
-
-
-def wait_asleep(worker: Worker) -> Json:
-    deadline = time.monotonic() + 900
-    while True:
-        status = worker.sleep.GetStatus(sleep_service_pb2.GetStatusRequest(), timeout=30)
-        if status.state == types_pb2.WORKER_STATE_ASLEEP or time.monotonic() > deadline:
-            return {
-                "state": types_pb2.WorkerState.Name(status.state),
-                "devices": [(d.device, d.uuid, d.used_after_bytes) for d in status.devices],
-            }
-        time.sleep(0.2)
 
 
 def run(args: argparse.Namespace) -> Json:
@@ -425,7 +258,7 @@ def summarize(report: Json) -> Json:
 
 def use_bundle(bundle: Path, work: Path) -> None:
     """The packages the host lacks (grpc health/reflection...), from gpu_bundle's site archive."""
-    from bench.gpu_e2e import extract_xz
+    from bench.gpu_e2e_host import extract_xz
 
     site = work / "site"
     if not (site / ".installed").is_file():

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from bench.threads import run_threads
 from omnistage_worker.engine.placement import blocks_of, plan_device_map
 from omnistage_worker.engine.sharded import ShardedEngine
 
@@ -59,11 +60,7 @@ def together(n: int, step: Callable[[int], T]) -> list[T]:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(n, run)
     if errors:
         raise errors[0]
     return [results[i] for i in range(n)]

@@ -55,7 +55,7 @@ for _p in reversed(
 ):
     sys.path.insert(0, str(_p))
 
-from bench import gpu_e2e  # noqa: E402
+from bench import gpu_e2e, gpu_e2e_host  # noqa: E402
 from bench.pipeline_run import one_run  # noqa: E402
 
 Json = dict[str, Any]
@@ -131,13 +131,13 @@ def run(args: argparse.Namespace) -> Json:
     if args.tiny:
         binaries = find_binaries()
     else:
-        report["bundle"] = gpu_e2e.unpack_bundle(args.bundle, work)
+        report["bundle"] = gpu_e2e_host.unpack_bundle(args.bundle, work)
         binaries = binaries_in(work / "bin")
-        devices = gpu_e2e.nvml_devices()
+        devices = gpu_e2e_host.nvml_devices()
         report["machine"].update(gpu=devices[0]["name"], driver=devices[0]["driver"],
                                  gpu_total_bytes=devices[0]["total_bytes"])  # fmt: skip
         args.device_bytes = devices[0]["total_bytes"]
-    report["versions"] = gpu_e2e.versions()
+    report["versions"] = gpu_e2e_host.versions()
     models = work / "models"
     build = ["build", str(models)] + (["--tiny"] if args.tiny else [])
     if not args.tiny:

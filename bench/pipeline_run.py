@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import gpu_e2e
+from bench import gpu_e2e_cluster
 from bench.gpu_e2e_analysis import GiB
 
 Json = dict[str, Any]
@@ -89,7 +89,7 @@ def one_run(cp: Any, kind: str, args: argparse.Namespace, models: Path, work: Pa
     ns = cp.create_namespace(f"pipe-{kind.replace('_', '-')}")
     room = None if kind == "resident" else TINY_ROOM
     memory = (room or 80 * GiB) if args.tiny else 0
-    nodes, mode = gpu_e2e.start_localnode(
+    nodes, mode = gpu_e2e_cluster.start_localnode(
         cp.kubeconfig, 1, memory or args.device_bytes, not args.tiny, work / f"ln-{kind}"
     )
     out: Json = {"run": kind, "localnode": mode}
@@ -97,7 +97,7 @@ def one_run(cp: Any, kind: str, args: argparse.Namespace, models: Path, work: Pa
     with nodes:
         try:
             extra = ("--wake-margin-bytes", "16384") if args.tiny else ()
-            op = gpu_e2e.Operator(cp.kubeconfig, ns, work, extra)
+            op = gpu_e2e_cluster.Operator(cp.kubeconfig, ns, work, extra)
             op.wait_healthy()
             node = nodes.node_names[0]
             serial = kind == "per_request"

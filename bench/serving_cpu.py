@@ -34,9 +34,11 @@ for extra in ("worker_image/src", "protos/gen/python", "."):
     sys.path.insert(0, str(REPO / extra))
 
 from bench.reporting import emit  # noqa: E402
-from bench.serving import Plan, Worker, machine, settle, start_worker, sync  # noqa: E402
 from bench.serving_clients import Answer, Clients, prompt, tokens_in  # noqa: E402
+from bench.serving_generate import sync  # noqa: E402
+from bench.serving_plan import Plan, machine  # noqa: E402
 from bench.serving_probe import read_stats, thread_cpu  # noqa: E402
+from bench.serving_worker import Worker, settle, start_worker  # noqa: E402
 from bench.worker_grpc import ensure_tokenizer  # noqa: E402
 
 Json = dict[str, Any]

@@ -202,7 +202,7 @@ def measure(a: argparse.Namespace, machine: Machine, parts: list[str]) -> Json:
     reuse = {p for p, f in kept.items() if f.is_file() and not (a.fresh and p in parts)}
     to_run = [p for p in parts if p not in reuse and machine.cannot(p) is None]
     if machine.bundle is not None and to_run:
-        from bench.gpu_e2e import unpack_bundle
+        from bench.gpu_e2e_host import unpack_bundle
 
         # the binaries on PATH and the packages the host lacks on PYTHONPATH, for every part
         unpack_bundle(machine.bundle, a.work / "gpu_e2e")

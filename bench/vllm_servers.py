@@ -47,7 +47,7 @@ def build_model(workdir: Path, smoke: bool) -> Json:
         build_standin_model(model, weights=400_000, max_position_embeddings=4096)
         built = {"dir": str(model), "bytes": (model / "model.safetensors").stat().st_size}
     else:
-        from bench.vllm_stage import LLM_CONFIG, write_llama
+        from bench.vllm_stage_models import LLM_CONFIG, write_llama
 
         # The vocabulary is the tokenizer's (every generated id decodes); the layers make ~8 GiB.
         built = write_llama(model, {**LLM_CONFIG, "vocab_size": SIZE, "bos_token_id": 256,

@@ -28,8 +28,6 @@ import os
 import subprocess
 import sys
 import time
-import uuid
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -41,269 +39,21 @@ for extra in ("worker_image/src", "protos/gen/python", "."):
 import grpc  # noqa: E402
 
 from bench.reporting import emit  # noqa: E402
-from bench.worker_grpc import (  # noqa: E402
-    INFERENCE,
-    SLEEP,
-    ack_json,
-    ensure_tokenizer,
-    free_port,
+from bench.vllm_stage_models import child_build  # noqa: E402
+from bench.vllm_stage_workers import (  # noqa: E402
+    Outside,
+    Worker,
+    start_worker,
+    wait_state,
+    worker_env,
 )
-from omnistage.worker.v1 import (  # noqa: E402
-    inference_service_pb2,
-    inference_service_pb2_grpc,
-    sleep_service_pb2,
-    sleep_service_pb2_grpc,
-    types_pb2,
-)
+from bench.worker_grpc import INFERENCE, SLEEP  # noqa: E402
+from omnistage.worker.v1 import types_pb2  # noqa: E402
 
 Json = dict[str, Any]
 GiB = 1024**3
 MiB = 1024**2
-STANDIN = REPO / "tests" / "fakevllm"
 PROMPT = "omnistage vllm stage bench prompt"  # UTF-8 bytes are the token ids (no tokenizer)
-
-# A Llama of ~8.4 GiB in bf16 (GQA 32/8 heads): 24 layers of 4096 x 11008, vocab 32000.
-LLM_CONFIG: Json = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-# ---- models ---------------------------------------------------------------------------------
-
-
-def llama_shapes(cfg: Json) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of a Llama checkpoint as transformers and vLLM load it."""
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for n in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (h, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        }
-    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    return shapes
-
-
-def write_llama(directory: Path, cfg: Json, shard_bytes: int = 2 * GiB) -> Json:
-    """Random bf16 weights (norms: ones) in safetensors shards with an index, and config.json."""
-    import torch
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    shards: list[dict[str, Any]] = [{}]
-    size = 0
-    total = 0
-    for name, shape in llama_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            t = (torch.randn(shape, generator=gen, device=dev) * 0.02).to(torch.bfloat16).cpu()
-        nbytes = t.numel() * t.element_size()
-        if size and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-        total += nbytes
-    weight_map: dict[str, str] = {}
-    for n, shard in enumerate(shards):
-        fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(shard, fname)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
-    (directory / "config.json").write_text(json.dumps(cfg))
-    return {"dir": str(directory), "bytes": total, "shards": len(shards)}
-
-
-def child_build(workdir: Path, smoke: bool, torch_layers: int) -> Json:
-    """The vLLM model (no tokenizer) and the torch model (with a local tokenizer); models
-    already built there (a warm machine keeps /tmp) are reused."""
-    built = workdir / "built.json"
-    if built.exists():
-        done: Json = json.loads(built.read_text())
-        if done.get("smoke") == smoke and done.get("torch_layers") == torch_layers:
-            return done
-    if smoke:
-        from tests.fakevllm.models import build_standin_model
-
-        llm = build_standin_model(workdir / "vllm_llm", weights=400_000)
-        torch_cfg = {**LLM_CONFIG, "hidden_size": 64, "intermediate_size": 128,
-                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
-        out: Json = {"vllm": {"dir": str(llm), "bytes": weights_of(llm)}}
-    else:
-        out = {"vllm": write_llama(workdir / "vllm_llm", LLM_CONFIG)}
-        torch_cfg = {**LLM_CONFIG, "num_hidden_layers": torch_layers}
-    out["torch"] = write_llama(workdir / "torch_llm", torch_cfg)
-    ensure_tokenizer(workdir / "torch_llm")
-    out |= {"smoke": smoke, "torch_layers": torch_layers}
-    built.write_text(json.dumps(out))
-    return out
-
-
-def weights_of(model_dir: Path) -> int:
-    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
-
-
-# ---- the device, seen from outside ----------------------------------------------------------
-
-
-class Outside:
-    """The device as nvidia-smi shows it (smoke: the simulated GPU's snapshot)."""
-
-    def __init__(self, fake_dir: Path | None) -> None:
-        self.fake_dir = fake_dir
-        self._handle: Any = None
-        if fake_dir is None:
-            import pynvml
-
-            pynvml.nvmlInit()
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-            if visible.startswith(("GPU-", "MIG-")):
-                self._handle = pynvml.nvmlDeviceGetHandleByUUID(visible)
-            else:
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0))
-
-    def read(self) -> Json:
-        if self.fake_dir is not None:
-            from tests.fakegpu.device import FakeGpu
-
-            snap = FakeGpu(self.fake_dir).snapshot()
-            used = snap.device.reserve + snap.used_total
-            return {"total": snap.device.total, "used": used, "free": snap.free}
-        import pynvml
-
-        info = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
-        return {"total": int(info.total), "used": int(info.used), "free": int(info.free)}
-
-
-# ---- workers --------------------------------------------------------------------------------
-
-
-@dataclass
-class Worker:
-    name: str
-    proc: subprocess.Popen[bytes]
-    channel: grpc.Channel
-    spawned_at: float
-
-    @property
-    def sleep_stub(self) -> sleep_service_pb2_grpc.SleepServiceStub:
-        return sleep_service_pb2_grpc.SleepServiceStub(self.channel)
-
-    def status(self) -> sleep_service_pb2.GetStatusResponse:
-        reply: sleep_service_pb2.GetStatusResponse = self.sleep_stub.GetStatus(
-            sleep_service_pb2.GetStatusRequest(), timeout=30
-        )
-        return reply
-
-    def generate(self, prompt: str, tokens: int) -> list[int]:
-        stub = inference_service_pb2_grpc.InferenceServiceStub(self.channel)
-        request = inference_service_pb2.GenerateRequest(
-            request_id=str(uuid.uuid4()), prompt=prompt, max_new_tokens=tokens
-        )
-        return list(stub.Generate(request, timeout=600).text.token_ids)
-
-    def sleep(self, level: int) -> Json:
-        request = sleep_service_pb2.SleepRequest(
-            task_id=str(uuid.uuid4()), level=types_pb2.SleepLevel.ValueType(level)
-        )
-        start = time.perf_counter()
-        reply = self.sleep_stub.Sleep(request, timeout=600)
-        return ack_json(reply.ack, time.perf_counter() - start)
-
-    def wake(self) -> Json:
-        request = sleep_service_pb2.WakeUpRequest(task_id=str(uuid.uuid4()))
-        start = time.perf_counter()
-        reply = self.sleep_stub.WakeUp(request, timeout=600)
-        return ack_json(reply.ack, time.perf_counter() - start)
-
-    def stop(self) -> None:
-        from tests.cluster.procs import terminate
-
-        self.channel.close()
-        terminate(self.proc, grace=120)
-
-
-def worker_env(smoke: bool, fake_dir: Path | None, extra: dict[str, str]) -> dict[str, str]:
-    env = {**os.environ, **extra}
-    paths = [str(REPO / "worker_image/src"), str(REPO / "protos/gen/python"), str(REPO)]
-    if smoke:
-        paths.insert(0, str(STANDIN))
-    env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
-    if fake_dir is not None:
-        env["OMNISTAGE_MEMORY_PROBE"] = "tests.fakegpu.probe:from_env"
-        env["OMNISTAGE_FAKE_GPU"] = str(fake_dir)
-        env["OMNISTAGE_CPU_THREADS"] = "1"
-    return env
-
-
-def start_worker(
-    name: str, args: list[str], env: dict[str, str], log: Path, *, ready: str, timeout: float
-) -> Worker:
-    """Spawn ``omnistage-worker``; return once ``ready`` is SERVING on grpc.health.v1."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "omnistage_worker", "--host=127.0.0.1", f"--port={port}", *args]
-    spawned = time.time()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{name} worker exited with {proc.returncode}:\n{tail}")
-        try:
-            reply = health.Check(health_pb2.HealthCheckRequest(service=ready), timeout=2)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return Worker(name, proc, channel, spawned)
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"{name} worker did not become healthy in {timeout}s")
-        time.sleep(0.1)
-
-
-def wait_state(worker: Worker, state: types_pb2.WorkerState.ValueType, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while worker.status().state != state:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{worker.name} never reached {types_pb2.WorkerState.Name(state)}")
-        time.sleep(0.1)
-
-
-# ---- the run --------------------------------------------------------------------------------
 
 
 def run_child(args: list[str], timeout: float, script: Path | None = None) -> Json:

@@ -10,6 +10,7 @@ import pytest
 from tests.cluster.gomod import parse_release_gomod, render_wrapper_gomod, staging_tag
 from tests.cluster.kubeconfig import load_kubeconfig, write_token_kubeconfig
 from tests.cluster.localnode.__main__ import build_nodes, parse_activation, parse_bytes
+from tests.cluster.localnode.container_setup import runtime_env
 from tests.cluster.localnode.devices import (
     NodeSpec,
     claim_devices,
@@ -23,7 +24,6 @@ from tests.cluster.localnode.devices import (
 from tests.cluster.localnode.expand import expand, rewrite_path
 from tests.cluster.localnode.kubelet import IpPool, deletion_held
 from tests.cluster.localnode.podstatus import ContainerStatus, pod_phase, termination_message
-from tests.cluster.localnode.runtime import runtime_env
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The chart on the real local control plane: install, least-privilege RBAC, upgrade, uninstall.
+"""The chart installed with its defaults on the real local control plane: what it creates, and its
+least-privilege RBAC (other installs, an upgrade and an uninstall: test_helm_releases.py).
 
 RBAC is proved with SubjectAccessReviews for the chart's ServiceAccount (every contract grant
 allowed, a list of dangerous ones denied), and with that ServiceAccount's own token for a few
@@ -14,166 +15,23 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.cluster.controlplane import ControlPlane
-from tests.cluster.procs import wait_for
+from tests.e2e.helm_access import TOKEN_SECRET, access_check, denied_requests, lease_rules
 from tests.e2e.test_helm_support import (
     CRD_NAME,
     InstalledRelease,
     access_reviews,
+    get_json,
     install_chart,
     operator_kubeconfig,
-    uninstall_chart,
-    upgrade_chart,
     worker_token,
 )
-from tests.unit.test_chart_rbac import CLUSTER_PEERING, FRAMEWORK_RULES, LEASE_RULES, STAGE_RULES
-from tests.unit.test_chart_support import CHART_DIR, Rule
+from tests.unit.test_chart_rbac import FRAMEWORK_RULES, STAGE_RULES
 
 pytestmark = pytest.mark.cluster
-
-CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "nodes", "clusterroles"}
-TOKEN_SECRET = "omnistage-worker-token"
-
-
-def _check(rule: Rule, namespace: str) -> dict[str, str]:
-    """A SubjectAccessReview resourceAttributes for one grant."""
-    group, resource, verb, name = rule
-    attrs = {"group": group, "verb": verb}
-    resource, _, sub = resource.partition("/")
-    attrs["resource"] = resource
-    if sub:
-        attrs["subresource"] = sub
-    if name != "*":
-        attrs["name"] = name
-    if resource not in CLUSTER_SCOPED and namespace:
-        attrs["namespace"] = namespace
-    return attrs
-
-
-def _denied(namespace: str) -> list[tuple[str, dict[str, str]]]:
-    """Requests the operator must never be allowed, labelled for failure messages."""
-    ns = {"namespace": namespace}
-    core = {"group": ""}
-    cases: list[tuple[str, dict[str, str]]] = [
-        ("list secrets", {**core, **ns, "verb": "list", "resource": "secrets"}),
-        ("watch secrets", {**core, **ns, "verb": "watch", "resource": "secrets"}),
-        ("get any secret", {**core, **ns, "verb": "get", "resource": "secrets"}),
-        ("get another secret", {**core, **ns, "verb": "get", "resource": "secrets", "name": "db"}),
-        ("list all secrets", {**core, "verb": "list", "resource": "secrets"}),
-        (
-            "get kube-system secret",
-            {**core, "namespace": "kube-system", "verb": "get", "resource": "secrets", "name": "x"},
-        ),
-        (
-            "delete the token",
-            {**core, **ns, "verb": "delete", "resource": "secrets", "name": TOKEN_SECRET},
-        ),
-        ("delete nodes", {**core, "verb": "delete", "resource": "nodes"}),
-        ("patch nodes", {**core, "verb": "patch", "resource": "nodes"}),
-        ("get nodes", {**core, "verb": "get", "resource": "nodes"}),
-        ("exec", {**core, **ns, "verb": "create", "resource": "pods", "subresource": "exec"}),
-        ("attach", {**core, **ns, "verb": "create", "resource": "pods", "subresource": "attach"}),
-        (
-            "port-forward",
-            {**core, **ns, "verb": "create", "resource": "pods", "subresource": "portforward"},
-        ),
-        ("pod logs", {**core, **ns, "verb": "get", "resource": "pods", "subresource": "log"}),
-        ("update pods", {**core, **ns, "verb": "update", "resource": "pods"}),
-        ("patch pods", {**core, **ns, "verb": "patch", "resource": "pods"}),
-        ("deletecollection pods", {**core, **ns, "verb": "deletecollection", "resource": "pods"}),
-        (
-            "ephemeral containers",
-            {
-                **core,
-                **ns,
-                "verb": "patch",
-                "resource": "pods",
-                "subresource": "ephemeralcontainers",
-            },
-        ),
-        ("create namespaces", {**core, "verb": "create", "resource": "namespaces"}),
-        ("delete namespaces", {**core, "verb": "delete", "resource": "namespaces"}),
-        ("read configmaps", {**core, **ns, "verb": "get", "resource": "configmaps"}),
-        (
-            "SA tokens",
-            {**core, **ns, "verb": "create", "resource": "serviceaccounts", "subresource": "token"},
-        ),
-        (
-            "create deployments",
-            {**ns, "group": "apps", "verb": "create", "resource": "deployments"},
-        ),
-        (
-            "create CRDs",
-            {
-                "group": "apiextensions.k8s.io",
-                "verb": "create",
-                "resource": "customresourcedefinitions",
-            },
-        ),
-        (
-            "delete CRDs",
-            {
-                "group": "apiextensions.k8s.io",
-                "verb": "delete",
-                "resource": "customresourcedefinitions",
-            },
-        ),
-        (
-            "create omnistages",
-            {**ns, "group": "omnistage.io", "verb": "create", "resource": "omnistages"},
-        ),
-        (
-            "delete omnistages",
-            {**ns, "group": "omnistage.io", "verb": "delete", "resource": "omnistages"},
-        ),
-        (
-            "create clusterroles",
-            {"group": "rbac.authorization.k8s.io", "verb": "create", "resource": "clusterroles"},
-        ),
-        (
-            "escalate",
-            {"group": "rbac.authorization.k8s.io", "verb": "escalate", "resource": "clusterroles"},
-        ),
-        (
-            "bind",
-            {"group": "rbac.authorization.k8s.io", "verb": "bind", "resource": "clusterroles"},
-        ),
-        (
-            "create rolebindings",
-            {
-                **ns,
-                "group": "rbac.authorization.k8s.io",
-                "verb": "create",
-                "resource": "rolebindings",
-            },
-        ),
-        ("impersonate", {**core, "verb": "impersonate", "resource": "users"}),
-        (
-            "patch claims",
-            {**ns, "group": "resource.k8s.io", "verb": "patch", "resource": "resourceclaims"},
-        ),
-        (
-            "write resourceslices",
-            {"group": "resource.k8s.io", "verb": "patch", "resource": "resourceslices"},
-        ),
-        (
-            "create deviceclasses",
-            {"group": "resource.k8s.io", "verb": "create", "resource": "deviceclasses"},
-        ),
-        (
-            "admission policies",
-            {
-                "group": "admissionregistration.k8s.io",
-                "verb": "delete",
-                "resource": "validatingadmissionpolicies",
-            },
-        ),
-    ]
-    return cases
 
 
 @dataclass(frozen=True)
@@ -202,17 +60,12 @@ def cluster_install(control_plane: ControlPlane) -> Iterator[ClusterInstall]:
     control_plane.delete_namespace(release.namespace)
 
 
-def _get(control_plane: ControlPlane, *args: str) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads(control_plane.kubectl("get", *args, "-o", "json").stdout)
-    return out
-
-
 def test_install_creates_a_locked_down_operator(
     control_plane: ControlPlane, cluster_install: ClusterInstall
 ) -> None:
     release = cluster_install.release
     ns = release.namespace
-    deployment = _get(control_plane, "deployment", release.fullname, "-n", ns)
+    deployment = get_json(control_plane, "deployment", release.fullname, "-n", ns)
     spec = deployment["spec"]
     assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
     affinity = spec["template"]["spec"]["affinity"]["podAntiAffinity"]
@@ -246,30 +99,19 @@ def test_operator_is_granted_every_contract_verb(
     control_plane: ControlPlane, cluster_install: ClusterInstall
 ) -> None:
     grants = sorted(STAGE_RULES | FRAMEWORK_RULES)
-    checks = [_check(rule, cluster_install.stages) for rule in grants]
+    checks = [access_check(rule, cluster_install.stages) for rule in grants]
     allowed = access_reviews(control_plane, cluster_install.release.user, checks)
     missing = [rule for rule, ok in zip(grants, allowed, strict=True) if not ok]
     assert missing == [], f"the chart's RBAC lacks contract grants: {missing}"
-
-
-def _lease_rules(release: InstalledRelease) -> list[Rule]:
-    """LEASE_RULES with the release's names (the unit tests render the default release): the
-    Lease and the epoch ConfigMap named after it."""
-    from tests.unit.test_chart_support import FULLNAME
-
-    def named(name: str) -> str:
-        return release.fullname + name[len(FULLNAME) :] if name.startswith(FULLNAME) else name
-
-    return sorted((g, r, v, named(n)) for g, r, v, n in LEASE_RULES)
 
 
 def test_operator_may_elect_a_leader_in_its_namespace_only(
     control_plane: ControlPlane, cluster_install: ClusterInstall
 ) -> None:
     release = cluster_install.release
-    grants = _lease_rules(release)
+    grants = lease_rules(release)
     allowed = access_reviews(
-        control_plane, release.user, [_check(r, release.namespace) for r in grants]
+        control_plane, release.user, [access_check(r, release.namespace) for r in grants]
     )
     assert all(allowed), [r for r, ok in zip(grants, allowed, strict=True) if not ok]
     lease = {"group": "coordination.k8s.io", "resource": "leases"}
@@ -297,7 +139,7 @@ def test_operator_may_elect_a_leader_in_its_namespace_only(
 def test_operator_is_denied_everything_else(
     control_plane: ControlPlane, cluster_install: ClusterInstall
 ) -> None:
-    cases = _denied(cluster_install.stages)
+    cases = denied_requests(cluster_install.stages)
     allowed = access_reviews(control_plane, cluster_install.release.user, [c for _, c in cases])
     too_much = [label for (label, _), ok in zip(cases, allowed, strict=True) if ok]
     assert too_much == [], f"the operator's ServiceAccount may do more than it needs: {too_much}"
@@ -380,132 +222,3 @@ def test_worker_token_guard_blocks_service_account_token_secrets(
         assert read.returncode == 0, read.stderr
     finally:
         control_plane.delete_namespace(target)
-
-
-def test_namespaced_scope_stays_in_its_namespaces(control_plane: ControlPlane) -> None:
-    served = [control_plane.create_namespace("team") for _ in range(2)]
-    other = control_plane.create_namespace("other")
-    values = {"rbac": {"scope": "Namespaced"}, "watch": {"namespaces": served}}
-    release = install_chart(control_plane, values)
-    try:
-        grants = sorted(STAGE_RULES)
-        for ns in served:
-            allowed = access_reviews(
-                control_plane, release.user, [_check(rule, ns) for rule in grants]
-            )
-            missing = [r for r, ok in zip(grants, allowed, strict=True) if not ok]
-            assert missing == [], f"{ns}: missing {missing}"
-        # Nothing of the stage rules outside the served namespaces, nor cluster-wide; in the
-        # release namespace only the leader election's Events on its Lease.
-        lease_grants = set(_lease_rules(release))
-        for ns in (other, release.namespace, ""):
-            allowed = access_reviews(
-                control_plane, release.user, [_check(rule, ns) for rule in grants]
-            )
-            leaked = [r for r, ok in zip(grants, allowed, strict=True) if ok]
-            if ns == release.namespace:
-                leaked = [r for r in leaked if r not in lease_grants]
-            assert leaked == [], f"namespace {ns or '(all)'}: {leaked}"
-        framework = sorted(FRAMEWORK_RULES)
-        assert all(access_reviews(control_plane, release.user, [_check(r, "") for r in framework]))
-    finally:
-        uninstall_chart(control_plane, release)
-        control_plane.kubectl(
-            "delete", "secret", release.token_secret, "-n", release.namespace, check=False
-        )
-        for ns in [*served, other, release.namespace]:
-            control_plane.delete_namespace(ns)
-
-
-def _omnistage(name: str, namespace: str) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "omnistage.io/v1alpha1",
-            "kind": "OmniStage",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {
-                "runner": "AR",
-                "backend": "Transformers",
-                "image": "omnistage/omnistage-worker:0.1.0",
-                "model": {"path": "/models/tiny"},
-                "colocation": {"group": "keep"},
-                "gpus": 1,
-            },
-        }
-    )
-
-
-def test_upgrade_keeps_the_token_and_uninstall_keeps_user_data(
-    control_plane: ControlPlane,
-) -> None:
-    release = install_chart(control_plane)
-    stages = control_plane.create_namespace("stages")
-    try:
-        token = worker_token(control_plane, release)
-
-        upgrade_chart(control_plane, release, {"operator": {"ackRetries": 5}})
-        deployment = _get(control_plane, "deployment", release.fullname, "-n", release.namespace)
-        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert "--ack-retries=5" in args, "the upgrade was not applied"
-        assert worker_token(control_plane, release) == token, "helm upgrade changed the token"
-
-        control_plane.wait_crd_established(CRD_NAME)
-        control_plane.kubectl("create", "-f", "-", input=_omnistage("kept", stages))
-
-        uninstall_chart(control_plane, release)
-        gone = control_plane.kubectl(
-            "get", "deployment", release.fullname, "-n", release.namespace, check=False
-        )
-        assert gone.returncode != 0 and "NotFound" in gone.stderr
-        assert control_plane.kubectl("get", "clusterrole", release.fullname, check=False).returncode
-        # CRDs, users' OmniStages and the generated token survive the uninstall.
-        control_plane.kubectl("get", "crd", CRD_NAME)
-        control_plane.kubectl("get", "omnistage", "kept", "-n", stages)
-        assert worker_token(control_plane, release) == token
-
-        # Installing again under the same name adopts the kept Secret and its token.
-        again = install_chart(control_plane, namespace=release.namespace, name=release.name)
-        assert worker_token(control_plane, again) == token
-        uninstall_chart(control_plane, again)
-    finally:
-        control_plane.helm("uninstall", release.name, "-n", release.namespace, check=False)
-        control_plane.kubectl("delete", "omnistage", "kept", "-n", stages, check=False)
-        control_plane.kubectl(
-            "delete", "secret", release.token_secret, "-n", release.namespace, check=False
-        )
-        control_plane.delete_namespace(stages)
-        control_plane.delete_namespace(release.namespace)
-
-
-def test_peering_install_creates_the_peering_and_its_grants(control_plane: ControlPlane) -> None:
-    crds = CHART_DIR / "files" / "kopf-peering-crds.yaml"
-    # Shared with any other kopf operator: create only what is missing, never replace.
-    for crd in ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
-        if control_plane.kubectl("get", "crd", crd, check=False).returncode != 0:
-            control_plane.kubectl("create", "-f", str(crds), check=False)
-        control_plane.wait_crd_established(crd)
-    # helm reads the API list from discovery: wait until it serves the new group.
-    wait_for(
-        "kopf.dev/v1 in API discovery",
-        lambda: (
-            control_plane.kubectl("get", "--raw", "/apis/kopf.dev/v1", check=False).returncode == 0
-        ),
-        30,
-        interval=0.2,
-    )
-    release = install_chart(control_plane, {"peering": {"enabled": True, "name": "e2e-peering"}})
-    try:
-        control_plane.kubectl("get", "clusterkopfpeering", "e2e-peering")
-        deployment = _get(control_plane, "deployment", release.fullname, "-n", release.namespace)
-        container = deployment["spec"]["template"]["spec"]["containers"][0]
-        assert "--peering=e2e-peering" in container["args"]
-        peering = [_check(rule, "") for rule in sorted(CLUSTER_PEERING)]
-        assert all(access_reviews(control_plane, release.user, peering))
-        denied = {"group": "kopf.dev", "resource": "clusterkopfpeerings", "verb": "delete"}
-        assert access_reviews(control_plane, release.user, [denied]) == [False]
-    finally:
-        uninstall_chart(control_plane, release)
-        control_plane.kubectl(
-            "delete", "secret", release.token_secret, "-n", release.namespace, check=False
-        )
-        control_plane.delete_namespace(release.namespace)

@@ -269,3 +269,8 @@ def access_reviews(
         pos = end
     assert len(items) == len(checks)
     return [bool(item["status"].get("allowed")) for item in items]
+
+
+def get_json(control_plane: ControlPlane, *args: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(control_plane.kubectl("get", *args, "-o", "json").stdout)
+    return out

@@ -11,7 +11,7 @@ import pytest
 from omnistage_operator.api.model_source import S3Source
 from omnistage_operator.api.spec_parse import parse_stage
 from tests.cluster.controlplane import ControlPlane
-from tests.e2e.test_crd_validation import apply, cluster, get, good
+from tests.e2e.crd_stage import apply, cluster, get, good
 
 __all__ = ["cluster"]  # the fixture: the control plane with the CRD established
 pytestmark = pytest.mark.cluster

@@ -14,7 +14,7 @@ from omnistage_operator.api.spec import DesiredState
 from omnistage_operator.api.spec_parse import parse_stage
 from omnistage_operator.k8s.builders import build_worker_pod, owner_reference
 from tests.cluster.controlplane import ControlPlane
-from tests.e2e.test_crd_validation import CRD, Mutation, _set, apply, get, good
+from tests.e2e.crd_stage import CRD, Mutation, _set, apply, get, good
 
 pytestmark = pytest.mark.cluster
 

@@ -28,6 +28,8 @@ RELEASE = "omnistage-operator"
 # The release name contains the chart name, so objects are named after the release alone.
 FULLNAME = RELEASE
 NAMESPACE = "omnistage-system"
+# The kopf peering CRDs, as a cluster that has them installed offers them to helm.
+PEERING_APIS = ("kopf.dev/v1/ClusterKopfPeering", "kopf.dev/v1/KopfPeering")
 
 Obj = dict[str, Any]
 
@@ -135,6 +137,18 @@ def operator_container(objs: Iterable[Obj]) -> Obj:
     containers: list[Obj] = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert [c["name"] for c in containers] == ["operator"]
     return containers[0]
+
+
+def pod_spec(objs: Iterable[Obj]) -> Obj:
+    """The pod spec of the rendered operator Deployment."""
+    spec: Obj = one(objs, "Deployment")["spec"]["template"]["spec"]
+    return spec
+
+
+def operator_args(objs: Iterable[Obj]) -> list[str]:
+    """The operator container's command-line arguments."""
+    args: list[str] = operator_container(objs)["args"]
+    return args
 
 
 Rule = tuple[str, str, str, str]  # (apiGroup, resource, verb, resourceName or "*")

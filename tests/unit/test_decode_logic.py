@@ -133,7 +133,7 @@ def test_read_step_gives_raw_log_softmax_with_the_top_alternatives() -> None:
 
 
 def test_joins_are_at_once_while_cheap_else_gathered() -> None:
-    from omnistage_worker.runners.decode_batch import JOIN_EVERY, JOIN_PADDING, join_now
+    from omnistage_worker.runners.decode_policy import JOIN_EVERY, JOIN_PADDING, join_now
 
     assert not join_now([], 3, 10, 100)
     assert join_now([500], 0, 10, 0)  # nothing runs: at once

@@ -76,6 +76,7 @@ WORKER_PURE = {
     "omnistage_worker.engine.layout",
     "omnistage_worker.memory.base",
     "omnistage_worker.runners.chunk_hop",
+    "omnistage_worker.runners.decode_policy",
 }
 # What pure logic must not use: network and cluster clients, servers, processes, files and the
 # environment, exported metrics, and the device and model libraries. gRPC status codes are

@@ -12,7 +12,7 @@ from omnistage_operator.api.spec import DesiredState
 from omnistage_operator.k8s.builders import build_worker_pod
 from omnistage_operator.k8s.pod_hash import DEFAULT_PROFILE, PodProfile, pod_spec_hash
 from omnistage_operator.k8s.worker_credentials import ProjectedToken, SharedToken
-from tests.unit.test_builders import container, make
+from tests.unit.stage_bodies import container, make
 
 
 def env_of(pod: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -17,7 +17,7 @@ from omnistage_worker import config as worker_config
 from omnistage_worker import limits as worker_limits
 from omnistage_worker.cli import build_parser
 from omnistage_worker.flag_groups import request_limits
-from tests.unit.test_builders import container, make
+from tests.unit.stage_bodies import container, make
 from tests.unit.test_crd import CRD_PATH, prop
 
 LIMITS = {

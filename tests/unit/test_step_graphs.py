@@ -79,7 +79,7 @@ def test_a_replay_feeds_the_steps_own_inputs_to_the_captured_buffers() -> None:
 
 
 def test_a_new_layout_keeps_room_for_what_its_rows_still_want_up_to_a_bound() -> None:
-    from omnistage_worker.runners.decode_batch import GRAPH_SPARE, spare_columns
+    from omnistage_worker.runners.decode_policy import GRAPH_SPARE, spare_columns
 
     assert spare_columns([]) == 0
     assert spare_columns([3, 10]) == 10

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from bench.report import vllm_section
-from bench.vllm_stage import LLM_CONFIG, llama_shapes
+from bench.vllm_stage_models import LLM_CONFIG, llama_shapes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from omnistage_operator.k8s.worker_credentials import (
     SharedToken,
     token_subject,
 )
-from tests.unit.test_builders import container, make
+from tests.unit.stage_bodies import container, make
 
 SUB = "system:serviceaccount:omnistage-system:omnistage-operator"
 

@@ -84,12 +84,12 @@ async def test_requests_join_a_running_batch_mid_decode(
 ) -> None:
     """Prompts of other lengths join while a long request decodes (holes in its cache); with
     ``compact`` every join at once and the holes compacted away at every step."""
-    from omnistage_worker.runners import decode_batch
+    from omnistage_worker.runners import decode_policy
 
     if compact:
-        monkeypatch.setattr(decode_batch, "JOIN_EVERY", 1)
-        monkeypatch.setattr(decode_batch, "MIN_HOLES", 1)
-        monkeypatch.setattr(decode_batch, "HOLE_RATIO", 0.0)
+        monkeypatch.setattr(decode_policy, "JOIN_EVERY", 1)
+        monkeypatch.setattr(decode_policy, "MIN_HOLES", 1)
+        monkeypatch.setattr(decode_policy, "HOLE_RATIO", 0.0)
     w = batching_worker
     long_fields: dict[str, Any] = {"prompt": "the sun is bright today", "max_new_tokens": 60}
     short = [{"prompt": s, "max_new_tokens": 5} for s in SENTENCES[:3]]

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.metrics import EXPORTED
+from tests.worker.cli_process import Subprocess, spawn  # noqa: F401  (fixture)
 from tests.worker.conftest import WorkerHandle, rpc_error, wait_for
-from tests.worker.test_cli import Subprocess, spawn  # noqa: F401  (fixture)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -180,7 +180,7 @@ async def test_scraped_worker_and_json_logs(
 
 
 def test_metrics_port_refused(tmp_path: Path, lm_dir: Path) -> None:
-    from tests.worker.test_cli import run_cli
+    from tests.worker.cli_process import run_cli
 
     done = run_cli(
         *("--runner", "ar", "--backend", "transformers", "--model", str(lm_dir)),

@@ -15,10 +15,10 @@ import pytest
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
 from omnistage_worker.serving.router import Router, parse_routes
+from tests.worker.cli_process import Subprocess, spawn
 from tests.worker.conftest import StartWorker, wait_for
 from tests.worker.openai_targets import base as url
 from tests.worker.openai_targets import serve
-from tests.worker.test_cli import Subprocess, spawn
 
 __all__ = ["spawn"]  # the fixture, used here
 

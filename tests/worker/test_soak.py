@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from omnistage.worker.v1 import types_pb2
+from tests.worker.cli_process import Subprocess
 from tests.worker.conftest import WorkerHandle, wait_for
-from tests.worker.test_cli import Subprocess
 from tests.worker.tiny_models import build_causal_lm
 
 CYCLES = 24

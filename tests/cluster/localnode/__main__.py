@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tests.cluster.kubeconfig import load_kubeconfig
 from tests.cluster.localnode.api import Api
+from tests.cluster.localnode.container_run import Backoff
 from tests.cluster.localnode.devices import (
     NodeSpec,
     node_address,
@@ -21,7 +22,6 @@ from tests.cluster.localnode.devices import (
     real_gpu_devices,
 )
 from tests.cluster.localnode.kubelet import Kubelet
-from tests.cluster.localnode.runtime import Backoff
 from tests.cluster.localnode.stats import STATS_FILE, report
 
 _UNITS = {

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from tests.cluster.localnode.api import Api, ApiError, Obj
+from tests.cluster.localnode.container_run import Backoff
 from tests.cluster.localnode.devices import (
     NodeSpec,
     device_class,
@@ -19,7 +20,7 @@ from tests.cluster.localnode.devices import (
     resource_slice,
 )
 from tests.cluster.localnode.podstatus import now_micro, now_rfc3339
-from tests.cluster.localnode.runtime import Backoff, PodRunner
+from tests.cluster.localnode.runtime import PodRunner
 from tests.cluster.localnode.simlaunch import SimHosts
 from tests.fakegpu.device import FakeGpu
 

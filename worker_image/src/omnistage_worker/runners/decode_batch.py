@@ -14,10 +14,10 @@ each joining row its whole prompt, left-padded to the longest feed (its width ro
 bucket), in one forward pass (a joining row's past is all padding; a running row gets masked
 holes when prompts join). Positions are per row, so a row sees exactly the tokens it would see
 alone. Waiting requests join at the next step while that pads the running rows little, else
-joins are gathered (:func:`join_now`); the holes they leave are compacted away once they
-outnumber the longest row. A finished row frees its slot at once; columns no row uses any more
-are dropped when the cache is laid out anew, and when the last request ends the cache is gone:
-nothing of a batch stays on the device for a sleep to find.
+joins are gathered; the holes they leave are compacted away once they outnumber the longest row
+(:mod:`.decode_policy` decides both). A finished row frees its slot at once; columns no row uses
+any more are dropped when the cache is laid out anew, and when the last request ends the cache is
+gone: nothing of a batch stays on the device for a sleep to find.
 
 A step waits for the device once: its inputs go up without a wait (:func:`.to_device`), the
 token choice is batched over the rows (:mod:`.token_choice`), and the host reads the step's
@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from omnistage.worker.v1 import inference_service_pb2
+from omnistage_worker.runners import decode_policy
 from omnistage_worker.runners.chunk_hop import hand_over
 from omnistage_worker.runners.kv_buckets import (
     BucketCache,
@@ -66,20 +67,6 @@ FINISH_LENGTH = inference_service_pb2.FINISH_REASON_LENGTH
 
 Response = inference_service_pb2.GenerateResponse
 TextChunkSink = Any  # Callable[[inference_service_pb2.TextChunk], None]
-
-JOIN_EVERY = 8
-"""Steps a waiting request may wait for the next join while the batch runs ..."""
-JOIN_PADDING = 512
-"""... unless its join pads the running rows with at most this many tokens in all: then it joins
-at the next step (a step that small costs what a plain one does while the host, not the
-device, sets the pace; a request that waits leaves its slot idle). See :func:`join_now`."""
-GRAPH_SPARE = 64
-"""With CUDA graphs, a new layout leaves room for up to this many more steps (no more than its
-rows still want): each layout is captured anew, so fewer layouts mean fewer captures."""
-MIN_HOLES = 64
-"""Padding columns the cache may hold beyond its longest row before it is compacted ..."""
-HOLE_RATIO = 1.0
-"""... and as a share of the longest row."""
 
 
 @dataclass
@@ -156,7 +143,7 @@ class DecodeBatcher(ServingThread):
         """Rows summed over steps (``row_steps / steps``: the mean batch)."""
         self.join_steps = 0
         self.step_seconds = 0.0
-        self._joined_at = -JOIN_EVERY
+        self._joined_at = -decode_policy.JOIN_EVERY
 
     # -- callers' side ----------------------------------------------------------------------
 
@@ -192,13 +179,13 @@ class DecodeBatcher(ServingThread):
                     future.set_result(outcome)
 
     def _joining(self) -> list[Job]:
-        """The waiting requests that join at this step (under the lock), as :func:`join_now`
-        decides."""
+        """The waiting requests that join at this step (under the lock), as
+        :func:`.decode_policy.join_now` decides."""
         room = self.max_batch - len(self._rows)
         if not self._pending or room <= 0:
             return []
         waiting = [len(job.prompt_ids) for job in list(self._pending)[:room]]
-        if not join_now(waiting, len(self._rows), room, self.steps - self._joined_at):
+        if not decode_policy.join_now(waiting, len(self._rows), room, self.steps - self._joined_at):
             return []
         self._joined_at = self.steps
         return [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
@@ -271,7 +258,7 @@ class DecodeBatcher(ServingThread):
             )
         else:
             used = cache.at - min(row.first for row in running)
-            compact = should_compact(used, max(row.seen for row in running))
+            compact = decode_policy.should_compact(used, max(row.seen for row in running))
             if compact or rows > cache.slots or 2 * row_bucket(rows) <= cache.slots:
                 relayout = True
             else:
@@ -299,10 +286,10 @@ class DecodeBatcher(ServingThread):
 
     def _spare(self, running: list[Row], joining: list[Row]) -> int:
         """Columns a new layout keeps free beyond the step: with CUDA graphs, room for the
-        steps its rows still want, up to :data:`GRAPH_SPARE`; else none."""
+        steps its rows still want, up to :data:`.decode_policy.GRAPH_SPARE`; else none."""
         if not self._graphs.enabled:
             return 0
-        return spare_columns(
+        return decode_policy.spare_columns(
             [r.job.max_new_tokens - len(r.output.ids) for r in (*running, *joining)]
         )
 
@@ -443,29 +430,3 @@ class DecodeBatcher(ServingThread):
 
     def _decode_one(self, token_id: int) -> str:
         return str(self._tokenizer.decode([token_id]))
-
-
-def join_now(waiting: list[int], running: int, room: int, since_join: int) -> bool:
-    """Whether requests waiting with prompts of ``waiting`` tokens (those that fit) join at this
-    step: at once when nothing runs, when they fill the ``room`` left, when their join pads the
-    ``running`` rows with at most ``JOIN_PADDING`` tokens, or ``JOIN_EVERY`` steps after the
-    last join (``since_join`` steps ago); else they are gathered for a later join."""
-    if not waiting:
-        return False
-    padding = running * (max(waiting) - 1)
-    return (
-        not running or len(waiting) >= room or padding <= JOIN_PADDING or since_join >= JOIN_EVERY
-    )
-
-
-def spare_columns(left: list[int]) -> int:
-    """Room a new layout keeps for rows that still want ``left`` tokens each: what the
-    longest still wants, up to :data:`GRAPH_SPARE`."""
-    return max(0, min(GRAPH_SPARE, max(left, default=0)))
-
-
-def should_compact(used: int, longest: int) -> bool:
-    """Whether rows of at most ``longest`` tokens spread over ``used`` columns are compacted:
-    when their holes reach ``MIN_HOLES`` and ``HOLE_RATIO`` of the longest row."""
-    holes = used - longest
-    return holes >= MIN_HOLES and holes >= HOLE_RATIO * longest
