@@ -14,7 +14,6 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -28,6 +27,7 @@ from tests.e2e.test_helm_support import (
     apply_crd,
     describe_release,
     install_chart,
+    stage_manifest,
     uninstall_chart,
     upgrade_chart,
 )
@@ -65,25 +65,6 @@ def next_chart(into: Path) -> Path:
     return chart
 
 
-def stage(name: str, namespace: str, **extra: Any) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "omnistage.io/v1alpha1",
-            "kind": "OmniStage",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {
-                "runner": "AR",
-                "backend": "Transformers",
-                "image": "omnistage/omnistage-worker:0.1.0",
-                "model": {"path": "/models/tiny"},
-                "colocation": {"group": "upgrade"},
-                "gpus": 1,
-                **extra,
-            },
-        }
-    )
-
-
 def create(cp: ControlPlane, manifest: str) -> subprocess.CompletedProcess[str]:
     """``kubectl create`` with strict server-side field validation (kubectl's default)."""
     return cp.kubectl("create", "--validate=strict", "-f", "-", input=manifest, check=False)
@@ -97,9 +78,9 @@ def test_upgrade_applies_the_new_crd_and_keeps_stages(
     apply_crd(cp)  # the CRD as a 0.1.0 install left it (or shared with earlier tests)
     release = install_chart(cp, {"crds": {"enabled": True}}, chart=previous_chart(tmp_path))
     try:
-        assert create(cp, stage("before", stages)).returncode == 0
+        assert create(cp, stage_manifest("before", stages, "upgrade")).returncode == 0
         before_spec = cp.get_json("omnistage", "before", namespace=stages)["spec"]
-        refused = create(cp, stage("early", stages, **{NEW_FIELD: "x"}))
+        refused = create(cp, stage_manifest("early", stages, "upgrade", **{NEW_FIELD: "x"}))
         assert refused.returncode != 0 and f'unknown field "spec.{NEW_FIELD}"' in refused.stderr
 
         # Without adoption helm refuses: the CRD belongs to no release.
@@ -120,7 +101,7 @@ def test_upgrade_applies_the_new_crd_and_keeps_stages(
         cp.wait_crd_established(CRD_NAME)
 
         def served() -> bool:
-            proc = create(cp, stage("after", stages, **{NEW_FIELD: "served"}))
+            proc = create(cp, stage_manifest("after", stages, "upgrade", **{NEW_FIELD: "served"}))
             return proc.returncode == 0
 
         wait_for(f"the API server to serve spec.{NEW_FIELD}", served, 60, interval=0.5)

@@ -3,8 +3,6 @@ and an uninstall, kopf peering."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.cluster.controlplane import ControlPlane
@@ -15,6 +13,7 @@ from tests.e2e.test_helm_support import (
     access_reviews,
     get_json,
     install_chart,
+    stage_manifest,
     uninstall_chart,
     upgrade_chart,
     worker_token,
@@ -62,24 +61,6 @@ def test_namespaced_scope_stays_in_its_namespaces(control_plane: ControlPlane) -
             control_plane.delete_namespace(ns)
 
 
-def _omnistage(name: str, namespace: str) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "omnistage.io/v1alpha1",
-            "kind": "OmniStage",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {
-                "runner": "AR",
-                "backend": "Transformers",
-                "image": "omnistage/omnistage-worker:0.1.0",
-                "model": {"path": "/models/tiny"},
-                "colocation": {"group": "keep"},
-                "gpus": 1,
-            },
-        }
-    )
-
-
 def test_upgrade_keeps_the_token_and_uninstall_keeps_user_data(
     control_plane: ControlPlane,
 ) -> None:
@@ -97,7 +78,7 @@ def test_upgrade_keeps_the_token_and_uninstall_keeps_user_data(
         assert worker_token(control_plane, release) == token, "helm upgrade changed the token"
 
         control_plane.wait_crd_established(CRD_NAME)
-        control_plane.kubectl("create", "-f", "-", input=_omnistage("kept", stages))
+        control_plane.kubectl("create", "-f", "-", input=stage_manifest("kept", stages, "keep"))
 
         uninstall_chart(control_plane, release)
         gone = control_plane.kubectl(

@@ -274,3 +274,24 @@ def access_reviews(
 def get_json(control_plane: ControlPlane, *args: str) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(control_plane.kubectl("get", *args, "-o", "json").stdout)
     return out
+
+
+def stage_manifest(name: str, namespace: str, group: str, **spec: Any) -> str:
+    """A minimal OmniStage (AR, Transformers, one GPU) as JSON for ``kubectl create -f -``;
+    ``spec``: more fields of its spec."""
+    return json.dumps(
+        {
+            "apiVersion": "omnistage.io/v1alpha1",
+            "kind": "OmniStage",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "runner": "AR",
+                "backend": "Transformers",
+                "image": "omnistage/omnistage-worker:0.1.0",
+                "model": {"path": "/models/tiny"},
+                "colocation": {"group": group},
+                "gpus": 1,
+                **spec,
+            },
+        }
+    )
