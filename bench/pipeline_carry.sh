@@ -12,7 +12,7 @@ for d in operator/src worker_image/src protos/gen/python crds tests/cluster test
   git ls-files -z "$d" | grep -zv '/test_[^/]*\.py$' | grep -zv '\.pyi$' | xargs -0 -I{} cp --parents {} "$tmp/"
 done
 mkdir -p "$tmp/bench"
-for f in __init__ pipeline pipeline_run pipeline_host gpu_e2e gpu_e2e_analysis gpu_e2e_children gpu_e2e_cluster gpu_e2e_host gpu_e2e_models gpu_e2e_squeeze gpu_e2e_summary qwen_image_like worker_sleep sleep_limits sleep_models operator_switch reporting; do
+for f in __init__ pipeline pipeline_run pipeline_host gpu_e2e gpu_e2e_analysis gpu_e2e_children gpu_e2e_cluster gpu_e2e_host gpu_e2e_models gpu_e2e_squeeze gpu_e2e_summary qwen_image_like worker_sleep sleep_limits sleep_models serving_models operator_switch reporting; do
   cp "bench/$f.py" "$tmp/bench/"
 done
 cp tests/__init__.py pyproject.toml "$tmp/"

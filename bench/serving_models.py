@@ -20,7 +20,7 @@ def llm_config(smoke: bool) -> Any:
             num_attention_heads=4,
             num_key_value_heads=2,
         )
-    return LlamaConfig(  # the 16.6 GiB shape of bench/worker_sleep.py
+    return LlamaConfig(  # the 16.6 GiB shape (bench/worker_sleep.py's too)
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
