@@ -47,18 +47,21 @@ def _body(name: str, state: str) -> dict[str, Any]:
     }
 
 
-async def test_the_new_state_is_written_before_the_new_figures() -> None:
-    kube = SlowPatches()
-    runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
+def _port(runner: GroupRunner, *stages: tuple[str, str, WorkerPhase]) -> KubeGroupPort:
+    """A port of group ``g`` whose stages (name, spec.state, the worker's phase) are read."""
     port = KubeGroupPort(runner, "ns", "g")
-    for name, state, phase in (
-        ("b", "Asleep", WorkerPhase.ASLEEP),
-        ("a", "Active", WorkerPhase.ACTIVE),
-    ):
+    for name, state, phase in stages:
         body = _body(name, state)
         port.specs[name] = parse_stage(body)
         port.bodies[name] = body
         port.facts[name] = StageFacts(phase)
+    return port
+
+
+async def test_the_new_state_is_written_before_the_new_figures() -> None:
+    kube = SlowPatches()
+    runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
+    port = _port(runner, ("b", "Asleep", WorkerPhase.ASLEEP), ("a", "Active", WorkerPhase.ACTIVE))
     runner.published[("ns", "a")] = {"state": "Asleep"}  # woken: its state changes
     runner.published[("ns", "b")] = {"state": "Asleep", "devices": []}  # figures only
     await runner.publish(port, RoundOutcome(), events=False)
@@ -88,15 +91,7 @@ async def test_the_woken_stage_is_written_without_waiting_for_the_checkpoint() -
     stage's next write."""
     kube = HeldPatches("b")
     runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
-    port = KubeGroupPort(runner, "ns", "g")
-    for name, state, phase in (
-        ("a", "Active", WorkerPhase.ASLEEP),
-        ("b", "Asleep", WorkerPhase.ASLEEP),
-    ):
-        body = _body(name, state)
-        port.specs[name] = parse_stage(body)
-        port.bodies[name] = body
-        port.facts[name] = StageFacts(phase)
+    port = _port(runner, ("a", "Active", WorkerPhase.ASLEEP), ("b", "Asleep", WorkerPhase.ASLEEP))
     runner.published[("ns", "a")] = {"state": "Asleep"}
     runner.published[("ns", "b")] = {"state": "Active"}
     ack = AckFacts("h1-b-sleep1", True, "sleep", WorkerPhase.ASLEEP, level=1)
