@@ -251,8 +251,8 @@ class DecodeBatcher(ServingThread):
         step does not fit in it, the rows have shrunk to half its slots or holes are to be
         compacted; joining rows take free slots (their past all masked)."""
         cache, rows = self._cache, len(running) + len(joining)
-        spare = self._spare(running, joining)
         if cache is None or not running:
+            spare = self._spare(running, joining)
             cache = BucketCache(
                 row_bucket(rows), column_bucket(width + spare), self._device, self._additive
             )
@@ -271,7 +271,7 @@ class DecodeBatcher(ServingThread):
                     rows=rows,
                     width=width,
                     compact=compact,
-                    spare=spare,
+                    spare=self._spare(running, joining),
                 )
                 self.compactions += compact
                 for slot, (row, first) in enumerate(zip(running, firsts, strict=True)):
@@ -314,7 +314,6 @@ class DecodeBatcher(ServingThread):
         attention = cache.attention(inputs[1].bool(), self._dtype)
         if width == 1:
             last = self._graphs.step(cache, inputs[0], inputs[2], attention)
-            cache.plain_steps += 1
         else:
             last = self._last_logits(inputs[0], inputs[2], attention, cache)
         cache.advance(width)

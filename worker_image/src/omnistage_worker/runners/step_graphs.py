@@ -103,12 +103,15 @@ class StepGraphs:
     def step(
         self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """The plain step's logits on ``cache``: replayed, captured now, or eager."""
+        """The plain step's logits on ``cache``: replayed, captured now, or eager (counted in
+        ``cache.plain_steps``)."""
         graph: StepGraph | None = cache.graph
+        done = cache.plain_steps
+        cache.plain_steps += 1
         if graph is not None:
             self.replays += 1
             return graph.replay(ids, positions, mask)
-        if self.enabled and worth_capturing(cache.plain_steps, cache.columns - cache.at):
+        if self.enabled and worth_capturing(done, cache.columns - cache.at):
             logits = self._capture(cache, ids, positions, mask)
             if logits is not None:
                 return logits
