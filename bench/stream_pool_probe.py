@@ -38,7 +38,7 @@ def main() -> None:
     b = a @ a
     del b
     print("after eager matmul", used_mib(handle))
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     print("after torch.cuda.Stream()", used_mib(handle))
     with torch.cuda.stream(side):
         b = a @ a
