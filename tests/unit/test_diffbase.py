@@ -1,4 +1,6 @@
-"""The lean diff base builds kopf's own essence of a stage, from the body without its status."""
+"""The lean diff base builds kopf's own essence of a stage, from the body without its status;
+the memory diff base keeps it in memory and patches nothing (an older operator's annotation
+aside)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ from typing import Any, cast
 import kopf
 import pytest
 
-from omnistage_operator.runtime.diffbase import LeanDiffBaseStorage, lean_body
+from omnistage_operator.runtime.diffbase import (
+    LeanDiffBaseStorage,
+    MemoryDiffBaseStorage,
+    lean_body,
+)
 
 PREFIX, KEY = "omnistage.io", "last-handled-configuration"
 
@@ -65,3 +71,29 @@ def test_the_lean_body_leaves_out_status_and_managed_fields() -> None:
     lean = lean_body(_stage())
     assert "status" not in lean and set(lean["metadata"]) == {"labels", "annotations"}
     assert "status" in lean_body(_stage(), ["status.state"])
+
+
+def test_the_memory_diff_base_patches_nothing_and_answers_by_uid() -> None:
+    raw = _stage()
+    del raw["metadata"]["annotations"][f"{PREFIX}/{KEY}"]
+    storage = MemoryDiffBaseStorage(prefix=PREFIX, key=KEY)
+    body = kopf.Body(cast(Any, raw))
+    assert storage.fetch(body=body) is None  # not seen by this process: kopf's creation
+    essence = storage.build(body=body)
+    patch = kopf.Patch()
+    storage.store(body=body, patch=patch, essence=essence)
+    assert not patch  # kopf sends no PATCH for it
+    assert storage.fetch(body=body) == essence
+    other = kopf.Body(cast(Any, {**raw, "metadata": {**raw["metadata"], "uid": "u-2"}}))
+    assert storage.fetch(body=other) is None
+    storage.forget("u-1")
+    assert storage.fetch(body=body) is None and len(storage) == 0
+
+
+def test_an_older_operators_annotation_is_removed_once_and_never_read() -> None:
+    storage = MemoryDiffBaseStorage(prefix=PREFIX, key=KEY)
+    body = kopf.Body(cast(Any, _stage()))
+    assert storage.fetch(body=body) is None  # the annotation is not a last-handled spec here
+    patch = kopf.Patch()
+    storage.store(body=body, patch=patch, essence=storage.build(body=body))
+    assert dict(patch) == {"metadata": {"annotations": {f"{PREFIX}/{KEY}": None}}}

@@ -1,4 +1,5 @@
-"""kopf handlers of a replica that does not lead write nothing and keep the finalizer."""
+"""kopf handlers: a replica that does not lead writes nothing and keeps the finalizer; a spec
+change is handled without a write (kopf's last-handled spec stays in memory)."""
 
 from __future__ import annotations
 
@@ -43,13 +44,6 @@ class RecordingRunner:
     def record_ask(self, namespace: str, name: str) -> None:
         self.calls.append(("record_ask", name))
 
-    async def settled(self, namespace: str, group: str, within_s: float) -> bool:
-        self.calls.append(("settled", (namespace, group)))
-        return True
-
-    async def persist_ask(self, namespace: str, name: str, *, written: bool = False) -> None:
-        self.calls.append(("persist_ask", (name, written)))
-
     async def cleanup_stage(self, body: Any) -> None:
         self.calls.append(("cleanup", body["metadata"]["name"]))
 
@@ -91,22 +85,17 @@ async def _update() -> None:
     )
 
 
-async def test_standby_records_the_ask_but_persists_nothing(runner: RecordingRunner) -> None:
-    _configure(leading=False)
+@pytest.mark.parametrize("leading", [False, True])
+async def test_every_replica_records_the_ask_and_returns_at_once(
+    runner: RecordingRunner, leading: bool
+) -> None:
+    _configure(leading=leading)
     await _update()
+    # Nothing waits for the round and nothing is written here: the round publishes the ask.
     assert runner.ops() == ["record_ask", "kick"]
 
 
-async def test_leader_persists_the_ask_after_the_round_it_kicked(runner: RecordingRunner) -> None:
-    _configure(leading=True)
-    await _update()
-    # kopf records the change once the handler returns: after the round (its hand-over), whose
-    # status write carries the ask (persist_ask writes it only when that round did not).
-    assert runner.ops() == ["record_ask", "kick", "settled", "persist_ask"]
-    assert runner.calls[-1] == ("persist_ask", ("x", True))
-
-
-async def test_a_change_to_asleep_waits_for_its_round_too(runner: RecordingRunner) -> None:
+async def test_a_change_to_asleep_only_kicks(runner: RecordingRunner) -> None:
     _configure(leading=True)
     await H.stage_updated(
         body={**BODY, "spec": {**BODY["spec"], "state": "Asleep"}},
@@ -115,23 +104,25 @@ async def test_a_change_to_asleep_waits_for_its_round_too(runner: RecordingRunne
         namespace="ns",
         name="x",
     )
-    assert runner.ops() == ["kick", "settled"]
+    assert runner.ops() == ["kick"]
 
 
-async def test_standby_that_becomes_leader_while_waiting_persists(
-    runner: RecordingRunner, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("state", "status", "asks"),
+    [
+        ("Active", {"observedGeneration": 2, "state": "Asleep"}, True),  # asked while unseen
+        ("Active", {"observedGeneration": 2, "requestedActiveAt": "2026-01-01T00:00:00Z"}, False),
+        ("Active", {}, False),  # never written: it asks from its creation (port_facts)
+        ("Asleep", {"observedGeneration": 2, "state": "Asleep"}, False),
+    ],
+)
+async def test_a_stage_seen_first_asks_when_its_status_has_no_ask(
+    runner: RecordingRunner, state: str, status: dict[str, Any], asks: bool
 ) -> None:
-    switch = _configure(leading=False)
-    real_sleep = H.asyncio.sleep
-
-    async def acquire_meanwhile(delay: float) -> None:
-        switch.on = True
-        await real_sleep(0)
-
-    monkeypatch.setattr(H.asyncio, "sleep", acquire_meanwhile)
-    await _update()
-    monkeypatch.undo()
-    assert runner.ops()[-1] == "persist_ask"
+    _configure(leading=True)
+    body = {**BODY, "spec": {**BODY["spec"], "state": state}, "status": status}
+    await H.stage_created(body=body, namespace="ns", name="x")
+    assert runner.ops() == (["record_ask", "kick"] if asks else ["kick"])
 
 
 async def test_standby_keeps_the_finalizer_for_the_leader(runner: RecordingRunner) -> None:

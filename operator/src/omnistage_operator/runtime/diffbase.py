@@ -1,4 +1,5 @@
-"""kopf's last-handled configuration, built without copying what it throws away.
+"""kopf's last-handled configuration: built without copying what it throws away, and kept in
+this process's memory instead of an annotation on the stage.
 
 On every watch event of an OmniStage kopf builds the body's "essence" (what its change
 detection compares with the last handled one) by deep-copying the whole body, then dropping
@@ -7,6 +8,15 @@ are most of the body, and a hand-over writes status several times: that copy was
 single cost of the operator's CPU per hand-over (cProfile over ``bench/operator_switch.py``).
 ``LeanDiffBaseStorage`` hands kopf's own build a body without those parts, so the essence (and
 the annotation kopf stores) is the same, built from less.
+
+``MemoryDiffBaseStorage`` keeps that essence in memory, by the stage's uid, where kopf would
+patch it into the ``last-handled-configuration`` annotation: a spec change costs no write of
+the stage (a main-resource PATCH, the spec's CEL rules and the object's managedFields run again
+on the API server) on top of the user's own. What the annotation gave kopf across a restart is
+given up: a restarted replica has no last-handled spec, so kopf calls every stage's creation
+handler (as it would its resume handler) and the handlers read what they need from status
+(``handlers.stage_created``: an ask for Active that no status carries yet). An annotation left
+by an older operator is removed by the first essence stored for that stage.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from typing import Any, cast
 import kopf
 from kopf._cogs.structs import dicts
 
-__all__ = ["LeanDiffBaseStorage", "lean_body"]
+__all__ = ["LeanDiffBaseStorage", "MemoryDiffBaseStorage", "lean_body"]
 
 # What kopf's build reads of metadata: the labels and annotations it keeps, and what its
 # annotation keys are formed from (ownerReferences).
@@ -46,3 +56,30 @@ class LeanDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         fields = list(extra_fields or ())
         lean = kopf.Body(cast(Any, lean_body(body, fields)))
         return super().build(body=lean, extra_fields=fields)
+
+
+class MemoryDiffBaseStorage(LeanDiffBaseStorage):
+    """kopf's last-handled essence of each stage in memory (by uid), never patched."""
+
+    def __init__(self, prefix: str, key: str) -> None:
+        super().__init__(prefix=prefix, key=key)
+        self._essences: dict[str, Any] = {}
+
+    def fetch(self, *, body: Any) -> Any:
+        """The essence last stored for this stage by this process (None: not seen yet)."""
+        return self._essences.get(str(body.get("metadata", {}).get("uid")))
+
+    def store(self, *, body: Any, patch: Any, essence: Any) -> None:
+        """Remember ``essence``; the patch only drops an older operator's annotation."""
+        self._essences[str(body.get("metadata", {}).get("uid"))] = essence
+        annotations = body.get("metadata", {}).get("annotations") or {}
+        for full_key in self.make_keys(self.key, body=body):
+            if full_key in annotations:
+                patch.metadata.annotations[full_key] = None
+
+    def forget(self, uid: str) -> None:
+        """Drop a deleted stage's essence."""
+        self._essences.pop(uid, None)
+
+    def __len__(self) -> int:
+        return len(self._essences)

@@ -16,15 +16,17 @@ Every replica runs kopf, but only the leader (``leadership.leading()``) acts:
   but it remembers the group, so a replica that acquires the Lease kicks every group it has
   seen (``on_acquired``), and the first round reads the workers' real state, as on resume;
 - an ask for Active is recorded in memory by every replica (a standby that takes over knows
-  it), but only the leader persists ``status.requestedActiveAt``; a standby first lets the
-  leader's kopf handle the change (it marks it handled for all replicas);
+  it); the leader's round publishes it (``status.requestedActiveAt``). kopf keeps what it last
+  handled in each replica's memory (``diffbase.MemoryDiffBaseStorage``), not in an annotation:
+  a spec change costs no write of the stage besides the user's own. A replica that starts
+  finds the changes it missed in status: a stage that wants Active while its status (written
+  before) carries no ask asked while no operator saw it, and asks now (``stage_created``);
 - deletion: a standby's delete handler raises ``kopf.TemporaryError`` (it never deletes pods
   or lets kopf remove the finalizer), so the finalizer stays until the leader's handler ran.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -40,7 +42,7 @@ from omnistage_operator.k8s.kube import Kube
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.views import GroupViews, group_of, pod_keys, stage_keys
 from omnistage_operator.runtime import login  # noqa: F401  (registers kopf's login handlers)
-from omnistage_operator.runtime.diffbase import LeanDiffBaseStorage
+from omnistage_operator.runtime.diffbase import MemoryDiffBaseStorage
 from omnistage_operator.runtime.resync import Resync
 from omnistage_operator.runtime.runner import GroupRunner
 
@@ -56,8 +58,8 @@ RESYNC_S = float(os.environ.get("OMNISTAGE_RESYNC_INTERVAL", "10") or 10)
 # operator while another instance of the peering acts); otherwise one loop over the stages'
 # index runs them (``resync.Resync``), so kopf keeps no raw body and no task per stage.
 KOPF_PEERING = bool(os.environ.get("OMNISTAGE_PEERING"))
-# How long a spec handler waits for the round its change kicked (then kopf records the change).
-HANDOVER_WAIT_S = 5.0
+# kopf's last-handled spec of each stage, in this process's memory (no annotation patch).
+DIFFBASE = MemoryDiffBaseStorage(prefix="omnistage.io", key="last-handled-configuration")
 
 
 class _State:
@@ -144,10 +146,8 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     ours = _State.settings or Settings()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="omnistage.io")
-    # kopf's own essence, built without copying status (diffbase: a hand-over's largest cost)
-    settings.persistence.diffbase_storage = LeanDiffBaseStorage(
-        prefix="omnistage.io", key="last-handled-configuration"
-    )
+    # kopf's own essence, built without copying status, kept in memory (diffbase)
+    settings.persistence.diffbase_storage = DIFFBASE
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
@@ -181,46 +181,48 @@ async def cleanup(**_: Any) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 async def stage_created(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
-    """A stage appeared (or the operator resumed): run its group's round."""
-    _runner()
+    """A stage appeared, or this process sees it for the first time: run its group's round.
+
+    An ask for Active made while no operator saw it (or before the status that would carry it
+    was written) is recorded now: the stage wants Active, and its status, written before, has
+    no ``requestedActiveAt`` (every status written while a stage wants Active carries it). A
+    stage with no status yet asks from its creation (``port_facts``)."""
+    runner = _runner()
+    ns = namespace or "default"
+    if unrecorded_ask(body):
+        log.info("%s/%s: spec.state Active with no ask in status: asked now", ns, name)
+        runner.record_ask(ns, name)
     _kick(namespace, group_of(body))
+
+
+def unrecorded_ask(body: Any) -> bool:
+    """The stage wants Active, and its status (written before) carries no ask."""
+    spec, status = body.get("spec") or {}, body.get("status") or {}
+    wants = spec.get("state", "Active") == "Active"
+    written = status.get("observedGeneration") is not None
+    return wants and written and not status.get("requestedActiveAt")
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 async def stage_updated(
     body: kopf.Body, old: Any, new: Any, namespace: str | None, name: str, **_: Any
 ) -> None:
-    """Spec changed: a new ask for Active is stamped now; the old and new groups re-plan."""
+    """Spec changed: a new ask for Active is stamped now; the old and new groups re-plan.
+
+    Returns at once: kopf keeps the change handled in memory (no write), and the round it
+    kicked publishes the ask (``status.requestedActiveAt``); an operator stopped before that
+    finds it again from status (``stage_created``)."""
     runner = _runner()
     ns = namespace or "default"
     old_state = (old or {}).get("state", "Active")
     new_state = (new or {}).get("state", "Active")
-    asked = new_state == "Active" and old_state != "Active"
     if old_state != new_state:
         log.info("%s/%s: spec.state %s -> %s", ns, name, old_state, new_state)
-    if asked:
+    if new_state == "Active" and old_state != "Active":
         runner.record_ask(ns, name)
     old_group = group_of({"spec": old or {}})
-    new_group = group_of(body)
-    for group in {old_group, new_group} - {None}:
+    for group in {old_group, group_of(body)} - {None}:
         _kick(ns, group)
-    written = False
-    if _State.leadership.leading() and new_group is not None:
-        # Return once the round this change kicked has ended: kopf writes its own record of
-        # the change (an annotation patch) after the hand-over, not in the middle of it, and
-        # that round's status write usually carries the ask already.
-        written = await runner.settled(ns, new_group, HANDOVER_WAIT_S)
-    if asked:
-        if not _State.leadership.leading():
-            # A standby writes nothing. It lets the leader's kopf handle this change first:
-            # marking it handled here at once could hide it from the leader (kopf batches).
-            await asyncio.sleep(_retry_period())
-            if not _State.leadership.leading():
-                return
-        # Persist the ask before kopf marks this change handled: an operator killed now
-        # re-runs this handler, one killed later finds the ask in status (written by the
-        # round's status, or here when that round did not write it).
-        await runner.persist_ask(ns, name, written=written)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
@@ -232,6 +234,7 @@ async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: 
     if not _State.leadership.leading():
         raise kopf.TemporaryError("not the leader: the leading replica cleans up", delay=1)
     await runner.cleanup_stage(body)
+    DIFFBASE.forget(str(body["metadata"].get("uid")))
     _kick(namespace, group_of(body))
 
 
@@ -256,7 +259,3 @@ async def worker_pod_event(
     group = (body.get("metadata", {}).get("labels") or {}).get(GROUP_LABEL)
     if group:
         _kick(namespace, group)
-
-
-def _retry_period() -> float:
-    return _State.settings.retry_period_s if _State.settings is not None else 2.0
