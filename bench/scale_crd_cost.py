@@ -6,8 +6,10 @@ plane (no controller-manager, no other client, no watch), ``--writes`` sequentia
 of an OmniStage's status (a hand-over's usual status: state, four conditions, pod, node, last
 ACK; one field changed each time), of a ConfigMap carrying that status as data, and reads of the
 OmniStage; the API server's CPU seconds per request (psutil). Variants of the CRD: as shipped,
-without its CEL rules, and with ``status`` an unvalidated object (no schema), to tell apart what
-the cost comes from.
+without its CEL rules (all, or the root's rule on the name alone, or all but that one), with
+``status``, ``spec`` or both unvalidated objects (no schema), and the shipped CRD with the stage
+carrying kopf's ``last-handled-configuration`` annotation (its spec again), to tell apart what
+the cost comes from. ``--only NAME...`` runs some of them.
 
     .venv/bin/python bench/scale_crd_cost.py [--writes 300] [--out bench/results/X.json]
 """
@@ -69,15 +71,42 @@ def _strip_cel(obj: Any) -> Any:
     return obj
 
 
+def _root(crd: dict[str, Any]) -> dict[str, Any]:
+    schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
 def variants() -> dict[str, dict[str, Any]]:
-    """The CRD as shipped, without CEL rules, and with an unvalidated status."""
+    """The CRD as shipped, without CEL rules, without the root's rule alone (the name's), with
+    only the root's rule, and with an unvalidated status."""
     shipped = yaml.safe_load(CRD.read_text())
     no_cel = _strip_cel(copy.deepcopy(shipped))
+    no_root_rule = copy.deepcopy(shipped)
+    _root(no_root_rule).pop("x-kubernetes-validations", None)
+    root_rule_only = _strip_cel(copy.deepcopy(shipped))
+    _root(root_rule_only)["x-kubernetes-validations"] = _root(shipped)["x-kubernetes-validations"]
     open_status = copy.deepcopy(shipped)
     for version in open_status["spec"]["versions"]:
         props = version["schema"]["openAPIV3Schema"]["properties"]
         props["status"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    return {"shipped": shipped, "no_cel": no_cel, "status_unvalidated": open_status}
+    open_spec = copy.deepcopy(shipped)
+    _root(open_spec).pop("x-kubernetes-validations", None)
+    props = _root(open_spec)["properties"]
+    props["spec"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    open_both = copy.deepcopy(open_spec)
+    _root(open_both)["properties"]["status"] = {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+    }
+    return {
+        "shipped": shipped,
+        "no_cel": no_cel,
+        "no_root_rule": no_root_rule,
+        "root_rule_only": root_rule_only,
+        "status_unvalidated": open_status,
+        "spec_unvalidated": open_spec,
+        "unvalidated": open_both,
+    }
 
 
 def settle(cpu: Callable[[], float], within_s: float = 60.0) -> None:
@@ -91,8 +120,9 @@ def settle(cpu: Callable[[], float], within_s: float = 60.0) -> None:
             return
 
 
-def measure(crd: dict[str, Any], writes: int) -> dict[str, float]:
-    """API server CPU ms per request of each kind, on a fresh control plane."""
+def measure(crd: dict[str, Any], writes: int, annotated: bool = False) -> dict[str, float]:
+    """API server CPU ms per request of each kind, on a fresh control plane; ``annotated``:
+    the stage carries kopf's last-handled configuration (its spec again, as an annotation)."""
     with ControlPlane(controller_manager=False) as cp:
         cp.apply(crd)
         cp.wait_crd_established("omnistages.omnistage.io")
@@ -111,6 +141,11 @@ def measure(crd: dict[str, Any], writes: int) -> dict[str, float]:
         out: dict[str, float] = {}
         with httpx.Client(base_url=auth.server, verify=auth_context(auth), timeout=30) as http:
             body = stage("s", "g", "sim-0", model_dir="/tmp", state="Asleep", env={})
+            if annotated:
+                handled = json.dumps({"spec": body["spec"]}, separators=(",", ":")) + "\n"
+                body["metadata"]["annotations"] = {
+                    "omnistage.io/last-handled-configuration": handled
+                }
             http.post(stages, json=body).raise_for_status()
             cm = {"metadata": {"name": "c"}, "data": {"status": json.dumps(STATUS)}}
             http.post(maps, json=cm).raise_for_status()
@@ -134,18 +169,27 @@ def measure(crd: dict[str, Any], writes: int) -> dict[str, float]:
             timed("omnistage_status_patch_ms", status_patch)
             timed("omnistage_get_ms", lambda i: http.get(f"{stages}/s"))
             timed("configmap_patch_again_ms", configmap_patch)
+        # Against the ConfigMap's writes on either side (the load moves while a variant runs).
+        either = (out["configmap_patch_ms"] + out["configmap_patch_again_ms"]) / 2
+        out["status_patch_over_configmap"] = round(out["omnistage_status_patch_ms"] / either, 2)
         return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--writes", type=int, default=300)
+    p.add_argument("--only", nargs="*", help="these variants only (default: all)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_crd_cost.json")
     args = p.parse_args()
     load = os.getloadavg()
     runs = {}
-    for name, crd in variants().items():
-        runs[name] = measure(crd, args.writes)
+    shipped = variants()["shipped"]
+    plan = [(name, crd, False) for name, crd in variants().items()]
+    plan.append(("shipped_annotated", shipped, True))
+    for name, crd, annotated in plan:
+        if args.only and name not in args.only:
+            continue
+        runs[name] = measure(crd, args.writes, annotated)
         print(f"[crd-cost] {name}: {runs[name]}", flush=True)
     result = {
         "benchmark": "scale_crd_cost",

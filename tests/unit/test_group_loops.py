@@ -1,17 +1,10 @@
-"""A group's loop tells when the round that took a kick has ended (``GroupLoops.settled``).
-
-A spec handler waits for it, so kopf's own write of the change (its last-handled annotation)
-goes out after the hand-over instead of beside its first readings and orders.
-"""
+"""A group's loop tells when the round that took a kick has ended (``GroupLoops.settled``)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from omnistage_operator.decisions.status import format_timestamp
-from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.runtime.group_loops import GroupLoops, _Loop
-from omnistage_operator.runtime.runner import GroupRunner
 
 
 class Loops(GroupLoops):
@@ -60,32 +53,3 @@ async def test_a_failed_round_ends_the_wait() -> None:
     for loop in loops._loops.values():  # the retry after the failure
         if loop.followup is not None:
             loop.followup.cancel()
-
-
-class PatchLog:
-    """The API as far as ``persist_ask`` uses it: status patches, recorded."""
-
-    def __init__(self) -> None:
-        self.patches: list[tuple[str, dict[str, object]]] = []
-
-    async def merge_patch(
-        self, kind: object, namespace: str, name: str, patch: dict[str, object], **_: object
-    ) -> dict[str, object]:
-        self.patches.append((name, patch))
-        return {}
-
-
-async def test_the_ask_is_written_once_by_the_round_that_took_it() -> None:
-    kube = PatchLog()
-    runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
-    runner.record_ask("ns", "x", when=1000.0)
-    stamp = format_timestamp(1000.0)
-    # The round ended and its status write carried the ask: no second write.
-    runner.published[("ns", "x")] = {"state": "Waking", "requestedActiveAt": stamp}
-    await runner.persist_ask("ns", "x", written=True)
-    assert kube.patches == []
-    # No round ended (or its write carried an older ask, or failed and was forgotten): written.
-    await runner.persist_ask("ns", "x", written=False)
-    runner.published[("ns", "x")] = {"state": "Waking", "requestedActiveAt": "older"}
-    await runner.persist_ask("ns", "x", written=True)
-    assert kube.patches == [("x", {"status": {"requestedActiveAt": stamp}})] * 2

@@ -32,7 +32,8 @@ Decisions beyond the design contract:
 - Among stages of equal priority the most recent ask for Active comes first, so patching a
   stage's ``spec.state`` to Active switches the awake stage; the stage that lost the memory
   keeps wanting Active and shows ``Waiting`` (``waitingFor``) until the memory is free again.
-  The ask time is ``status.requestedActiveAt``, persisted before kopf marks the change handled.
+  The ask time is ``status.requestedActiveAt``, written by the round the ask kicked; an
+  operator that starts asks now for a stage that wants Active while its status has no ask.
 - Worker pods are always created asleep; every grab of device memory is a WakeUp through the
   ACK gate (with ``restartPolicy: Never`` from the builders, no restart takes memory either).
 - Before any wake the sleepers' ACKs are sent to their status (the round's checkpoint); the

@@ -31,7 +31,6 @@ from omnistage_operator.decisions.leadership import Leadership, LeadershipLost, 
 from omnistage_operator.decisions.peaks import StagePeaks
 from omnistage_operator.decisions.pods import TERMINAL_PHASES, CrashBackoff
 from omnistage_operator.decisions.readings import KeptReadings
-from omnistage_operator.decisions.status import format_timestamp
 from omnistage_operator.decisions.wake_backoff import WakeBackoff
 from omnistage_operator.k8s import metrics
 from omnistage_operator.k8s.builders import claim_name, service_name
@@ -281,22 +280,6 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         """The stage just asked for Active (arbiter order: the most recent ask first)."""
         self.asks[(namespace, name)] = time.time() if when is None else when
 
-    async def persist_ask(self, namespace: str, name: str, *, written: bool = False) -> None:
-        """Make sure ``status.requestedActiveAt`` of a recorded ask is written: nothing to do
-        when ``written`` (a round ended since the ask) and that round's status carried it,
-        else a patch now."""
-        key = (namespace, name)
-        when = self.asks.get(key)
-        if when is None:
-            return
-        stamp = format_timestamp(when)
-        # ``published`` holds a status only once its write went through (a failed one is
-        # dropped), and every write of an ended round has been answered.
-        if written and (self.published.get(key) or {}).get("requestedActiveAt") == stamp:
-            return
-        patch = {"status": {"requestedActiveAt": stamp}}
-        await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
-
     def forget(self, namespace: str, name: str) -> None:
         """Drop the in-memory facts of a deleted stage."""
         key = (namespace, name)
@@ -351,7 +334,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         port = KubeGroupPort(self, namespace, group, self.kept.pop((namespace, group), None))
         try:
             return await self._round_of(port, namespace, group)
-        finally:  # every write of an ended round is answered (``persist_ask`` relies on it)
+        finally:  # every write of an ended round is answered
             await port.checkpoint_written()
 
     async def _round_of(self, port: KubeGroupPort, namespace: str, group: str) -> bool:
