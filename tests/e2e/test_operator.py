@@ -98,7 +98,7 @@ def test_switch_as_the_charts_service_account(
         wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
         cluster.patch_state("sd", "Active")
         wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
-        cluster.reasons_include("ar", {"Slept", "StateChanged"})
+        cluster.reasons_include("ar", {"Slept", "Waiting"})
         log = op.log.read_text(errors="replace")
         assert "Forbidden" not in log and "HTTP 403" not in log, op.tail(40)
         assert "leadership acquired" in log

@@ -9,7 +9,9 @@ whenever a condition takes a reason a user must hear about.
 
 The Events of a round's status are posted after its status writes (the checkpoint's after the
 round's last publish): on a single event loop, posting them first would put them ahead of the
-status writes and the wake on the hand-over's path.
+status writes and the wake on the hand-over's path. A state change the round's own Event on the
+stage names (Slept, Woken, Waiting) is told in that Event, not in a ``StateChanged`` of its own
+(``state_events``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from omnistage_operator.decisions.handover import RoundOutcome
 from omnistage_operator.decisions.peaks import StagePeaks
 from omnistage_operator.decisions.peaks import to_status as peaks_to_status
 from omnistage_operator.decisions.pods import CrashBackoff
+from omnistage_operator.decisions.state_events import STATE_CHANGED, fold_state_changes
 from omnistage_operator.decisions.status import (
     StageObservation,
     build_status,
@@ -212,7 +215,7 @@ class StatusPublisher:
             raise
         await asyncio.gather(*figures)
         if events:
-            held = list(port.held_events)
+            held = fold_state_changes(port.held_events)  # one Event where one tells it
             port.held_events.clear()
             for body, reason, message, warning in held:
                 self._post(body, reason, message, warning)
@@ -286,7 +289,7 @@ class StatusPublisher:
                 continue
             old_state = previous.get("state")
             if old_state != status["state"]:
-                self.emit(body, "StateChanged", f"{old_state or 'None'} -> {status['state']}")
+                self.emit(body, STATE_CHANGED, f"{old_state or 'None'} -> {status['state']}")
             self.published[key] = status
             write = self._patch_status(port.ns, name, status, port.after_checkpoint(name))
             (states if old_state != status["state"] else patches).append(write)
