@@ -93,6 +93,8 @@ def variants() -> dict[str, dict[str, Any]]:
     _root(open_spec).pop("x-kubernetes-validations", None)
     props = _root(open_spec)["properties"]
     props["spec"] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    for version in open_spec["spec"]["versions"]:  # they name fields of the spec's schema
+        version.pop("selectableFields", None)
     open_both = copy.deepcopy(open_spec)
     _root(open_both)["properties"]["status"] = {
         "type": "object",

@@ -79,7 +79,7 @@ def test_a_handover_writes_the_stages_only_their_status_beside_the_users_patch(
     for name in ("ar", "sd"):
         assert ANNOTATION not in (cluster.stage(name)["metadata"].get("annotations") or {})
     # Status: each stage's new state once per round at most (ar's ACK, sd's Active; a wake
-    # slower than 0.25 s also shows Waking).
+    # slower than 1 s also shows Waking).
     status = _delta(after, before, "PATCH omnistages/status")
     assert 2 <= status <= 2 * (rounds1 - rounds0) + 1, (status, rounds1 - rounds0)
 
