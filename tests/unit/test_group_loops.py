@@ -1,4 +1,8 @@
-"""A group's loop tells when the round that took a kick has ended (``GroupLoops.settled``)."""
+"""A group's loop tells when the round that took a kick has ended (``GroupLoops.settled``).
+
+The leader's spec handler waits for it: kopf holds the stage's later watch events (the round's
+own status writes) meanwhile and handles only the last, not each one beside the hand-over.
+"""
 
 from __future__ import annotations
 

@@ -44,6 +44,10 @@ class RecordingRunner:
     def record_ask(self, namespace: str, name: str) -> None:
         self.calls.append(("record_ask", name))
 
+    async def settled(self, namespace: str, group: str, within_s: float) -> bool:
+        self.calls.append(("settled", (namespace, group)))
+        return True
+
     async def cleanup_stage(self, body: Any) -> None:
         self.calls.append(("cleanup", body["metadata"]["name"]))
 
@@ -85,17 +89,23 @@ async def _update() -> None:
     )
 
 
-@pytest.mark.parametrize("leading", [False, True])
-async def test_every_replica_records_the_ask_and_returns_at_once(
-    runner: RecordingRunner, leading: bool
-) -> None:
-    _configure(leading=leading)
+async def test_a_standby_records_the_ask_and_returns_at_once(runner: RecordingRunner) -> None:
+    _configure(leading=False)
     await _update()
-    # Nothing waits for the round and nothing is written here: the round publishes the ask.
     assert runner.ops() == ["record_ask", "kick"]
 
 
-async def test_a_change_to_asleep_only_kicks(runner: RecordingRunner) -> None:
+async def test_the_leader_writes_nothing_and_returns_after_the_round(
+    runner: RecordingRunner,
+) -> None:
+    _configure(leading=True)
+    await _update()
+    # Nothing is written here: the round publishes the ask. kopf holds the stage's later
+    # events (the round's own status writes) until the handler returns.
+    assert runner.ops() == ["record_ask", "kick", "settled"]
+
+
+async def test_a_change_to_asleep_waits_for_its_round_too(runner: RecordingRunner) -> None:
     _configure(leading=True)
     await H.stage_updated(
         body={**BODY, "spec": {**BODY["spec"], "state": "Asleep"}},
@@ -104,7 +114,7 @@ async def test_a_change_to_asleep_only_kicks(runner: RecordingRunner) -> None:
         namespace="ns",
         name="x",
     )
-    assert runner.ops() == ["kick"]
+    assert runner.ops() == ["kick", "settled"]
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,8 @@ RESYNC_S = float(os.environ.get("OMNISTAGE_RESYNC_INTERVAL", "10") or 10)
 # operator while another instance of the peering acts); otherwise one loop over the stages'
 # index runs them (``resync.Resync``), so kopf keeps no raw body and no task per stage.
 KOPF_PEERING = bool(os.environ.get("OMNISTAGE_PEERING"))
+# How long a spec handler waits for the round its change kicked.
+HANDOVER_WAIT_S = 5.0
 # kopf's last-handled spec of each stage, in this process's memory (no annotation patch).
 DIFFBASE = MemoryDiffBaseStorage(prefix="omnistage.io", key="last-handled-configuration")
 
@@ -209,9 +211,11 @@ async def stage_updated(
 ) -> None:
     """Spec changed: a new ask for Active is stamped now; the old and new groups re-plan.
 
-    Returns at once: kopf keeps the change handled in memory (no write), and the round it
-    kicked publishes the ask (``status.requestedActiveAt``); an operator stopped before that
-    finds it again from status (``stage_created``)."""
+    kopf keeps the change handled in memory (no write), and the round it kicked publishes the
+    ask (``status.requestedActiveAt``); an operator stopped before that finds it again from
+    status (``stage_created``). The leader returns once that round has ended: meanwhile kopf
+    keeps the stage's watch events (the round's own status writes) and handles only the last,
+    not each one beside the hand-over."""
     runner = _runner()
     ns = namespace or "default"
     old_state = (old or {}).get("state", "Active")
@@ -221,8 +225,11 @@ async def stage_updated(
     if new_state == "Active" and old_state != "Active":
         runner.record_ask(ns, name)
     old_group = group_of({"spec": old or {}})
-    for group in {old_group, group_of(body)} - {None}:
+    new_group = group_of(body)
+    for group in {old_group, new_group} - {None}:
         _kick(ns, group)
+    if _State.leadership.leading() and new_group is not None:
+        await runner.settled(ns, new_group, HANDOVER_WAIT_S)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
