@@ -225,7 +225,8 @@ async def _switch(kube: Kube, ns: str, state: str) -> dict[str, float]:
     }
 
 
-async def _run(ns: str, switches: int, kubeconfig: Path, log: Path) -> list[dict[str, float]]:
+async def _settled(ns: str, kubeconfig: Path) -> None:
+    """Wait until ar is Active and sd Asleep (the counters start from there: no setup in them)."""
     os.environ["KUBECONFIG"] = str(kubeconfig)
     kube = await Kube.connect()
     deadline = time.monotonic() + 240
@@ -237,6 +238,11 @@ async def _run(ns: str, switches: int, kubeconfig: Path, log: Path) -> list[dict
         await asyncio.sleep(0.2)
     else:
         raise TimeoutError("stages did not settle")
+
+
+async def _run(ns: str, switches: int, kubeconfig: Path, log: Path) -> list[dict[str, float]]:
+    await _settled(ns, kubeconfig)
+    kube = await Kube.connect()
     results = []
     for i in range(switches):
         # sd asks for Active (the latest ask wins over ar), then gives up its wish (ar, still
@@ -371,6 +377,7 @@ def main() -> int:
                                 cp.apply(manifest, namespace=ns)
                         assert op.proc is not None
                         wait_for("operator leading", functools.partial(_acted, op), 120)
+                        asyncio.run(_settled(ns, cp.kubeconfig))
                         seen = op.metrics()
                         requests_before = _round_requests(seen)
                         kept_before = _round_requests(seen, KEPT)
