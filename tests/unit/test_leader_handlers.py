@@ -155,6 +155,20 @@ async def test_acquiring_kicks_every_group_and_forgets_what_was_published(
     assert runner.kept == {}  # its first rounds read every worker before they order
 
 
+async def test_the_lease_taken_back_with_the_same_epoch_keeps_what_was_published(
+    runner: RecordingRunner,
+) -> None:
+    _configure(leading=True)
+    handlers.on_acquired(3)
+    runner.published[("ns", "x")] = {"state": "Active"}
+    runner.kept[("ns", "g")] = "readings of epoch 3"
+    handlers.on_acquired(3)  # lost and taken back: nobody else held it (epoch unchanged)
+    assert runner.published and runner.kept
+    handlers.on_acquired(5)  # another replica led in between
+    assert runner.published == {} and runner.kept == {}
+    assert runner.ops() == ["kick_all"] * 3
+
+
 async def test_kicks_reach_the_runner_whoever_leads(runner: RecordingRunner) -> None:
     _configure(leading=False)
     await H.resync(body=BODY, namespace="ns")

@@ -69,23 +69,29 @@ class _State:
     runner: GroupRunner | None = None
     resync: Resync | None = None
     leadership: Leadership = SoleWriter()
+    led_epoch: int | None = None  # the epoch this replica last acquired the Lease with
 
 
 def configure(settings: Settings, leadership: Leadership | None = None) -> None:
     """Give the handlers their settings and leadership (call before kopf starts)."""
     _State.settings = settings
     _State.leadership = leadership or SoleWriter()
+    _State.led_epoch = None
 
 
 def on_acquired(epoch: int) -> None:
-    """Leadership acquired: forget what status this replica last wrote and the workers'
-    readings it kept (another leader may have acted since) and kick every group seen; each
-    round reads the workers' real state first."""
+    """Leadership acquired: kick every group seen; each round reads the workers' real state
+    first. Under a new epoch, first forget what status this replica last wrote and the
+    workers' readings it kept (another leader may have acted since); the Lease taken back with
+    the epoch this replica last led with was held by nobody else in between (every other
+    holder raises it), so what it wrote stands: no round writes every stage's status again."""
     runner = _State.runner
     if runner is None:
         return  # kopf not started yet: its resume handlers kick every group
-    runner.published.clear()
-    runner.kept.clear()
+    if epoch != _State.led_epoch:
+        runner.published.clear()
+        runner.kept.clear()
+    _State.led_epoch = epoch
     log.info("leading with epoch %d: a round for every group", epoch)
     runner.kick_all()
 
