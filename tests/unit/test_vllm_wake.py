@@ -122,10 +122,11 @@ def fill(dev: FakeDevice, seed: int) -> dict[int, bytes]:
     return {ptr: bytes(buf) for ptr, buf in dev.mem.items()}
 
 
-def test_level1_cycles_restore_the_weights_with_one_buffer_kept() -> None:
+@pytest.mark.parametrize("map_first", [False, True])
+def test_level1_cycles_restore_the_weights_with_one_buffer_kept(map_first: bool) -> None:
     records = allocator()
     dev = FakeDevice(records)
-    fast = FastCuMem(dev)
+    fast = FastCuMem(dev, map_first=map_first)
     for cycle in range(3):
         before = fill(dev, cycle)
         fast.sleep(records, ("weights",))

@@ -116,3 +116,9 @@ def test_phases_add_up_and_give_the_copy_rate() -> None:
     out = p.as_json()
     assert out["seconds"] == {"map_weights": 0.2, "sync": 0.3}
     assert out["total_seconds"] == 0.5 and out["copy_gbps"] == 2.0
+
+
+def test_map_first_maps_everything_before_the_copies() -> None:
+    backups = {b.ptr: b for b in plan_sleep(ALLOCS, ("weights",)).backups}
+    steps = wake_steps(plan_wake(ALLOCS, None, backups), map_first=True)
+    assert [s.op for s in steps] == ["map"] * 4 + ["copy_h2d"] * 3 + ["sync_copies"]

@@ -36,6 +36,8 @@ from omnistage_worker.runners.vllm_wake_plan import (
 log = logging.getLogger("vllm.omnistage.wake")
 MARKER = "OMNISTAGE_WAKE_PHASES"
 """Starts the log line with a transition's phases (JSON follows)."""
+MAP_FIRST_ENV = "OMNISTAGE_VLLM_WAKE_MAP_FIRST"
+"""``1`` in the engine's environment: a wake maps everything before issuing its copies."""
 
 
 class HostBuffer(Protocol):
@@ -78,8 +80,9 @@ class FastCuMem:
     fits in it; a sleep that offloads nothing (level 2) gives it back, as does :meth:`close`.
     """
 
-    def __init__(self, ops: WakeOps) -> None:
+    def __init__(self, ops: WakeOps, map_first: bool = False) -> None:
         self.ops = ops
+        self.map_first = map_first
         self.buffer: HostBuffer | None = None
         self.backups: dict[int, Backup] = {}
         self.last: dict[str, Phases] = {}
@@ -130,7 +133,14 @@ class FastCuMem:
         backed = frozenset(b.ptr for b in plan.copies)
         mapped: list[int] = []
         try:
-            self._run(wake_steps(plan), records, base, backed=backed, phases=phases, mapped=mapped)
+            self._run(
+                wake_steps(plan, self.map_first),
+                records,
+                base,
+                backed=backed,
+                phases=phases,
+                mapped=mapped,
+            )
         except BaseException:
             self._roll_back(records, mapped)
             raise

@@ -22,6 +22,9 @@ The device operations (:class:`CudaOps`), built at the first sleep in the thread
   ``cuMemHostRegister``-ed, portable), kept across cycles.
 
 If building them fails, that sleep and its wake run vLLM's own methods (logged).
+
+``OMNISTAGE_VLLM_WAKE_MAP_FIRST=1`` in the engine's environment maps every allocation before
+issuing the wake's copies (a diagnostic: for a driver whose mapping waits for copies in flight).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import os
 from typing import Any
 
-from omnistage_worker.runners.vllm_wake import FastCuMem, HostBuffer, WakeOps
+from omnistage_worker.runners.vllm_wake import MAP_FIRST_ENV, FastCuMem, HostBuffer, WakeOps
 
 log = logging.getLogger("vllm.omnistage.wake")
 
@@ -126,7 +130,10 @@ class _Patch:
             except Exception:
                 log.exception("fast sleep/wake unavailable; vLLM's own methods run")
                 return None
-            self.fast = FastCuMem(ops)
+            map_first = os.environ.get(MAP_FIRST_ENV, "") == "1"
+            self.fast = FastCuMem(ops, map_first=map_first)
+            log.info("fast sleep/wake ready (wake order: %s)", "map first" if map_first else
+                     "copy after each map, KV mapped during the copies")  # fmt: skip
         return self.fast
 
     def sleep(self, allocator: Any, offload_tags: tuple[str, ...] | str | None = None) -> None:

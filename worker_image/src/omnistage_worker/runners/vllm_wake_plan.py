@@ -15,7 +15,7 @@ each allocation and copies it back, one after the other. The fast path
 - in which order (:func:`sleep_steps`, :func:`wake_steps`): a sleep issues every copy at once,
   releases what it discards while they run, waits once, then releases what it copied; a wake maps
   each backed-up allocation and issues its copy right away, maps the rest (the KV cache) while
-  the copies run, and waits once.
+  the copies run, and waits once (or, ``map_first``, maps all before issuing the copies).
 """
 
 from __future__ import annotations
@@ -155,13 +155,19 @@ def sleep_steps(plan: SleepPlan) -> list[Step]:
     return steps
 
 
-def wake_steps(plan: WakePlan) -> list[Step]:
+def wake_steps(plan: WakePlan, map_first: bool = False) -> list[Step]:
     """Map each backed-up allocation and issue its copy at once, map the others while the
-    copies run, wait once."""
+    copies run, wait once. ``map_first``: map everything, then issue the copies (for a driver
+    whose mapping waits for the copies in flight)."""
     steps: list[Step] = []
-    for b in plan.copies:
-        steps += [Step("map", b.ptr), Step("copy_h2d", b.ptr, b)]
-    steps += [Step("map", ptr) for ptr in plan.maps_only]
+    if map_first:
+        steps += [Step("map", b.ptr) for b in plan.copies]
+        steps += [Step("map", ptr) for ptr in plan.maps_only]
+        steps += [Step("copy_h2d", b.ptr, b) for b in plan.copies]
+    else:
+        for b in plan.copies:
+            steps += [Step("map", b.ptr), Step("copy_h2d", b.ptr, b)]
+        steps += [Step("map", ptr) for ptr in plan.maps_only]
     if plan.copies:
         steps.append(Step("sync_copies"))
     return steps
