@@ -277,3 +277,60 @@ def test_no_vllm_allocator_no_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm.device_allocator", None)
     assert "cannot be imported" in (vllm_wake_cuda.install() or "")
     assert vllm_wake_cuda.WakeExtension().omnistage_wake_report()["installed"] is False
+
+
+FAKE_CUDART = r"""
+#include <stddef.h>
+#include <string.h>
+static int fail = 0;
+void fake_fail(int err) { fail = err; }
+int cudaStreamCreateWithFlags(void **stream, unsigned int flags) {
+    if (flags != 1) return 1;
+    *stream = (void *)0x7f0000005151;
+    return 0;
+}
+int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream) {
+    if (kind != 4 || stream != (void *)0x7f0000005151) return 1;
+    memcpy(dst, src, n);
+    return fail;
+}
+int cudaStreamSynchronize(void *stream) { return stream == (void *)0x7f0000005151 ? fail : 400; }
+const char *cudaGetErrorString(int err) { return err == 700 ? "an illegal memory access" : "?"; }
+"""
+
+
+def test_cuda_operations_pass_64_bit_pointers_sizes_and_the_stream(tmp_path: Any) -> None:
+    """CudaOps's ctypes prototypes against a stand-in libcudart of the same C signatures: the
+    pointers (above 4 GiB), the size, cudaMemcpyDefault and the stream reach the library intact,
+    and a CUDA error is raised with its text."""
+    import ctypes
+    import shutil
+    import subprocess
+    from types import SimpleNamespace
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "cudart.c").write_text(FAKE_CUDART)
+    lib_path = tmp_path / "libfakecudart.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib_path), str(tmp_path / "cudart.c")],
+                   check=True)  # fmt: skip
+    lib = ctypes.CDLL(str(lib_path))
+    mapped: list[Any] = []
+    cumem = SimpleNamespace(
+        create_and_map=mapped.append, unmap_and_release=mapped.remove,
+        libcudart=SimpleNamespace(lib=lib),
+    )  # fmt: skip
+    ops = vllm_wake_cuda.CudaOps(cumem)
+    src = ctypes.create_string_buffer(b"weights!" * 1000)
+    dst = ctypes.create_string_buffer(8000)
+    assert ctypes.addressof(src) > 2**32  # a pointer that an int argument would truncate
+    ops.copy_async(ctypes.addressof(dst), ctypes.addressof(src), 8000)
+    ops.sync_copies()
+    assert dst.raw == src.raw[:8000]
+    handle = (0, 2 * MiB, 0x7F00_0000_0000, 0x55)
+    ops.create_and_map(handle)
+    ops.unmap_and_release(handle)
+    assert mapped == []
+    lib.fake_fail(700)
+    with pytest.raises(RuntimeError, match="cudaStreamSynchronize: CUDA error 700"):
+        ops.sync_copies()
