@@ -86,8 +86,11 @@ class FakeDevice:
     def host_buffer(self, nbytes: int) -> Buffer:
         return Buffer(self, nbytes)
 
-    def after_sleep(self) -> None:
-        self.log.append(("after_sleep", 0))
+    def collect_garbage(self) -> None:
+        self.log.append(("gc", 0))
+
+    def empty_cache(self) -> None:
+        self.log.append(("empty_cache", 0))
 
     # the simulated address space
     def _where(self, addr: int) -> tuple[bytearray, int]:
@@ -154,7 +157,7 @@ def test_one_wait_per_transition_with_the_kv_cache_handled_while_the_copies_run(
     sync = sleep_log.index(("sync", 0))
     assert sleep_log.index(("release", 0x3000)) < sync  # KV released while copies run
     assert all(sleep_log.index(("release", p)) > sync for p in (0x1000, 0x2000, 0x4000))
-    assert sleep_log[0] == ("sync_device", 0) and sleep_log[-1] == ("after_sleep", 0)
+    assert sleep_log[0] == ("sync_device", 0) and sleep_log[-2:] == [("gc", 0), ("empty_cache", 0)]
 
     phases = fast.wake_up(records, None)
     assert [op for op, _ in dev.log].count("sync") == 1 and dev.log[-1] == ("sync", 0)

@@ -65,7 +65,9 @@ class WakeOps(Protocol):
 
     def host_buffer(self, nbytes: int) -> HostBuffer: ...
 
-    def after_sleep(self) -> None: ...
+    def collect_garbage(self) -> None: ...
+
+    def empty_cache(self) -> None: ...
 
 
 def allocations_of(records: Mapping[int, Any]) -> list[Allocation]:
@@ -116,9 +118,13 @@ class FastCuMem:
         self._run(sleep_steps(plan), records, base, backed=backed, phases=phases)
         self.backups = {b.ptr: b for b in plan.backups}
         phases.copy_bytes = plan.backup_bytes
+        # as vLLM's own sleep ends: garbage collected, torch's cached blocks given back
         started = time.perf_counter()
-        self.ops.after_sleep()
-        phases.add("gc_empty_cache", time.perf_counter() - started)
+        self.ops.collect_garbage()
+        phases.add("gc", time.perf_counter() - started)
+        started = time.perf_counter()
+        self.ops.empty_cache()
+        phases.add("empty_cache", time.perf_counter() - started)
         self._report(phases, total_bytes=plan.total_bytes)
         return phases
 

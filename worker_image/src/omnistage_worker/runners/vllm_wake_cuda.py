@@ -110,8 +110,10 @@ class CudaOps:
     def host_buffer(self, nbytes: int) -> HostBuffer:
         return _PinnedBuffer(nbytes)
 
-    def after_sleep(self) -> None:
-        gc.collect()  # as vLLM's own sleep ends
+    def collect_garbage(self) -> None:
+        gc.collect()
+
+    def empty_cache(self) -> None:
         self._torch.cuda.empty_cache()
 
 
