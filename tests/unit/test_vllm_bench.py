@@ -76,3 +76,15 @@ def test_phase_lines_are_read_from_the_worker_log_and_summarised(tmp_path: Path)
     assert out["l1_sleep_engine_ratio_to_d2h"] == 0.125  # 5 GB/s of 40
     assert out["l1_wake_phases_median"]["sync"] == 0.025
     assert engine_phases([{"sleep_phases": [], "wake_phases": []}], {}) == {"fast_wake": False}
+
+
+def test_the_readme_row_of_the_fast_path_appears_only_with_its_figures() -> None:
+    data = json.loads((ROOT / "bench" / "results" / "vllm_stage.json").read_text())
+    assert not any("inside the engine" in line for line in vllm_section(data))
+    data["summary"].update({
+        "fast_wake": True, "l1_sleep_engine_seconds_median": 0.2,
+        "l1_sleep_engine_ratio_to_d2h": 0.8, "l1_wake_engine_seconds_median": 0.18,
+        "l1_wake_engine_ratio_to_h2d": 0.91,
+    })  # fmt: skip
+    (row,) = [line for line in vllm_section(data) if "inside the engine" in line]
+    assert "0.180 s (91% of H2D)" in row and "0.200 s (80% of D2H)" in row
