@@ -275,6 +275,23 @@ def test_without_the_cuda_operations_vllms_own_methods_run(monkeypatch: pytest.M
     assert alloc.vllm_calls == ["sleep", "wake_up"]
 
 
+def test_without_a_host_buffer_the_sleep_is_vllms_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    cumem = fake_cumem(monkeypatch)
+    alloc = cumem.CuMemAllocator()
+    dev = FakeDevice(alloc.pointer_to_data)
+
+    def no_buffer(nbytes: int) -> Buffer:
+        raise RuntimeError("page-locking failed: CUDA error 2")
+
+    monkeypatch.setattr(dev, "host_buffer", no_buffer)
+    monkeypatch.setattr(vllm_wake_cuda, "CudaOps", lambda _: dev)
+    assert vllm_wake_cuda.install() is None
+    alloc.sleep(offload_tags=("weights",))
+    assert dev.log == [] and len(dev.mem) == 4  # the fast path touched nothing
+    alloc.wake_up(None)
+    assert alloc.vllm_calls == ["sleep", "wake_up"]
+
+
 def test_no_vllm_allocator_no_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vllm_wake_cuda.INSTALLED, "patch", None)
     monkeypatch.setitem(sys.modules, "vllm.device_allocator", None)

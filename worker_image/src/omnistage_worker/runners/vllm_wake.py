@@ -70,6 +70,10 @@ class WakeOps(Protocol):
     def empty_cache(self) -> None: ...
 
 
+class NoHostBuffer(RuntimeError):
+    """The host buffer could not be had; raised before the sleep touched the device."""
+
+
 def allocations_of(records: Mapping[int, Any]) -> list[Allocation]:
     """vLLM's ``pointer_to_data`` (ptr -> ``AllocationData(handle, tag)``) as plain records."""
     return [Allocation(ptr, int(data.handle[1]), str(data.tag)) for ptr, data in records.items()]
@@ -111,7 +115,10 @@ class FastCuMem:
         phases = Phases("sleep")
         started = time.perf_counter()
         plan = plan_sleep(allocations_of(records), offload_tags)
-        buffer = self._buffer_for(plan.buffer_bytes)
+        try:
+            buffer = self._buffer_for(plan.buffer_bytes)
+        except Exception as exc:
+            raise NoHostBuffer(f"no host buffer of {plan.buffer_bytes} bytes: {exc}") from exc
         phases.add("host_buffer", time.perf_counter() - started)
         base = buffer.ptr() if buffer is not None else 0
         backed = frozenset(b.ptr for b in plan.backups)

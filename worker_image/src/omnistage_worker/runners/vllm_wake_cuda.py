@@ -21,7 +21,8 @@ The device operations (:class:`CudaOps`), built at the first sleep in the thread
 - the host buffer: :class:`omnistage_worker.engine.host_memory.HostBuffer` (exact size,
   ``cuMemHostRegister``-ed, portable), kept across cycles.
 
-If building them fails, that sleep and its wake run vLLM's own methods (logged).
+If building them fails, or the host buffer cannot be had (before anything moved), that sleep
+and its wake run vLLM's own methods (logged).
 
 ``OMNISTAGE_VLLM_WAKE_MAP_FIRST=1`` in the engine's environment maps every allocation before
 issuing the wake's copies (a diagnostic: for a driver whose mapping waits for copies in flight).
@@ -35,7 +36,13 @@ import logging
 import os
 from typing import Any
 
-from omnistage_worker.runners.vllm_wake import MAP_FIRST_ENV, FastCuMem, HostBuffer, WakeOps
+from omnistage_worker.runners.vllm_wake import (
+    MAP_FIRST_ENV,
+    FastCuMem,
+    HostBuffer,
+    NoHostBuffer,
+    WakeOps,
+)
 
 log = logging.getLogger("vllm.omnistage.wake")
 
@@ -144,10 +151,14 @@ class _Patch:
     def sleep(self, allocator: Any, offload_tags: tuple[str, ...] | str | None = None) -> None:
         fast = self._fast()
         self.vllm_slept = fast is None
-        if fast is None:
-            self.vllm_sleep(allocator, offload_tags)
-            return
-        fast.sleep(allocator.pointer_to_data, offload_tags)
+        if fast is not None:
+            try:
+                fast.sleep(allocator.pointer_to_data, offload_tags)
+                return
+            except NoHostBuffer:  # nothing was moved yet: vLLM's own sleep (and wake) instead
+                log.exception("fast sleep without its host buffer; vLLM's own sleep runs")
+                self.vllm_slept = True
+        self.vllm_sleep(allocator, offload_tags)
 
     def wake_up(self, allocator: Any, tags: list[str] | None = None) -> None:
         if self.vllm_slept or self.fast is None:
@@ -172,8 +183,8 @@ def install() -> str | None:
         return None
     try:
         from vllm.device_allocator import cumem
-    except ImportError as exc:
-        return f"vLLM's cumem allocator cannot be imported ({exc})"
+    except Exception as exc:  # ImportError, or its libcudart lookup failing
+        return f"vLLM's cumem allocator cannot be imported ({type(exc).__name__}: {exc})"
     if not getattr(cumem, "cumem_available", False):
         return "vLLM's cumem allocator is not available on this platform"
     patch = _Patch(cumem)
