@@ -383,7 +383,7 @@ def render() -> str:
     components = _load("diffusion_components.json")
     if components:
         lines += components_section(components)
-    vllm = _load("vllm_stage.json")
+    vllm = _load("vllm_stage_h200_fastwake.json")  # the current path (vllm_stage.json: the first)
     if vllm:
         lines += vllm_section(vllm)
     serving = _load("serving.json")
