@@ -47,6 +47,14 @@ log = logging.getLogger(__name__)
 StageKey = tuple[str, str]
 _NO_STREAM = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING})
 _RETRY_MIN_S, _RETRY_MAX_S = 0.2, 5.0
+# A stage's demand series (labelled namespace, stage), removed when the stage is deleted.
+_STAGE_SERIES = (
+    metrics.HELD_REQUESTS,
+    metrics.HOLD_SECONDS,
+    metrics.HELD_SERVED,
+    metrics.HELD_TIMED_OUT,
+    metrics.HOLD_QUEUE_FULL,
+)
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,22 @@ class DemandWatcher:
             stream.task.cancel()
             metrics.HELD_REQUESTS.labels(namespace, name).set(0)
 
+    def forget(self, namespace: str, name: str) -> None:
+        """Close a deleted stage's stream and remove its series."""
+        self.drop(namespace, name)
+        for metric in _STAGE_SERIES:
+            metric.remove(namespace, name)
+
+    def drop_group(self, namespace: str, group: str) -> None:
+        """Cancel a gone group's recheck timer."""
+        handle = self._timers.handles.pop((namespace, group), None)
+        if handle is not None:
+            handle.cancel()
+
+    def entries(self) -> int:
+        """Streams and timers kept (``omnistage_runner_entries``)."""
+        return len(self._streams) + len(self._timers.handles)
+
     async def close(self) -> None:
         """Close every stream and timer."""
         for handle in self._timers.handles.values():
@@ -247,7 +271,11 @@ class DemandWatcher:
         if at is not None:
             delay = max(0.0, at - now) + 0.01
             loop = asyncio.get_running_loop()
-            self._timers.handles[gkey] = loop.call_later(delay, self._kick, namespace, group)
+            self._timers.handles[gkey] = loop.call_later(delay, self._recheck, namespace, group)
+
+    def _recheck(self, namespace: str, group: str) -> None:
+        self._timers.handles.pop((namespace, group), None)
+        self._kick(namespace, group)
 
 
 def _count(key: StageKey, before: DemandReport | None, now: DemandReport) -> None:
