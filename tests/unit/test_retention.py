@@ -1,6 +1,6 @@
 """The runner lets go of a deleted group and of its stages (issue 24: memory follows the stages
-that exist), but not during a round, not while a sleep of the group runs, and not when the group
-is re-created under the same name meanwhile.
+that exist), but not during a round, and not when the group is re-created under the same name
+meanwhile; the sleeps its rounds left running are cancelled with it.
 
 The runner is the real one (its loops, its rounds' bookkeeping, the watch views); only the body
 of a round is a stand-in that leaves what a real round leaves: kept readings, a sleep tracker,
@@ -200,27 +200,36 @@ async def test_a_group_re_created_during_its_last_round_keeps_its_loop() -> None
     assert runner.asks[("ns", "a")] == 1.0  # the new stage's, written after the old was forgotten
 
 
-async def test_a_gone_group_with_a_sleep_running_waits_for_its_end() -> None:
+async def test_a_gone_group_s_sleeps_in_flight_are_cancelled_with_it() -> None:
     index = Index()
     index.put(_body("a", "1"))
     runner = Runner(index)
     runner.kick("ns", "g")
     await runner.idle()
-    tracker = SleepTracker(lambda: runner.kick("ns", "g"))
-    runner._sleeps[("ns", "g")] = tracker
+    tracker = runner._sleeps[("ns", "g")]
     tracker.open("h1")
-    done = asyncio.Event()
+    retry = asyncio.Event()
+    reopened: list[_Channel] = []
 
-    async def sleeping() -> Any:
-        await done.wait()
+    async def sleeping() -> Any:  # a sleep retried until its window ends
+        await retry.wait()  # its next attempt, after the stage was forgotten: a new channel
+        reopened.append(_Channel())
+        runner.channels.get(("ns", "a"), "1", "t", lambda: reopened[-1])  # type: ignore[arg-type,return-value]
+        await asyncio.Event().wait()
 
     order = type("Order", (), {"stage": "a", "releases_memory": True})()
     tracker.launch(order, sleeping())
+    (task,) = [t for _, t in tracker._tasks.values()]
     index.drop("a")
+    runner.gate.clear()
     runner.kick("ns", "g")
-    await runner.idle()
-    assert ("ns", "g") in runner._loops  # its sleep still runs
-    done.set()
-    await asyncio.sleep(0.01)  # the sleep's end kicks the group
+    await asyncio.sleep(0.01)  # the round began: the stage that left was forgotten before it
+    assert ("ns", "a") not in runner.asks and runner.entries("channel") == 0
+    retry.set()
+    await asyncio.sleep(0.01)
+    assert runner.entries("channel") == 1
+    runner.gate.set()
     await runner.idle()
     assert ("ns", "g") not in runner._loops and ("ns", "g") not in runner._sleeps
+    await asyncio.sleep(0.01)
+    assert task.cancelled() and reopened[0].closed and runner.entries("channel") == 0

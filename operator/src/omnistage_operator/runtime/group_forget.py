@@ -6,11 +6,13 @@ ever did (issue 24).
   running then may have written some again, and a stage deleted and re-created between two
   rounds would inherit the old one's: so before each round of a group, the stages its rounds
   listed that are no longer in the watch, or are there under another uid, are forgotten too
-  (``left``).
+  (``left``; again before the next round while a sleep ordered to one still runs: it may have
+  opened the stage's channel again).
 - A group's entries (its loop, kept readings, sleep tracker, claim cache, retry time, demand
   timer, the rounds' Prometheus series) go when its loop ends with nothing pending and no stage
-  of the group is left but ones being deleted (``live``): never during a round or while one of
-  its sleeps runs; a kick afterwards (a re-created group) starts from nothing.
+  of the group is left but ones being deleted (``live``), never during a round; sleeps still
+  running in the background (orders to deleted stages, whose pods the delete handler removes)
+  are cancelled. A kick afterwards (a re-created group) starts from nothing.
 
 Which attributes are per stage and per group, and the two rules, are pure
 (``decisions.retention``); the operator exports the entry counts (``omnistage_runner_entries``).
@@ -74,9 +76,12 @@ class Forgetting:
         members = self._members.get((namespace, group))
         if not members:
             return
+        tracker = self._sleeps.get((namespace, group))
+        running = tracker.running if tracker is not None else frozenset()
         for name in left(members, lambda n: self.views.stage(namespace, n)):
-            del members[name]
             self.forget(namespace, name)
+            if name not in running:  # a sleep still running may open its channel again
+                del members[name]
 
     def listed(self, namespace: str, group: str, bodies: Iterable[Mapping[str, Any]]) -> None:
         """After a round: the stages it listed (checked by ``forget_left`` before the next)."""
@@ -87,14 +92,9 @@ class Forgetting:
 
     def loop_idle(self, namespace: str, group: str) -> None:
         """The group's loop ended with nothing pending: drop the group when it is gone."""
-        key = (namespace, group)
         bodies = self.views.stages(namespace, group)
-        if live(bodies):
-            return
-        tracker = self._sleeps.get(key)
-        if tracker is not None and tracker.running:
-            return  # its end kicks the group: dropped after that round
-        self.drop_group(namespace, group, bodies)
+        if not live(bodies):
+            self.drop_group(namespace, group, bodies)
 
     def drop_group(
         self, namespace: str, group: str, bodies: Iterable[Mapping[str, Any]] = ()
@@ -102,22 +102,27 @@ class Forgetting:
         """Drop what is kept for the group, and for its stages that are gone or being deleted
         (``bodies``: the group's stages in the watch, all being deleted)."""
         key = (namespace, group)
-        names = set(self._members.get(key, ()))
+        tracker = self._sleeps.pop(key, None)
+        sleeps = tracker.running if tracker is not None else frozenset()
+        if tracker is not None:  # sleeps of deleted stages (their pods are deleted anyway)
+            tracker.cancel()
+        names = set(self._members.get(key, ())) | sleeps
         names |= {str(b["metadata"]["name"]) for b in bodies}
         for name in names:
             body = self.views.stage(namespace, name)
             if body is None or group_of(body) == group:  # not re-created in another group
                 self.forget(namespace, name)
         for attr in GROUP_MAPS:
-            held = getattr(self, attr).pop(key, None)
-            if isinstance(held, SleepTracker):
-                held.cancel()
+            getattr(self, attr).pop(key, None)
         cache = f"{namespace}/{claim_name(group)}"
         self._claims.pop(cache, None)
         self._claim_errors.discard(cache)
         self.demand.drop_group(namespace, group)
         stage_metrics.forget_group(namespace, group, back=lambda: key in self._loops)
-        log.debug("group %s/%s: no stage left, forgotten", namespace, group)
+        log.info(
+            "group %s/%s: no stage left, forgotten (sleeps cancelled: %s)",
+            namespace, group, sorted(sleeps) or "none",
+        )  # fmt: skip
 
     def count_entries(self) -> None:
         """Export the entry counts (``omnistage_runner_entries``, read at each scrape: lengths
