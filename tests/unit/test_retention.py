@@ -1,6 +1,7 @@
 """The runner lets go of a deleted group and of its stages (issue 24: memory follows the stages
 that exist), but not during a round, and not when the group is re-created under the same name
-meanwhile; the sleeps its rounds left running are cancelled with it.
+meanwhile; the sleeps its rounds left running are cancelled with it. A deleted pipeline's
+counters go too.
 
 The runner is the real one (its loops, its rounds' bookkeeping, the watch views); only the body
 of a round is a stand-in that leaves what a real round leaves: kept readings, a sleep tracker,
@@ -22,6 +23,7 @@ from omnistage_operator.k8s.port import KubeGroupPort
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.views import GroupViews
 from omnistage_operator.runtime import stage_metrics
+from omnistage_operator.runtime.pipeline_status import PIPELINE_SWAPS, PipelineStatus, _Counts
 from omnistage_operator.runtime.runner import GroupRunner
 
 Body = dict[str, Any]
@@ -233,3 +235,17 @@ async def test_a_gone_group_s_sleeps_in_flight_are_cancelled_with_it() -> None:
     assert ("ns", "g") not in runner._loops and ("ns", "g") not in runner._sleeps
     await asyncio.sleep(0.01)
     assert task.cancelled() and reopened[0].closed and runner.entries("channel") == 0
+
+
+def test_a_deleted_pipeline_s_counters_and_series_go() -> None:
+    status = PipelineStatus(_NoKube(), lambda *a, **k: None)  # type: ignore[arg-type]
+    status.counts[("ns", "p")] = _Counts(swaps=3, batches=4)
+    PIPELINE_SWAPS.labels("ns", "p").inc()
+    status.forget("ns", "p")
+    assert not status.counts
+    assert (
+        REGISTRY.get_sample_value(
+            "omnistage_pipeline_swaps_total", {"namespace": "ns", "pipeline": "p"}
+        )
+        is None
+    )

@@ -121,11 +121,15 @@ async def pipeline_event(
     type: str | None, body: kopf.Body, namespace: str | None, **_: Any
 ) -> None:
     """A pipeline appeared or changed: its stages' groups re-plan (their rounds write its
-    status); with none of its stages there, the leader writes that status itself."""
+    status); with none of its stages there, the leader writes that status itself. A deleted
+    one's counters are dropped."""
     runner = _State.runner
-    if runner is None or type == "DELETED":
+    if runner is None:
         return
     ns = namespace or "default"
+    if type == "DELETED":
+        runner.pipeline_status.forget(ns, str(body.get("metadata", {}).get("name")))
+        return
     groups = set()
     for stage in (body.get("spec") or {}).get("stages") or []:
         found = runner.views.stage(ns, str((stage or {}).get("name")))
