@@ -231,9 +231,12 @@ async def stage_updated(
 async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
     """Delete the pod (until confirmed gone) and Service, the claim with the last stage.
 
-    Only the leader cleans up; a standby keeps the finalizer (TemporaryError) until then."""
+    Only the leader cleans up; a standby keeps the finalizer (TemporaryError) until then, and
+    forgets the stage (and its group, when it was the last: ``group_forget``)."""
     runner = _runner()
     if not _State.leadership.leading():
+        runner.forget(namespace or "default", name)
+        _kick(namespace, group_of(body))
         raise kopf.TemporaryError("not the leader: the leading replica cleans up", delay=1)
     await runner.cleanup_stage(body)
     _kick(namespace, group_of(body))
