@@ -87,7 +87,7 @@ def test_deleted_groups_leave_nothing_in_the_operator(
         return all(entries.get(s) == 0 for s in SCOPES) and not labelled
 
     try:
-        wait_for("the groups forgotten", forgotten, 20)
+        wait_for("the groups forgotten", forgotten, 60)
     finally:
         print(_scrape(operator, ns))
 

@@ -77,6 +77,7 @@ class Runner(GroupRunner):
         self.gate = asyncio.Event()
         self.gate.set()
         self.rounds = 0
+        self.busy = False  # what the round says: something in progress, poll again
         self.channels_made: list[_Channel] = []
 
     async def _round_of(self, port: KubeGroupPort, namespace: str, group: str) -> bool:
@@ -93,7 +94,7 @@ class Runner(GroupRunner):
         self.kept[(namespace, group)] = KeptReadings({}, {}, 1, 0.0)
         self._sleeps.setdefault((namespace, group), SleepTracker()).collect()  # ended sleeps
         metrics.ROUNDS.labels(namespace, group, "idle").inc()
-        return False
+        return self.busy
 
     def _channel(self) -> _Channel:
         self.channels_made.append(_Channel())
@@ -181,6 +182,21 @@ async def test_a_stage_deleted_from_a_live_group_is_forgotten_by_the_next_round(
     await runner.idle()
     assert ("ns", "b") not in runner.asks and ("ns", "b") not in runner.published
     assert ("ns", "a") in runner.asks and ("ns", "g") in runner._loops
+
+
+async def test_a_gone_group_is_dropped_with_the_follow_up_its_last_round_asked_for() -> None:
+    index = Index()
+    index.put(_body("a", "1"))
+    runner = Runner(index)
+    runner.kick("ns", "g")
+    await runner.idle()
+    loop = runner._loops[("ns", "g")]
+    index.drop("a")
+    runner.busy = True  # e.g. the deleted stage's pod still terminating, or a crash back-off
+    runner.kick("ns", "g")
+    await runner.idle()
+    assert ("ns", "g") not in runner._loops
+    assert loop.followup is not None and loop.followup.cancelled()
 
 
 async def test_a_group_re_created_during_its_last_round_keeps_its_loop() -> None:

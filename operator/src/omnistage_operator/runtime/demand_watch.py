@@ -133,10 +133,13 @@ class DemandWatcher:
             key = (port.ns, name)
             fact = port.facts[name]
             pod = port.pods.get(name)
-            if not spec.activation.on_demand or pod is None or fact.phase in _NO_STREAM:
+            deleting = bool(port.bodies[name]["metadata"].get("deletionTimestamp"))
+            # no stream to a deleted stage's worker: it would hold the pod's termination (a
+            # worker's gRPC server waits for its open calls) for its whole grace period
+            if not spec.activation.on_demand or pod is None or fact.phase in _NO_STREAM or deleting:
                 self.drop(*key)
                 if spec.activation.on_demand:
-                    inputs[name] = DemandInput(spec.activation, fact.phase)
+                    inputs[name] = DemandInput(spec.activation, fact.phase, deleting=deleting)
                 continue
             client = port.r.client_for(port.ns, spec, pod)
             if client is not None:
@@ -153,7 +156,6 @@ class DemandWatcher:
                 fact.phase,
                 stream.report.demand if stream is not None and stream.report else None,
                 stream.awake_since if stream is not None else None,
-                deleting=bool(port.bodies[name]["metadata"].get("deletionTimestamp")),
                 asleep_asked_at=port.r.asleep_asked.get(key),
                 asleep_pending=key in port.r.asleep_restored,
                 batching=port.r.views.batching(port.ns, name),

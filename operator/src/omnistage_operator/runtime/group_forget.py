@@ -9,10 +9,11 @@ ever did (issue 24).
   (``left``; again before the next round while a sleep ordered to one still runs: it may have
   opened the stage's channel again).
 - A group's entries (its loop, kept readings, sleep tracker, claim cache, retry time, demand
-  timer, the rounds' Prometheus series) go when its loop ends with nothing pending and no stage
-  of the group is left but ones being deleted (``live``), never during a round; sleeps still
-  running in the background (orders to deleted stages, whose pods the delete handler removes)
-  are cancelled. A kick afterwards (a re-created group) starts from nothing.
+  timer, the rounds' Prometheus series) go when its loop ends with no kick pending and no stage
+  of the group is left but ones being deleted (``live``), never during a round; its follow-up
+  and the sleeps still running in the background (orders to deleted stages, whose pods the
+  delete handler removes) are cancelled. A kick afterwards (a re-created group) starts from
+  nothing.
 
 Which attributes are per stage and per group, and the two rules, are pure
 (``decisions.retention``); the operator exports the entry counts (``omnistage_runner_entries``).
@@ -90,11 +91,15 @@ class Forgetting:
             meta = body.get("metadata") or {}
             members[str(meta.get("name"))] = str(meta.get("uid") or "")
 
-    def loop_idle(self, namespace: str, group: str) -> None:
-        """The group's loop ended with nothing pending: drop the group when it is gone."""
+    def loop_ended(self, namespace: str, group: str, loop: _Loop) -> None:
+        """The group's loop ended with no kick pending: drop the group when it is gone (its
+        follow-up too: it polled stages that are going away, or waited out a crash back-off)."""
         bodies = self.views.stages(namespace, group)
-        if not live(bodies):
-            self.drop_group(namespace, group, bodies)
+        if live(bodies):
+            return
+        if loop.followup is not None:
+            loop.followup.cancel()
+        self.drop_group(namespace, group, bodies)
 
     def drop_group(
         self, namespace: str, group: str, bodies: Iterable[Mapping[str, Any]] = ()

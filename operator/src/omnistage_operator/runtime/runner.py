@@ -383,6 +383,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         except SpecError:
             spec = None
         pod_name = f"{name}-worker"
+        self.demand.drop(ns, name)  # its open stream would hold the pod's termination
         pod = await self.kube.get(PODS, ns, pod_name)
         if pod is not None and not await self.delete_pod(ns, pod):
             raise FenceFailed(f"pod {pod_name} not confirmed gone")
