@@ -5,9 +5,9 @@ series; a group re-created under the same name runs again from nothing.
 
 Real API server and operator; the workers are the simulated worker host's (localnode
 ``--sim-hosts``: real gRPC SleepService and DemandService, ACKs over the simulated GPU, no
-model), two OnDemand stages per group as bench/scale.py builds them, one handed over from
-Asleep to Active before the delete. Before the fix, a deleted group's loop, kept readings, sleep
-tracker and rounds' series stayed for the life of the process.
+model), two OnDemand stages per group as bench/scale.py builds them, one woken before the
+delete. Before the fix, a deleted group's loop, kept readings, sleep tracker and rounds' series
+stayed for the life of the process, and each deleted OnDemand pod took its whole grace period.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def test_deleted_groups_leave_nothing_in_the_operator(
     assert entries.get("channel", 0) >= GROUPS, entries  # at least the Active stages' workers
 
     cluster.cp.kubectl("delete", "omnistages", "--all", "-n", ns, "--wait=false")
-    wait_for("the stages gone", lambda: not _states(cluster), 60)
+    # within less than the pods' 30 s grace: the operator closed its demand streams to them
+    # first (a worker's gRPC server waited for that open call: each pod took its whole grace)
+    wait_for("the stages gone", lambda: not _states(cluster), 25)
 
     def forgotten() -> bool:
         entries, labelled = _scrape(operator, ns)
