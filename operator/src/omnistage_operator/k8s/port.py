@@ -227,7 +227,7 @@ class KubeGroupPort(FactsPort):
         ))  # fmt: skip
         created = await self.r.kube.create_returning(PODS, self.ns, pod)
         if created is not None:
-            self.r.created.add(created["metadata"]["uid"])
+            self.r.created[(self.ns, stage)] = created["metadata"]["uid"]
             self.r.views.created(self.ns, stage, created)
             log.info(
                 "%s/%s: created pod %s (%s)", self.ns, stage, pod["metadata"]["name"], state.value
