@@ -27,6 +27,7 @@ from omnistage_operator.decisions.handover import (
     FenceFailed,
     GroupObservation,
     RoundOutcome,
+    StageDeleting,
     WorkerUnavailable,
 )
 from omnistage_operator.decisions.memory import group_memory
@@ -207,7 +208,7 @@ class KubeGroupPort(FactsPort):
         a stage that cannot start asleep, admitted by the arbiter) and Service."""
         spec, body = self.specs[stage], self.bodies[stage]
         if body["metadata"].get("deletionTimestamp"):
-            return
+            raise StageDeleting(stage)
         self._ensure_leading(f"start of {stage}")
         self._reread = True
         old = self.pods.get(stage)
