@@ -279,6 +279,18 @@ def ondemand_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _vllm_engine_row(s: dict[str, Any]) -> list[str]:
+    """The fast sleep/wake's own L1 figures (its log lines), where the run has them."""
+    if not s.get("fast_wake"):
+        return []
+    return [
+        f"| L1 sleep / wake inside the engine (fast path, without the RPCs) | "
+        f"{s['l1_sleep_engine_seconds_median']:.3f} s ({s['l1_sleep_engine_ratio_to_d2h']:.0%} "
+        f"of D2H) / {s['l1_wake_engine_seconds_median']:.3f} s "
+        f"({s['l1_wake_engine_ratio_to_h2d']:.0%} of H2D) |"
+    ]
+
+
 def vllm_section(data: dict[str, Any]) -> list[str]:
     """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits."""
     m, s, lim = data["machine"], data["summary"], data["limits"]
@@ -296,6 +308,7 @@ def vllm_section(data: dict[str, Any]) -> list[str]:
         f"| L1 sleep / wake | {s['l1_sleep_seconds_median']:.2f} s "
         f"({s['l1_sleep_ratio_to_d2h']:.0%} of D2H) / {s['l1_wake_seconds_median']:.2f} s "
         f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",
+        *_vllm_engine_row(s),
         f"| L2 sleep / wake (reload from disk) | {s['l2_sleep_seconds_median']:.2f} s / "
         f"{s['l2_wake_seconds_median']:.2f} s |",
         f"| residual after sleep (ACK, bound) | {s['l1_max_residual_bytes'] / MiB:.0f} MiB "
@@ -370,7 +383,7 @@ def render() -> str:
     components = _load("diffusion_components.json")
     if components:
         lines += components_section(components)
-    vllm = _load("vllm_stage.json")
+    vllm = _load("vllm_stage_h200_fastwake.json")  # the current path (vllm_stage.json: the first)
     if vllm:
         lines += vllm_section(vllm)
     serving = _load("serving.json")

@@ -21,7 +21,6 @@ import os
 import platform
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -130,8 +129,7 @@ def _start(op: NamedOperator, within_s: float = 600) -> None:
         "--metrics-port", str(op.metrics_port), "--liveness-port", str(op.liveness_port),
         "--wake-margin-bytes", str(WAKE_MARGIN),
     ]  # fmt: skip
-    with op.log.open("ab") as log:
-        op.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    op.spawn(argv, env)  # dies with this process
     try:
         wait_for("operator liveness endpoint", op._healthy, within_s)
     except BaseException:

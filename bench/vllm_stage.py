@@ -42,6 +42,7 @@ from bench.reporting import emit  # noqa: E402
 from bench.vllm_stage_models import child_build  # noqa: E402
 from bench.vllm_stage_workers import (  # noqa: E402
     Outside,
+    PhaseLog,
     Worker,
     start_worker,
     wait_state,
@@ -49,6 +50,7 @@ from bench.vllm_stage_workers import (  # noqa: E402
 )
 from bench.worker_grpc import INFERENCE, SLEEP  # noqa: E402
 from omnistage.worker.v1 import types_pb2  # noqa: E402
+from omnistage_worker.runners.vllm_wake import MAP_FIRST_ENV  # noqa: E402
 
 Json = dict[str, Any]
 GiB = 1024**3
@@ -76,22 +78,27 @@ def vllm_args(a: argparse.Namespace, model: Path, memory: int) -> list[str]:
         args.append("--vllm-enforce-eager")
     if a.attention_backend and a.attention_via == "arg":
         args.append(f"--vllm-attention-backend={a.attention_backend}")
+    if not a.fast_wake:
+        args.append("--no-vllm-fast-wake")
     return args
 
 
 def cycles(
-    llm: Worker, outside: Outside, reference: list[int], a: argparse.Namespace
+    llm: Worker, outside: Outside, reference: list[int], a: argparse.Namespace, phases: PhaseLog
 ) -> list[Json]:
     out = []
     for level in [1] * a.l1_cycles + [2] * a.l2_cycles:
         slept = llm.sleep(level)
+        sleep_phases = phases.take()
         device_after_sleep = outside.read()
         refusal = refused_while_asleep_tokens(llm)
         woke = llm.wake()
+        wake_phases = phases.take()
         tokens = llm.generate(PROMPT, a.tokens)
         out.append({
             "level": level, "sleep": slept, "wake": woke, "outside_after_sleep": device_after_sleep,
             "generate_while_asleep": refusal, "tokens_identical": tokens == reference,
+            "sleep_phases": sleep_phases, "wake_phases": wake_phases,
         })  # fmt: skip
         print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
@@ -178,6 +185,8 @@ def run(a: argparse.Namespace) -> Json:
     total = outside.read()["total"]
     memory = int(total * a.vllm_fraction)
     extra = {"VLLM_ATTENTION_BACKEND": a.attention_backend} if a.attention_via == "env" else {}
+    if a.wake_map_first:
+        extra[MAP_FIRST_ENV] = "1"
     env = worker_env(a.smoke, fake_dir, extra)
     device = "cpu" if a.smoke else "cuda"
     torch_args = [
@@ -193,6 +202,8 @@ def run(a: argparse.Namespace) -> Json:
         args = vllm_args(a, work / "vllm_llm", memory)
         report["vllm_args"] = args
         llm = start_worker("vllm", args, env, work / "vllm.log", ready=INFERENCE, timeout=1800)
+        phases = PhaseLog(work / "vllm.log")
+        report["start_phases"] = phases.take()  # the calibration's sleep (pins) and wake
         reference = llm.generate(PROMPT, a.tokens)
         report["cold_start_seconds"] = time.time() - llm.spawned_at
         st = llm.status()
@@ -203,7 +214,7 @@ def run(a: argparse.Namespace) -> Json:
         }  # fmt: skip
         report["outside_vllm_active"] = outside.read()
         report["reference_tokens"] = reference
-        report["cycles"] = cycles(llm, outside, reference, a)
+        report["cycles"] = cycles(llm, outside, reference, a, phases)
         report["deepen"] = deepen_refused(llm)
         report["handover"] = handover(llm, tw, outside, reference, a.tokens)
     finally:
@@ -241,6 +252,7 @@ def summarize(r: Json) -> Json:
             out["l1_sleep_gbps"] = weights / sleep_s / 1e9
             out["l1_sleep_ratio_to_d2h"] = out["l1_sleep_gbps"] / lim["d2h_pinned_gbps"]
             out["l1_wake_ratio_to_h2d"] = out["l1_wake_gbps"] / lim["h2d_pinned_gbps"]
+            out.update(engine_phases(rows, lim))
     h = r["handover"]
     out["handover_vllm_to_torch_seconds"] = h["vllm_to_torch_seconds"]
     out["handover_torch_to_vllm_seconds"] = h["torch_to_vllm_seconds"]
@@ -257,6 +269,27 @@ def summarize(r: Json) -> Json:
     out["residual_within_bound"] = all(
         c["sleep"]["used_after_bytes"] <= c["sleep"]["residual_bound_bytes"] for c in r["cycles"]
     )
+    return out
+
+
+def engine_phases(rows: list[Json], lim: Json) -> Json:
+    """The fast sleep/wake's own figures over the level-1 cycles (its log lines): medians of
+    its seconds and of each phase, its copy rate against the limit (without the RPCs and
+    measurements around it that the ACK's seconds include). ``fast_wake`` false: no lines."""
+    out: Json = {"fast_wake": all(c["sleep_phases"] and c["wake_phases"] for c in rows)}
+    if not out["fast_wake"]:
+        return out
+    for kind, limit in (("sleep", "d2h_pinned_gbps"), ("wake", "h2d_pinned_gbps")):
+        lines = [c[f"{kind}_phases"][-1] for c in rows]
+        seconds = _median([p["total_seconds"] for p in lines])
+        out[f"l1_{kind}_engine_seconds_median"] = seconds
+        out[f"l1_{kind}_engine_ratio_to_{limit[:3]}"] = (
+            lines[0]["copy_bytes"] / seconds / 1e9 / lim[limit] if seconds > 0 else None
+        )
+        names = sorted({n for p in lines for n in p["seconds"]})
+        out[f"l1_{kind}_phases_median"] = {
+            n: _median([p["seconds"].get(n, 0.0) for p in lines]) for n in names
+        }
     return out
 
 
@@ -283,6 +316,17 @@ def main() -> None:
                         help="how the backend reaches vLLM: engine argument or "
                         "VLLM_ATTENTION_BACKEND")  # fmt: skip
     parser.add_argument("--build-only", action="store_true", help="limits and models only")
+    parser.add_argument(
+        "--fast-wake",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the worker's fast sleep/wake (--no-fast-wake: vLLM's own)",
+    )
+    parser.add_argument(
+        "--wake-map-first",
+        action="store_true",
+        help=f"{MAP_FIRST_ENV}=1: the wake maps everything before copying",
+    )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.child:

@@ -3,6 +3,8 @@ observer (NVML; ``--smoke``: the simulated GPU) sees it."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from omnistage.worker.v1 import (
     sleep_service_pb2_grpc,
     types_pb2,
 )
+from omnistage_worker.runners.vllm_wake import MARKER
 
 Json = dict[str, Any]
 REPO = Path(__file__).resolve().parent.parent
@@ -55,6 +58,29 @@ class Outside:
 
         info = pynvml.nvmlDeviceGetMemoryInfo(self._handle)
         return {"total": int(info.total), "used": int(info.used), "free": int(info.free)}
+
+
+class PhaseLog:
+    """The fast sleep/wake's phase lines (``runners/vllm_wake``) that vLLM's engine writes into
+    the worker's log: each :meth:`take` returns those written since the last one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def take(self) -> list[Json]:
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # whole lines only
+        self.offset += end
+        out: list[Json] = []
+        for line in data[:end].decode(errors="replace").splitlines():
+            at = line.find(MARKER)
+            if at >= 0:
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line[at + len(MARKER) :].strip()))
+        return out
 
 
 # ---- workers --------------------------------------------------------------------------------

@@ -148,6 +148,7 @@ def start_worker(
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     health = health_pb2_grpc.HealthStub(channel)
+    status = sleep_service_pb2_grpc.SleepServiceStub(channel)
     deadline = time.monotonic() + 600
     while True:
         if proc.poll() is not None:
@@ -156,6 +157,11 @@ def start_worker(
             reply = health.Check(health_pb2.HealthCheckRequest(service=ready_service), timeout=2)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 return Worker(proc, channel, spawned)
+            state = status.GetStatus(sleep_service_pb2.GetStatusRequest(), timeout=2).state
+            if state == types_pb2.WORKER_STATE_FAILED:  # it will never serve: say why now
+                proc.terminate()
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"worker failed while starting; {log_path} ends:\n{tail}")
         except grpc.RpcError:
             pass
         if time.monotonic() > deadline:

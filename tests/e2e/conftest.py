@@ -30,7 +30,7 @@ from omnistage_operator.decisions.handover import WorkerUnavailable
 from omnistage_operator.k8s.worker_client import WorkerClient
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.localnode import LocalNodes
-from tests.cluster.procs import tail_log, terminate
+from tests.cluster.procs import die_with_parent, tail_log, terminate
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,9 +131,16 @@ class OperatorProcess:
             "--wake-margin-bytes", str(WAKE_MARGIN),
             *self.extra,
         ]  # fmt: skip
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.spawn(argv, env)
         wait_for("operator liveness endpoint", self._healthy, 60)
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> None:
+        """Run ``argv`` as this operator's process, logging to ``log``; the kernel kills it
+        when this process dies (a test or bench killed, even by SIGKILL, leaves no operator)."""
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                die_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, env=env
+            )
 
     def _healthy(self) -> bool:
         assert self.proc is not None

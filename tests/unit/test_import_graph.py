@@ -50,6 +50,7 @@ OPERATOR_IO = {
     # drive rounds over those: loops, a round's port and its two sides, status writes
     "omnistage_operator.runtime.runner",
     "omnistage_operator.runtime.group_loops",
+    "omnistage_operator.runtime.group_forget",
     "omnistage_operator.k8s.group_claims",
     "omnistage_operator.runtime.round_memory",
     "omnistage_operator.runtime.publisher",

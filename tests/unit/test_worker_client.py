@@ -8,7 +8,7 @@ epoch, the drain timeout, the deadline, and how each refusal is classified.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from omnistage_operator.decisions.handover import (
 from omnistage_operator.decisions.leadership import LeadershipLost
 from omnistage_operator.k8s.port import KubeGroupPort
 from omnistage_operator.k8s.settings import Settings
+from omnistage_operator.k8s.views import GroupViews
 from omnistage_operator.k8s.worker_client import WorkerClient
 from omnistage_operator.runtime.runner import GroupRunner
 
@@ -220,7 +221,12 @@ async def test_sleep_carries_the_drain_timeout_and_the_port_waits_drain_plus_sle
 
 
 async def test_a_group_gets_one_resync_round_per_interval_whatever_its_stage_count() -> None:
-    runner = GroupRunner(_NoKube(), Settings(), _Leadership(False))  # type: ignore[arg-type]
+    # each group has a stage (a group with none is forgotten when its loop ends)
+    stages: dict[Hashable, list[dict[str, Any]]] = {
+        ("group", "ns", g): [{"metadata": {"name": f"{g}-a"}}] for g in ("g", "h")
+    }
+    views = GroupViews(stages, {})
+    runner = GroupRunner(_NoKube(), Settings(), _Leadership(False), views)  # type: ignore[arg-type]
     rounds: list[str] = []
 
     async def counted(namespace: str, group: str) -> bool:

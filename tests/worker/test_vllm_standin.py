@@ -224,3 +224,44 @@ async def test_standin_app_ignores_best_of_as_vllms_request_model_does(
         assert "ignored: {'best_of'}" in caplog.text
     finally:
         engine.shutdown()
+
+
+async def test_fast_wake_extension_reaches_the_engine_and_the_flag_turns_it_off(
+    start_worker: StartWorker, gpu: FakeGpu, tmp_path: Path
+) -> None:
+    """The engine gets the worker extension (issue 23) and imports it as vLLM's worker does; it
+    answers its report over ``collective_rpc`` (not installed: the stand-in has no
+    ``CuMemAllocator``). ``--no-vllm-fast-wake`` leaves it out. The kept host copy counts in
+    ``host_bytes`` while awake, until a level-2 sleep gives it back."""
+    from omnistage_worker.cli import build_parser, config_from_args
+    from omnistage_worker.runners.vllm_serve import FAST_WAKE_EXTENSION
+
+    model_dir = build_model(tmp_path / "m")
+    w = await start(start_worker, model_dir)
+    runner: Any = w.server.worker.runner
+    assert FAST_WAKE_EXTENSION in runner.serve_argv(TOTAL, TOTAL)
+    assert runner.engine.vllm_config.parallel_config.worker_extension_cls == FAST_WAKE_EXTENSION
+    report = runner.wake_report
+    assert report is not None and report["installed"] is False
+    assert "cumem allocator cannot be imported" in report["reason"]
+    ctl = runner.build_controller()
+    weights = weights_bytes(model_dir)
+    assert ctl.host_bytes() == weights  # the calibration's level-1 sleep kept the host copy
+    await asyncio.to_thread(ctl.sleep, 2)
+    await asyncio.to_thread(ctl.wake)
+    assert ctl.host_bytes() == 0
+
+    flags = [
+        "--runner=ar",
+        "--backend=vllm",
+        f"--model={model_dir}",
+        "--device=cuda",
+        "--no-vllm-fast-wake",
+    ]
+    config = config_from_args(build_parser({}).parse_args(flags))
+    assert config.vllm.fast_wake is False
+    off = VllmController(None, LoopBridge(), weights, keeps_host_copy=config.vllm.fast_wake)
+    assert off.host_bytes() == 0
+    argv = runner.serve_argv(TOTAL, TOTAL)
+    runner.config = config
+    assert "--worker-extension-cls" not in runner.serve_argv(TOTAL, TOTAL) != argv

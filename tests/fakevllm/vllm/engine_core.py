@@ -33,6 +33,7 @@ Physics, per vLLM 0.24's V1 engine core and sleep mode (``CuMemAllocator`` tags 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import queue
@@ -124,10 +125,21 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
 
+def extension(qualname: str) -> Any:
+    """The worker extension, imported by its qualified name as vLLM's worker does (its
+    methods are what ``collective_rpc`` calls besides the worker's own); None if not given."""
+    if not qualname:
+        return None
+    module, _, name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), name)()
+
+
 class EngineCore:
     """The engine's memory on the simulated GPU, as one process record, and its scheduler."""
 
     def __init__(self, init: dict[str, Any]) -> None:
+        # imported before the worker is built, as vLLM's WorkerWrapperBase.init_worker does
+        self.extension = extension(str(init.get("worker_extension_cls") or ""))
         self.gpu = FakeGpu(Path(os.environ["OMNISTAGE_FAKE_GPU"]))
         self.device = self.gpu.device()
         self.model_dir = Path(init["model"])
@@ -233,6 +245,8 @@ class EngineCore:
             return True
         if op == "is_sleeping":
             return self.paused or not (self.me.weights and self.me.pool)
+        if op == "extension" and self.extension is not None:
+            return getattr(self.extension, str(req["method"]))(*req["args"], **req["kwargs"])
         if op == "state":  # the stand-in's own introspection, for tests
             return {"level": self.level, "used": self.me.used, "pid": self.me.pid,
                     "added_while_asleep": self.added_while_asleep}  # fmt: skip

@@ -136,6 +136,9 @@ class VllmArgs:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     chat_template: Path | None = None
+    # Sleep and wake through the worker's extension (runners/vllm_wake_cuda): host copy kept,
+    # copies issued at once on one stream, the KV cache mapped while they run.
+    fast_wake: bool = True
 
     def utilization(self, total: int, free: int) -> float:
         """The ``gpu_memory_utilization`` for a device of ``total`` bytes, ``free`` now.

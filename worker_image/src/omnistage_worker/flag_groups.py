@@ -82,6 +82,13 @@ def vllm_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vllm-tool-call-parser", help="vLLM's tool_call_parser, e.g. hermes")
     g.add_argument("--vllm-reasoning-parser", help="vLLM's reasoning_parser, e.g. deepseek_r1")
     g.add_argument("--vllm-chat-template", type=Path, help="a Jinja chat template file")
+    g.add_argument(
+        "--no-vllm-fast-wake",
+        dest="vllm_fast_wake",
+        action="store_false",
+        help="sleep and wake through vLLM's own CuMemAllocator methods (default: the worker's "
+        "extension keeps the host copy and overlaps the copies with the KV cache's mapping)",
+    )
 
 
 def vllm_args(args: argparse.Namespace) -> VllmArgs:
@@ -102,4 +109,5 @@ def vllm_args(args: argparse.Namespace) -> VllmArgs:
         tool_call_parser=args.vllm_tool_call_parser,
         reasoning_parser=args.vllm_reasoning_parser,
         chat_template=args.vllm_chat_template,
+        fast_wake=args.vllm_fast_wake,
     )

@@ -28,6 +28,7 @@ __all__ = [
     "ROUNDS",
     "ROUND_API_OBJECTS",
     "ROUND_API_REQUESTS",
+    "RUNNER_ENTRIES",
     "STAGE_DEVICE_USED",
     "STAGE_SLEEP_LEVEL",
     "STAGE_STATE",
@@ -109,6 +110,13 @@ LEADER_TRANSITIONS = Counter(
     "omnistage_leader_transitions_total",
     "Changes of this replica's leadership, by direction (acquired, lost).",
     ["change"],
+)
+RUNNER_ENTRIES = Gauge(
+    "omnistage_runner_entries",
+    "Entries the operator keeps in memory, by scope: stage (facts of a stage across rounds), "
+    "group (loops, kept readings, sleep trackers), channel (open worker channels), demand "
+    "(demand streams and recheck timers). They follow the stages that exist.",
+    ["scope"],
 )
 
 HELD_REQUESTS = Gauge(

@@ -27,6 +27,7 @@ from omnistage_operator.decisions.handover import (
     FenceFailed,
     GroupObservation,
     RoundOutcome,
+    StageDeleting,
     WorkerUnavailable,
 )
 from omnistage_operator.decisions.memory import group_memory
@@ -209,7 +210,7 @@ class KubeGroupPort(FactsPort):
         a stage that cannot start asleep, admitted by the arbiter) and Service."""
         spec, body = self.specs[stage], self.bodies[stage]
         if body["metadata"].get("deletionTimestamp"):
-            return
+            raise StageDeleting(stage)
         self._ensure_leading(f"start of {stage}")
         self._reread = True
         old = self.pods.get(stage)
@@ -229,7 +230,7 @@ class KubeGroupPort(FactsPort):
         ))  # fmt: skip
         created = await self.r.kube.create_returning(PODS, self.ns, pod)
         if created is not None:
-            self.r.created.add(created["metadata"]["uid"])
+            self.r.created[(self.ns, stage)] = created["metadata"]["uid"]
             self.r.views.created(self.ns, stage, created)
             log.info(
                 "%s/%s: created pod %s (%s)", self.ns, stage, pod["metadata"]["name"], state.value

@@ -158,12 +158,12 @@ class FactsPort(ListingPort):
         if phase in _TERMINAL:
             return StageFacts(WorkerPhase.ABSENT)  # the kubelet reported its containers ended
         if rep is not None:
-            self.r.reached.add(uid)
+            self.r.reached[key] = uid
             kept, held = self._peaks(key, rep, uid)
             return rep.stage_facts(learned_need=learned, device_peaks=kept, device_held=held)
         if phase == "Pending" and not container_started(pod):
             return StageFacts(WorkerPhase.STARTING)
-        if uid in self.r.created and uid not in self.r.reached:
+        if self.r.created.get(key) == uid and self.r.reached.get(key) != uid:
             return StageFacts(WorkerPhase.STARTING)
         return StageFacts(WorkerPhase.UNREACHABLE)
 

@@ -47,6 +47,14 @@ log = logging.getLogger(__name__)
 StageKey = tuple[str, str]
 _NO_STREAM = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING})
 _RETRY_MIN_S, _RETRY_MAX_S = 0.2, 5.0
+# A stage's demand series (labelled namespace, stage), removed when the stage is deleted.
+_STAGE_SERIES = (
+    metrics.HELD_REQUESTS,
+    metrics.HOLD_SECONDS,
+    metrics.HELD_SERVED,
+    metrics.HELD_TIMED_OUT,
+    metrics.HOLD_QUEUE_FULL,
+)
 
 
 @dataclass(frozen=True)
@@ -125,10 +133,13 @@ class DemandWatcher:
             key = (port.ns, name)
             fact = port.facts[name]
             pod = port.pods.get(name)
-            if not spec.activation.on_demand or pod is None or fact.phase in _NO_STREAM:
+            deleting = bool(port.bodies[name]["metadata"].get("deletionTimestamp"))
+            # no stream to a deleted stage's worker: it would hold the pod's termination (a
+            # worker's gRPC server waits for its open calls) for its whole grace period
+            if not spec.activation.on_demand or pod is None or fact.phase in _NO_STREAM or deleting:
                 self.drop(*key)
                 if spec.activation.on_demand:
-                    inputs[name] = DemandInput(spec.activation, fact.phase)
+                    inputs[name] = DemandInput(spec.activation, fact.phase, deleting=deleting)
                 continue
             client = port.r.client_for(port.ns, spec, pod)
             if client is not None:
@@ -145,7 +156,6 @@ class DemandWatcher:
                 fact.phase,
                 stream.report.demand if stream is not None and stream.report else None,
                 stream.awake_since if stream is not None else None,
-                deleting=bool(port.bodies[name]["metadata"].get("deletionTimestamp")),
                 asleep_asked_at=port.r.asleep_asked.get(key),
                 asleep_pending=key in port.r.asleep_restored,
                 batching=port.r.views.batching(port.ns, name),
@@ -201,6 +211,22 @@ class DemandWatcher:
             stream.task.cancel()
             metrics.HELD_REQUESTS.labels(namespace, name).set(0)
 
+    def forget(self, namespace: str, name: str) -> None:
+        """Close a deleted stage's stream and remove its series."""
+        self.drop(namespace, name)
+        for metric in _STAGE_SERIES:
+            metric.remove(namespace, name)
+
+    def drop_group(self, namespace: str, group: str) -> None:
+        """Cancel a gone group's recheck timer."""
+        handle = self._timers.handles.pop((namespace, group), None)
+        if handle is not None:
+            handle.cancel()
+
+    def entries(self) -> int:
+        """Streams and timers kept (``omnistage_runner_entries``)."""
+        return len(self._streams) + len(self._timers.handles)
+
     async def close(self) -> None:
         """Close every stream and timer."""
         for handle in self._timers.handles.values():
@@ -247,7 +273,11 @@ class DemandWatcher:
         if at is not None:
             delay = max(0.0, at - now) + 0.01
             loop = asyncio.get_running_loop()
-            self._timers.handles[gkey] = loop.call_later(delay, self._kick, namespace, group)
+            self._timers.handles[gkey] = loop.call_later(delay, self._recheck, namespace, group)
+
+    def _recheck(self, namespace: str, group: str) -> None:
+        self._timers.handles.pop((namespace, group), None)
+        self._kick(namespace, group)
 
 
 def _count(key: StageKey, before: DemandReport | None, now: DemandReport) -> None:

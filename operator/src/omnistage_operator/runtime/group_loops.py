@@ -3,7 +3,9 @@
 was asked (kicks during a round coalesce into one more round), polls again while something is in
 progress, backs off after a failed round, and comes back when a crash or wake back-off ends.
 ``settled`` waits for the end of the round that takes a kick (a spec handler returns then, so
-kopf's own write of the change lands after the hand-over, not in the middle of it).
+kopf's own write of the change lands after the hand-over, not in the middle of it). A loop that
+ends with no kick pending calls ``loop_ended``: the runner drops a group whose stages are all
+gone there (``group_forget``), with its follow-up, never in the middle of a round.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ class GroupLoops:
             if target <= loop.ended and not done.done():
                 done.set_result(None)
 
+    def loop_ended(self, namespace: str, group: str, loop: _Loop) -> None:
+        """The group's loop ended with no kick pending (a follow-up may be; overridden by the
+        runner)."""
+
     def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
         if loop.followup is not None:
             loop.followup.cancel()
@@ -117,3 +123,5 @@ class GroupLoops:
                 loop.backoff_s = 0.2
                 if retry is not None:  # a crash back-off ends: create the stage's pod then
                     self._followup(namespace, group, loop, retry + 0.05)
+        if self._loops.get((namespace, group)) is loop:
+            self.loop_ended(namespace, group, loop)

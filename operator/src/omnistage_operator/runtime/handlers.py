@@ -131,11 +131,15 @@ async def pipeline_event(
     type: str | None, body: kopf.Body, namespace: str | None, **_: Any
 ) -> None:
     """A pipeline appeared or changed: its stages' groups re-plan (their rounds write its
-    status); with none of its stages there, the leader writes that status itself."""
+    status); with none of its stages there, the leader writes that status itself. A deleted
+    one's counters are dropped."""
     runner = _State.runner
-    if runner is None or type == "DELETED":
+    if runner is None:
         return
     ns = namespace or "default"
+    if type == "DELETED":
+        runner.pipeline_status.forget(ns, str(body.get("metadata", {}).get("name")))
+        return
     groups = set()
     for stage in (body.get("spec") or {}).get("stages") or []:
         found = runner.views.stage(ns, str((stage or {}).get("name")))
@@ -242,9 +246,12 @@ async def stage_updated(
 async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> None:
     """Delete the pod (until confirmed gone) and Service, the claim with the last stage.
 
-    Only the leader cleans up; a standby keeps the finalizer (TemporaryError) until then."""
+    Only the leader cleans up; a standby keeps the finalizer (TemporaryError) until then, and
+    forgets the stage (and its group, when it was the last: ``group_forget``)."""
     runner = _runner()
     if not _State.leadership.leading():
+        runner.forget(namespace or "default", name)
+        _kick(namespace, group_of(body))
         raise kopf.TemporaryError("not the leader: the leading replica cleans up", delay=1)
     await runner.cleanup_stage(body)
     DIFFBASE.forget(str(body["metadata"].get("uid")))

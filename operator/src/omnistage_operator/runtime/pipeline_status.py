@@ -223,6 +223,12 @@ class PipelineStatus:
             except KubeError as exc:
                 log.warning("pipeline %s/%s status not written: %s", *key, exc)
 
+    def forget(self, namespace: str, name: str) -> None:
+        """A deleted pipeline: drop its counters and series."""
+        self.counts.pop((namespace, name), None)
+        PIPELINE_SWAPS.remove(namespace, name)
+        PIPELINE_BATCHES.remove(namespace, name)
+
     def _count(
         self,
         body: Mapping[str, Any],

@@ -54,6 +54,7 @@ from omnistage_operator.k8s.worker_channels import WorkerChannels
 from omnistage_operator.k8s.worker_client import WorkerClient
 from omnistage_operator.runtime import stage_metrics
 from omnistage_operator.runtime.demand_watch import DemandWatcher
+from omnistage_operator.runtime.group_forget import Forgetting
 from omnistage_operator.runtime.group_loops import GroupLoops, _Loop
 from omnistage_operator.runtime.pipeline_status import PipelineStatus, after_group_round
 from omnistage_operator.runtime.publisher import StatusPublisher
@@ -77,7 +78,7 @@ _BUSY = frozenset(
 )
 
 
-class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
+class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupClaims):
     """Serialized hand-over loops per group, plus what must survive between rounds."""
 
     def __init__(
@@ -103,8 +104,8 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
             round_wait_s=settings.round_wait_s,
         )
         self.asks: dict[StageKey, float] = {}
-        self.created: set[str] = set()  # pod uids this process created
-        self.reached: set[str] = set()  # pod uids whose worker answered
+        self.created: dict[StageKey, str] = {}  # the uid of the stage's pod this process created
+        self.reached: dict[StageKey, str] = {}  # ... of its pod whose worker answered
         self.last_acks: dict[StageKey, AckFacts] = {}
         self.fenced: dict[StageKey, str] = {}
         self.auth_errors: dict[StageKey, str] = {}  # workers that refused the operator's token
@@ -144,6 +145,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         self._loops: dict[GroupKey, _Loop] = {}
         # Per group: its sleeps in flight across rounds (a drain holds up no other transition).
         self._sleeps: dict[GroupKey, SleepTracker] = {}
+        self._members: dict[GroupKey, dict[str, str]] = {}  # stages listed: name -> uid
         # one per stage, closed when its pod is replaced or the stage deleted
         self.channels: WorkerChannels[WorkerClient] = WorkerChannels()
         self._secrets: set[str] = set()
@@ -156,6 +158,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         # OnDemand stages: one demand stream per worker, each change kicks the group.
         self.demand = DemandWatcher(self.kick, lambda: self.leadership.epoch)
         self.pipeline_status = PipelineStatus(kube, self.emit)
+        self.count_entries()
         ca = settings.worker_tls_ca
         self._ca: bytes | None = None
         if ca:
@@ -280,36 +283,6 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         """The stage just asked for Active (arbiter order: the most recent ask first)."""
         self.asks[(namespace, name)] = time.time() if when is None else when
 
-    def forget(self, namespace: str, name: str) -> None:
-        """Drop the in-memory facts of a deleted stage."""
-        key = (namespace, name)
-        stage_metrics.forget(namespace, name)
-        self.asks.pop(key, None)
-        self.last_acks.pop(key, None)
-        self.fenced.pop(key, None)
-        self.auth_errors.pop(key, None)
-        self.published.pop(key, None)
-        self.fence_pending.pop(key, None)
-        self.fences_cleared.discard(key)
-        self.learned.pop(key, None)
-        self.peaks.pop(key, None)
-        self.backoffs.pop(key, None)
-        self.wake_backoffs.pop(key, None)
-        self.device_mismatch.pop(key, None)
-        self.spec_active.pop(key, None)
-        self.asleep_asked.pop(key, None)
-        self.asleep_restored.discard(key)
-        self.adopted.discard(key)
-        self.deepen_refused.pop(key, None)
-        self.active_since.pop(key, None)
-        self.sleep_problems.pop(key, None)
-        self.wake_problems.pop(key, None)
-        self.component_problems.pop(key, None)
-        self.component_refused.pop(key, None)
-        self.stage_problems.pop(key, None)
-        self.demand.drop(namespace, name)
-        self.channels.drop(key)
-
     async def round(self, namespace: str, group: str) -> bool:
         """One round; True when something is still in progress (poll again soon).
 
@@ -331,11 +304,14 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
 
     async def _round(self, namespace: str, group: str) -> bool:
         # The group's last readings: this round's first plan may send its sleeps from them.
+        self.forget_left(namespace, group)  # stages gone (or re-created) since its last round
         port = KubeGroupPort(self, namespace, group, self.kept.pop((namespace, group), None))
         try:
             return await self._round_of(port, namespace, group)
         finally:  # every write of an ended round is answered
             await port.checkpoint_written()
+            invalid = [body for body, _ in port.invalid.values()]
+            self.listed(namespace, group, [*port.bodies.values(), *invalid])
 
     async def _round_of(self, port: KubeGroupPort, namespace: str, group: str) -> bool:
         t0 = time.monotonic()
@@ -390,6 +366,7 @@ class GroupRunner(StatusPublisher, GroupLoops, RoundMemory, GroupClaims):
         except SpecError:
             spec = None
         pod_name = f"{name}-worker"
+        self.demand.drop(ns, name)  # its open stream would hold the pod's termination
         pod = await self.kube.get(PODS, ns, pod_name)
         if pod is not None and not await self.delete_pod(ns, pod):
             raise FenceFailed(f"pod {pod_name} not confirmed gone")

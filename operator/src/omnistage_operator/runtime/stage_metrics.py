@@ -2,21 +2,32 @@
 
 Gauges follow the status the operator publishes (``observe``, once per stage and round), so
 what Prometheus shows is what ``kubectl get omnistage`` shows; a deleted stage's series are
-removed (``forget``). Verdicts are counted from a round's outcome (``record_round``): a sleep
-ACK is ``ok``, ``contradicted`` (ok, but the device's own figures disagree), ``failed`` (not
-ok), ``refused`` or ``no_ack``; a wake ACK ``ok``, ``out_of_memory`` or ``failed``.
+removed (``forget``), and so are a gone group's (``forget_group``: batched, one pass over each
+metric per second however many groups went). Verdicts are counted from a round's outcome
+(``record_round``): a sleep ACK is ``ok``, ``contradicted`` (ok, but the device's own figures
+disagree), ``failed`` (not ok), ``refused`` or ``no_ack``; a wake ACK ``ok``,
+``out_of_memory`` or ``failed``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omnistage_operator.decisions.handover import RoundOutcome, SleepResult
 from omnistage_operator.k8s import metrics
 
-__all__ = ["STATES", "forget", "observe", "record_round", "sleep_verdict"]
+__all__ = [
+    "STATES",
+    "flush_groups",
+    "forget",
+    "forget_group",
+    "observe",
+    "record_round",
+    "sleep_verdict",
+]
 
 # The states a status reports (the CRD's enum).
 STATES = ("Pending", "Loading", "Active", "Sleeping", "Asleep", "Waking", "Waiting", "Failed")
@@ -27,6 +38,28 @@ StageKey = tuple[str, str]
 _waiting: dict[StageKey, tuple[str, ...]] = {}
 _devices: dict[StageKey, list[tuple[str, ...]]] = {}
 _groups: dict[StageKey, str] = {}
+
+GroupKey = tuple[str, str]
+# The series labelled by group: (metric, its labels after namespace and group).
+_GROUP_SERIES: tuple[tuple[Any, tuple[str, ...]], ...] = (
+    (metrics.ROUNDS, ("outcome",)),
+    (metrics.ACK_VERDICTS, ("op", "verdict")),
+    (metrics.WAITS, ("reason",)),
+    (metrics.TRANSITIONS, ("op", "result")),
+    (metrics.FENCES, ("result",)),
+    (metrics.HANDOVER_SECONDS, ()),
+    (metrics.BYTES_FREED, ()),
+    (metrics.ROUNDS_FROM_KEPT, ()),
+    (metrics.ROUND_API_REQUESTS, ()),
+    (metrics.ROUND_API_OBJECTS, ()),
+    (metrics.DEMAND_WAKES, ()),
+    (metrics.DEMAND_SWAPS, ()),
+    (metrics.IDLE_SLEEPS, ()),
+)
+FLUSH_S = 1.0
+# Gone groups whose series are not removed yet: whether the group is back (kept then).
+_gone: dict[GroupKey, Callable[[], bool]] = {}
+_flush: list[asyncio.AbstractEventLoop] = []  # the loop a flush is pending on
 
 
 def sleep_verdict(s: SleepResult) -> str:
@@ -113,3 +146,39 @@ def forget(namespace: str, stage: str) -> None:
 def _remove(metric: Any, *labels: str) -> None:
     with contextlib.suppress(KeyError):
         metric.remove(*labels)
+
+
+def forget_group(namespace: str, group: str, back: Callable[[], bool] = lambda: False) -> None:
+    """Remove a gone group's series within ``FLUSH_S`` (``back``: the group is in use again,
+    its series are kept)."""
+    _gone[(namespace, group)] = back
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        flush_groups()
+        return
+    if not _flush or _flush[0] is not loop:  # none pending on this loop
+        _flush[:] = [loop]
+        loop.call_later(FLUSH_S, flush_groups)
+
+
+def flush_groups() -> int:
+    """Remove the series of the groups gone since the last flush; how many groups."""
+    gone = {key for key, back in _gone.items() if not back()}
+    _gone.clear()
+    _flush.clear()
+    for metric, extra in _GROUP_SERIES:
+        if not extra:
+            for key in gone:
+                _remove(metric, *key)
+            continue
+        names = ("namespace", "group", *extra)
+        series = {
+            tuple(s.labels[n] for n in names)
+            for family in metric.collect()
+            for s in family.samples
+            if (s.labels.get("namespace"), s.labels.get("group")) in gone
+        }
+        for labels in series:
+            _remove(metric, *labels)
+    return len(gone)

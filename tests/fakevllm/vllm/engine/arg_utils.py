@@ -37,6 +37,7 @@ class AsyncEngineArgs:
     disable_log_stats: bool = False
     enable_log_requests: bool = False
     reasoning_parser: str = ""  # vLLM's StructuredOutputsConfig.reasoning_parser
+    worker_extension_cls: str = ""  # vLLM's ParallelConfig.worker_extension_cls
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,6 +64,7 @@ class AsyncEngineArgs:
         parser.add_argument("--disable-log-stats", action="store_true", default=False)
         parser.add_argument("--enable-log-requests", action=bool_opt, default=False)
         parser.add_argument("--reasoning-parser", default="")
+        parser.add_argument("--worker-extension-cls", default="")
         return parser  # fmt: skip
 
     @classmethod
@@ -105,7 +107,10 @@ class AsyncEngineArgs:
                     True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
                 ),
             ),
-            parallel_config=SimpleNamespace(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=self.tensor_parallel_size,
+                worker_extension_cls=self.worker_extension_cls,
+            ),
             compilation_config=SimpleNamespace(enforce_eager=self.enforce_eager),
             lora_config=None,
             structured_outputs_config=SimpleNamespace(reasoning_parser=self.reasoning_parser),

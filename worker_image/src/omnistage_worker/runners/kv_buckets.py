@@ -12,7 +12,8 @@ slots masked). A finished row frees its slot (a joining row takes it over, its p
 and the buffer is laid out anew (:meth:`BucketCache.relayout`) only when a step would not fit,
 when the batch has shrunk to half its slots, or when holes are compacted away.
 
-A plain decode step (one column) writes through a device index (:attr:`BucketCache.column`)
+A plain decode step (one column) writes through a device index (:class:`ColumnIndex`, one
+per device the layers live on: a model split over GPUs writes each layer on its own device)
 rather than a slice at a host integer, so the same kernels serve every column: what lets a
 captured CUDA graph of the step (:mod:`.step_graphs`) be replayed while ``at`` moves on.
 
@@ -53,17 +54,42 @@ def width_bucket(width: int) -> int:
     return 1 if width <= 1 else -(-width // WIDTH_BUCKET) * WIDTH_BUCKET
 
 
+class ColumnIndex:
+    """The column a one-column step writes, as a one-element tensor on each device that asks
+    for it (:meth:`on`); :meth:`fill` sets every copy. Layers keep this, not their cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._at = 0
+        first = torch.zeros(1, dtype=torch.long, device=device)
+        self._by_device: dict[torch.device, torch.Tensor] = {first.device: first}
+        self.first = first
+        """The copy on the cache's own device (the one a captured step graph reads)."""
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The copy on ``device`` (made at the current column the first time it is asked)."""
+        copy = self._by_device.get(device)
+        if copy is None:
+            copy = torch.full((1,), self._at, dtype=torch.long, device=device)
+            self._by_device[device] = copy
+        return copy
+
+    def fill(self, at: int) -> None:
+        self._at = at
+        for copy in self._by_device.values():
+            copy.fill_(at)
+
+
 class BucketLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     """One layer's keys and values, ``[slots, heads, columns, dim]``, written in place at
     ``at`` (which its cache moves; the layer keeps no reference to the cache, so dropping the
     cache frees its buffers at once, without waiting for Python's cycle collector). A
-    one-column write goes to the column ``column`` holds (a one-element device tensor the
-    cache fills), so its kernels do not depend on ``at``."""
+    one-column write goes to the column ``column`` holds (on the layer's own device; the
+    cache fills it), so its kernels do not depend on ``at``."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, slots: int, columns: int, at: int, column: torch.Tensor) -> None:
+    def __init__(self, slots: int, columns: int, at: int, column: ColumnIndex) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.slots, self.columns, self.at = slots, columns, at
         self.column = column
@@ -82,8 +108,9 @@ class BucketLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         assert self.keys is not None and self.values is not None
         at, width = self.at, key_states.shape[2]
         if width == 1:
-            self.keys.index_copy_(2, self.column, key_states)
-            self.values.index_copy_(2, self.column, value_states)
+            column = self.column.on(self.keys.device)
+            self.keys.index_copy_(2, column, key_states)
+            self.values.index_copy_(2, column, value_states)
         else:
             self.keys[:, :, at : at + width] = key_states
             self.values[:, :, at : at + width] = value_states
@@ -102,7 +129,7 @@ class BucketLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
 class BucketCache(Cache):
     """The batch's cache: ``slots`` rows by ``columns`` columns per layer, a ``[slots, columns]``
     mask of the tokens each slot holds, and ``at``: the first column not yet written (for a
-    one-column step also in the device tensor ``column``). ``graph``: the captured plain step
+    one-column step also in ``column``, a :class:`ColumnIndex`). ``graph``: the captured plain step
     that runs on this cache's buffers, if any (:mod:`.step_graphs`; it goes with the cache)."""
 
     def __init__(self, slots: int, columns: int, device: torch.device, additive: bool) -> None:
@@ -113,7 +140,7 @@ class BucketCache(Cache):
         self.mask = torch.zeros((slots, columns), dtype=torch.bool, device=device)
         self._additive = additive
         self._columns_index = torch.arange(columns, device=device)
-        self.column = torch.zeros(1, dtype=torch.long, device=device)
+        self.column = ColumnIndex(device)
         self.plain_steps = 0
         """One-column steps run on this cache."""
         self.graph: Any = None
@@ -156,7 +183,7 @@ class BucketCache(Cache):
         attention is empty)."""
         width = fed.shape[1]
         if width == 1:
-            self.column.fill_(self.at)
+            self.column.fill(self.at)
         self.mask[:, self.at : self.at + width] = fed
         columns = self._columns_index
         own = self.at + torch.arange(width, device=columns.device)

@@ -27,7 +27,11 @@ surface, real batching and memory physics on the simulated GPU); ``bench/vllm_st
 - The residual bound is derived from what the engine holds asleep, measured once at start:
   one level-1 sleep and wake right after loading (context, CUDA graphs, NCCL buffers stay).
 - level 1: ``engine.sleep(1)`` offloads weights to host memory and drops the KV cache;
-  ``engine.wake_up()`` brings them back.
+  ``engine.wake_up()`` brings them back. By default (``--no-vllm-fast-wake`` turns it off) the
+  engine's worker runs the fast path of :mod:`.vllm_wake` (installed by the worker extension
+  :mod:`.vllm_wake_cuda`): the host copy is page-locked once and kept, the copies are issued
+  at once on one stream, the KV cache is mapped while they run; the kept copy counts in
+  ``host_bytes`` until a level-2 sleep gives it back.
 - level 2: ``engine.sleep(2)`` drops the weights too; the wake maps the weight memory
   (``wake_up(tags=["weights"])``), reloads the weights from the model directory
   (``collective_rpc("reload_weights")``), maps the KV cache (``wake_up(tags=["kv_cache"])``)
@@ -109,7 +113,10 @@ class VllmController:
     """Sleeps and wakes vLLM's async engine (``enable_sleep_mode``) from the transition lane.
 
     ``flat_bytes``: what a wake takes on the device (weights and KV cache), measured at start;
-    an accounted device refuses a wake ahead of time when it does not fit.
+    an accounted device refuses a wake ahead of time when it does not fit. ``keeps_host_copy``:
+    the engine runs the fast sleep/wake (:mod:`.vllm_wake`), whose host copy of the weights
+    stays page-locked from a level-1 sleep until a level-2 sleep (it counts in
+    :meth:`host_bytes` while awake too).
     """
 
     def __init__(
@@ -118,7 +125,9 @@ class VllmController:
         bridge: LoopBridge,
         weights_bytes: int,
         wake_bytes: int = 0,
+        *,
         lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None,
+        keeps_host_copy: bool = False,
     ) -> None:
         self._engine = engine
         self._bridge = bridge
@@ -126,6 +135,8 @@ class VllmController:
         self._level = 0
         self._weights_bytes = weights_bytes
         self.flat_bytes = wake_bytes or weights_bytes
+        self._keeps_host_copy = keeps_host_copy
+        self._host_kept = keeps_host_copy  # the start's calibration slept at level 1
 
     @property
     def level(self) -> int:
@@ -154,6 +165,7 @@ class VllmController:
         # The worker drained its requests first; nothing is left for the engine to abort.
         self._run(lambda: self._engine.sleep(level))
         self._level = level
+        self._host_kept = self._keeps_host_copy and level == 1
         moved = self._weights_bytes if level == 1 else 0
         return VllmStats(moved, time.monotonic() - started, False)
 
@@ -192,7 +204,7 @@ class VllmController:
         return 0  # the engine's memory is measured on the device, never accounted here
 
     def host_bytes(self) -> int:
-        return self._weights_bytes if self._level == 1 else 0
+        return self._weights_bytes if self._level == 1 or self._host_kept else 0
 
 
 class VllmRunner(ModelRunner):
@@ -217,6 +229,7 @@ class VllmRunner(ModelRunner):
         self._wake_bytes = 0
         self._ids = itertools.count()
         self._running = 0  # gRPC requests in the engine now
+        self.wake_report: dict[str, Any] | None = None  # the fast sleep/wake's, after the start
 
     def _probe(self) -> MemoryProbe:
         if self.probe is None:
@@ -276,6 +289,25 @@ class VllmRunner(ModelRunner):
             asleep,
             time.monotonic() - started,
         )
+        self._read_wake_report()
+
+    def _read_wake_report(self) -> None:
+        """The fast sleep/wake's report after the calibration (its first sleep page-locked the
+        host copy): logged, and kept in :attr:`wake_report` (None: the flag is off)."""
+        if not self.config.vllm.fast_wake:
+            return
+        try:
+            reports = self.bridge.call(
+                self.engine.collective_rpc("omnistage_wake_report"), ENGINE_CALL_TIMEOUT_S
+            )
+        except Exception:
+            log.warning("vLLM's worker extension did not answer its report", exc_info=True)
+            return
+        self.wake_report = reports[0] if reports else {}
+        if self.wake_report.get("installed"):
+            log.info("vLLM fast sleep/wake installed: %s", json.dumps(self.wake_report))
+        else:
+            log.warning("vLLM fast sleep/wake NOT installed: %s", json.dumps(self.wake_report))
 
     def residual_baseline(self) -> int | None:
         return self._baseline
@@ -283,7 +315,12 @@ class VllmRunner(ModelRunner):
     def build_controller(self) -> SleepController:
         weights = sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
         return VllmController(
-            self.engine, self.bridge, weights, self._wake_bytes, lifespan=self._lifespan
+            self.engine,
+            self.bridge,
+            weights,
+            self._wake_bytes,
+            lifespan=self._lifespan,
+            keeps_host_copy=self.config.vllm.fast_wake,
         )
 
     def validate(self, request: inference_service_pb2.GenerateRequest) -> None:

@@ -23,6 +23,9 @@ from omnistage_worker.config import ConfigError, WorkerConfig
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+FAST_WAKE_EXTENSION = "omnistage_worker.runners.vllm_wake_cuda.WakeExtension"
+"""vLLM's ``worker_extension_cls`` for the fast sleep and wake (imported in vLLM's worker)."""
+
 
 def serve_argv(config: WorkerConfig, utilization: float, tokenizer: bool) -> list[str]:
     """The ``vllm serve`` flags of this stage (sleep mode on, ``spec.vllm``'s engine options)."""
@@ -59,6 +62,8 @@ def serve_argv(config: WorkerConfig, utilization: float, tokenizer: bool) -> lis
             argv.append(f"--{flag}" if value else f"--no-{flag}")
     if engine.enable_auto_tool_choice:
         argv.append("--enable-auto-tool-choice")
+    if engine.fast_wake:
+        argv += ["--worker-extension-cls", FAST_WAKE_EXTENSION]
     for flag, text in (
         ("tool-call-parser", engine.tool_call_parser),
         ("reasoning-parser", engine.reasoning_parser),

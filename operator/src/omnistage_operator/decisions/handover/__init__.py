@@ -33,6 +33,7 @@ __all__ = [
     "RoundOutcome",
     "RoundPolicy",
     "SleepResult",
+    "StageDeleting",
     "WorkerRefused",
     "WorkerUnauthenticated",
     "WorkerUnavailable",
@@ -41,6 +42,10 @@ __all__ = [
 
 class WorkerUnavailable(Exception):
     """The worker did not answer (unreachable, deadline exceeded, no pod address)."""
+
+
+class StageDeleting(Exception):
+    """``GroupPort.start`` found the stage being deleted: it created nothing (not an error)."""
 
 
 class WorkerUnauthenticated(WorkerUnavailable):
@@ -117,7 +122,8 @@ class GroupPort(Protocol):
 
     async def start(self, stage: str, *, active: bool = False) -> None:
         """Create the stage's children; the worker pod starts asleep, or Active when
-        ``active`` (a stage that cannot start asleep, admitted and let through the gate)."""
+        ``active`` (a stage that cannot start asleep, admitted and let through the gate).
+        Raises :class:`StageDeleting` for a stage being deleted."""
         ...
 
     async def probe(self, stage: str) -> StageFacts:

@@ -72,6 +72,7 @@ from omnistage_operator.decisions.handover import (
     Refusal,
     RoundOutcome,
     RoundPolicy,
+    StageDeleting,
 )
 from omnistage_operator.decisions.handover.orders import _failure, _fence, _guarded_sleep, _wake
 from omnistage_operator.decisions.handover.sleep_tasks import SleepTracker
@@ -85,9 +86,12 @@ def oom_need(ack: AckFacts) -> int:
 
 
 async def _start(port: GroupPort, name: str, out: RoundOutcome, *, active: bool) -> bool:
-    """Create one stage's pod; an error is that stage's (recorded), not the round's."""
+    """Create one stage's pod; an error is that stage's (recorded), not the round's. A stage
+    being deleted gets nothing: no pod, no PodCreated Event, no status of a started stage."""
     try:
         await port.start(name, active=active)
+    except StageDeleting:
+        return False
     except Exception as exc:  # isolated per stage, reported on its resource
         out.stage_errors[name] = _failure(name, "start", exc)
         return False

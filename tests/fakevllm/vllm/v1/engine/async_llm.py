@@ -75,6 +75,7 @@ class AsyncLLM:
             "enforce_eager": bool(args.enforce_eager),
             "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
             "step_s": float(os.environ.get(STEP_S_ENV, DEFAULT_STEP_S)),
+            "worker_extension_cls": vllm_config.parallel_config.worker_extension_cls,
         }
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._proc.stdin.write(json.dumps(init) + "\n")
@@ -262,9 +263,16 @@ class AsyncLLM:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:  # fmt: skip
-        if method != "reload_weights" or args or kwargs:
-            raise NotImplementedError("the stand-in knows collective_rpc('reload_weights') only")
-        return [await self._call("reload_weights")]
+        if method == "reload_weights" and not args and not kwargs:
+            return [await self._call("reload_weights")]
+        if self.vllm_config.parallel_config.worker_extension_cls:
+            # a method of the worker extension (vLLM mixes it into its worker class)
+            return [await self._call("extension", method=method, args=list(args),
+                                     kwargs=kwargs or {})]  # fmt: skip
+        raise NotImplementedError(
+            "the stand-in knows collective_rpc('reload_weights') and the worker extension's "
+            "methods only"
+        )
 
     async def check_health(self) -> None:
         if self.errored or self._proc.poll() is not None:

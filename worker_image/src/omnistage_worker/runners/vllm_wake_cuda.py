@@ -1,0 +1,219 @@
+"""vLLM worker extension: installs the fast sleep and wake (:mod:`.vllm_wake`) in vLLM's worker.
+
+The runner passes ``--worker-extension-cls`` (``vllm_serve.FAST_WAKE_EXTENSION``) to the
+engine (on by default; ``--no-vllm-fast-wake`` leaves vLLM's own path). vLLM (0.24,
+``WorkerWrapperBase.init_worker``) imports this module in each worker process before the
+worker is built, and mixes
+:class:`WakeExtension` into its class (adding, never overriding, methods: callable through
+``collective_rpc``). Importing the module replaces ``CuMemAllocator.sleep`` and ``wake_up`` in that
+process (:func:`install`); ``Worker.sleep`` / ``wake_up`` still call them exactly as before, with
+the same tags (level 1 offloads "weights", level 2 nothing; partial wakes by tag), and the
+buffers saved around them stay vLLM's.
+
+The device operations (:class:`CudaOps`), built at the first sleep in the thread that runs it:
+
+- maps and releases: vLLM's ``create_and_map`` / ``unmap_and_release`` of
+  ``vllm.device_allocator.cumem`` (its C extension ``vllm.cumem_allocator``), as vLLM calls them;
+- copies: ``cudaMemcpyAsync`` (``cudaMemcpyDefault``) on one non-blocking stream of its own,
+  from the libcudart vLLM's ``CudaRTLibrary`` loaded (the one torch uses), with ctypes
+  prototypes of their own (the library object's shared attributes are left alone); one
+  ``cudaStreamSynchronize`` per transition;
+- the host buffer: :class:`omnistage_worker.engine.host_memory.HostBuffer` (exact size,
+  ``cuMemHostRegister``-ed, portable), kept across cycles.
+
+If building them fails, or the host buffer cannot be had (before anything moved), that sleep
+and its wake run vLLM's own methods (logged).
+
+``OMNISTAGE_VLLM_WAKE_MAP_FIRST=1`` in the engine's environment maps every allocation before
+issuing the wake's copies (a diagnostic: for a driver whose mapping waits for copies in flight).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+from typing import Any
+
+from omnistage_worker.runners.vllm_wake import (
+    MAP_FIRST_ENV,
+    FastCuMem,
+    HostBuffer,
+    NoHostBuffer,
+    WakeOps,
+)
+
+log = logging.getLogger("vllm.omnistage.wake")
+
+CUDA_MEMCPY_DEFAULT = 4
+CUDA_STREAM_NON_BLOCKING = 0x01
+
+
+class _PinnedBuffer:
+    """:class:`HostBuffer` of the worker's engine as :mod:`.vllm_wake` sees it."""
+
+    def __init__(self, nbytes: int) -> None:
+        from omnistage_worker.engine.host_memory import HostBuffer as EngineHostBuffer
+
+        self._buffer = EngineHostBuffer(nbytes, pin=True)
+        self.nbytes = nbytes
+        log.info("pinned a %d-byte host buffer in %.3fs", nbytes, self._buffer.setup_seconds)
+
+    def ptr(self) -> int:
+        return int(self._buffer.tensor.data_ptr())
+
+    def release(self) -> None:
+        """Unpinned and unmapped in the background (about 0.04 s per GiB, off the sleep's path)."""
+        from omnistage_worker.engine.host_memory import release_in_background
+
+        release_in_background(self._buffer)
+        self.nbytes = 0
+
+
+class CudaOps:
+    """:class:`.vllm_wake.WakeOps` on the GPU, over vLLM's ``cumem`` module."""
+
+    def __init__(self, cumem: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self._create = cumem.create_and_map
+        self._release = cumem.unmap_and_release
+        lib = cumem.libcudart.lib  # CudaRTLibrary's CDLL: the libcudart vLLM and torch share
+        c = ctypes
+        self._memcpy_async = c.CFUNCTYPE(
+            c.c_int, c.c_void_p, c.c_void_p, c.c_size_t, c.c_int, c.c_void_p
+        )(("cudaMemcpyAsync", lib))
+        create = c.CFUNCTYPE(c.c_int, c.POINTER(c.c_void_p), c.c_uint)(
+            ("cudaStreamCreateWithFlags", lib)
+        )
+        self._stream_sync = c.CFUNCTYPE(c.c_int, c.c_void_p)(("cudaStreamSynchronize", lib))
+        self._error_string = c.CFUNCTYPE(c.c_char_p, c.c_int)(("cudaGetErrorString", lib))
+        self._stream = c.c_void_p()
+        self._check(create(c.byref(self._stream), CUDA_STREAM_NON_BLOCKING), "cudaStreamCreate")
+
+    def _check(self, err: int, what: str) -> None:
+        if err != 0:
+            text = self._error_string(err)
+            raise RuntimeError(f"{what}: CUDA error {err} ({text.decode() if text else '?'})")
+
+    def create_and_map(self, handle: Any) -> None:
+        self._create(handle)
+
+    def unmap_and_release(self, handle: Any) -> None:
+        self._release(handle)
+
+    def copy_async(self, dst: int, src: int, nbytes: int) -> None:
+        err = self._memcpy_async(dst, src, nbytes, CUDA_MEMCPY_DEFAULT, self._stream)
+        self._check(err, "cudaMemcpyAsync")
+
+    def sync_copies(self) -> None:
+        self._check(self._stream_sync(self._stream), "cudaStreamSynchronize")
+
+    def sync_device(self) -> None:
+        self._torch.cuda.synchronize()
+
+    def host_buffer(self, nbytes: int) -> HostBuffer:
+        return _PinnedBuffer(nbytes)
+
+    def collect_garbage(self) -> None:
+        gc.collect()
+
+    def empty_cache(self) -> None:
+        self._torch.cuda.empty_cache()
+
+
+class _Patch:
+    """The replaced methods of ``CuMemAllocator`` (one allocator per worker process)."""
+
+    def __init__(self, cumem: Any) -> None:
+        self.cumem = cumem
+        cls = cumem.CuMemAllocator
+        self.vllm_sleep = cls.sleep
+        self.vllm_wake_up = cls.wake_up
+        self.fast: FastCuMem | None = None
+        self.vllm_slept = False  # this cycle went through vLLM's own methods
+
+    def _fast(self) -> FastCuMem | None:
+        if self.fast is None:
+            try:
+                ops: WakeOps = CudaOps(self.cumem)
+            except Exception:
+                log.exception("fast sleep/wake unavailable; vLLM's own methods run")
+                return None
+            map_first = os.environ.get(MAP_FIRST_ENV, "") == "1"
+            self.fast = FastCuMem(ops, map_first=map_first)
+            log.info("fast sleep/wake ready (wake order: %s)", "map first" if map_first else
+                     "copy after each map, KV mapped during the copies")  # fmt: skip
+        return self.fast
+
+    def sleep(self, allocator: Any, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        fast = self._fast()
+        self.vllm_slept = fast is None
+        if fast is not None:
+            try:
+                fast.sleep(allocator.pointer_to_data, offload_tags)
+                return
+            except NoHostBuffer:  # nothing was moved yet: vLLM's own sleep (and wake) instead
+                log.exception("fast sleep without its host buffer; vLLM's own sleep runs")
+                self.vllm_slept = True
+        self.vllm_sleep(allocator, offload_tags)
+
+    def wake_up(self, allocator: Any, tags: list[str] | None = None) -> None:
+        if self.vllm_slept or self.fast is None:
+            self.vllm_wake_up(allocator, tags)
+            return
+        self.fast.wake_up(allocator.pointer_to_data, tags)
+
+
+class _Installed:
+    """The patch installed in this process (None: not installed)."""
+
+    patch: _Patch | None = None
+
+
+INSTALLED = _Installed()
+
+
+def install() -> str | None:
+    """Replace ``CuMemAllocator.sleep`` / ``wake_up`` in this process; None when installed (or
+    already), else why not."""
+    if INSTALLED.patch is not None:
+        return None
+    try:
+        from vllm.device_allocator import cumem
+    except Exception as exc:  # ImportError, or its libcudart lookup failing
+        return f"vLLM's cumem allocator cannot be imported ({type(exc).__name__}: {exc})"
+    if not getattr(cumem, "cumem_available", False):
+        return "vLLM's cumem allocator is not available on this platform"
+    patch = _Patch(cumem)
+    cls = cumem.CuMemAllocator
+
+    def sleep(self: Any, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        patch.sleep(self, offload_tags)
+
+    def wake_up(self: Any, tags: list[str] | None = None) -> None:
+        patch.wake_up(self, tags)
+
+    cls.sleep = sleep
+    cls.wake_up = wake_up
+    INSTALLED.patch = patch
+    log.info("omnistage fast sleep/wake installed on vLLM's CuMemAllocator")
+    return None
+
+
+class WakeExtension:
+    """Mixed into vLLM's worker class: ``collective_rpc("omnistage_wake_report")`` answers the
+    kept host buffer's size and the last sleep's and wake's phases."""
+
+    def omnistage_wake_report(self) -> dict[str, Any]:
+        if INSTALLED.patch is None:
+            return {"installed": False, "reason": NOT_INSTALLED}
+        fast = INSTALLED.patch.fast
+        return {"installed": True, **(fast.report() if fast is not None else {})}
+
+
+NOT_INSTALLED = install()
+if NOT_INSTALLED is not None:
+    log.warning("omnistage fast sleep/wake not installed: %s", NOT_INSTALLED)
