@@ -97,3 +97,14 @@ def test_an_older_operators_annotation_is_removed_once_and_never_read() -> None:
     patch = kopf.Patch()
     storage.store(body=body, patch=patch, essence=storage.build(body=body))
     assert dict(patch) == {"metadata": {"annotations": {f"{PREFIX}/{KEY}": None}}}
+
+
+def test_a_stage_being_deleted_leaves_no_essence_behind() -> None:
+    raw = _stage()
+    del raw["metadata"]["annotations"][f"{PREFIX}/{KEY}"]
+    storage = MemoryDiffBaseStorage(prefix=PREFIX, key=KEY)
+    body = kopf.Body(cast(Any, raw))
+    storage.store(body=body, patch=kopf.Patch(), essence=storage.build(body=body))
+    raw["metadata"]["deletionTimestamp"] = "2026-11-28T22:00:00Z"
+    storage.store(body=body, patch=kopf.Patch(), essence=storage.build(body=body))
+    assert len(storage) == 0

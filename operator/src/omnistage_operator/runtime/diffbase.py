@@ -70,8 +70,14 @@ class MemoryDiffBaseStorage(LeanDiffBaseStorage):
         return self._essences.get(str(body.get("metadata", {}).get("uid")))
 
     def store(self, *, body: Any, patch: Any, essence: Any) -> None:
-        """Remember ``essence``; the patch only drops an older operator's annotation."""
-        self._essences[str(body.get("metadata", {}).get("uid"))] = essence
+        """Remember ``essence`` (not for a stage being deleted: kopf tells its deletion apart
+        without it, and nothing would drop it); the patch only drops an older operator's
+        annotation."""
+        uid = str(body.get("metadata", {}).get("uid"))
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            self._essences.pop(uid, None)
+            return
+        self._essences[uid] = essence
         annotations = body.get("metadata", {}).get("annotations") or {}
         for full_key in self.make_keys(self.key, body=body):
             if full_key in annotations:

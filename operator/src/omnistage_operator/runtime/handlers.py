@@ -249,12 +249,12 @@ async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: 
     Only the leader cleans up; a standby keeps the finalizer (TemporaryError) until then, and
     forgets the stage (and its group, when it was the last: ``group_forget``)."""
     runner = _runner()
+    DIFFBASE.forget(str(body["metadata"].get("uid")))  # kopf sees it as deleting from here on
     if not _State.leadership.leading():
         runner.forget(namespace or "default", name)
         _kick(namespace, group_of(body))
         raise kopf.TemporaryError("not the leader: the leading replica cleans up", delay=1)
     await runner.cleanup_stage(body)
-    DIFFBASE.forget(str(body["metadata"].get("uid")))
     _kick(namespace, group_of(body))
 
 
