@@ -22,7 +22,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage_operator.api.spec import DEFAULT_METRICS_PORT
-from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
+from tests.e2e.conftest import Cluster, Gpu, wait_for
+from tests.e2e.handover_counting import delta, resting_pair, rounds
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -46,65 +47,37 @@ def _worker_rpcs(cluster: Cluster, stage: str) -> dict[str, float]:
     return out
 
 
-def _rounds(op: OperatorProcess, namespace: str, name: str = "omnistage_rounds_total") -> float:
-    """The operator's rounds of group g1 so far (those counted by the counter ``name``)."""
-    total = 0.0
-    for family in text_string_to_metric_families(op.metrics()):
-        for sample in family.samples:
-            if (
-                sample.name == name
-                and sample.labels.get("namespace") == namespace
-                and sample.labels.get("group") == "g1"
-            ):
-                total += sample.value
-    return total
-
-
 KEPT = "omnistage_rounds_from_kept_readings_total"
-
-
-def _delta(after: dict[str, float], before: dict[str, float], method: str) -> float:
-    return after.get(method, 0.0) - before.get(method, 0.0)
 
 
 def test_a_handover_asks_each_worker_once_per_round(
     cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
 ) -> None:
-    op = OperatorProcess(cluster.cp, cluster.namespace, tmp_path)
-    op.extra = ["--resync-interval", "600"]  # no timer round in the window
-    op.start()
-    try:
-        cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu.node, state="Active"))
-        cluster.apply(stage_manifest("sd", "sd", tiny_models, gpu.node, state="Asleep"))
-        wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
-        wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
+    with resting_pair(cluster, tiny_models, gpu, tmp_path) as op:
 
         def quiet() -> tuple[float, dict[str, float], dict[str, float]] | None:
             """Counters that did not move for a while (the start's rounds are over)."""
-            seen = (_rounds(op, cluster.namespace), _worker_rpcs(cluster, "ar"))
+            seen = (rounds(op, cluster.namespace), _worker_rpcs(cluster, "ar"))
             time.sleep(0.5)  # the window the counters must stay still over (polled again)
-            again = (_rounds(op, cluster.namespace), _worker_rpcs(cluster, "ar"))
+            again = (rounds(op, cluster.namespace), _worker_rpcs(cluster, "ar"))
             if seen != again:
                 return None
             return again[0], again[1], _worker_rpcs(cluster, "sd")
 
         rounds0, ar0, sd0 = wait_for("the group at rest", quiet, 60)
-        kept0 = _rounds(op, cluster.namespace, KEPT)
+        kept0 = rounds(op, cluster.namespace, KEPT)
         cluster.patch_state("sd", "Active")
         wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
         wait_for("ar Waiting", lambda: cluster.state("ar") == "Waiting", 30)
         rounds1, ar1, sd1 = wait_for("the group at rest", quiet, 60)
-        kept = _rounds(op, cluster.namespace, KEPT) - kept0
-    finally:
-        op.stop()
-        print(f"--- operator log tail ---\n{op.tail()}")
+        kept = rounds(op, cluster.namespace, KEPT) - kept0
 
-    rounds = rounds1 - rounds0
-    assert rounds >= 1 and kept <= 1
-    assert _delta(ar1, ar0, "Sleep") == 1 and _delta(ar1, ar0, "WakeUp") == 0
-    assert _delta(sd1, sd0, "WakeUp") == 1 and _delta(sd1, sd0, "Sleep") == 0
+    ran = rounds1 - rounds0
+    assert ran >= 1 and kept <= 1
+    assert delta(ar1, ar0, "Sleep") == 1 and delta(ar1, ar0, "WakeUp") == 0
+    assert delta(sd1, sd0, "WakeUp") == 1 and delta(sd1, sd0, "Sleep") == 0
     # Each worker read once per round; when the hand-over's round sent its Sleep from the
     # readings kept from the round before, it read only sd (asleep, beside the sleep), never
     # ar; it asked nobody again after an ACK.
-    assert _delta(ar1, ar0, "GetStatus") == rounds - kept, (rounds, kept, ar0, ar1)
-    assert _delta(sd1, sd0, "GetStatus") == rounds, (rounds, kept, sd0, sd1)
+    assert delta(ar1, ar0, "GetStatus") == ran - kept, (ran, kept, ar0, ar1)
+    assert delta(sd1, sd0, "GetStatus") == ran, (ran, kept, sd0, sd1)

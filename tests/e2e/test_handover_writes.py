@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
-from tests.e2e.test_handover_rpcs import _rounds
+from tests.e2e.handover_counting import delta, resting_pair, rounds
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -41,27 +41,16 @@ def _stage_requests(cluster: Cluster) -> dict[str, float]:
     return out
 
 
-def _delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
-    return after.get(key, 0.0) - before.get(key, 0.0)
-
-
 def test_a_handover_writes_the_stages_only_their_status_beside_the_users_patch(
     cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
 ) -> None:
-    op = OperatorProcess(cluster.cp, cluster.namespace, tmp_path)
-    op.extra = ["--resync-interval", "600"]  # no timer round in the window
-    op.start()
-    try:
-        cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu.node, state="Active"))
-        cluster.apply(stage_manifest("sd", "sd", tiny_models, gpu.node, state="Asleep"))
-        wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
-        wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
+    with resting_pair(cluster, tiny_models, gpu, tmp_path) as op:
 
         def quiet() -> tuple[float, dict[str, float]] | None:
             """The counters, once they did not move for a while (the start's rounds are over)."""
-            seen = (_rounds(op, cluster.namespace), _stage_requests(cluster))
+            seen = (rounds(op, cluster.namespace), _stage_requests(cluster))
             time.sleep(0.5)  # the window the counters must stay still over (polled again)
-            again = (_rounds(op, cluster.namespace), _stage_requests(cluster))
+            again = (rounds(op, cluster.namespace), _stage_requests(cluster))
             return again if seen == again else None
 
         rounds0, before = wait_for("the group at rest", quiet, 60)
@@ -69,18 +58,15 @@ def test_a_handover_writes_the_stages_only_their_status_beside_the_users_patch(
         wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
         wait_for("ar Waiting", lambda: cluster.state("ar") == "Waiting", 30)
         rounds1, after = wait_for("the group at rest", quiet, 60)
-    finally:
-        op.stop()
-        print(f"--- operator log tail ---\n{op.tail()}")
 
     # The test's own patch is the only PATCH of a stage's main resource (kopf wrote its record
     # of the change as a second one).
-    assert _delta(after, before, "PATCH omnistages") == 1, (before, after)
+    assert delta(after, before, "PATCH omnistages") == 1, (before, after)
     for name in ("ar", "sd"):
         assert ANNOTATION not in (cluster.stage(name)["metadata"].get("annotations") or {})
     # Status: each stage's new state once per round at most (ar's ACK, sd's Active; a wake
     # slower than 1 s also shows Waking).
-    status = _delta(after, before, "PATCH omnistages/status")
+    status = delta(after, before, "PATCH omnistages/status")
     assert 2 <= status <= 2 * (rounds1 - rounds0) + 1, (status, rounds1 - rounds0)
 
 

@@ -1,0 +1,52 @@
+"""What the hand-over counting tests share (``test_handover_rpcs``, ``test_handover_writes``):
+the operator's round counters, counter deltas, and a group of two tiny stages at rest (ar
+Active, sd Asleep) under an operator whose resync timer stays out of the window."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
+
+
+def rounds(op: OperatorProcess, namespace: str, name: str = "omnistage_rounds_total") -> float:
+    """The operator's rounds of group g1 so far (those counted by the counter ``name``)."""
+    total = 0.0
+    for family in text_string_to_metric_families(op.metrics()):
+        for sample in family.samples:
+            if (
+                sample.name == name
+                and sample.labels.get("namespace") == namespace
+                and sample.labels.get("group") == "g1"
+            ):
+                total += sample.value
+    return total
+
+
+def delta(after: Mapping[str, float], before: Mapping[str, float], key: str) -> float:
+    """How much the counter ``key`` moved (0 for one never seen)."""
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@contextmanager
+def resting_pair(
+    cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    """The operator, with ``ar`` Active and ``sd`` Asleep on the test GPU; stopped after (its
+    log's end printed)."""
+    op = OperatorProcess(cluster.cp, cluster.namespace, tmp_path)
+    op.extra = ["--resync-interval", "600"]  # no timer round in the window
+    op.start()
+    try:
+        cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu.node, state="Active"))
+        cluster.apply(stage_manifest("sd", "sd", tiny_models, gpu.node, state="Asleep"))
+        wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
+        wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
+        yield op
+    finally:
+        op.stop()
+        print(f"--- operator log tail ---\n{op.tail()}")
