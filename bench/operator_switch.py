@@ -55,9 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
-
-from bench.scale_probe import apiserver_requests  # noqa: E402
+from bench.scale_probe import Served  # noqa: E402
 from omnistage_operator.k8s import kube as kube_module  # noqa: E402
 from omnistage_operator.k8s.kube import OMNISTAGE, Kube  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
@@ -264,26 +262,12 @@ async def _run(ns: str, switches: int, kubeconfig: Path, log: Path) -> list[dict
 _STEPS = ("front", "sleep", "wake", "publish", "patch_to_handler", "sleep_call", "wake_call", "own")
 
 
-def _apiserver_cpu_s(cp: ControlPlane) -> float:
-    """The API server process's CPU seconds so far."""
-    server = next(p for p in cp._procs if p.name == "kube-apiserver")
-    t = psutil.Process(server.proc.pid).cpu_times()
-    return float(t.user + t.system)
-
-
-def _add(total: dict[str, float], after: dict[str, float], before: dict[str, float]) -> None:
-    for key, value in after.items():
-        total[key] = total.get(key, 0.0) + value - before.get(key, 0.0)
-
-
 def _figures(
     results: list[dict[str, float]],
     cpu_s: float,
     requests: float,
-    kept: float = 0.0,
-    *,
-    served: dict[str, float] | None = None,
-    server_cpu_s: float = 0.0,
+    kept: float,
+    served: Served,
 ) -> dict[str, Any]:
     """Percentiles, the step budget, CPU and API requests per switch of one operator's runs."""
     overhead = [r["overhead_s"] for r in results]
@@ -316,9 +300,9 @@ def _figures(
         # The API server's own count (every client, the bench's patch and watch included), by
         # verb and resource, and its CPU (it serves the localnode and the Lease too).
         "apiserver_requests_per_switch": {
-            k: round(v / n, 2) for k, v in sorted((served or {}).items()) if v > 0
+            k: round(v / n, 2) for k, v in sorted(served.requests.items()) if v > 0
         },
-        "apiserver_cpu_ms_per_switch": round(server_cpu_s * 1000 / n, 1),
+        "apiserver_cpu_ms_per_switch": round(served.cpu_s * 1000 / n, 1),
     }
 
 
@@ -355,9 +339,8 @@ def main() -> int:
     cpu = dict.fromkeys(variants, 0.0)
     requests = dict.fromkeys(variants, 0.0)
     kept = dict.fromkeys(variants, 0.0)
-    served: dict[str, dict[str, float]] = {name: {} for name in variants}
-    server_cpu = dict.fromkeys(variants, 0.0)
     with ControlPlane() as cp:
+        served = {name: Served(cp) for name in variants}
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
         cp.wait_crd_established("omnistages.omnistage.io")
         ns = cp.create_namespace("bench")
@@ -382,13 +365,10 @@ def main() -> int:
                         requests_before = _round_requests(seen)
                         kept_before = _round_requests(seen, KEPT)
                         cpu_before = _cpu_s(op.proc.pid)
-                        served_before = apiserver_requests(cp)
-                        server_before = _apiserver_cpu_s(cp)
                         print(f"-- {name} operator, block {block + 1}", flush=True)
-                        runs[name] += asyncio.run(_run(ns, per_block, cp.kubeconfig, op.log))
+                        with served[name].window():
+                            runs[name] += asyncio.run(_run(ns, per_block, cp.kubeconfig, op.log))
                         cpu[name] += _cpu_s(op.proc.pid) - cpu_before
-                        server_cpu[name] += _apiserver_cpu_s(cp) - server_before
-                        _add(served[name], apiserver_requests(cp), served_before)
                         seen = op.metrics()
                         requests[name] += _round_requests(seen) - requests_before
                         kept[name] += _round_requests(seen, KEPT) - kept_before
@@ -398,14 +378,7 @@ def main() -> int:
                             print(op.tail(200))
             os.environ["PYTHONPATH"] = path
     figures = {
-        name: _figures(
-            runs[name],
-            cpu[name],
-            requests[name],
-            kept[name],
-            served=served[name],
-            server_cpu_s=server_cpu[name],
-        )
+        name: _figures(runs[name], cpu[name], requests[name], kept[name], served[name])
         for name in variants
     }
     results = runs["current"]

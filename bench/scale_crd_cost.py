@@ -130,8 +130,7 @@ def measure(crd: dict[str, Any], writes: int, annotated: bool = False) -> dict[s
         cp.wait_crd_established("omnistages.omnistage.io")
         ns = cp.create_namespace("cost")
         auth = load_kubeconfig(cp.kubeconfig)
-        server = next(p for p in cp._procs if p.name == "kube-apiserver")
-        proc = psutil.Process(server.proc.pid)
+        proc = psutil.Process(cp.pid("kube-apiserver"))
 
         def cpu() -> float:
             t = proc.cpu_times()

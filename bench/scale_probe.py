@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +122,28 @@ def apiserver_requests(cp: ControlPlane) -> dict[str, float]:
         key = f"{labels.get('verb', '')} {what}"
         out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+class Served:
+    """The API server's answered requests (by ``VERB resource``) and CPU seconds, summed over
+    the windows measured with :meth:`window`."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        self.requests: dict[str, float] = {}
+        self.cpu_s = 0.0
+
+    def _cpu(self) -> float:
+        t = psutil.Process(self.cp.pid("kube-apiserver")).cpu_times()
+        return float(t.user + t.system)
+
+    @contextmanager
+    def window(self) -> Iterator[None]:
+        before, cpu = apiserver_requests(self.cp), self._cpu()
+        yield
+        self.cpu_s += self._cpu() - cpu
+        for key, value in apiserver_requests(self.cp).items():
+            self.requests[key] = self.requests.get(key, 0.0) + value - before.get(key, 0.0)
 
 
 class Probe:

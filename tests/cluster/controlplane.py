@@ -247,6 +247,10 @@ class ControlPlane(Lifecycle):
         self._procs.append(proc)
         return proc
 
+    def pid(self, name: str) -> int:
+        """The process id of the running component ``name`` (e.g. ``kube-apiserver``)."""
+        return next(p for p in self._procs if p.name == name).proc.pid
+
     def stop(self) -> None:
         """Stop every process started (reverse order), then remove the work dir if ours."""
         start = time.monotonic()
