@@ -11,12 +11,12 @@ status, written before, carries no ask for it.
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.scale_probe import apiserver_requests
 from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
 from tests.e2e.handover_counting import delta, resting_pair, rounds
 
@@ -27,18 +27,8 @@ ANNOTATION = "omnistage.io/last-handled-configuration"
 
 def _stage_requests(cluster: Cluster) -> dict[str, float]:
     """The API server's answered requests on OmniStages so far, by ``VERB resource``."""
-    text = cluster.cp.kubectl("get", "--raw", "/metrics").stdout
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("apiserver_request_total{"):
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-        if labels.get("resource") != "omnistages":
-            continue
-        sub = f"/{labels['subresource']}" if labels.get("subresource") else ""
-        key = f"{labels.get('verb')} omnistages{sub}"
-        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    served = apiserver_requests(cluster.cp).items()
+    return {k: v for k, v in served if k.split(" ", 1)[1].split("/")[0] == "omnistages"}
 
 
 def test_a_handover_writes_the_stages_only_their_status_beside_the_users_patch(
