@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from omnistage_worker.engine.layout import align_up
+
 DEFAULT_TAG = "default"
 """``CuMemAllocator.default_tag``: what vLLM offloads when a sleep names no tags."""
 
@@ -87,10 +89,6 @@ def offload_tags_of(offload_tags: tuple[str, ...] | str | None) -> tuple[str, ..
     return tuple(offload_tags)
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def plan_sleep(
     allocations: Iterable[Allocation], offload_tags: tuple[str, ...] | str | None
 ) -> SleepPlan:
@@ -103,7 +101,7 @@ def plan_sleep(
         total += a.size
         if a.tag in tags:
             backups.append(Backup(a.ptr, a.size, offset))
-            offset = _aligned(offset + a.size)
+            offset = align_up(offset + a.size, ALIGN)
         else:
             discard.append(a.ptr)
     return SleepPlan(tuple(backups), tuple(discard), total)
