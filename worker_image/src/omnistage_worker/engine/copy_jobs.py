@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from omnistage_worker.engine.gil import quick_switching
-from omnistage_worker.engine.pinning import Piece, copy_pieces
+from omnistage_worker.engine.pinning import Step, copy_pieces
 
 LEAD_PIECES = 8
 """Pieces a device is given before the next device's job is made: 512 MiB, about 10 ms of
@@ -43,7 +43,8 @@ class JobStats:
 class CopyJob:
     """One device's part of a level-1 transition: its pieces, then what completes it."""
 
-    pieces: list[Piece]
+    pieces: Sequence[Step]
+    """Its copies, and the marks a sleep releases its device memory behind."""
     finish: Callable[[], int]
     """Waits for the pieces and completes the transition; the bytes it moved."""
     abort: Callable[[], None]
@@ -51,7 +52,7 @@ class CopyJob:
     (called once nothing references the job, so a wake's new device buffer is gone by then)."""
 
 
-def interleave(queues: Sequence[Sequence[Piece]]) -> list[Piece]:
+def interleave(queues: Sequence[Sequence[Step]]) -> list[Step]:
     """Piece 0 of every queue, then piece 1 of every queue, ...; a short queue drops out."""
     return [
         piece for round_ in itertools.zip_longest(*queues) for piece in round_ if piece is not None

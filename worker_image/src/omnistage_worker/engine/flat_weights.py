@@ -37,6 +37,7 @@ from omnistage_worker.engine.slots import (
     match_entry,
     rebind,
 )
+from omnistage_worker.engine.vmm import DevicePieces, PiecesFactory, default_pieces
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class FlatWeights:
         skip: Collection[tuple[str, str]] = (),
         host_locker: PageLocker | None = None,
         wait_for_pin: bool = False,
+        device_pieces: PiecesFactory | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.modules = dict(modules)
@@ -95,6 +97,9 @@ class FlatWeights:
         self._layout: Layout = plan_layout(self._ordered_specs())
         self._offsets = self._layout.by_key()
         self._flat: torch.Tensor | None = None
+        self._make_pieces = device_pieces or default_pieces(self.device)
+        self._pieces: DevicePieces | None = None
+        """The flat buffer's pieces (:mod:`.vmm`): a level-1 sleep releases them behind its copy."""
         self._host: HostBuffer | None = None
         self._host_future: HostBufferFuture | None = None
         self._pinner: ChunkPinner | None = None
@@ -234,17 +239,26 @@ class FlatWeights:
         for slot in self._slots:
             self._bind(slot, self._view(flat, slot))
 
-    def _release_device(self) -> None:
+    def _bind_placeholders(self) -> None:
         for slot in self._slots:
             self._bind(slot, self._placeholder(slot))
+
+    def _release_device(self) -> None:
+        self._bind_placeholders()
         self._flat = None
+        self._sync()
+        if self._pieces is not None:
+            self._pieces.close()
+            self._pieces = None
         if self._cuda:
-            torch.cuda.synchronize(self.device)
             with _RELEASE_LOCK:  # process-wide state: one device's engine at a time
                 torch._C._cuda_clearCublasWorkspaces()
                 torch.cuda.empty_cache()
 
     def _new_flat(self) -> torch.Tensor:
+        if self._make_pieces is not None:
+            self._pieces = self._make_pieces(self._layout.total_bytes, self.device)
+            return self._pieces.tensor()
         return torch.empty(self._layout.total_bytes, dtype=torch.uint8, device=self.device)
 
     def _file_runs(self) -> list[FileRun]:

@@ -196,13 +196,68 @@ def pieces(dst: torch.Tensor, src: torch.Tensor, host_offset: int, chunk_bytes: 
     return out
 
 
-def copy_pieces(batch: Sequence[Piece]) -> None:
+class Mark:
+    """A point in a queue of copies: :meth:`record` marks, on its device's current stream, that
+    the copies issued before it are done; :meth:`wait` waits for that. On the CPU copies are
+    synchronous, so a mark is done once recorded."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.event = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record(torch.cuda.current_stream(self.device))
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+Step = Piece | Mark
+"""What a copy job issues: copies, and the marks between them."""
+
+
+def copy_pieces(batch: Sequence[Step]) -> None:
     """Issue every piece's copy (asynchronous where the host side is page-locked) in ONE call:
     ``torch._foreach_copy_`` loops over them in C++ with the GIL released once, so a busy Python
     thread cannot slow the issue down piece by piece. Pieces may be on different devices (each
-    copy runs on its device's current stream)."""
-    if batch:
-        torch._foreach_copy_([d for d, _ in batch], [s for _, s in batch], non_blocking=True)
+    copy runs on its device's current stream). A :class:`Mark` splits the call: it is recorded
+    once the copies before it are issued."""
+    run: list[Piece] = []
+    for step in batch:
+        if isinstance(step, Mark):
+            _copy_run(run)
+            run = []
+            step.record()
+        else:
+            run.append(step)
+    _copy_run(run)
+
+
+def _copy_run(run: Sequence[Piece]) -> None:
+    if run:
+        torch._foreach_copy_([d for d, _ in run], [s for _, s in run], non_blocking=True)
+
+
+def marked(
+    batch: Sequence[Piece], ends: Sequence[int], device: torch.device
+) -> tuple[list[Step], list[Mark]]:
+    """``batch`` (consecutive pieces of one range, in order) with a :class:`Mark` after the
+    piece that completes each of ``ends`` (ascending byte offsets in that range): the marks,
+    one per end, tell when the bytes before that end are copied."""
+    steps: list[Step] = []
+    marks: list[Mark] = []
+    done = 0
+    for piece in batch:
+        steps.append(piece)
+        done += piece[1].numel()
+        while len(marks) < len(ends) and ends[len(marks)] <= done:
+            marks.append(Mark(device))
+            steps.append(marks[-1])
+    if len(marks) < len(ends):
+        raise ValueError(f"the pieces cover {done} bytes, short of {ends[len(marks)]}")
+    return steps, marks
 
 
 def split_copy(dst: torch.Tensor, src: torch.Tensor, host_offset: int, chunk_bytes: int) -> int:

@@ -32,8 +32,9 @@ from omnistage_worker.engine.copy_jobs import CopyJob, JobError, run_jobs
 from omnistage_worker.engine.flat_weights import EngineError, FlatWeights
 from omnistage_worker.engine.gil import quick_switching
 from omnistage_worker.engine.host_memory import HostBuffer
-from omnistage_worker.engine.pinning import pieces, split_copy
+from omnistage_worker.engine.pinning import Mark, Step, marked, pieces, split_copy
 from omnistage_worker.engine.reload import FileLoader
+from omnistage_worker.engine.vmm import piece_ends
 
 
 @dataclass(frozen=True)
@@ -207,10 +208,21 @@ class WeightEngine(FlatWeights):
         host = self._take_host().tensor
         held = contextlib.ExitStack()
         held.enter_context(self._host_held())
-        batch = pieces(host, self._flat, 0, self._chunk())
+        copies = pieces(host, self._flat, 0, self._chunk())
+        behind = self._pieces
+        batch: list[Step] = list(copies)
+        marks: list[Mark] = []
+        if behind is not None:
+            ends = piece_ends(behind, self._layout.total_bytes)
+            batch, marks = marked(copies, ends, self.device)
 
         def finish() -> int:
             with held:
+                if behind is not None:  # each piece goes back once its bytes are copied
+                    self._bind_placeholders()
+                    for k, mark in enumerate(marks):
+                        mark.wait()
+                        behind.release(k)
                 self._sync()
             self._host_valid = True
             self._slept(1)

@@ -1,0 +1,272 @@
+"""A device buffer in separately releasable pieces behind one address range (CUDA's virtual
+memory management), so a sleep gives each piece back as soon as its copy to the host is done.
+
+Why, measured on the H200 (``bench/results/scrub_probe.json``): the driver cleans device memory
+after it is released, in the background, at about 200 GB/s, and while it cleans, host -> device
+copies run at half rate (26 vs 55 GB/s; device -> host copies do not slow). A stage that frees
+its whole buffer at the end of its sleep leaves the cleaning to overlap the next stage's wake;
+freed piece by piece behind the copy, the cleaning overlaps the sleep's own device -> host copy.
+
+The pieces are ``cuMemCreate`` allocations mapped into one ``cuMemAddressReserve`` range, so the
+buffer is one contiguous tensor (:meth:`PieceBuffer.tensor`) whatever its pieces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+PIECE_BYTES = 512 << 20
+"""A released piece's cleaning (about 2.5 ms at 200 GB/s) is what may still overlap a wake."""
+
+
+RELEASE_BEHIND_ENV = "OMNISTAGE_RELEASE_BEHIND"
+"""Set to ``0``: a CUDA engine's flat buffer is one torch allocation, freed whole after a sleep's
+copy (the path before this module)."""
+
+
+class DevicePieces(Protocol):
+    """A device buffer in pieces that go back one at a time (:class:`PieceBuffer`)."""
+
+    @property
+    def spans(self) -> Sequence[tuple[int, int]]:
+        """(offset, size) of each piece, in order."""
+
+    def tensor(self) -> torch.Tensor: ...
+
+    def release(self, k: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+PiecesFactory = Callable[[int, torch.device], DevicePieces]
+"""Makes a buffer of that many bytes on that device."""
+
+
+def default_pieces(device: torch.device) -> PiecesFactory | None:
+    """:class:`PieceBuffer` for a CUDA device, unless :data:`RELEASE_BEHIND_ENV` is ``0``."""
+    if device.type != "cuda" or os.environ.get(RELEASE_BEHIND_ENV, "1") == "0":
+        return None
+    return make_piece_buffer
+
+
+def make_piece_buffer(nbytes: int, device: torch.device) -> DevicePieces:
+    """A :class:`PieceBuffer` of :data:`PIECE_BYTES` pieces."""
+    return PieceBuffer(nbytes, device)
+
+
+def piece_ends(buffer: DevicePieces, nbytes: int) -> list[int]:
+    """Where each piece's bytes end in a buffer of ``nbytes`` (the last piece's padding cut)."""
+    return [min(offset + size, nbytes) for offset, size in buffer.spans]
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _AllocationProp(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),  # CU_MEM_ALLOCATION_TYPE_PINNED = 1
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),  # CU_MEM_LOCATION_TYPE_DEVICE = 1
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _AllocFlags),
+    ]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]  # PROT_READWRITE = 3
+
+
+class CudaError(RuntimeError):
+    """A driver call failed; ``code`` is its CUresult (2: out of memory)."""
+
+    def __init__(self, call: str, code: int) -> None:
+        super().__init__(f"{call} returned CUDA error {code}")
+        self.code = code
+
+
+class VmmDriver:
+    """The driver's virtual memory calls for one device, each checked (ctypes: no GIL held)."""
+
+    _lock = threading.Lock()
+    _lib: Any = None
+
+    def __init__(self, device: int) -> None:
+        self.lib = self._library()
+        self.prop = _AllocationProp(type=1, location=_Location(type=1, id=device))
+        self.access = _AccessDesc(location=_Location(type=1, id=device), flags=3)
+        granularity = ctypes.c_size_t()
+        self.check(
+            "cuMemGetAllocationGranularity",
+            self.lib.cuMemGetAllocationGranularity(
+                ctypes.byref(granularity), ctypes.byref(self.prop), 0
+            ),
+        )
+        self.granularity = granularity.value
+
+    @classmethod
+    def _library(cls) -> Any:
+        with cls._lock:
+            if cls._lib is None:
+                lib = ctypes.CDLL("libcuda.so.1")
+                u64, size = ctypes.c_ulonglong, ctypes.c_size_t
+                signatures: dict[str, list[Any]] = {
+                    "cuMemGetAllocationGranularity": [
+                        ctypes.POINTER(size),
+                        ctypes.POINTER(_AllocationProp),
+                        ctypes.c_int,
+                    ],
+                    "cuMemAddressReserve": [ctypes.POINTER(u64), size, size, u64, u64],
+                    "cuMemAddressFree": [u64, size],
+                    "cuMemCreate": [
+                        ctypes.POINTER(u64),
+                        size,
+                        ctypes.POINTER(_AllocationProp),
+                        u64,
+                    ],
+                    "cuMemMap": [u64, size, size, u64, u64],
+                    "cuMemSetAccess": [u64, size, ctypes.POINTER(_AccessDesc), size],
+                    "cuMemUnmap": [u64, size],
+                    "cuMemRelease": [u64],
+                }
+                for name, args in signatures.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes, fn.restype = args, ctypes.c_int
+                cls._lib = lib
+            return cls._lib
+
+    @staticmethod
+    def check(call: str, code: int) -> None:
+        if code != 0:
+            raise CudaError(call, code)
+
+    def reserve(self, nbytes: int) -> int:
+        ptr = ctypes.c_ulonglong()
+        self.check(
+            "cuMemAddressReserve", self.lib.cuMemAddressReserve(ctypes.byref(ptr), nbytes, 0, 0, 0)
+        )
+        return ptr.value
+
+    def free_range(self, ptr: int, nbytes: int) -> None:
+        self.check("cuMemAddressFree", self.lib.cuMemAddressFree(ptr, nbytes))
+
+    def map_new(self, ptr: int, nbytes: int) -> int:
+        """Physical memory created, mapped at ``ptr`` and made accessible; its handle."""
+        handle = ctypes.c_ulonglong()
+        self.check(
+            "cuMemCreate",
+            self.lib.cuMemCreate(ctypes.byref(handle), nbytes, ctypes.byref(self.prop), 0),
+        )
+        try:
+            self.check("cuMemMap", self.lib.cuMemMap(ptr, nbytes, 0, handle.value, 0))
+        except CudaError:
+            self.lib.cuMemRelease(handle.value)
+            raise
+        try:
+            self.check(
+                "cuMemSetAccess",
+                self.lib.cuMemSetAccess(ptr, nbytes, ctypes.byref(self.access), 1),
+            )
+        except CudaError:
+            self.unmap_release(ptr, nbytes, handle.value)
+            raise
+        return handle.value
+
+    def unmap_release(self, ptr: int, nbytes: int, handle: int) -> None:
+        self.check("cuMemUnmap", self.lib.cuMemUnmap(ptr, nbytes))
+        self.check("cuMemRelease", self.lib.cuMemRelease(handle))
+
+
+def piece_spans(nbytes: int, piece_bytes: int, granularity: int) -> list[tuple[int, int]]:
+    """(offset, size) of each piece covering ``nbytes``: ``piece_bytes`` rounded up to the
+    granularity, the last one shorter (itself rounded up)."""
+    if nbytes <= 0:
+        return []
+    step = -(-max(piece_bytes, granularity) // granularity) * granularity
+    spans = []
+    for offset in range(0, nbytes, step):
+        size = min(step, nbytes - offset)
+        spans.append((offset, -(-size // granularity) * granularity))
+    return spans
+
+
+class _Interface:
+    """``__cuda_array_interface__`` of a byte range, for :func:`torch.as_tensor`."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class PieceBuffer:
+    """``nbytes`` of device memory as pieces of one address range (see the module's docstring).
+
+    Every piece is mapped at construction; :meth:`release` gives pieces back (in any order, each
+    once), :meth:`close` the rest and the address range. The tensor must not be used once a
+    piece under it is released."""
+
+    def __init__(self, nbytes: int, device: torch.device, piece_bytes: int = PIECE_BYTES) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+        self.nbytes = nbytes
+        self.driver = VmmDriver(index)
+        self.spans = piece_spans(nbytes, piece_bytes, self.driver.granularity)
+        self.reserved = sum(size for _, size in self.spans)
+        self.base = self.driver.reserve(self.reserved)
+        self.handles: dict[int, int] = {}
+        try:
+            with torch.cuda.device(index):
+                for k, (offset, size) in enumerate(self.spans):
+                    self.handles[k] = self.driver.map_new(self.base + offset, size)
+        except BaseException:
+            self.close()
+            raise
+
+    def tensor(self) -> torch.Tensor:
+        """The whole buffer as one 1-D uint8 tensor on its device."""
+        return torch.as_tensor(_Interface(self.base, self.nbytes), device=self.device)
+
+    def release(self, k: int) -> None:
+        """Give piece ``k`` back to the driver (its copies must be done)."""
+        handle = self.handles.pop(k)
+        offset, size = self.spans[k]
+        with torch.cuda.device(self.device):  # the driver's calls need the device's context
+            self.driver.unmap_release(self.base + offset, size, handle)
+
+    def piece_of(self, offset: int) -> int:
+        """The piece holding byte ``offset`` of the buffer."""
+        step = self.spans[0][1]
+        return offset // step
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(self.spans[k][1] for k in self.handles)
+
+    def close(self) -> None:
+        """Release every piece still held, then the address range."""
+        for k in sorted(self.handles):
+            self.release(k)
+        if self.base:
+            with torch.cuda.device(self.device):
+                self.driver.free_range(self.base, self.reserved)
+            self.base = 0
