@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from omnistage_worker.engine import copy_jobs, flat_weights, gil
+from omnistage_worker.engine.components import ComponentEngine
 from omnistage_worker.engine.copy_jobs import CopyJob, JobError, interleave, run_jobs
 from omnistage_worker.engine.sharded import ShardedEngine
 from omnistage_worker.engine.weights import WeightEngine
@@ -138,6 +139,27 @@ def test_one_device_issues_its_pieces_in_two_calls_with_the_interval_lowered(
     assert flat is not None
     check_one_thread_interleaved(issued, [flat], copy_jobs.LEAD_PIECES)
     assert torch.equal(logits(model), expected)
+    engine.close()
+
+
+def test_a_pipelines_groups_sleep_and_wake_in_one_issue(issued: Issued) -> None:
+    """A pipeline's component groups are copied as one device's several jobs: every group's
+    pieces issued before any group waits for its copy (the 2026-11-29 H200 run saw a 5-group
+    diffusion stage sleep 79 ms and wake 40 ms over its copy bound, group after group)."""
+    first, second = tiny_llama(tied=False), tiny_llama(tied=False)
+    expected = (logits(first), logits(second))
+    engine = ComponentEngine({"text": first, "decoder": second}, torch.device("cpu"))
+    engine.activate()
+    engine.sleep(1)
+    hosts = [e._take_host().tensor for e in engine.engines.values()]
+    check_one_thread_interleaved(issued, hosts, copy_jobs.LEAD_PIECES)
+    assert engine.device_bytes() == 0 and engine.level == 1
+    issued.calls.clear()
+    stats = engine.wake()
+    assert stats.bytes_moved == sum(e.flat_bytes for e in engine.engines.values())
+    flats = [e._flat for e in engine.engines.values()]
+    check_one_thread_interleaved(issued, [f for f in flats if f is not None], copy_jobs.LEAD_PIECES)
+    assert torch.equal(logits(first), expected[0]) and torch.equal(logits(second), expected[1])
     engine.close()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from omnistage_worker.engine.copy_jobs import CopyJob, JobError, run_jobs
 from omnistage_worker.engine.flat_weights import EngineError, WeightFiles
 from omnistage_worker.engine.slots import iter_bindings
 from omnistage_worker.engine.weights import TransferStats, WeightEngine
@@ -185,8 +186,7 @@ class ComponentEngine:
 
     def sleep(self, level: int) -> TransferStats:
         """Every group to ``level`` (groups already there are left as they are)."""
-        started = time.perf_counter()
-        return _sum((self._sleep_one(e, level) for e in self.engines.values()), started)
+        return self._sleep_groups(list(self.engines), level)
 
     def wake(self) -> TransferStats:
         """Every group resident (sequential: the largest; the others stay at level 1)."""
@@ -197,7 +197,7 @@ class ComponentEngine:
                     engine.wake()  # reload, then park on the host: requests swap from there
                     engine.sleep(1)
             return _sum([self.engines[self._largest()].wake()], started)
-        return _sum((e.wake() for e in self.engines.values()), started)
+        return self._wake_groups(list(self.engines), started)
 
     def close(self) -> None:
         for handle in self._hooks:
@@ -226,13 +226,37 @@ class ComponentEngine:
 
     def sleep_components(self, names: Iterable[str], level: int) -> TransferStats:
         """Put the named components' groups to sleep at ``level``; the others stay as they are."""
-        started = time.perf_counter()
-        groups = self.resolve(names)
-        return _sum((self._sleep_one(self.engines[g], level) for g in groups), started)
+        return self._sleep_groups(self.resolve(names), level)
 
     def wake_components(self, names: Iterable[str]) -> TransferStats:
+        return self._wake_groups(self.resolve(names), time.perf_counter())
+
+    def _sleep_groups(self, groups: list[str], level: int) -> TransferStats:
+        """``groups`` to ``level``; at level 1 from awake, their copies issued together (one
+        :func:`run_jobs`: no group waits for the last one's copy to end before it starts)."""
         started = time.perf_counter()
-        return _sum((self.engines[g].wake() for g in self.resolve(names)), started)
+        awake = [g for g in groups if self.engines[g].level == 0]
+        if level == 1 and len(awake) > 1 and all(self.engines[g].can_sleep_by_job() for g in awake):
+            return self._together(awake, [self.engines[g].sleep_job for g in awake], started)
+        return _sum((self._sleep_one(self.engines[g], level) for g in groups), started)
+
+    def _wake_groups(self, groups: list[str], started: float) -> TransferStats:
+        """``groups`` resident; those at level 1 copied together (one :func:`run_jobs`)."""
+        parked = [g for g in groups if self.engines[g].level == 1]
+        if len(parked) > 1 and all(self.engines[g].level in (0, 1) for g in groups):
+            return self._together(parked, [self.engines[g].wake_job for g in parked], started)
+        return _sum((self.engines[g].wake() for g in groups), started)
+
+    @staticmethod
+    def _together(
+        groups: list[str], makers: list[Callable[[], CopyJob]], started: float
+    ) -> TransferStats:
+        try:
+            stats = run_jobs(makers)
+        except JobError as error:
+            where = f"group {groups[error.index]}" if error.index >= 0 else "the groups' copies"
+            raise EngineError(f"{where}: {error.error}") from error.error
+        return TransferStats(sum(s.bytes_moved for s in stats), time.perf_counter() - started)
 
     def asleep(self) -> list[str]:
         """Groups that are not resident now."""
