@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -205,7 +206,16 @@ class SleepWake(AckedTransitions):
         moved: dict[str, Any] = {}
         try:
             stats: Stats = await lane.run(lambda: controller.sleep(level))
+            engine_done = time.monotonic()
             await lane.run(worker.release_cached)
+            log.info(
+                "%s phases: lane+engine %.4fs (engine %.4fs, %d bytes), cached release %.4fs",
+                what,
+                engine_done - start.monotonic,
+                stats.seconds,
+                stats.bytes_moved,
+                time.monotonic() - engine_done,
+            )
         except Exception as exc:
             log.exception("%s failed", what)
             await worker.fail(f"sleep to level {level} failed: {exc}")
@@ -338,8 +348,18 @@ class SleepWake(AckedTransitions):
             def wake_and_measure() -> tuple[Stats, Reading]:
                 # Measured in the same step: an accounted (simulated) device charges the copy
                 # when it is measured, and refuses it there as a GPU refuses the allocation.
+                began = time.monotonic()
                 woke = controller.wake()
-                return woke, worker.measure()
+                engine_done = time.monotonic()
+                reading = worker.measure()
+                log.info(
+                    "wake phases: before the lane %.4fs, engine %.4fs (%d bytes), measure %.4fs",
+                    began - start.monotonic,
+                    engine_done - began,
+                    woke.bytes_moved,
+                    time.monotonic() - engine_done,
+                )
+                return woke, reading
 
             try:
                 stats, after = await worker.transition_lane.run(wake_and_measure)
