@@ -19,8 +19,11 @@ import pytest
 import torch
 
 from omnistage_worker.engine import WeightEngine, flat_weights, pinning
+from omnistage_worker.engine.components import ComponentEngine
 from omnistage_worker.engine.pinning import Mark, marked, pieces
 from omnistage_worker.engine.vmm import piece_ends, piece_spans
+from tests.unit.test_engine_sharded import logits as logits_of
+from tests.unit.test_engine_sharded import tiny_llama
 from tests.unit.test_engine_weights import llama_dir, load, logits
 
 __all__ = ["llama_dir"]
@@ -122,6 +125,36 @@ def test_a_sleep_releases_each_piece_after_its_copy_and_wakes_identical(
         engine.wake()
         assert len(made) == cycle + 2
         assert torch.equal(logits(model), before)
+
+
+def test_a_pipelines_groups_release_behind_their_copies_before_any_finish(
+    log: list[str],
+) -> None:
+    """Several groups' sleeps in one issue: every piece of every group goes back behind the
+    copies, before the first group's finish waits for the device (on the H200 a 5-group
+    diffusion stage's first finish waited for every group's copy, so its largest group
+    released nothing early)."""
+    first, second = tiny_llama(tied=False), tiny_llama(tied=False)
+    expected = (logits_of(first), logits_of(second))
+    made: list[CpuPieces] = []
+
+    def make(nbytes: int, device: torch.device) -> CpuPieces:
+        made.append(CpuPieces(nbytes, device, log))
+        return made[-1]
+
+    engine = ComponentEngine(
+        {"text": first, "decoder": second}, torch.device("cpu"), device_pieces=make
+    )
+    engine.activate()
+    log.clear()
+    engine.sleep(1)
+    releases = sum(len(m.spans) for m in made)
+    assert log.index("sync") == 2 * releases, log
+    assert log[: 2 * releases].count("wait") == releases
+    assert all(m.closed and not m.held for m in made)
+    engine.wake()
+    assert torch.equal(logits_of(first), expected[0])
+    assert torch.equal(logits_of(second), expected[1])
 
 
 def test_without_pieces_the_buffer_is_one_allocation(llama_dir: Path, log: list[str]) -> None:

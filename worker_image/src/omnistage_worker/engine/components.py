@@ -27,6 +27,7 @@ import torch
 from omnistage_worker.engine.copy_jobs import CopyJob, JobError, run_jobs
 from omnistage_worker.engine.flat_weights import EngineError, WeightFiles
 from omnistage_worker.engine.slots import iter_bindings
+from omnistage_worker.engine.vmm import PiecesFactory
 from omnistage_worker.engine.weights import TransferStats, WeightEngine
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class ComponentEngine:
         host_copy: bool = True,
         sequential: bool = False,
         pin_in_background: bool = True,
+        device_pieces: PiecesFactory | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.sequential = sequential
@@ -135,6 +137,7 @@ class ComponentEngine:
                 host_copy=host_copy or sequential,
                 skip=group.skip,
                 pin_in_background=pin_in_background,
+                device_pieces=device_pieces,
             )
             for n in group.names:
                 self._group_of[n] = group.name

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from omnistage_worker.engine.gil import quick_switching
-from omnistage_worker.engine.pinning import Step, copy_pieces
+from omnistage_worker.engine.pinning import Step, copy_pieces, follow_marks
 
 LEAD_PIECES = 8
 """Pieces a device is given before the next device's job is made: 512 MiB, about 10 ms of
@@ -82,7 +82,8 @@ def run_jobs(makers: Sequence[Callable[[], CopyJob]]) -> list[JobStats]:
                 jobs.append(make())
                 copy_pieces(jobs[-1].pieces[:LEAD_PIECES])
             where = -1
-            copy_pieces(interleave([job.pieces[LEAD_PIECES:] for job in jobs]))
+            rest = interleave([job.pieces[LEAD_PIECES:] for job in jobs])
+            copy_pieces(rest)
         except BaseException as error:
             aborts = [job.abort for job in jobs]
             jobs.clear()  # their device buffers go before the aborts give memory back
@@ -92,8 +93,12 @@ def run_jobs(makers: Sequence[Callable[[], CopyJob]]) -> list[JobStats]:
             if not isinstance(error, Exception):
                 raise  # an interrupt stays one
             raise JobError(where, error) from error
-        stats: list[JobStats] = []
         failed: JobError | None = None
+        try:  # a sleep's memory goes back behind its copy, before any job's finish waits
+            follow_marks([step for job in jobs for step in job.pieces[:LEAD_PIECES]] + rest)
+        except Exception as error:
+            failed = JobError(-1, error)
+        stats: list[JobStats] = []
         for index, job in enumerate(jobs):
             try:
                 stats.append(JobStats(job.finish(), time.perf_counter()))

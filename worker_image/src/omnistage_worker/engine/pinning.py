@@ -24,7 +24,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -198,12 +198,14 @@ def pieces(dst: torch.Tensor, src: torch.Tensor, host_offset: int, chunk_bytes: 
 
 class Mark:
     """A point in a queue of copies: :meth:`record` marks, on its device's current stream, that
-    the copies issued before it are done; :meth:`wait` waits for that. On the CPU copies are
-    synchronous, so a mark is done once recorded."""
+    the copies issued before it are done; :meth:`wait` waits for that; ``then`` is what may
+    happen once they are (a sleep releases the device memory they were copied from). On the
+    CPU copies are synchronous, so a mark is done once recorded."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.event = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self.then: Callable[[], None] | None = None
 
     def record(self) -> None:
         if self.event is not None:
@@ -212,6 +214,15 @@ class Mark:
     def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
+
+
+def follow_marks(issued: Sequence[Step]) -> None:
+    """Each mark's ``then``, once the copies before it are done, in the order they were issued
+    (so memory goes back as the copies progress, whichever job it is of)."""
+    for step in issued:
+        if isinstance(step, Mark) and step.then is not None:
+            step.wait()
+            step.then()
 
 
 Step = Piece | Mark

@@ -22,6 +22,7 @@ the slots placed there (``slots=``); their level-1 copies are issued together fr
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from omnistage_worker.engine.copy_jobs import CopyJob, JobError, run_jobs
 from omnistage_worker.engine.flat_weights import EngineError, FlatWeights
 from omnistage_worker.engine.gil import quick_switching
 from omnistage_worker.engine.host_memory import HostBuffer
-from omnistage_worker.engine.pinning import Mark, Step, marked, pieces, split_copy
+from omnistage_worker.engine.pinning import Step, marked, pieces, split_copy
 from omnistage_worker.engine.reload import FileLoader
 from omnistage_worker.engine.vmm import piece_ends
 
@@ -208,27 +209,30 @@ class WeightEngine(FlatWeights):
         host = self._take_host().tensor
         held = contextlib.ExitStack()
         held.enter_context(self._host_held())
-        copies = pieces(host, self._flat, 0, self._chunk())
+        flat = self._flat
+        copies = pieces(host, flat, 0, self._chunk())
         behind = self._pieces
         batch: list[Step] = list(copies)
-        marks: list[Mark] = []
-        if behind is not None:
+        if behind is not None:  # each piece goes back once its bytes are copied (run_jobs)
             ends = piece_ends(behind, self._layout.total_bytes)
             batch, marks = marked(copies, ends, self.device)
+            for k, mark in enumerate(marks):
+                mark.then = functools.partial(behind.release, k)
+            self._bind_placeholders()  # the copies hold their own views of the buffer
 
         def finish() -> int:
             with held:
-                if behind is not None:  # each piece goes back once its bytes are copied
-                    self._bind_placeholders()
-                    for k, mark in enumerate(marks):
-                        mark.wait()
-                        behind.release(k)
                 self._sync()
             self._host_valid = True
             self._slept(1)
             return self._layout.total_bytes
 
-        return CopyJob(batch, finish, lambda: self._abort(held))
+        def abort() -> None:
+            self._abort(held)
+            if behind is not None:
+                self._bind_views(flat)  # nothing was released: the weights are its views again
+
+        return CopyJob(batch, finish, abort)
 
     def _abort(self, held: contextlib.ExitStack, release: bool = False) -> None:
         """A job that will not finish: its copies waited for, the host copy let go;
