@@ -371,9 +371,10 @@ def render() -> str:
     operator = _load("operator_switch.json")
     if operator:
         lines += operator_section(operator)
-    gpu_e2e = _load("gpu_e2e.json")
-    if gpu_e2e:
-        lines += gpu_e2e_section(gpu_e2e)
+    for name in ("gpu_e2e.json", "gpu_e2e_h200.json"):  # the H100's run, then the H200's
+        gpu_e2e = _load(name)
+        if gpu_e2e:
+            lines += gpu_e2e_section(gpu_e2e)
     multi_gpu = _load("multi_gpu.json")
     if multi_gpu:
         lines += multi_gpu_section(multi_gpu)
