@@ -12,7 +12,7 @@ same driver calls, made here through ctypes (which releases the GIL), over ``--g
 
 Every piece is unmapped and released between runs. It prints and writes one JSON.
 
-    python3 bench/cumem_map_probe.py --gib 96 --out $OUT/cumem_map_probe.json
+    PYTHONPATH=$PWD/worker_image/src python3 bench/cumem_map_probe.py --gib 96 --out $OUT/cumem_map_probe.json
 """
 
 from __future__ import annotations
@@ -28,34 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
+from omnistage_worker.engine.vmm import AccessDesc, AllocationProp, Location
+
 GIB = 1 << 30
-
-
-class Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocFlags(ctypes.Structure):
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
-
-
-class AllocationProp(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),  # CU_MEM_ALLOCATION_TYPE_PINNED = 1
-        ("requestedHandleTypes", ctypes.c_int),  # none
-        ("location", Location),  # CU_MEM_LOCATION_TYPE_DEVICE = 1, device id
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", AllocFlags),
-    ]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", Location), ("flags", ctypes.c_int)]  # PROT_READWRITE = 3
 
 
 class Driver:

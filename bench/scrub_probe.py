@@ -17,7 +17,7 @@ driver calls vLLM's allocator makes (``cuMemCreate`` + ``cuMemMap`` + ``cuMemSet
 
 It prints and writes one JSON.
 
-    python3 -m bench.scrub_probe --gib 64 --copy-gib 8 --out $OUT/scrub_probe.json
+    PYTHONPATH=$PWD/worker_image/src:$PWD python3 -m bench.scrub_probe --gib 64 --copy-gib 8 --out $OUT/scrub_probe.json
 """
 
 from __future__ import annotations

@@ -65,11 +65,11 @@ def piece_ends(buffer: DevicePieces, nbytes: int) -> list[int]:
     return [min(offset + size, nbytes) for offset, size in buffer.spans]
 
 
-class _Location(ctypes.Structure):
+class Location(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
-class _AllocFlags(ctypes.Structure):
+class AllocFlags(ctypes.Structure):
     _fields_ = [
         ("compressionType", ctypes.c_ubyte),
         ("gpuDirectRDMACapable", ctypes.c_ubyte),
@@ -78,18 +78,18 @@ class _AllocFlags(ctypes.Structure):
     ]
 
 
-class _AllocationProp(ctypes.Structure):
+class AllocationProp(ctypes.Structure):
     _fields_ = [
         ("type", ctypes.c_int),  # CU_MEM_ALLOCATION_TYPE_PINNED = 1
         ("requestedHandleTypes", ctypes.c_int),
-        ("location", _Location),  # CU_MEM_LOCATION_TYPE_DEVICE = 1
+        ("location", Location),  # CU_MEM_LOCATION_TYPE_DEVICE = 1
         ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", _AllocFlags),
+        ("allocFlags", AllocFlags),
     ]
 
 
-class _AccessDesc(ctypes.Structure):
-    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]  # PROT_READWRITE = 3
+class AccessDesc(ctypes.Structure):
+    _fields_ = [("location", Location), ("flags", ctypes.c_int)]  # PROT_READWRITE = 3
 
 
 class CudaError(RuntimeError):
@@ -108,8 +108,8 @@ class VmmDriver:
 
     def __init__(self, device: int) -> None:
         self.lib = self._library()
-        self.prop = _AllocationProp(type=1, location=_Location(type=1, id=device))
-        self.access = _AccessDesc(location=_Location(type=1, id=device), flags=3)
+        self.prop = AllocationProp(type=1, location=Location(type=1, id=device))
+        self.access = AccessDesc(location=Location(type=1, id=device), flags=3)
         granularity = ctypes.c_size_t()
         self.check(
             "cuMemGetAllocationGranularity",
@@ -128,7 +128,7 @@ class VmmDriver:
                 signatures: dict[str, list[Any]] = {
                     "cuMemGetAllocationGranularity": [
                         ctypes.POINTER(size),
-                        ctypes.POINTER(_AllocationProp),
+                        ctypes.POINTER(AllocationProp),
                         ctypes.c_int,
                     ],
                     "cuMemAddressReserve": [ctypes.POINTER(u64), size, size, u64, u64],
@@ -136,11 +136,11 @@ class VmmDriver:
                     "cuMemCreate": [
                         ctypes.POINTER(u64),
                         size,
-                        ctypes.POINTER(_AllocationProp),
+                        ctypes.POINTER(AllocationProp),
                         u64,
                     ],
                     "cuMemMap": [u64, size, size, u64, u64],
-                    "cuMemSetAccess": [u64, size, ctypes.POINTER(_AccessDesc), size],
+                    "cuMemSetAccess": [u64, size, ctypes.POINTER(AccessDesc), size],
                     "cuMemUnmap": [u64, size],
                     "cuMemRelease": [u64],
                 }
@@ -252,15 +252,6 @@ class PieceBuffer:
         offset, size = self.spans[k]
         with torch.cuda.device(self.device):  # the driver's calls need the device's context
             self.driver.unmap_release(self.base + offset, size, handle)
-
-    def piece_of(self, offset: int) -> int:
-        """The piece holding byte ``offset`` of the buffer."""
-        step = self.spans[0][1]
-        return offset // step
-
-    @property
-    def mapped_bytes(self) -> int:
-        return sum(self.spans[k][1] for k in self.handles)
 
     def close(self) -> None:
         """Release every piece still held, then the address range."""
