@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -166,7 +167,7 @@ def hand_over(cp: Any, ns: str, state: str) -> Json:
         await asyncio.sleep(0.05)  # the watch connects before the patch
         wall0, t0 = time.time(), time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            str(cp.binaries.kubectl), f"--kubeconfig={cp.kubeconfig}", "patch", "omnistage",
+            str(cp.binaries.kubectl), f"--kubeconfig={cp.kubeconfig}", "-v=6", "patch", "omnistage",
             "sd", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"state": state}}),
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
@@ -176,7 +177,8 @@ def hand_over(cp: Any, ns: str, state: str) -> Json:
             raise RuntimeError(f"kubectl patch failed: {err.decode()}")
         t1 = await waiter
         return {"gainer": gainer, "loser": loser, "wall_start": wall0,
-                "total_s": t1 - t0, "kubectl_s": t_kubectl - t0}  # fmt: skip
+                "total_s": t1 - t0, "kubectl_s": t_kubectl - t0,
+                "patch_request_s": patch_latency_s(err.decode(errors="replace"))}  # fmt: skip
 
     r = asyncio.run(run())
     gain, lose = stage_status(cp, ns, gainer), stage_status(cp, ns, loser)
@@ -192,4 +194,33 @@ def hand_over(cp: Any, ns: str, state: str) -> Json:
     worker = float(wake.get("durationSeconds") or 0) + float(sleep.get("durationSeconds") or 0)
     r["worker_s"] = worker
     r["operator_s"] = r["total_s"] - worker
+    r.update(operator_shares(r))
     return r
+
+
+_PATCH_LATENCY = (
+    re.compile(r'verb="PATCH".*?milliseconds=(\d+)'),  # klog's structured form
+    re.compile(r"PATCH \S+ \d{3}[^\n]*? in (\d+) milliseconds"),  # the older plain form
+)
+
+
+def patch_latency_s(log: str) -> float | None:
+    """The PATCH's round trip as ``kubectl -v=6`` logs it (None: no such line)."""
+    for pattern in _PATCH_LATENCY:
+        found = pattern.search(log)
+        if found:
+            return int(found.group(1)) / 1000
+    return None
+
+
+def operator_shares(run: Json) -> Json:
+    """A hand-over's time that is neither the workers' transitions nor kubectl's own process:
+    ``operator_from_answer_s`` from kubectl's exit (its PATCH answered) to Active, and, where
+    kubectl logged its PATCH's round trip, ``operator_from_patch_s`` from the PATCH sent
+    (kubectl's start-up and exit subtracted, its request kept: the API server's write counts)."""
+    rest = run["total_s"] - run["worker_s"]
+    out: Json = {"operator_from_answer_s": rest - run["kubectl_s"]}
+    request = run.get("patch_request_s")
+    if request is not None:
+        out["operator_from_patch_s"] = rest - (run["kubectl_s"] - request)
+    return out

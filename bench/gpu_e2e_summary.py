@@ -43,6 +43,10 @@ def summarize(
         "workers_ms": ms(worker),
         "kubectl_ms": ms(kubectl),
     }
+    for key in ("operator_from_answer", "operator_from_patch"):
+        shares = [r[f"{key}_s"] for r in runs if f"{key}_s" in r]
+        if shares and len(shares) == len(runs):
+            out[f"{key}_ms"] = ms(shares)
     if sampler_file is None or not sampler_file.exists():
         return out
     samples, cmdlines = read_samples(sampler_file)

@@ -4,6 +4,7 @@ that bench/speed.py runs (pure logic; the CPU run itself: tests/e2e/test_bench_s
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,12 @@ def test_the_handover_is_held_against_its_own_runs_serial_copy_bound() -> None:
     assert figures["handover_over_serial_bound"] == pytest.approx(
         figures["patch_to_active_p50_s"] / bound, rel=0.02
     )
-    assert figures["operator_p50_ms"] == report["operator_ms"]["p50"]
+    # the operator's share leaves kubectl's own process out: each run's total less its workers'
+    # transitions and its kubectl, at the median
+    shares = [r["total_s"] - r["worker_s"] - r["kubectl_s"] for r in report["runs"]]
+    assert figures["operator_p50_ms"] == pytest.approx(1000 * statistics.median(shares), abs=2)
+    assert figures["operator_p50_ms"] < report["operator_ms"]["p50"]
+    assert figures["operator_with_kubectl_p50_ms"] == report["operator_ms"]["p50"]
     assert figures["limits"]["d2h_pinned_gbps"] == lim["d2h_pinned_gbps"]
 
 
