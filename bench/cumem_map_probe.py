@@ -12,7 +12,8 @@ same driver calls, made here through ctypes (which releases the GIL), over ``--g
 
 Every piece is unmapped and released between runs. It prints and writes one JSON.
 
-    PYTHONPATH=$PWD/worker_image/src python3 bench/cumem_map_probe.py --gib 96 --out $OUT/cumem_map_probe.json
+    PYTHONPATH=$PWD/worker_image/src:$PWD python3 -m bench.cumem_map_probe --gib 96 \
+        --out $OUT/cumem_map_probe.json
 """
 
 from __future__ import annotations
@@ -26,83 +27,26 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-from omnistage_worker.engine.vmm import AccessDesc, AllocationProp, Location
+from bench.reporting import emit
+from omnistage_worker.engine.vmm import VmmDriver
 
 GIB = 1 << 30
 
 
-class Driver:
-    """The few driver calls the probe makes, each checked."""
+class Driver(VmmDriver):
+    """The engine's driver calls, plus the context each of the probe's threads makes current."""
 
     def __init__(self, device: int) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        u64, size = ctypes.c_ulonglong, ctypes.c_size_t
-        sig: dict[str, list[Any]] = {
-            "cuMemGetAllocationGranularity": [
-                ctypes.POINTER(size),
-                ctypes.POINTER(AllocationProp),
-                ctypes.c_int,
-            ],
-            "cuMemAddressReserve": [ctypes.POINTER(u64), size, size, u64, u64],
-            "cuMemAddressFree": [u64, size],
-            "cuMemCreate": [ctypes.POINTER(u64), size, ctypes.POINTER(AllocationProp), u64],
-            "cuMemMap": [u64, size, size, u64, u64],
-            "cuMemSetAccess": [u64, size, ctypes.POINTER(AccessDesc), size],
-            "cuMemUnmap": [u64, size],
-            "cuMemRelease": [u64],
-            "cuCtxGetCurrent": [ctypes.POINTER(ctypes.c_void_p)],
-            "cuCtxSetCurrent": [ctypes.c_void_p],
-        }
-        for name, args in sig.items():
-            fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        self.prop = AllocationProp(type=1, location=Location(type=1, id=device))
-        self.access = AccessDesc(location=Location(type=1, id=device), flags=3)
+        super().__init__(device)
+        get, put = self.lib.cuCtxGetCurrent, self.lib.cuCtxSetCurrent
+        get.argtypes, get.restype = [ctypes.POINTER(ctypes.c_void_p)], ctypes.c_int
+        put.argtypes, put.restype = [ctypes.c_void_p], ctypes.c_int
         context = ctypes.c_void_p()
-        self.check("cuCtxGetCurrent", self.lib.cuCtxGetCurrent(ctypes.byref(context)))
+        self.check("cuCtxGetCurrent", get(ctypes.byref(context)))
         self.context = context
-        granularity = ctypes.c_size_t()
-        self.check(
-            "cuMemGetAllocationGranularity",
-            self.lib.cuMemGetAllocationGranularity(
-                ctypes.byref(granularity), ctypes.byref(self.prop), 0
-            ),
-        )
-        self.granularity = granularity.value
-
-    @staticmethod
-    def check(name: str, rc: int) -> None:
-        if rc != 0:
-            raise RuntimeError(f"{name} returned CUDA error {rc}")
-
-    def reserve(self, nbytes: int) -> int:
-        ptr = ctypes.c_ulonglong()
-        self.check(
-            "cuMemAddressReserve", self.lib.cuMemAddressReserve(ctypes.byref(ptr), nbytes, 0, 0, 0)
-        )
-        return ptr.value
-
-    def create(self, nbytes: int) -> int:
-        handle = ctypes.c_ulonglong()
-        self.check(
-            "cuMemCreate",
-            self.lib.cuMemCreate(ctypes.byref(handle), nbytes, ctypes.byref(self.prop), 0),
-        )
-        return handle.value
-
-    def map(self, ptr: int, nbytes: int, handle: int) -> None:
-        self.check("cuMemMap", self.lib.cuMemMap(ptr, nbytes, 0, handle, 0))
-
-    def set_access(self, ptr: int, nbytes: int) -> None:
-        self.check(
-            "cuMemSetAccess", self.lib.cuMemSetAccess(ptr, nbytes, ctypes.byref(self.access), 1)
-        )
-
-    def unmap_release(self, ptr: int, nbytes: int, handle: int) -> None:
-        self.check("cuMemUnmap", self.lib.cuMemUnmap(ptr, nbytes))
-        self.check("cuMemRelease", self.lib.cuMemRelease(handle))
 
     def make_current(self) -> None:
         self.check("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self.context))
@@ -192,17 +136,13 @@ def main() -> int:
                 report["runs"].append(best)
                 print(json.dumps(best), flush=True)
     finally:
-        driver.check("cuMemAddressFree", driver.lib.cuMemAddressFree(base, total))
+        driver.free_range(base, total)
     serial = [r for r in report["runs"] if r["threads"] == 1]
     report["summary"] = {
         "serial_gbps_median": statistics.median(r["gbps"] for r in serial) if serial else None,
         "best": max(report["runs"], key=lambda r: r["gbps"]) if report["runs"] else None,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(text + "\n")
+    emit(report, Path(args.out) if args.out else None)
     return 0
 
 

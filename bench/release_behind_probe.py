@@ -20,27 +20,32 @@ the sum against the serial bound (bytes / D2H + bytes / H2D, each measured alone
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.reporting import emit
+from bench.scrub_probe import h2d_seconds
 from omnistage_worker.engine.vmm import PieceBuffer
 
 GIB = 1 << 30
 
 
 def timed_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> float:
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    with torch.cuda.stream(stream):
-        dst.copy_(src, non_blocking=True)
-    stream.synchronize()
-    return time.perf_counter() - began
+    return h2d_seconds(torch, dst, src, stream)
+
+
+def new_buffer(mode: str, nbytes: int) -> tuple[torch.Tensor, PieceBuffer | None]:
+    """A device buffer of ``nbytes``: torch's (``torch``) or a :class:`PieceBuffer`."""
+    if mode == "torch":
+        return torch.empty(nbytes, dtype=torch.uint8, device="cuda"), None
+    pieces = PieceBuffer(nbytes, torch.device("cuda"))
+    return pieces.tensor(), pieces
 
 
 def one(
@@ -48,12 +53,7 @@ def one(
 ) -> dict[str, Any]:
     """A sleep of one buffer then the wake of another (see the module's docstring)."""
     out_host, in_host = hosts
-    piece_buffer = None
-    if mode == "torch":
-        device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    else:
-        piece_buffer = PieceBuffer(nbytes, torch.device("cuda"))
-        device = piece_buffer.tensor()
+    device, piece_buffer = new_buffer(mode, nbytes)
     device.fill_(3)
     torch.cuda.synchronize()
     time.sleep(2.0)  # any cleaning before this run is over
@@ -86,12 +86,7 @@ def one(
         else:
             torch.cuda.empty_cache()
     slept = time.perf_counter()
-    woken_buffer = None
-    if mode == "torch":
-        target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    else:
-        woken_buffer = PieceBuffer(nbytes, torch.device("cuda"))
-        target = woken_buffer.tensor()
+    target, woken_buffer = new_buffer(mode, nbytes)
     allocated = time.perf_counter()
     with torch.cuda.stream(stream):
         target.copy_(in_host, non_blocking=True)
@@ -158,11 +153,7 @@ def main() -> int:
         "summary": summary,
         "runs": runs,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(text + "\n")
+    emit(report, Path(args.out) if args.out else None)
     return 0
 
 

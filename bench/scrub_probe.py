@@ -17,22 +17,24 @@ driver calls vLLM's allocator makes (``cuMemCreate`` + ``cuMemMap`` + ``cuMemSet
 
 It prints and writes one JSON.
 
-    PYTHONPATH=$PWD/worker_image/src:$PWD python3 -m bench.scrub_probe --gib 64 --copy-gib 8 --out $OUT/scrub_probe.json
+    PYTHONPATH=$PWD/worker_image/src:$PWD python3 -m bench.scrub_probe --gib 64 --copy-gib 8 \
+        --out $OUT/scrub_probe.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from bench.cumem_map_probe import GIB, Driver
+from bench.reporting import emit
 
 PEER = r"""
 import sys, torch
@@ -97,6 +99,20 @@ def copy_timeline(
         end = time.perf_counter()
         points.append((round(end - began, 4), round(src.numel() / (end - start) / 1e9, 1)))
     return points
+
+
+def map_beside(region: Region, copy: Callable[[], float], copy_bytes: int) -> dict[str, float]:
+    """``region`` mapped on another thread while ``copy`` runs here: both's figures."""
+    mapped: list[float] = []
+    worker = threading.Thread(target=lambda: mapped.append(region.map()))
+    began = time.perf_counter()
+    worker.start()
+    beside = copy()
+    worker.join()
+    return {
+        "h2d_gbps": round(copy_bytes / beside / 1e9, 1), "map_s": round(mapped[0], 4),
+        "both_s": round(time.perf_counter() - began, 4),
+    }  # fmt: skip
 
 
 def settled(region: Region) -> Region:
@@ -187,27 +203,10 @@ def main() -> int:
     report["map_after_that_s"] = round(region.map(), 4)
     region.release()
     time.sleep(2.0)
-    mapped: list[float] = []
-    worker = threading.Thread(target=lambda: mapped.append(region.map()))
-    began = time.perf_counter()
-    worker.start()
-    beside = h2d_seconds(torch, dst, src, stream)
-    worker.join()
-    report["while_mapping_after_2s"] = {
-        "h2d_gbps": rate(beside, copy_bytes), "map_s": round(mapped[0], 4),
-        "both_s": round(time.perf_counter() - began, 4),
-    }  # fmt: skip
+    copy = lambda: h2d_seconds(torch, dst, src, stream)  # noqa: E731
+    report["while_mapping_after_2s"] = map_beside(region, copy, copy_bytes)
     region.release()
-    mapped.clear()
-    worker = threading.Thread(target=lambda: mapped.append(region.map()))
-    began = time.perf_counter()
-    worker.start()
-    beside = h2d_seconds(torch, dst, src, stream)
-    worker.join()
-    report["while_mapping_right_after_free"] = {
-        "h2d_gbps": rate(beside, copy_bytes), "map_s": round(mapped[0], 4),
-        "both_s": round(time.perf_counter() - began, 4),
-    }  # fmt: skip
+    report["while_mapping_right_after_free"] = map_beside(region, copy, copy_bytes)
     region.release()
     time.sleep(2.0)
     peer = Peer(nbytes, args.device)
@@ -235,11 +234,7 @@ def main() -> int:
             peer.end()
     report["copy_timelines"] = timelines
     report["scrub_gbps_after_own_free"] = rate(min(waits[min(waits, key=float)]), nbytes)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(text + "\n")
+    emit(report, Path(args.out) if args.out else None)
     return 0
 
 

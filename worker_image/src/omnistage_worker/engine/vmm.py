@@ -165,27 +165,37 @@ class VmmDriver:
     def free_range(self, ptr: int, nbytes: int) -> None:
         self.check("cuMemAddressFree", self.lib.cuMemAddressFree(ptr, nbytes))
 
-    def map_new(self, ptr: int, nbytes: int) -> int:
-        """Physical memory created, mapped at ``ptr`` and made accessible; its handle."""
+    def create(self, nbytes: int) -> int:
+        """New physical memory on the device; its handle."""
         handle = ctypes.c_ulonglong()
         self.check(
             "cuMemCreate",
             self.lib.cuMemCreate(ctypes.byref(handle), nbytes, ctypes.byref(self.prop), 0),
         )
-        try:
-            self.check("cuMemMap", self.lib.cuMemMap(ptr, nbytes, 0, handle.value, 0))
-        except CudaError:
-            self.lib.cuMemRelease(handle.value)
-            raise
-        try:
-            self.check(
-                "cuMemSetAccess",
-                self.lib.cuMemSetAccess(ptr, nbytes, ctypes.byref(self.access), 1),
-            )
-        except CudaError:
-            self.unmap_release(ptr, nbytes, handle.value)
-            raise
         return handle.value
+
+    def map(self, ptr: int, nbytes: int, handle: int) -> None:
+        self.check("cuMemMap", self.lib.cuMemMap(ptr, nbytes, 0, handle, 0))
+
+    def set_access(self, ptr: int, nbytes: int) -> None:
+        self.check(
+            "cuMemSetAccess", self.lib.cuMemSetAccess(ptr, nbytes, ctypes.byref(self.access), 1)
+        )
+
+    def map_new(self, ptr: int, nbytes: int) -> int:
+        """Physical memory created, mapped at ``ptr`` and made accessible; its handle."""
+        handle = self.create(nbytes)
+        try:
+            self.map(ptr, nbytes, handle)
+        except CudaError:
+            self.lib.cuMemRelease(handle)
+            raise
+        try:
+            self.set_access(ptr, nbytes)
+        except CudaError:
+            self.unmap_release(ptr, nbytes, handle)
+            raise
+        return handle
 
     def unmap_release(self, ptr: int, nbytes: int, handle: int) -> None:
         self.check("cuMemUnmap", self.lib.cuMemUnmap(ptr, nbytes))
