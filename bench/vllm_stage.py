@@ -50,7 +50,8 @@ from bench.vllm_stage_workers import (  # noqa: E402
 )
 from bench.worker_grpc import INFERENCE, SLEEP  # noqa: E402
 from omnistage.worker.v1 import types_pb2  # noqa: E402
-from omnistage_worker.runners.vllm_wake import MAP_FIRST_ENV  # noqa: E402
+from omnistage_worker.runners.vllm_wake import WAKE_ORDER_ENV  # noqa: E402
+from omnistage_worker.runners.vllm_wake_plan import WAKE_ORDERS  # noqa: E402
 
 Json = dict[str, Any]
 GiB = 1024**3
@@ -185,8 +186,7 @@ def run(a: argparse.Namespace) -> Json:
     total = outside.read()["total"]
     memory = int(total * a.vllm_fraction)
     extra = {"VLLM_ATTENTION_BACKEND": a.attention_backend} if a.attention_via == "env" else {}
-    if a.wake_map_first:
-        extra[MAP_FIRST_ENV] = "1"
+    extra[WAKE_ORDER_ENV] = a.wake_order
     env = worker_env(a.smoke, fake_dir, extra)
     device = "cpu" if a.smoke else "cuda"
     torch_args = [
@@ -323,9 +323,10 @@ def main() -> None:
         help="the worker's fast sleep/wake (--no-fast-wake: vLLM's own)",
     )
     parser.add_argument(
-        "--wake-map-first",
-        action="store_true",
-        help=f"{MAP_FIRST_ENV}=1: the wake maps everything before copying",
+        "--wake-order",
+        choices=WAKE_ORDERS,
+        default="overlap",
+        help=f"{WAKE_ORDER_ENV}: the fast wake's order of maps and copies",
     )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = parser.parse_args()

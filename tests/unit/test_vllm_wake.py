@@ -16,6 +16,7 @@ import pytest
 
 from omnistage_worker.runners import vllm_wake_cuda
 from omnistage_worker.runners.vllm_wake import FastCuMem
+from omnistage_worker.runners.vllm_wake_plan import WAKE_ORDERS
 
 MiB = 1 << 20
 
@@ -125,11 +126,11 @@ def fill(dev: FakeDevice, seed: int) -> dict[int, bytes]:
     return {ptr: bytes(buf) for ptr, buf in dev.mem.items()}
 
 
-@pytest.mark.parametrize("map_first", [False, True])
-def test_level1_cycles_restore_the_weights_with_one_buffer_kept(map_first: bool) -> None:
+@pytest.mark.parametrize("order", WAKE_ORDERS)
+def test_level1_cycles_restore_the_weights_with_one_buffer_kept(order: str) -> None:
     records = allocator()
     dev = FakeDevice(records)
-    fast = FastCuMem(dev, map_first=map_first)
+    fast = FastCuMem(dev, order=order)
     for cycle in range(3):
         before = fill(dev, cycle)
         fast.sleep(records, ("weights",))

@@ -3,8 +3,11 @@ where their backups sit in the kept host buffer, and the order of the steps."""
 
 from __future__ import annotations
 
+import pytest
+
 from omnistage_worker.runners.vllm_wake_plan import (
     ALIGN,
+    WAKE_ORDERS,
     Allocation,
     Backup,
     Phases,
@@ -120,5 +123,20 @@ def test_phases_add_up_and_give_the_copy_rate() -> None:
 
 def test_map_first_maps_everything_before_the_copies() -> None:
     backups = {b.ptr: b for b in plan_sleep(ALLOCS, ("weights",)).backups}
-    steps = wake_steps(plan_wake(ALLOCS, None, backups), map_first=True)
+    steps = wake_steps(plan_wake(ALLOCS, None, backups), "map_first")
     assert [s.op for s in steps] == ["map"] * 4 + ["copy_h2d"] * 3 + ["sync_copies"]
+
+
+def test_kv_after_maps_the_rest_once_the_copies_are_done() -> None:
+    backups = {b.ptr: b for b in plan_sleep(ALLOCS, ("weights",)).backups}
+    plan = plan_wake(ALLOCS, None, backups)
+    steps = wake_steps(plan, "kv_after")
+    assert [s.op for s in steps] == ["map", "copy_h2d"] * 3 + ["sync_copies", "map"]
+    assert steps[-1].ptr in plan.maps_only
+    # every order maps each allocation once and copies each backup once
+    for order in WAKE_ORDERS:
+        ops = [(s.op, s.ptr) for s in wake_steps(plan, order)]
+        assert sorted(p for op, p in ops if op == "map") == sorted(a.ptr for a in ALLOCS)
+        assert sorted(p for op, p in ops if op == "copy_h2d") == sorted(backups)
+    with pytest.raises(ValueError, match="none of overlap, map_first, kv_after"):
+        wake_steps(plan, "sideways")

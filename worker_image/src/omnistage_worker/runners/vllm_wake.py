@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from omnistage_worker.runners.vllm_wake_plan import (
+    WAKE_ORDERS,
     Allocation,
     Backup,
     Phases,
@@ -36,8 +37,8 @@ from omnistage_worker.runners.vllm_wake_plan import (
 log = logging.getLogger("vllm.omnistage.wake")
 MARKER = "OMNISTAGE_WAKE_PHASES"
 """Starts the log line with a transition's phases (JSON follows)."""
-MAP_FIRST_ENV = "OMNISTAGE_VLLM_WAKE_MAP_FIRST"
-"""``1`` in the engine's environment: a wake maps everything before issuing its copies."""
+WAKE_ORDER_ENV = "OMNISTAGE_VLLM_WAKE_ORDER"
+"""In the engine's environment: the wake's order (:data:`.vllm_wake_plan.WAKE_ORDERS`)."""
 
 
 class HostBuffer(Protocol):
@@ -86,9 +87,11 @@ class FastCuMem:
     fits in it; a sleep that offloads nothing (level 2) gives it back, as does :meth:`close`.
     """
 
-    def __init__(self, ops: WakeOps, map_first: bool = False) -> None:
+    def __init__(self, ops: WakeOps, order: str = "overlap") -> None:
+        if order not in WAKE_ORDERS:
+            raise ValueError(f"wake order {order!r} is none of {', '.join(WAKE_ORDERS)}")
         self.ops = ops
-        self.map_first = map_first
+        self.order = order
         self.buffer: HostBuffer | None = None
         self.backups: dict[int, Backup] = {}
         self.last: dict[str, Phases] = {}
@@ -147,7 +150,7 @@ class FastCuMem:
         mapped: list[int] = []
         try:
             self._run(
-                wake_steps(plan, self.map_first),
+                wake_steps(plan, self.order),
                 records,
                 base,
                 backed=backed,

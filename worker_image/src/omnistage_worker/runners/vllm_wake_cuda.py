@@ -24,8 +24,8 @@ The device operations (:class:`CudaOps`), built at the first sleep in the thread
 If building them fails, or the host buffer cannot be had (before anything moved), that sleep
 and its wake run vLLM's own methods (logged).
 
-``OMNISTAGE_VLLM_WAKE_MAP_FIRST=1`` in the engine's environment maps every allocation before
-issuing the wake's copies (a diagnostic: for a driver whose mapping waits for copies in flight).
+``OMNISTAGE_VLLM_WAKE_ORDER`` in the engine's environment picks the wake's order of maps and
+copies (``overlap``, the default; ``map_first``; ``kv_after``: see ``vllm_wake_plan.WAKE_ORDERS``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import os
 from typing import Any
 
 from omnistage_worker.runners.vllm_wake import (
-    MAP_FIRST_ENV,
+    WAKE_ORDER_ENV,
     FastCuMem,
     HostBuffer,
     NoHostBuffer,
@@ -142,10 +142,9 @@ class _Patch:
             except Exception:
                 log.exception("fast sleep/wake unavailable; vLLM's own methods run")
                 return None
-            map_first = os.environ.get(MAP_FIRST_ENV, "") == "1"
-            self.fast = FastCuMem(ops, map_first=map_first)
-            log.info("fast sleep/wake ready (wake order: %s)", "map first" if map_first else
-                     "copy after each map, KV mapped during the copies")  # fmt: skip
+            order = os.environ.get(WAKE_ORDER_ENV) or "overlap"
+            self.fast = FastCuMem(ops, order=order)
+            log.info("fast sleep/wake ready (wake order: %s)", order)
         return self.fast
 
     def sleep(self, allocator: Any, offload_tags: tuple[str, ...] | str | None = None) -> None:

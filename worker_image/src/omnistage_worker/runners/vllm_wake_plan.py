@@ -15,7 +15,7 @@ each allocation and copies it back, one after the other. The fast path
 - in which order (:func:`sleep_steps`, :func:`wake_steps`): a sleep issues every copy at once,
   releases what it discards while they run, waits once, then releases what it copied; a wake maps
   each backed-up allocation and issues its copy right away, maps the rest (the KV cache) while
-  the copies run, and waits once (or, ``map_first``, maps all before issuing the copies).
+  the copies run, and waits once (the ``overlap`` order; :data:`WAKE_ORDERS` has the others).
 """
 
 from __future__ import annotations
@@ -153,22 +153,29 @@ def sleep_steps(plan: SleepPlan) -> list[Step]:
     return steps
 
 
-def wake_steps(plan: WakePlan, map_first: bool = False) -> list[Step]:
-    """Map each backed-up allocation and issue its copy at once, map the others while the
-    copies run, wait once. ``map_first``: map everything, then issue the copies (for a driver
-    whose mapping waits for the copies in flight)."""
-    steps: list[Step] = []
-    if map_first:
-        steps += [Step("map", b.ptr) for b in plan.copies]
-        steps += [Step("map", ptr) for ptr in plan.maps_only]
-        steps += [Step("copy_h2d", b.ptr, b) for b in plan.copies]
-    else:
-        for b in plan.copies:
-            steps += [Step("map", b.ptr), Step("copy_h2d", b.ptr, b)]
-        steps += [Step("map", ptr) for ptr in plan.maps_only]
-    if plan.copies:
-        steps.append(Step("sync_copies"))
-    return steps
+WAKE_ORDERS = ("overlap", "map_first", "kv_after")
+"""How a wake orders its maps and copies: ``overlap`` maps each backed-up allocation and issues
+its copy at once, then maps the rest (the KV cache) while the copies run; ``map_first`` maps
+everything, then issues the copies; ``kv_after`` maps and copies the backed-up allocations,
+waits for the copies, then maps the rest. The driver cleans memory that is mapped anew and may
+share the copy engine with the copies (bench/results/vllm_stage.md), so which is fastest is
+the driver's to say."""
+
+
+def wake_steps(plan: WakePlan, order: str = "overlap") -> list[Step]:
+    """The wake's steps in ``order`` (:data:`WAKE_ORDERS`), one wait for the copies in each."""
+    if order not in WAKE_ORDERS:
+        raise ValueError(f"wake order {order!r} is none of {', '.join(WAKE_ORDERS)}")
+    restore = [s for b in plan.copies for s in (Step("map", b.ptr), Step("copy_h2d", b.ptr, b))]
+    rest = [Step("map", ptr) for ptr in plan.maps_only]
+    wait = [Step("sync_copies")] if plan.copies else []
+    if order == "map_first":
+        maps = [Step("map", b.ptr) for b in plan.copies]
+        copies = [Step("copy_h2d", b.ptr, b) for b in plan.copies]
+        return maps + rest + copies + wait
+    if order == "kv_after":
+        return restore + wait + rest
+    return restore + rest + wait
 
 
 @dataclass
