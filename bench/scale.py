@@ -58,6 +58,7 @@ from bench.scale_storms import (  # noqa: E402
     patch_storm,
     pod_targets,
     stage,
+    storm_writes,
 )
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.kubeconfig import load_kubeconfig  # noqa: E402
@@ -110,9 +111,12 @@ async def _storms(
         out["setup"].update(Probe.delta(setup_before, probe.snapshot(), time.monotonic() - t0))
         print(f"[scale] setup {out['setup']}", flush=True)
 
+        storm_numbers: dict[str, int] = {}
+
         async def measured(label: str, storm: Awaitable[dict[str, Any]]) -> None:
             before, t = probe.snapshot(), time.monotonic()
             result = await storm
+            storm_numbers[label] = fleet.storm
             result.update(Probe.delta(before, probe.snapshot(), time.monotonic() - t))
             out[label] = result
             print(f"[scale] {label}: {json.dumps(result)}", flush=True)
@@ -121,6 +125,8 @@ async def _storms(
         await measured("handover", patch_storm(fleet, "a", "b", names, within_s=600))
         if "leader_kill" in storms:
             await later_storms(fleet, ops, cp, nodes, measured=measured, out=out)
+        # each storm's stage writes as the watch saw them, its tail until the next one included
+        out["stage_writes"] = {k: storm_writes(fleet, n) for k, n in storm_numbers.items()}
         out["etcd_db_mib"] = round(etcd_db_bytes(cp) / 2**20, 1)
         out["localnode"] = nodes.stats()
         out["bench_api_requests"] = dict(api.requests)

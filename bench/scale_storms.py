@@ -22,6 +22,7 @@ import functools
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,8 @@ class Fleet:
         self.groups = [f"g{i}" for i in range(groups)]
         self.seen: dict[str, Seen] = {}
         self.storm = 0
+        # per storm: the writes the watch saw, by stage role (a/b) and the status keys changed
+        self.writes: dict[int, Counter[str]] = {}
         self._watch: asyncio.Task[None] | None = None
         self.path = f"/apis/{GROUP}/namespaces/{namespace}/omnistages"
 
@@ -136,9 +139,14 @@ class Fleet:
         now = time.monotonic()
         name = obj["metadata"]["name"]
         seen = self.seen.setdefault(name, Seen())
-        seen.status = obj.get("status") or {}
+        status = obj.get("status") or {}
+        rv = obj["metadata"]["resourceVersion"]
+        if seen.rv_seen and rv not in seen.rv_seen:
+            tally = self.writes.setdefault(self.storm, Counter())
+            tally[write_kind(name, seen.status, status)] += 1
+        seen.status = status
         seen.state = seen.status.get("state")
-        seen.rv_seen.setdefault(obj["metadata"]["resourceVersion"], now)
+        seen.rv_seen.setdefault(rv, now)
         if seen.state == "Active" and self.storm not in seen.active_at:
             seen.active_at[self.storm] = now
 
@@ -195,6 +203,24 @@ class Fleet:
         sleep = (self.seen.get(loser) or Seen()).status.get("lastAck") or {}
         worker = float(wake.get("durationSeconds") or 0) + float(sleep.get("durationSeconds") or 0)
         return latency - worker
+
+
+def write_kind(name: str, before: dict[str, Any], after: dict[str, Any]) -> str:
+    """One write of a stage as the watch saw it: its role (``a``/``b``) and the status keys it
+    changed (``spec``: none, a write of the main resource), with the state change if any."""
+    keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    role = name.rsplit("-", 1)[-1]
+    state = ""
+    if before.get("state") != after.get("state"):
+        state = f" {before.get('state')}->{after.get('state')}"
+    return f"{role}{state}: {','.join(keys) or 'spec'}"
+
+
+def storm_writes(fleet: Fleet, storm: int, top: int = 12) -> dict[str, Any]:
+    """The stage writes the bench's watch saw during ``storm``: how many, and the most common
+    kinds (``write_kind``)."""
+    tally = fleet.writes.get(storm, Counter())
+    return {"total": sum(tally.values()), "kinds": dict(tally.most_common(top))}
 
 
 async def generate(target: str, timeout_s: float) -> float:

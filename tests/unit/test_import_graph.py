@@ -33,6 +33,7 @@ SOURCES = [ROOT / "operator" / "src", ROOT / "worker_image" / "src"]
 OPERATOR_IO = {
     # reach outside the process: the API server, workers, files, the environment, metrics
     "omnistage_operator.k8s.kube",
+    "omnistage_operator.k8s.http_pool",
     "omnistage_operator.k8s.claim_slices",
     "omnistage_operator.k8s.leader",
     "omnistage_operator.k8s.lease_store",

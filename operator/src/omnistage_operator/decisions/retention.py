@@ -19,7 +19,7 @@ STAGE_MAPS = (
     "fences_cleared", "learned", "peaks", "backoffs", "wake_backoffs", "device_mismatch",
     "spec_active", "deepen_refused", "asleep_asked", "asleep_restored", "adopted",
     "active_since", "sleep_problems", "wake_problems", "component_problems",
-    "component_refused", "stage_problems", "published",
+    "component_refused", "stage_problems", "published", "written_at",
 )  # fmt: skip
 # ... keyed by (namespace, group).
 GROUP_MAPS = ("_loops", "_retry_in", "kept", "_sleeps", "_members")

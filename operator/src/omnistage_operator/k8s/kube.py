@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
@@ -27,7 +28,7 @@ import kr8s.asyncio
 from kr8s.asyncio.objects import APIObject, Event, Pod, Secret, Service, new_class
 
 from omnistage_operator.decisions.event_series import EventSeries
-from omnistage_operator.k8s import metrics
+from omnistage_operator.k8s import http_pool, metrics
 
 __all__ = [
     "CLAIMS",
@@ -126,6 +127,10 @@ KEEP_IDLE_S = 300.0
 # in bursts (several per hand-over), so they take few of the request slots; a round's reads and
 # status writes never queue behind a storm's Events.
 EVENT_CONCURRENCY = 4
+# The environment's proxy variables httpx honours (then its own transports are kept).
+_PROXY_VARS = tuple(
+    v for name in ("http", "https", "all") for v in (f"{name}_proxy", f"{name.upper()}_PROXY")
+)
 
 
 async def keep_connections(api: Any) -> None:
@@ -137,18 +142,23 @@ async def keep_connections(api: Any) -> None:
     async def create_session() -> None:
         await build()
         old = api._session
+        verify = await api.auth.ssl_context()
+        limits = httpx.Limits(
+            max_connections=KEEP_CONNECTIONS,
+            max_keepalive_connections=KEEP_CONNECTIONS,
+            keepalive_expiry=KEEP_IDLE_S,
+        )
+        # through a proxy (kubeconfig's or the environment's), httpx's own transports
+        direct = not api.auth.proxy and not any(os.environ.get(v) for v in _PROXY_VARS)
         api._session = httpx.AsyncClient(
             base_url=old.base_url,
             headers=old.headers,
-            verify=await api.auth.ssl_context(),
+            verify=verify,
             timeout=old.timeout,
             follow_redirects=True,
             proxy=api.auth.proxy,
-            limits=httpx.Limits(
-                max_connections=KEEP_CONNECTIONS,
-                max_keepalive_connections=KEEP_CONNECTIONS,
-                keepalive_expiry=KEEP_IDLE_S,
-            ),
+            limits=limits,
+            transport=http_pool.transport(verify, limits) if direct else None,
         )
         await old.aclose()
 

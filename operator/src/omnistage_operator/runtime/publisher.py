@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from omnistage_operator.api import conditions as cond
+from omnistage_operator.decisions.ambient import deferred
 from omnistage_operator.decisions.arbiter import StageFacts, WorkerPhase
 from omnistage_operator.decisions.facts import AckFacts
 from omnistage_operator.decisions.handover import RoundOutcome
@@ -79,6 +80,7 @@ class StatusPublisher:
 
     kube: Kube
     published: dict[StageKey, dict[str, Any]]
+    written_at: dict[StageKey, float]  # monotonic: when ``published`` was last written
     asks: dict[StageKey, float]
     last_acks: dict[StageKey, AckFacts]
     fenced: dict[StageKey, str]
@@ -285,12 +287,15 @@ class StatusPublisher:
                 stage_metrics.observe(port.ns, port.group, name, status)
             self._condition_events(body, previous, status)
             self._wait_event(body, previous, status)
-            if _same(status, self.published.get(key)):
-                continue
+            written = self.published.get(key)
+            age = time.monotonic() - self.written_at.get(key, float("-inf"))
+            if _same(status, written) or deferred(written, status, age):
+                continue  # unchanged, or only the devices' free memory moved (``ambient``)
             old_state = previous.get("state")
             if old_state != status["state"]:
                 self.emit(body, STATE_CHANGED, f"{old_state or 'None'} -> {status['state']}")
             self.published[key] = status
+            self.written_at[key] = time.monotonic()
             write = self._patch_status(port.ns, name, status, port.after_checkpoint(name))
             (states if old_state != status["state"] else patches).append(write)
         for name, (body, exc) in port.invalid.items():

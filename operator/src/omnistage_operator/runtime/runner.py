@@ -140,6 +140,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         self._claim_errors: set[str] = set()
         self._retry_in: dict[GroupKey, float] = {}
         self.published: dict[StageKey, dict[str, Any]] = {}
+        self.written_at: dict[StageKey, float] = {}  # when its ``published`` was written
         # Each group's readings at the end of its last round (``readings.KeptReadings``).
         self.kept: dict[GroupKey, KeptReadings] = {}
         self._loops: dict[GroupKey, _Loop] = {}
