@@ -18,10 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from omnistage_worker.control.oom import is_out_of_memory, shortfall_in_message
 from omnistage_worker.engine import WeightEngine, flat_weights, pinning
 from omnistage_worker.engine.components import ComponentEngine
 from omnistage_worker.engine.pinning import Mark, marked, pieces
-from omnistage_worker.engine.vmm import piece_ends, piece_spans
+from omnistage_worker.engine.vmm import (
+    CudaError,
+    OutOfMemoryError,
+    out_of_memory_message,
+    piece_ends,
+    piece_spans,
+)
 from tests.unit.test_engine_sharded import logits as logits_of
 from tests.unit.test_engine_sharded import tiny_llama
 from tests.unit.test_engine_weights import llama_dir, load, logits
@@ -201,3 +208,12 @@ def test_copy_pieces_records_each_mark_between_its_copies(monkeypatch: pytest.Mo
     pinning.copy_pieces(steps)
     assert calls == [2, "mark", 3, "mark"]
     assert torch.equal(dst, src)
+
+
+def test_a_buffer_without_room_reads_as_an_oom_with_its_shortfall() -> None:
+    """The worker tells a real OOM from other failures by its words (control/oom.py): a piece
+    the driver refuses for want of memory (CUDA error 2) says so as PyTorch would."""
+    error = OutOfMemoryError(out_of_memory_message(0, 17 << 30, 5 << 30, 80 << 30))
+    assert is_out_of_memory(error)
+    assert shortfall_in_message(str(error)) == 12 << 30
+    assert not is_out_of_memory(CudaError("cuMemMap", 1))

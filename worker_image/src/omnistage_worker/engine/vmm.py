@@ -92,12 +92,30 @@ class AccessDesc(ctypes.Structure):
     _fields_ = [("location", Location), ("flags", ctypes.c_int)]  # PROT_READWRITE = 3
 
 
+OUT_OF_MEMORY = 2
+"""``CUDA_ERROR_OUT_OF_MEMORY``."""
+
+
 class CudaError(RuntimeError):
-    """A driver call failed; ``code`` is its CUresult (2: out of memory)."""
+    """A driver call failed; ``code`` is its CUresult (:data:`OUT_OF_MEMORY`: no room)."""
 
     def __init__(self, call: str, code: int) -> None:
         super().__init__(f"{call} returned CUDA error {code}")
         self.code = code
+
+
+class OutOfMemoryError(RuntimeError):
+    """A buffer found no room on its device; worded as PyTorch words its OOM (what the worker's
+    OOM handling reads: ``control/oom.py``)."""
+
+
+def out_of_memory_message(device: int, nbytes: int, free: int, total: int) -> str:
+    """PyTorch's wording of an OOM, with the buffer's size and the device's free memory."""
+    gib = 1 << 30
+    return (
+        f"CUDA out of memory. Tried to allocate {nbytes / gib:.2f} GiB. GPU {device} has a "
+        f"total capacity of {total / gib:.2f} GiB of which {free / gib:.2f} GiB is free."
+    )
 
 
 class VmmDriver:
@@ -246,11 +264,31 @@ class PieceBuffer:
         self.handles: dict[int, int] = {}
         try:
             with torch.cuda.device(index):
-                for k, (offset, size) in enumerate(self.spans):
-                    self.handles[k] = self.driver.map_new(self.base + offset, size)
+                self._map_all()
         except BaseException:
             self.close()
             raise
+
+    def _map_all(self) -> None:
+        """Map every piece; out of memory, give torch's cached blocks back and try once more
+        (as torch's own allocator does), then raise :class:`OutOfMemoryError`."""
+        for attempt in (1, 2):
+            try:
+                for k, (offset, size) in enumerate(self.spans):
+                    if k not in self.handles:
+                        self.handles[k] = self.driver.map_new(self.base + offset, size)
+                return
+            except CudaError as error:
+                if error.code != OUT_OF_MEMORY:
+                    raise
+                if attempt == 1:
+                    torch.cuda.empty_cache()
+                    continue
+                for k in sorted(self.handles):
+                    self.release(k)
+                free, total = torch.cuda.mem_get_info(self.device)
+                message = out_of_memory_message(self.device.index or 0, self.reserved, free, total)
+                raise OutOfMemoryError(message) from error
 
     def tensor(self) -> torch.Tensor:
         """The whole buffer as one 1-D uint8 tensor on its device."""
