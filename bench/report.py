@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.report_coldstart import coldstart_section  # noqa: E402
 from bench.report_serving import decode_graphs_section, serving_section  # noqa: E402
+from bench.report_speed import speed_section  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
@@ -419,6 +420,9 @@ def render() -> str:
             RESULTS / "first_forward.jsonl",
             _load("coldstart_02dfee4.json"),
         )
+    speed = _load("speed.json")
+    if speed:
+        lines += speed_section(speed)
     lines.append(END)
     return "\n".join(lines)
 
