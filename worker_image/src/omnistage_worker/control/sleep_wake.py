@@ -209,7 +209,8 @@ class SleepWake(AckedTransitions):
             engine_done = time.monotonic()
             await lane.run(worker.release_cached)
             log.info(
-                "%s phases: lane+engine %.4fs (engine %.4fs, %d bytes), cached release %.4fs",
+                "%s phases: order to engine done %.4fs (engine %.4fs, %d bytes), "
+                "cached release %.4fs",
                 what,
                 engine_done - start.monotonic,
                 stats.seconds,

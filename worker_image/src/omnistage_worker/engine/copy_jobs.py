@@ -75,15 +75,19 @@ def run_jobs(makers: Sequence[Callable[[], CopyJob]]) -> list[JobStats]:
     in a finish is raised once the other jobs are finished (theirs have moved)."""
     with quick_switching():
         jobs: list[CopyJob] = []
+        issued: list[Step] = []  # in issue order: the marks are followed in it
         where = 0  # the job being made or given its lead; -1: the interleaved issue
         try:
             for make in makers:
                 where = len(jobs)
                 jobs.append(make())
-                copy_pieces(jobs[-1].pieces[:LEAD_PIECES])
+                lead = jobs[-1].pieces[:LEAD_PIECES]
+                copy_pieces(lead)
+                issued += lead
             where = -1
             rest = interleave([job.pieces[LEAD_PIECES:] for job in jobs])
             copy_pieces(rest)
+            issued += rest
         except BaseException as error:
             aborts = [job.abort for job in jobs]
             jobs.clear()  # their device buffers go before the aborts give memory back
@@ -95,7 +99,7 @@ def run_jobs(makers: Sequence[Callable[[], CopyJob]]) -> list[JobStats]:
             raise JobError(where, error) from error
         failed: JobError | None = None
         try:  # a sleep's memory goes back behind its copy, before any job's finish waits
-            follow_marks([step for job in jobs for step in job.pieces[:LEAD_PIECES]] + rest)
+            follow_marks(issued)
         except Exception as error:
             failed = JobError(-1, error)
         stats: list[JobStats] = []

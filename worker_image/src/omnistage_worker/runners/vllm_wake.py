@@ -21,11 +21,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from omnistage_worker.runners.vllm_wake_plan import (
-    WAKE_ORDERS,
     Allocation,
     Backup,
     Phases,
     Step,
+    checked_order,
     phase_of,
     plan_sleep,
     plan_wake,
@@ -88,10 +88,8 @@ class FastCuMem:
     """
 
     def __init__(self, ops: WakeOps, order: str = "overlap") -> None:
-        if order not in WAKE_ORDERS:
-            raise ValueError(f"wake order {order!r} is none of {', '.join(WAKE_ORDERS)}")
         self.ops = ops
-        self.order = order
+        self.order = checked_order(order)  # a bad order fails here, not at the first wake
         self.buffer: HostBuffer | None = None
         self.backups: dict[int, Backup] = {}
         self.last: dict[str, Phases] = {}

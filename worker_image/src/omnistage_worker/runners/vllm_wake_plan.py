@@ -162,10 +162,16 @@ share the copy engine with the copies (bench/results/vllm_stage.md), so which is
 the driver's to say."""
 
 
-def wake_steps(plan: WakePlan, order: str = "overlap") -> list[Step]:
-    """The wake's steps in ``order`` (:data:`WAKE_ORDERS`), one wait for the copies in each."""
+def checked_order(order: str) -> str:
+    """``order`` if it is one of :data:`WAKE_ORDERS`; ValueError naming them otherwise."""
     if order not in WAKE_ORDERS:
         raise ValueError(f"wake order {order!r} is none of {', '.join(WAKE_ORDERS)}")
+    return order
+
+
+def wake_steps(plan: WakePlan, order: str = "overlap") -> list[Step]:
+    """The wake's steps in ``order`` (:data:`WAKE_ORDERS`), one wait for the copies in each."""
+    checked_order(order)
     restore = [s for b in plan.copies for s in (Step("map", b.ptr), Step("copy_h2d", b.ptr, b))]
     rest = [Step("map", ptr) for ptr in plan.maps_only]
     wait = [Step("sync_copies")] if plan.copies else []
