@@ -107,11 +107,16 @@ def coldstart(report: Json) -> Json:
 
 
 def vllm(report: Json) -> Json:
-    """``bench/vllm_stage.py``: a vLLM stage's level-1 wake against H2D, and its cold start."""
+    """``bench/vllm_stage.py``: a vLLM stage's level-1 wake against H2D, and its cold start:
+    the restart's, its compile caches kept as a volume keeps them (the issue's terms), where the
+    report has one, else the first start's, with ``cold_start_basis`` saying which."""
     s, lim = report["summary"], report["limits"]
+    kept = s.get("cold_start_caches_kept_seconds")
     return {
         "vllm_l1_wake_of_h2d": s["l1_wake_ratio_to_h2d"],
-        "vllm_cold_start_s": s["cold_start_seconds"],
+        "vllm_cold_start_s": s["cold_start_seconds"] if kept is None else kept,
+        "cold_start_basis": "first start, caches cold" if kept is None else "caches kept",
+        "cold_start_first_s": s["cold_start_seconds"],
         "weights_gib": s["weights_gib"],
         "l1_wake_seconds_median": s.get("l1_wake_seconds_median"),
         "l1_sleep_ratio_to_d2h": s.get("l1_sleep_ratio_to_d2h"),

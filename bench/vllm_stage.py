@@ -187,6 +187,7 @@ def run(a: argparse.Namespace) -> Json:
     memory = int(total * a.vllm_fraction)
     extra = {"VLLM_ATTENTION_BACKEND": a.attention_backend} if a.attention_via == "env" else {}
     extra[WAKE_ORDER_ENV] = a.wake_order
+    extra.update(cache_env(a.cache_dir or work / "compile_cache"))
     env = worker_env(a.smoke, fake_dir, extra)
     device = "cpu" if a.smoke else "cuda"
     torch_args = [
@@ -201,6 +202,7 @@ def run(a: argparse.Namespace) -> Json:
         report["outside_before_vllm"] = outside.read()
         args = vllm_args(a, work / "vllm_llm", memory)
         report["vllm_args"] = args
+        report["compile_cache_before"] = cache_contents(env)
         llm = start_worker("vllm", args, env, work / "vllm.log", ready=INFERENCE, timeout=1800)
         phases = PhaseLog(work / "vllm.log")
         report["start_phases"] = phases.take()  # the calibration's sleep (pins) and wake
@@ -217,12 +219,42 @@ def run(a: argparse.Namespace) -> Json:
         report["cycles"] = cycles(llm, outside, reference, a, phases)
         report["deepen"] = deepen_refused(llm)
         report["handover"] = handover(llm, tw, outside, reference, a.tokens)
+        for n in range(a.restarts):  # the stage's pod again, its caches kept (as on a volume)
+            llm.stop()
+            llm = None
+            before = cache_contents(env)
+            log = work / f"vllm_restart{n + 1}.log"
+            llm = start_worker("vllm", args, env, log, ready=INFERENCE, timeout=1800)
+            tokens = llm.generate(PROMPT, a.tokens)
+            report.setdefault("restarts", []).append({
+                "cold_start_seconds": time.time() - llm.spawned_at,
+                "compile_cache_before": before, "tokens_identical": tokens == reference,
+            })  # fmt: skip
     finally:
         if llm is not None:
             llm.stop()
         tw.stop()
     report["summary"] = summarize(report)
     return report
+
+
+def cache_env(root: Path) -> dict[str, str]:
+    """Where vLLM, Triton and Inductor keep what they compile: one folder, as a stage's volume
+    would hold them across its pod's restarts."""
+    return {
+        "VLLM_CACHE_ROOT": str(root / "vllm"),
+        "TRITON_CACHE_DIR": str(root / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
+    }
+
+
+def cache_contents(env: dict[str, str]) -> Json:
+    """Files and bytes in each compile cache folder before a start (0: a cold cache)."""
+    out: Json = {}
+    for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        files = [f for f in Path(env[name]).rglob("*") if f.is_file()]
+        out[name] = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+    return out
 
 
 def _median(xs: list[float]) -> float:
@@ -234,6 +266,10 @@ def summarize(r: Json) -> Json:
     weights = r["build"]["vllm"]["bytes"]
     lim = r["limits"]
     out: Json = {"weights_gib": weights / GiB, "cold_start_seconds": r["cold_start_seconds"]}
+    restarts = r.get("restarts", [])
+    if restarts:  # a restart's caches are the first start's: the cold start a stage's volume gives
+        out["cold_start_caches_kept_seconds"] = _median([x["cold_start_seconds"] for x in restarts])
+        out["restart_tokens_identical"] = all(x["tokens_identical"] for x in restarts)
     for level in (1, 2):
         rows = [c for c in r["cycles"] if c["level"] == level]
         if not rows:
@@ -327,6 +363,17 @@ def main() -> None:
         choices=WAKE_ORDERS,
         default="overlap",
         help=f"{WAKE_ORDER_ENV}: the fast wake's order of maps and copies",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=1,
+        help="start the vLLM stage again this many times at the end, its compile caches kept",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        help="vLLM's, Triton's and Inductor's caches (default: <workdir>/compile_cache)",
     )
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = parser.parse_args()

@@ -91,3 +91,14 @@ def test_the_gpu_handovers_operator_share_comes_before_the_local_control_planes(
         {"handover": {"operator_p50_ms": 150.0}, "operator": {"operator_p50_ms": 90.0}}, {}
     )
     assert (out["operator_p50_ms"], out["source"]["operator_p50_ms"]) == (150.0, "handover")
+
+
+def test_a_vllm_restart_with_its_caches_kept_gives_the_cold_start() -> None:
+    report = _load("vllm_stage.json")
+    first = report["summary"]["cold_start_seconds"]
+    report["summary"]["cold_start_caches_kept_seconds"] = first / 4
+    figures = speed_figures.vllm(report)
+    assert figures["vllm_cold_start_s"] == first / 4
+    assert figures["cold_start_basis"] == "caches kept"
+    assert figures["cold_start_first_s"] == first
+    assert speed_figures.vllm(_load("vllm_stage.json"))["cold_start_basis"].startswith("first")

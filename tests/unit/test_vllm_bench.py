@@ -39,6 +39,8 @@ def test_smoke_run_renders_a_readme_section(tmp_path: Path) -> None:
     s = data["summary"]
     assert s["all_acks_ok"] and s["all_tokens_identical"] and s["deepen_refused"]
     assert s["all_refused_while_asleep"] and s["residual_within_bound"]
+    assert s["restart_tokens_identical"] and s["cold_start_caches_kept_seconds"] > 0
+    assert len(data["restarts"]) == 1  # the stage started again, its compile caches kept
     text = "\n".join(vllm_section(data))
     assert "A vLLM stage" in text and "hand-over vLLM -> torch" in text
 
