@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from omnistage_worker.config import WorkerConfig
+from omnistage_worker.runners import vllm_forkserver
 
 log = logging.getLogger("omnistage_worker.startup")
 
@@ -116,6 +117,8 @@ def begin(config: WorkerConfig) -> list[threading.Thread]:
         threads.append(threading.Thread(target=_contexts, args=(ordinals,), name="omnistage-ctx"))
     if config.backend == "transformers":  # the runner that reads its files itself
         threads.append(threading.Thread(target=_prefetch, args=(config,), name="omnistage-fetch"))
+    if config.backend == "vllm" and vllm_forkserver.enabled():
+        vllm_forkserver.begin()  # a process of its own: its imports run beside this one's
     for thread in threads:
         thread.daemon = True
         thread.start()

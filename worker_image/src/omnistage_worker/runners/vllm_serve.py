@@ -19,6 +19,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from omnistage_worker.config import ConfigError, WorkerConfig
+from omnistage_worker.runners import vllm_forkserver
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def start_engine(args: argparse.Namespace) -> Any:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    vllm_forkserver.install()  # the engine core from the fork server, where it runs
     engine_args = AsyncEngineArgs.from_cli_args(args)
     usage = UsageContext.OPENAI_API_SERVER
     vllm_config = engine_args.create_engine_config(usage_context=usage)
