@@ -309,8 +309,26 @@ def _vllm_engine_row(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def vllm_section(data: dict[str, Any]) -> list[str]:
-    """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits."""
+def _vllm_restart_row(forkserver: dict[str, Any] | None, spawn: dict[str, Any] | None) -> list[str]:
+    """The stage started again with its compile caches kept, its engine core from the fork
+    server against spawned (two runs of one machine call)."""
+    if not forkserver or not spawn:
+        return []
+    kept = forkserver["summary"]["cold_start_caches_kept_seconds"]
+    spawned = spawn["summary"]["cold_start_caches_kept_seconds"]
+    return [
+        f"| cold start again, compile caches kept (engine core from the fork server / "
+        f"spawned, {forkserver['machine']['date'][:10]}) | {kept:.1f} s / {spawned:.1f} s |"
+    ]
+
+
+def vllm_section(
+    data: dict[str, Any],
+    forkserver: dict[str, Any] | None = None,
+    spawn: dict[str, Any] | None = None,
+) -> list[str]:
+    """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits;
+    the restarts' cold starts from the fork-server run and its spawned twin, where given."""
     m, s, lim = data["machine"], data["summary"], data["limits"]
     return [
         "",
@@ -323,6 +341,7 @@ def vllm_section(data: dict[str, Any]) -> list[str]:
         "| figure | value |",
         "|---|---|",
         f"| cold start (spawn to first token) | {s['cold_start_seconds']:.1f} s |",
+        *_vllm_restart_row(forkserver, spawn),
         f"| L1 sleep / wake | {s['l1_sleep_seconds_median']:.2f} s "
         f"({s['l1_sleep_ratio_to_d2h']:.0%} of D2H) / {s['l1_wake_seconds_median']:.2f} s "
         f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",
@@ -404,7 +423,9 @@ def render() -> str:
         lines += components_section(components)
     vllm = _load("vllm_stage_h200_fastwake.json")  # the current path (vllm_stage.json: the first)
     if vllm:
-        lines += vllm_section(vllm)
+        lines += vllm_section(
+            vllm, _load("vllm_stage_h200_forkserver.json"), _load("vllm_stage_h200_spawn.json")
+        )
     serving = _load("serving.json")
     if serving:
         same_code = {n: d for n in SERVING_SAME_CODE if (d := _load(n))}

@@ -20,7 +20,10 @@ def speed_section(data: dict[str, Any]) -> list[str]:
     """One row per figure of the summary: now, goal, met, and which part measured it."""
     s = data["summary"]
     figures = data.get("figures", {})
-    basis = (figures.get("handover") or {}).get("operator_basis")
+    bases = {
+        "operator_p50_ms": (figures.get("handover") or {}).get("operator_basis"),
+        "vllm_cold_start_s": (figures.get("vllm") or {}).get("cold_start_basis"),
+    }
     lines = [
         "",
         f"Issue 23's figures in one JSON, `bench/speed.py` (`bench/results/speed.json`, "
@@ -36,7 +39,8 @@ def speed_section(data: dict[str, Any]) -> list[str]:
         now = fmt.format(value) if value is not None else "not measured"
         met = s.get("met", {}).get(key)
         where = s.get("source", {}).get(key, "-")
-        named = f"{label}, {basis}" if key == "operator_p50_ms" and basis else label
+        basis = bases.get(key)
+        named = f"{label}, {basis}" if basis else label
         lines.append(
             f"| {named} | {now} | {s['goals'][key]} | "
             f"{'-' if met is None else ('yes' if met else '**no**')} | {where} |"
