@@ -6,7 +6,8 @@ makes the jobs in turn (a wake allocates its device buffer then), issues the fir
 :data:`LEAD_PIECES` of each as soon as it is made, so a device copies while the next one
 allocates, then issues the rest of every device's pieces interleaved (device 0 piece i,
 device 1 piece i, ...) in one call, each on its own device's current stream, so the devices
-copy at once; then finishes the jobs in device order. Everything runs with the switch interval
+copy at once; then finishes the jobs in device order. Jobs of one device (a pipeline's groups)
+have nothing to interleave with: each job's pieces are issued whole as it is made. Everything runs with the switch interval
 lowered (:mod:`.gil`).
 
 Why one thread, measured on 2 x H200 (``bench/results/multi_gpu_probe.json``): a bare copy
@@ -68,8 +69,15 @@ class JobError(RuntimeError):
         self.error = error
 
 
-def run_jobs(makers: Sequence[Callable[[], CopyJob]]) -> list[JobStats]:
+def run_jobs(
+    makers: Sequence[Callable[[], CopyJob]], *, one_device: bool = False
+) -> list[JobStats]:
     """Make, issue and finish the jobs from this thread (see the module's docstring).
+
+    ``one_device``: the jobs share one device (a pipeline's groups), so there is nothing to
+    interleave with; each job's pieces are issued whole as soon as it is made, and the copy
+    engine has the first job's whole copy queued while Python makes the next ones (put the
+    largest first).
 
     A failure before every job is issued aborts every job made (nothing has moved); a failure
     in a finish is raised once the other jobs are finished (theirs have moved)."""
@@ -81,11 +89,11 @@ def run_jobs(makers: Sequence[Callable[[], CopyJob]]) -> list[JobStats]:
             for make in makers:
                 where = len(jobs)
                 jobs.append(make())
-                lead = jobs[-1].pieces[:LEAD_PIECES]
-                copy_pieces(lead)
-                issued += lead
+                head = jobs[-1].pieces[: None if one_device else LEAD_PIECES]
+                copy_pieces(head)
+                issued += head
             where = -1
-            rest = interleave([job.pieces[LEAD_PIECES:] for job in jobs])
+            rest = [] if one_device else interleave([j.pieces[LEAD_PIECES:] for j in jobs])
             copy_pieces(rest)
             issued += rest
         except BaseException as error:
