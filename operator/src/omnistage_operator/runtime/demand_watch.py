@@ -1,7 +1,11 @@
 """One long-lived WatchDemand stream per OnDemand worker: the latest demand, kicks, timers.
 
 No polling: each worker tells its demand at once when it changes; a change that matters (held
-requests, the worker's state, requests in flight starting or ending) kicks the group's round.
+requests, the worker's state, requests in flight starting or ending) kicks the group's round,
+unless the group's last round already saw it (``seen``: what its last ``shape`` read of the
+stream, with the worker's state as the round itself last knew it, from its ACKs). A report that
+comes while a round of its group runs is judged when that round ends (``round_ended``): the
+reports of a hand-over's own sleep and wake start no second round.
 A stream that breaks (pod gone, worker restarting) is opened again after a short back-off while
 its pod is the stage's. ``shape`` is the round's entry point: it opens the streams the group's
 OnDemand stages need, closes the others, and turns the latest demand into the arbiter's
@@ -45,6 +49,8 @@ __all__ = ["DemandReport", "DemandWatcher", "report_from_proto"]
 log = logging.getLogger(__name__)
 
 StageKey = tuple[str, str]
+GroupKey = tuple[str, str]
+Trigger = tuple[int, bool, bool]
 _NO_STREAM = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING})
 _RETRY_MIN_S, _RETRY_MAX_S = 0.2, 5.0
 # A stage's demand series (labelled namespace, stage), removed when the stage is deleted.
@@ -70,7 +76,7 @@ class DemandReport:
     hold_full_total: int = 0
 
     @property
-    def trigger(self) -> tuple[int, bool, bool]:
+    def trigger(self) -> Trigger:
         """What kicks a round when it changes."""
         return (self.demand.held, self.active, self.demand.inflight > 0)
 
@@ -104,6 +110,10 @@ class _Stream:
     task: asyncio.Task[None]
     report: DemandReport | None = None
     awake_since: float | None = None
+    # The trigger as the group's last round saw it: held and in-flight from the report its
+    # last shape read, Active from the worker's phase there (None: no report read yet).
+    seen: Trigger | None = None
+    deferred: bool = False  # a report came while a round of the group ran
 
 
 @dataclass
@@ -119,6 +129,7 @@ class DemandWatcher:
         self._epoch = epoch
         self._streams: dict[StageKey, _Stream] = {}
         self._timers = _Timers()
+        self._in_round: set[GroupKey] = set()
 
     # -- the round's view ------------------------------------------------------------------
 
@@ -151,6 +162,8 @@ class DemandWatcher:
                 and stream.awake_since is None
             ):
                 stream.awake_since = now  # seen Active by the round before the stream said so
+            if stream is not None:
+                stream.seen = _seen(stream.report, fact.phase)
             inputs[name] = DemandInput(
                 spec.activation,
                 fact.phase,
@@ -163,6 +176,22 @@ class DemandWatcher:
         view = shape_intents(intents, inputs, now)
         self._schedule(port.ns, port.group, view.recheck_at, now)
         return view
+
+    def round_began(self, namespace: str, group: str) -> None:
+        """A round of the group begins: its streams' reports wait for its end."""
+        self._in_round.add((namespace, group))
+
+    def round_ended(self, namespace: str, group: str) -> None:
+        """The group's round ended: kick it again when a report that came meanwhile says
+        something its last shape did not see."""
+        self._in_round.discard((namespace, group))
+        news = False
+        for stream in self._streams.values():
+            if stream.group == group and stream.deferred:
+                stream.deferred = False
+                news |= _news(stream)
+        if news:
+            self._kick(namespace, group)
 
     def status_fields(
         self, namespace: str, name: str, reason: AwakeReason | None
@@ -262,7 +291,11 @@ class DemandWatcher:
         elif not report.active:
             stream.awake_since = None
         _count(key, before, report)
-        if before is None or before.trigger != report.trigger:
+        if not _news(stream):
+            return
+        if (key[0], group) in self._in_round:
+            stream.deferred = True  # judged when the round ends (it may see it itself)
+        else:
             self._kick(key[0], group)
 
     def _schedule(self, namespace: str, group: str, at: float | None, now: float) -> None:
@@ -278,6 +311,18 @@ class DemandWatcher:
     def _recheck(self, namespace: str, group: str) -> None:
         self._timers.handles.pop((namespace, group), None)
         self._kick(namespace, group)
+
+
+def _seen(report: DemandReport | None, phase: WorkerPhase) -> Trigger | None:
+    """The trigger a round saw: the report's held and in-flight, the round's own phase."""
+    if report is None:
+        return None
+    return (report.demand.held, phase is WorkerPhase.ACTIVE, report.demand.inflight > 0)
+
+
+def _news(stream: _Stream) -> bool:
+    """The stream's latest report says something the group's last round did not see."""
+    return stream.report is not None and stream.report.trigger != stream.seen
 
 
 def _count(key: StageKey, before: DemandReport | None, now: DemandReport) -> None:

@@ -300,8 +300,12 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
             requests.inc(n)
             objects.inc(read)
 
-        with tallied(counted):
-            return await self._round(namespace, group)
+        self.demand.round_began(namespace, group)
+        try:
+            with tallied(counted):
+                return await self._round(namespace, group)
+        finally:  # a demand report that came meanwhile kicks again only with news
+            self.demand.round_ended(namespace, group)
 
     async def _round(self, namespace: str, group: str) -> bool:
         # The group's last readings: this round's first plan may send its sleeps from them.
