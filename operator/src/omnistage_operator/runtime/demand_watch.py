@@ -4,8 +4,10 @@ No polling: each worker tells its demand at once when it changes; a change that 
 requests, the worker's state, requests in flight starting or ending) kicks the group's round,
 unless the group's last round already saw it (``seen``: what its last ``shape`` read of the
 stream, with the worker's state as the round itself last knew it, from its ACKs). A report that
-comes while a round of its group runs is judged when that round ends (``round_ended``): the
-reports of a hand-over's own sleep and wake start no second round.
+comes while a round of its group runs is judged when that round ends (``round_ended``; a
+round's last plan, after its wakes, orders nothing more, so a report it saw there still kicks
+when that plan orders something): the reports of a hand-over's own sleep and wake start no
+second round.
 A stream that breaks (pod gone, worker restarting) is opened again after a short back-off while
 its pod is the stage's. ``shape`` is the round's entry point: it opens the streams the group's
 OnDemand stages need, closes the others, and turns the latest demand into the arbiter's
@@ -181,15 +183,16 @@ class DemandWatcher:
         """A round of the group begins: its streams' reports wait for its end."""
         self._in_round.add((namespace, group))
 
-    def round_ended(self, namespace: str, group: str) -> None:
+    def round_ended(self, namespace: str, group: str, *, orders_left: bool = False) -> None:
         """The group's round ended: kick it again when a report that came meanwhile says
-        something its last shape did not see."""
+        something its last shape did not see, or its last shape saw it but the round gave no
+        more orders after it (``orders_left``: its last plan still orders something)."""
         self._in_round.discard((namespace, group))
         news = False
         for stream in self._streams.values():
             if stream.group == group and stream.deferred:
                 stream.deferred = False
-                news |= _news(stream)
+                news |= orders_left or _news(stream)
         if news:
             self._kick(namespace, group)
 
