@@ -42,8 +42,9 @@ def _woken_by_demand(
                 name, "ar", tiny_models, gpu.node, state="Asleep", vram_request="600k"
             )
             cluster.apply(on_demand(manifest))
-        for name in ("a", "b"):
-            wait_for(f"{name} Asleep", lambda n=name: cluster.state(n) == "Asleep", 180)
+        wait_for(
+            "a and b Asleep", lambda: cluster.state("a") == cluster.state("b") == "Asleep", 180
+        )
         with httpx.Client(timeout=120) as http:
             for name in ("a", "b"):
                 answer = http.post(f"{http_url(cluster, name)}/v1/completions", json=BODY)
