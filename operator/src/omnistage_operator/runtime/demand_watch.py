@@ -115,7 +115,6 @@ class _Stream:
     # The trigger as the group's last round saw it: held and in-flight from the report its
     # last shape read, Active from the worker's phase there (None: no report read yet).
     seen: Trigger | None = None
-    deferred: bool = False  # a report came while a round of the group ran
 
 
 @dataclass
@@ -131,7 +130,8 @@ class DemandWatcher:
         self._epoch = epoch
         self._streams: dict[StageKey, _Stream] = {}
         self._timers = _Timers()
-        self._in_round: set[GroupKey] = set()
+        # Groups with a round running, and the stages whose reports came meanwhile.
+        self._in_round: dict[GroupKey, set[StageKey]] = {}
 
     # -- the round's view ------------------------------------------------------------------
 
@@ -181,19 +181,15 @@ class DemandWatcher:
 
     def round_began(self, namespace: str, group: str) -> None:
         """A round of the group begins: its streams' reports wait for its end."""
-        self._in_round.add((namespace, group))
+        self._in_round[(namespace, group)] = set()
 
     def round_ended(self, namespace: str, group: str, *, orders_left: bool = False) -> None:
         """The group's round ended: kick it again when a report that came meanwhile says
         something its last shape did not see, or its last shape saw it but the round gave no
         more orders after it (``orders_left``: its last plan still orders something)."""
-        self._in_round.discard((namespace, group))
-        news = False
-        for stream in self._streams.values():
-            if stream.group == group and stream.deferred:
-                stream.deferred = False
-                news |= orders_left or _news(stream)
-        if news:
+        reported = self._in_round.pop((namespace, group), set())
+        streams = [s for key in reported if (s := self._streams.get(key)) is not None]
+        if streams and (orders_left or any(_news(s) for s in streams)):
             self._kick(namespace, group)
 
     def status_fields(
@@ -296,8 +292,9 @@ class DemandWatcher:
         _count(key, before, report)
         if not _news(stream):
             return
-        if (key[0], group) in self._in_round:
-            stream.deferred = True  # judged when the round ends (it may see it itself)
+        reported = self._in_round.get((key[0], group))
+        if reported is not None:
+            reported.add(key)  # judged when the round ends (it may see it itself)
         else:
             self._kick(key[0], group)
 
