@@ -58,11 +58,12 @@ def _woken_by_demand(
 
 
 def _at_rest(cluster: Cluster, op: OperatorProcess) -> tuple[float, dict[str, float]]:
-    """The group's rounds and the stages' API requests, once they stayed still for a while."""
+    """The group's rounds and the stages' API requests, once they stayed still for longer than
+    a busy round's follow-up can be pending (at most 2 s after it: ``group_loops``)."""
 
     def quiet() -> tuple[float, dict[str, float]] | None:
         seen = (rounds(op, cluster.namespace), stage_requests(cluster))
-        time.sleep(1.0)  # the window the counters must stay still over (polled again)
+        time.sleep(2.5)  # the window the counters must stay still over (polled again)
         again = (rounds(op, cluster.namespace), stage_requests(cluster))
         return again if seen == again else None
 
