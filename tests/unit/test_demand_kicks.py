@@ -13,8 +13,10 @@ from omnistage_operator.runtime.demand_watch import DemandReport, DemandWatcher,
 KEY = ("ns", "b")
 
 
-def _report(*, held: int = 0, active: bool = False, inflight: int = 0) -> DemandReport:
-    return DemandReport(Demand(held=held, inflight=inflight), active=active)
+def _report(
+    *, held: int = 0, active: bool = False, inflight: int = 0, transition: bool = False
+) -> DemandReport:
+    return DemandReport(Demand(held=held, inflight=inflight), active=active, transition=transition)
 
 
 async def _watcher() -> tuple[DemandWatcher, list[tuple[str, str]], _Stream]:
@@ -72,4 +74,15 @@ async def test_outside_a_round_news_kicks_at_once_and_a_repeat_does_not() -> Non
     watcher._on_report(KEY, "g", _report(active=True))
     watcher._on_report(KEY, "g", _report(active=True, inflight=2))
     assert kicks == [("ns", "g")] * 2  # requests in flight: news
+    await watcher.close()
+
+
+async def test_a_late_report_of_a_transition_the_round_saw_end_kicks_nothing() -> None:
+    watcher, kicks, stream = await _watcher()
+    stream.report = _report()
+    stream.seen = _seen(stream.report, WorkerPhase.ACTIVE)  # the round's wake ACK
+    watcher._on_report(KEY, "g", _report(transition=True))  # Waking, delivered after the ACK
+    assert kicks == []
+    watcher._on_report(KEY, "g", _report(active=False))  # Asleep (or Failed): news
+    assert kicks == [("ns", "g")]
     await watcher.close()

@@ -54,6 +54,7 @@ StageKey = tuple[str, str]
 GroupKey = tuple[str, str]
 Trigger = tuple[int, bool, bool]
 _NO_STREAM = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING})
+_TRANSITIONS = frozenset({types_pb2.WORKER_STATE_SLEEPING, types_pb2.WORKER_STATE_WAKING})
 _RETRY_MIN_S, _RETRY_MAX_S = 0.2, 5.0
 # A stage's demand series (labelled namespace, stage), removed when the stage is deleted.
 _STAGE_SERIES = (
@@ -71,6 +72,7 @@ class DemandReport:
 
     demand: Demand
     active: bool
+    transition: bool = False  # Sleeping or Waking
     held_total: int = 0
     served_after_hold_total: int = 0
     hold_seconds_total: float = 0.0
@@ -97,6 +99,7 @@ def report_from_proto(message: demand_service_pb2.WatchDemandResponse) -> Demand
             inflight=message.inflight_requests,
         ),
         active=message.state == types_pb2.WORKER_STATE_ACTIVE,
+        transition=message.state in _TRANSITIONS,
         held_total=message.held_total,
         served_after_hold_total=message.served_after_hold_total,
         hold_seconds_total=message.hold_seconds_total,
@@ -321,8 +324,19 @@ def _seen(report: DemandReport | None, phase: WorkerPhase) -> Trigger | None:
 
 
 def _news(stream: _Stream) -> bool:
-    """The stream's latest report says something the group's last round did not see."""
-    return stream.report is not None and stream.report.trigger != stream.seen
+    """The stream's latest report says something the group's last round did not see. A
+    worker in a transition says nothing new of its state: the round that ordered it sees its
+    end (its ACK), and the report of that end is news when it was not (such a report may
+    also come after the ACK)."""
+    report, seen = stream.report, stream.seen
+    if report is None:
+        return False
+    if seen is None:
+        return True
+    held, active, inflight = report.trigger
+    if (held, inflight) != (seen[0], seen[2]):
+        return True
+    return active != seen[1] and not report.transition
 
 
 def _count(key: StageKey, before: DemandReport | None, now: DemandReport) -> None:
