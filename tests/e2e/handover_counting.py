@@ -1,6 +1,7 @@
-"""What the hand-over counting tests share (``test_handover_rpcs``, ``test_handover_writes``):
-the operator's round counters, counter deltas, and a group of two tiny stages at rest (ar
-Active, sd Asleep) under an operator whose resync timer stays out of the window."""
+"""What the hand-over counting tests share (``test_handover_rpcs``, ``test_handover_writes``,
+``test_handover_rounds``): the operator's round counters, the API server's requests on the
+stages, counter deltas, and a group of two tiny stages at rest (ar Active, sd Asleep) under an
+operator whose resync timer stays out of the window."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.scale_probe import apiserver_requests
 from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
 
 
@@ -25,6 +27,12 @@ def rounds(op: OperatorProcess, namespace: str, name: str = "omnistage_rounds_to
             ):
                 total += sample.value
     return total
+
+
+def stage_requests(cluster: Cluster) -> dict[str, float]:
+    """The API server's answered requests on OmniStages so far, by ``VERB resource``."""
+    served = apiserver_requests(cluster.cp).items()
+    return {k: v for k, v in served if k.split(" ", 1)[1].split("/")[0] == "omnistages"}
 
 
 def delta(after: Mapping[str, float], before: Mapping[str, float], key: str) -> float:

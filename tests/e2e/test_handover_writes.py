@@ -16,19 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.scale_probe import apiserver_requests
 from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
-from tests.e2e.handover_counting import delta, resting_pair, rounds
+from tests.e2e.handover_counting import delta, resting_pair, rounds, stage_requests
 
 pytestmark = [pytest.mark.timeout(600)]
 
 ANNOTATION = "omnistage.io/last-handled-configuration"
-
-
-def _stage_requests(cluster: Cluster) -> dict[str, float]:
-    """The API server's answered requests on OmniStages so far, by ``VERB resource``."""
-    served = apiserver_requests(cluster.cp).items()
-    return {k: v for k, v in served if k.split(" ", 1)[1].split("/")[0] == "omnistages"}
 
 
 def test_a_handover_writes_the_stages_only_their_status_beside_the_users_patch(
@@ -38,9 +31,9 @@ def test_a_handover_writes_the_stages_only_their_status_beside_the_users_patch(
 
         def quiet() -> tuple[float, dict[str, float]] | None:
             """The counters, once they did not move for a while (the start's rounds are over)."""
-            seen = (rounds(op, cluster.namespace), _stage_requests(cluster))
+            seen = (rounds(op, cluster.namespace), stage_requests(cluster))
             time.sleep(0.5)  # the window the counters must stay still over (polled again)
-            again = (rounds(op, cluster.namespace), _stage_requests(cluster))
+            again = (rounds(op, cluster.namespace), stage_requests(cluster))
             return again if seen == again else None
 
         rounds0, before = wait_for("the group at rest", quiet, 60)

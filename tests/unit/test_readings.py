@@ -61,6 +61,15 @@ def test_a_sleep_ack_is_the_workers_report_and_the_devices_latest_reading() -> N
     assert acked_memory(memory, [SLEPT]).free == int(14.5 * GIB)
 
 
+def test_a_sleep_ack_carries_the_peak_the_worker_reached_since_the_reading() -> None:
+    # ar served requests after the reading (10 GiB peak): its sleep's ACK says 12 GiB, as its
+    # GetStatus would after the sleep, so a later reading changes nothing in its status
+    served = _ack("sleep", 10 * GIB, GIB // 2, int(14.5 * GIB), 100.0, peak_active_bytes=12 * GIB)
+    reports = reuse_reports(BEFORE, {"ar"}, {"ar": served}, ["ar", "sd"])
+    assert reports is not None
+    assert reports["ar"].peak_active_bytes == 12 * GIB
+
+
 def test_a_wake_ack_sets_the_footprint_and_peak_to_what_the_wake_holds() -> None:
     woke = _ack("wake", GIB // 2, 12 * GIB, 3 * GIB, 101.0)
     asleep = report_after_ack(BEFORE["ar"], SLEPT)

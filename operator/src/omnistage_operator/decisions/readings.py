@@ -76,7 +76,7 @@ def _trusted(ack: AckFacts) -> bool:
 def report_after_ack(report: WorkerReport, ack: AckFacts) -> WorkerReport:
     """``report`` as the worker answers GetStatus right after ``ack``: the ACK's state, level
     and per-device figures (the planned weights per device kept); a wake's footprint and peak
-    are what it holds after the wake (the worker sets both then)."""
+    are what it holds after the wake (the worker sets both then), a sleep's peak the ACK's."""
     weights = {(d.uuid, d.index): d.weights for d in report.devices}
     devices = tuple(
         replace(
@@ -97,7 +97,11 @@ def report_after_ack(report: WorkerReport, ack: AckFacts) -> WorkerReport:
         total_bytes=ack.total_bytes or report.total_bytes,
         source=ack.source or report.source,
         active_footprint_bytes=ack.used_after_bytes if woke else report.active_footprint_bytes,
-        peak_active_bytes=ack.used_after_bytes if woke else report.peak_active_bytes,
+        # a sleep's ACK carries the peak as the worker keeps it (requests served since the
+        # reading raise it); a wake's, the peak before it
+        peak_active_bytes=(
+            ack.used_after_bytes if woke else ack.peak_active_bytes or report.peak_active_bytes
+        ),
         last_ack=ack,
         devices=devices or report.devices,
         inflight_requests=0 if not woke else report.inflight_requests,

@@ -1,7 +1,13 @@
 """One long-lived WatchDemand stream per OnDemand worker: the latest demand, kicks, timers.
 
 No polling: each worker tells its demand at once when it changes; a change that matters (held
-requests, the worker's state, requests in flight starting or ending) kicks the group's round.
+requests, the worker's state, requests in flight starting or ending) kicks the group's round,
+unless the group's last round already saw it (``seen``: what its last ``shape`` read of the
+stream, with the worker's state as the round itself last knew it, from its ACKs). A report that
+comes while a round of its group runs is judged when that round ends (``round_ended``; a
+round's last plan, after its wakes, orders nothing more, so a report it saw there still kicks
+when that plan orders something): the reports of a hand-over's own sleep and wake start no
+second round.
 A stream that breaks (pod gone, worker restarting) is opened again after a short back-off while
 its pod is the stage's. ``shape`` is the round's entry point: it opens the streams the group's
 OnDemand stages need, closes the others, and turns the latest demand into the arbiter's
@@ -45,7 +51,10 @@ __all__ = ["DemandReport", "DemandWatcher", "report_from_proto"]
 log = logging.getLogger(__name__)
 
 StageKey = tuple[str, str]
+GroupKey = tuple[str, str]
+Trigger = tuple[int, bool, bool]
 _NO_STREAM = frozenset({WorkerPhase.ABSENT, WorkerPhase.STARTING})
+_TRANSITIONS = frozenset({types_pb2.WORKER_STATE_SLEEPING, types_pb2.WORKER_STATE_WAKING})
 _RETRY_MIN_S, _RETRY_MAX_S = 0.2, 5.0
 # A stage's demand series (labelled namespace, stage), removed when the stage is deleted.
 _STAGE_SERIES = (
@@ -63,6 +72,7 @@ class DemandReport:
 
     demand: Demand
     active: bool
+    transition: bool = False  # Sleeping or Waking
     held_total: int = 0
     served_after_hold_total: int = 0
     hold_seconds_total: float = 0.0
@@ -70,7 +80,7 @@ class DemandReport:
     hold_full_total: int = 0
 
     @property
-    def trigger(self) -> tuple[int, bool, bool]:
+    def trigger(self) -> Trigger:
         """What kicks a round when it changes."""
         return (self.demand.held, self.active, self.demand.inflight > 0)
 
@@ -89,6 +99,7 @@ def report_from_proto(message: demand_service_pb2.WatchDemandResponse) -> Demand
             inflight=message.inflight_requests,
         ),
         active=message.state == types_pb2.WORKER_STATE_ACTIVE,
+        transition=message.state in _TRANSITIONS,
         held_total=message.held_total,
         served_after_hold_total=message.served_after_hold_total,
         hold_seconds_total=message.hold_seconds_total,
@@ -104,6 +115,9 @@ class _Stream:
     task: asyncio.Task[None]
     report: DemandReport | None = None
     awake_since: float | None = None
+    # The trigger as the group's last round saw it: held and in-flight from the report its
+    # last shape read, Active from the worker's phase there (None: no report read yet).
+    seen: Trigger | None = None
 
 
 @dataclass
@@ -119,6 +133,8 @@ class DemandWatcher:
         self._epoch = epoch
         self._streams: dict[StageKey, _Stream] = {}
         self._timers = _Timers()
+        # Groups with a round running, and the stages whose reports came meanwhile.
+        self._in_round: dict[GroupKey, set[StageKey]] = {}
 
     # -- the round's view ------------------------------------------------------------------
 
@@ -151,6 +167,8 @@ class DemandWatcher:
                 and stream.awake_since is None
             ):
                 stream.awake_since = now  # seen Active by the round before the stream said so
+            if stream is not None:
+                stream.seen = _seen(stream.report, fact.phase)
             inputs[name] = DemandInput(
                 spec.activation,
                 fact.phase,
@@ -163,6 +181,19 @@ class DemandWatcher:
         view = shape_intents(intents, inputs, now)
         self._schedule(port.ns, port.group, view.recheck_at, now)
         return view
+
+    def round_began(self, namespace: str, group: str) -> None:
+        """A round of the group begins: its streams' reports wait for its end."""
+        self._in_round[(namespace, group)] = set()
+
+    def round_ended(self, namespace: str, group: str, *, orders_left: bool = False) -> None:
+        """The group's round ended: kick it again when a report that came meanwhile says
+        something its last shape did not see, or its last shape saw it but the round gave no
+        more orders after it (``orders_left``: its last plan still orders something)."""
+        reported = self._in_round.pop((namespace, group), set())
+        streams = [s for key in reported if (s := self._streams.get(key)) is not None]
+        if streams and (orders_left or any(_news(s) for s in streams)):
+            self._kick(namespace, group)
 
     def status_fields(
         self, namespace: str, name: str, reason: AwakeReason | None
@@ -262,7 +293,12 @@ class DemandWatcher:
         elif not report.active:
             stream.awake_since = None
         _count(key, before, report)
-        if before is None or before.trigger != report.trigger:
+        if not _news(stream):
+            return
+        reported = self._in_round.get((key[0], group))
+        if reported is not None:
+            reported.add(key)  # judged when the round ends (it may see it itself)
+        else:
             self._kick(key[0], group)
 
     def _schedule(self, namespace: str, group: str, at: float | None, now: float) -> None:
@@ -278,6 +314,29 @@ class DemandWatcher:
     def _recheck(self, namespace: str, group: str) -> None:
         self._timers.handles.pop((namespace, group), None)
         self._kick(namespace, group)
+
+
+def _seen(report: DemandReport | None, phase: WorkerPhase) -> Trigger | None:
+    """The trigger a round saw: the report's held and in-flight, the round's own phase."""
+    if report is None:
+        return None
+    return (report.demand.held, phase is WorkerPhase.ACTIVE, report.demand.inflight > 0)
+
+
+def _news(stream: _Stream) -> bool:
+    """The stream's latest report says something the group's last round did not see. A
+    worker in a transition says nothing new of its state: the round that ordered it sees its
+    end (its ACK), and the report of that end is news when it was not (such a report may
+    also come after the ACK)."""
+    report, seen = stream.report, stream.seen
+    if report is None:
+        return False
+    if seen is None:
+        return True
+    held, active, inflight = report.trigger
+    if (held, inflight) != (seen[0], seen[2]):
+        return True
+    return active != seen[1] and not report.transition
 
 
 def _count(key: StageKey, before: DemandReport | None, now: DemandReport) -> None:

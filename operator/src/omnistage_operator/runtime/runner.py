@@ -22,7 +22,7 @@ from typing import Any
 
 from omnistage_operator.api.spec import SpecError, StageSpec
 from omnistage_operator.api.spec_parse import parse_stage
-from omnistage_operator.decisions.arbiter import WorkerPhase
+from omnistage_operator.decisions.arbiter import Decision, WorkerPhase
 from omnistage_operator.decisions.facts import AckFacts
 from omnistage_operator.decisions.handover import FenceFailed, RoundOutcome, RoundPolicy
 from omnistage_operator.decisions.handover.rounds import run_round
@@ -139,6 +139,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         self._claims: dict[str, tuple[str, tuple[str, ...], frozenset[str]]] = {}
         self._claim_errors: set[str] = set()
         self._retry_in: dict[GroupKey, float] = {}
+        self._orders_left: set[GroupKey] = set()  # groups whose round's last plan orders more
         self.published: dict[StageKey, dict[str, Any]] = {}
         self.written_at: dict[StageKey, float] = {}  # when its ``published`` was written
         # Each group's readings at the end of its last round (``readings.KeptReadings``).
@@ -300,8 +301,15 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
             requests.inc(n)
             objects.inc(read)
 
-        with tallied(counted):
-            return await self._round(namespace, group)
+        self.demand.round_began(namespace, group)
+        self._orders_left.discard((namespace, group))
+        try:
+            with tallied(counted):
+                return await self._round(namespace, group)
+        finally:  # a demand report that came meanwhile kicks again only with news
+            left = (namespace, group) in self._orders_left
+            self._orders_left.discard((namespace, group))
+            self.demand.round_ended(namespace, group, orders_left=left)
 
     async def _round(self, namespace: str, group: str) -> bool:
         # The group's last readings: this round's first plan may send its sleeps from them.
@@ -335,6 +343,8 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
                 [s.order.stage for s in outcome.sleeps], list(outcome.wakes), took,
                 extra=_handover_fields(namespace, group, outcome, self.leadership.epoch),
             )  # fmt: skip
+        if _orders(outcome.decision):
+            self._orders_left.add((namespace, group))
         kept = port.kept_readings()
         if kept is not None:
             self.kept[(namespace, group)] = kept
@@ -383,6 +393,16 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
                 await self.kube.delete(CLAIMS, ns, claim_name(group))
                 log.info("%s: group %s empty, claim deleted", ns, group)
         self.forget(ns, name)
+
+
+def _orders(decision: Decision | None) -> bool:
+    """The plan orders something (its round acts on every plan but its last)."""
+    if decision is None:
+        return False
+    return bool(
+        decision.sleep or decision.wake or decision.fence or decision.start
+        or decision.component_wakes
+    )  # fmt: skip
 
 
 def _handover_fields(
