@@ -7,8 +7,8 @@ makes the jobs in turn (a wake allocates its device buffer then), issues the fir
 allocates, then issues the rest of every device's pieces interleaved (device 0 piece i,
 device 1 piece i, ...) in one call, each on its own device's current stream, so the devices
 copy at once; then finishes the jobs in device order. Jobs of one device (a pipeline's groups)
-have nothing to interleave with: each job's pieces are issued whole as it is made. Everything runs with the switch interval
-lowered (:mod:`.gil`).
+have nothing to interleave with: each job's pieces are issued whole as it is made. Everything
+runs with the switch interval lowered (:mod:`.gil`).
 
 Why one thread, measured on 2 x H200 (``bench/results/multi_gpu_probe.json``): a bare copy
 into a kept buffer issued for both devices from one thread ran at 0.999 of the per-device limit
