@@ -61,7 +61,8 @@ async def test_a_report_only_the_rounds_last_plan_saw_kicks_when_that_plan_order
     watcher.round_began("ns", "g")
     watcher._on_report(KEY, "g", _report(held=1))
     stream.seen = _seen(stream.report, WorkerPhase.ASLEEP)  # the last shape, after the wakes
-    watcher.round_ended("ns", "g", orders_left=True)  # its plan wakes b: nobody acted on it
+    watcher.round_ordered("ns", "g")  # its plan wakes b: nobody acted on it
+    watcher.round_ended("ns", "g")
     assert kicks == [("ns", "g")]
     await watcher.close()
 

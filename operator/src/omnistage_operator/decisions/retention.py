@@ -22,7 +22,7 @@ STAGE_MAPS = (
     "component_refused", "stage_problems", "published", "written_at",
 )  # fmt: skip
 # ... keyed by (namespace, group).
-GROUP_MAPS = ("_loops", "_retry_in", "kept", "_sleeps", "_members", "_orders_left")
+GROUP_MAPS = ("_loops", "_retry_in", "kept", "_sleeps", "_members")
 # ... keyed otherwise: the group claims' cache ("namespace/claim", dropped with the group),
 # namespaces with the token Secret, Events being posted.
 PROCESS_MAPS = ("_claims", "_claim_errors", "_secrets", "_tasks")

@@ -121,6 +121,15 @@ class _Stream:
 
 
 @dataclass
+class _Round:
+    """A group's round while it runs: the stages whose reports came meanwhile, and whether its
+    last plan (after its wakes, which nothing follows) still orders something."""
+
+    reported: set[StageKey] = field(default_factory=set)
+    orders_left: bool = False
+
+
+@dataclass
 class _Timers:
     handles: dict[tuple[str, str], asyncio.TimerHandle] = field(default_factory=dict)
 
@@ -133,8 +142,7 @@ class DemandWatcher:
         self._epoch = epoch
         self._streams: dict[StageKey, _Stream] = {}
         self._timers = _Timers()
-        # Groups with a round running, and the stages whose reports came meanwhile.
-        self._in_round: dict[GroupKey, set[StageKey]] = {}
+        self._in_round: dict[GroupKey, _Round] = {}  # groups with a round running
 
     # -- the round's view ------------------------------------------------------------------
 
@@ -184,15 +192,21 @@ class DemandWatcher:
 
     def round_began(self, namespace: str, group: str) -> None:
         """A round of the group begins: its streams' reports wait for its end."""
-        self._in_round[(namespace, group)] = set()
+        self._in_round[(namespace, group)] = _Round()
 
-    def round_ended(self, namespace: str, group: str, *, orders_left: bool = False) -> None:
+    def round_ordered(self, namespace: str, group: str) -> None:
+        """The running round's last plan orders something that no later plan acts on."""
+        running = self._in_round.get((namespace, group))
+        if running is not None:
+            running.orders_left = True
+
+    def round_ended(self, namespace: str, group: str) -> None:
         """The group's round ended: kick it again when a report that came meanwhile says
         something its last shape did not see, or its last shape saw it but the round gave no
-        more orders after it (``orders_left``: its last plan still orders something)."""
-        reported = self._in_round.pop((namespace, group), set())
-        streams = [s for key in reported if (s := self._streams.get(key)) is not None]
-        if streams and (orders_left or any(_news(s) for s in streams)):
+        more orders after it (:meth:`round_ordered`)."""
+        ended = self._in_round.pop((namespace, group), _Round())
+        streams = [s for key in ended.reported if (s := self._streams.get(key)) is not None]
+        if streams and (ended.orders_left or any(_news(s) for s in streams)):
             self._kick(namespace, group)
 
     def status_fields(
@@ -295,9 +309,9 @@ class DemandWatcher:
         _count(key, before, report)
         if not _news(stream):
             return
-        reported = self._in_round.get((key[0], group))
-        if reported is not None:
-            reported.add(key)  # judged when the round ends (it may see it itself)
+        running = self._in_round.get((key[0], group))
+        if running is not None:
+            running.reported.add(key)  # judged when the round ends (it may see it itself)
         else:
             self._kick(key[0], group)
 

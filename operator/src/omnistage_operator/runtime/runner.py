@@ -139,7 +139,6 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         self._claims: dict[str, tuple[str, tuple[str, ...], frozenset[str]]] = {}
         self._claim_errors: set[str] = set()
         self._retry_in: dict[GroupKey, float] = {}
-        self._orders_left: dict[GroupKey, bool] = {}  # groups whose round's last plan orders more
         self.published: dict[StageKey, dict[str, Any]] = {}
         self.written_at: dict[StageKey, float] = {}  # when its ``published`` was written
         # Each group's readings at the end of its last round (``readings.KeptReadings``).
@@ -302,13 +301,11 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
             objects.inc(read)
 
         self.demand.round_began(namespace, group)
-        self._orders_left.pop((namespace, group), None)
         try:
             with tallied(counted):
                 return await self._round(namespace, group)
         finally:  # a demand report that came meanwhile kicks again only with news
-            left = self._orders_left.pop((namespace, group), False)
-            self.demand.round_ended(namespace, group, orders_left=left)
+            self.demand.round_ended(namespace, group)
 
     async def _round(self, namespace: str, group: str) -> bool:
         # The group's last readings: this round's first plan may send its sleeps from them.
@@ -343,7 +340,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
                 extra=_handover_fields(namespace, group, outcome, self.leadership.epoch),
             )  # fmt: skip
         if _orders(outcome.decision):
-            self._orders_left[(namespace, group)] = True
+            self.demand.round_ordered(namespace, group)
         kept = port.kept_readings()
         if kept is not None:
             self.kept[(namespace, group)] = kept
