@@ -5,7 +5,8 @@ operator whose resync timer stays out of the window."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,6 +34,27 @@ def stage_requests(cluster: Cluster) -> dict[str, float]:
     """The API server's answered requests on OmniStages so far, by ``VERB resource``."""
     served = apiserver_requests(cluster.cp).items()
     return {k: v for k, v in served if k.split(" ", 1)[1].split("/")[0] == "omnistages"}
+
+
+def at_rest(
+    cluster: Cluster, op: OperatorProcess, window_s: float, verbs: Collection[str] | None = None
+) -> tuple[float, dict[str, float]]:
+    """The group's rounds and the API server's requests on OmniStages (of ``verbs`` only, when
+    given), once both stayed still over ``window_s``."""
+
+    def counters() -> tuple[float, dict[str, float]]:
+        served = stage_requests(cluster)
+        if verbs is not None:
+            served = {k: v for k, v in served.items() if k.split(" ", 1)[0] in verbs}
+        return rounds(op, cluster.namespace), served
+
+    def quiet() -> tuple[float, dict[str, float]] | None:
+        seen = counters()
+        time.sleep(window_s)  # the window the counters must stay still over (polled again)
+        again = counters()
+        return again if seen == again else None
+
+    return wait_for("the group at rest", quiet, 60)
 
 
 def delta(after: Mapping[str, float], before: Mapping[str, float], key: str) -> float:

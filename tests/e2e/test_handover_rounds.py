@@ -10,7 +10,6 @@ group again and a second round ran (two per group in the scale bench's storms).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
-from tests.e2e.handover_counting import delta, rounds, stage_requests
+from tests.e2e.handover_counting import at_rest, delta
 from tests.e2e.test_ondemand import http_url, on_demand
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -63,21 +62,9 @@ the namespace controller keeps deleting the earlier tests' namespaces meanwhile.
 
 
 def _at_rest(cluster: Cluster, op: OperatorProcess) -> tuple[float, dict[str, float]]:
-    """The group's rounds and the API requests on OmniStages, once the rounds and the writes
-    stayed still for longer than a busy round's follow-up can be pending (at most 2 s after
-    it: ``group_loops``)."""
-
-    def writes() -> dict[str, float]:  # reads, watches and deletions elsewhere may go on
-        served = stage_requests(cluster)
-        return {k: v for k, v in served.items() if k.split(" ", 1)[0] in WRITES}
-
-    def quiet() -> tuple[float, dict[str, float]] | None:
-        seen = (rounds(op, cluster.namespace), writes())
-        time.sleep(2.5)  # the window the counters must stay still over (polled again)
-        again = (rounds(op, cluster.namespace), writes())
-        return again if seen == again else None
-
-    return wait_for("the group at rest", quiet, 60)
+    """The group's rounds and writes on OmniStages, once still for longer than a busy round's
+    follow-up can be pending (at most 2 s after it: ``group_loops``)."""
+    return at_rest(cluster, op, 2.5, WRITES)
 
 
 def test_a_handover_between_ondemand_stages_takes_one_round(

@@ -11,13 +11,12 @@ status, written before, carries no ask for it.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
-from tests.e2e.handover_counting import delta, resting_pair, rounds, stage_requests
+from tests.e2e.handover_counting import at_rest, delta, resting_pair
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -28,19 +27,11 @@ def test_a_handover_writes_the_stages_only_their_status_beside_the_users_patch(
     cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
 ) -> None:
     with resting_pair(cluster, tiny_models, gpu, tmp_path) as op:
-
-        def quiet() -> tuple[float, dict[str, float]] | None:
-            """The counters, once they did not move for a while (the start's rounds are over)."""
-            seen = (rounds(op, cluster.namespace), stage_requests(cluster))
-            time.sleep(0.5)  # the window the counters must stay still over (polled again)
-            again = (rounds(op, cluster.namespace), stage_requests(cluster))
-            return again if seen == again else None
-
-        rounds0, before = wait_for("the group at rest", quiet, 60)
+        rounds0, before = at_rest(cluster, op, 0.5)  # the start's rounds are over
         cluster.patch_state("sd", "Active")
         wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
         wait_for("ar Waiting", lambda: cluster.state("ar") == "Waiting", 30)
-        rounds1, after = wait_for("the group at rest", quiet, 60)
+        rounds1, after = at_rest(cluster, op, 0.5)
 
     # The test's own patch is the only PATCH of a stage's main resource (kopf wrote its record
     # of the change as a second one).
