@@ -238,20 +238,22 @@ def run(a: argparse.Namespace) -> Json:
     return report
 
 
+CACHE_DIRS = {"VLLM_CACHE_ROOT": "vllm", "TRITON_CACHE_DIR": "triton",
+              "TORCHINDUCTOR_CACHE_DIR": "inductor"}  # fmt: skip
+"""The variables naming where vLLM, Triton and Inductor keep what they compile, and each one's
+folder under the bench's cache root."""
+
+
 def cache_env(root: Path) -> dict[str, str]:
-    """Where vLLM, Triton and Inductor keep what they compile: one folder, as a stage's volume
-    would hold them across its pod's restarts."""
-    return {
-        "VLLM_CACHE_ROOT": str(root / "vllm"),
-        "TRITON_CACHE_DIR": str(root / "triton"),
-        "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),
-    }
+    """Their caches in one folder, as a stage's volume would hold them across its pod's
+    restarts."""
+    return {name: str(root / folder) for name, folder in CACHE_DIRS.items()}
 
 
 def cache_contents(env: dict[str, str]) -> Json:
     """Files and bytes in each compile cache folder before a start (0: a cold cache)."""
     out: Json = {}
-    for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    for name in CACHE_DIRS:
         files = [f for f in Path(env[name]).rglob("*") if f.is_file()]
         out[name] = {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
     return out
