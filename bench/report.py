@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report_coldstart import coldstart_section  # noqa: E402
-from bench.report_serving import decode_graphs_section, serving_section  # noqa: E402
+from bench.report_serving import decode_graphs_section, ok, serving_section  # noqa: E402
 from bench.report_speed import speed_section  # noqa: E402
+from bench.report_vllm import vllm_section  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
@@ -36,10 +37,6 @@ SERVING_SAME_CODE = ("serving_graphs_04fd316.json", "serving_graphs_pool_stream.
 def _load(name: str) -> dict[str, Any] | None:
     path = RESULTS / name
     return json.loads(path.read_text()) if path.exists() else None
-
-
-def _ok(flag: bool) -> str:
-    return "yes" if flag else "**no**"
 
 
 def worker_section(data: dict[str, Any]) -> list[str]:
@@ -71,7 +68,7 @@ def worker_section(data: dict[str, Any]) -> list[str]:
             f"| {s['plain_load_seconds']:.2f} s "
             f"| {s['max_residual_bytes'] / MiB:.0f} MiB "
             f"(bound {s['residual_bound_bytes'] / MiB:.0f}) "
-            f"| {_ok(s['all_bit_identical'])} |"
+            f"| {ok(s['all_bit_identical'])} |"
         )
     return lines
 
@@ -88,9 +85,9 @@ def grpc_section(data: dict[str, Any]) -> list[str]:
         f"level-2 sleep {s['l2_sleep_seconds_median']:.3f} s, wake "
         f"{s['l2_wake_seconds_median']:.2f} s; process memory after sleep "
         f"{s['l1_max_used_after_sleep_bytes'] / MiB:.0f} MiB; all ACKs ok: "
-        f"{_ok(s['all_acks_ok'])}; tokens identical after every wake: "
-        f"{_ok(s['all_tokens_identical'])}; Generate refused while asleep: "
-        f"{_ok(s['all_refused_while_asleep'])}. Started asleep at level 1 it held "
+        f"{ok(s['all_acks_ok'])}; tokens identical after every wake: "
+        f"{ok(s['all_tokens_identical'])}; Generate refused while asleep: "
+        f"{ok(s['all_refused_while_asleep'])}. Started asleep at level 1 it held "
         f"{asleep['used_bytes_before_wake'] / MiB:.0f} MiB (the CUDA context) until its first "
         f"wake ({asleep['wake']['worker_seconds']:.3f} s).",
     ]
@@ -210,7 +207,7 @@ def gpu_e2e_section(data: dict[str, Any]) -> list[str]:
         "",
         "| figure | value |",
         "|---|---|",
-        f"| hand-overs, every ACK ok | {data['switches']}, {_ok(data['all_acks_ok'])} |",
+        f"| hand-overs, every ACK ok | {data['switches']}, {ok(data['all_acks_ok'])} |",
         f"| patch to Active, p50 / p95 | {total['p50']:.0f} / {total['p95']:.0f} ms "
         f"(copy bound, one stage out then the other in: {bound_ms:.0f} ms) |",
         f"| patch to Active minus the workers' sleep and wake, p50 / p95 | "
@@ -221,10 +218,10 @@ def gpu_e2e_section(data: dict[str, Any]) -> list[str]:
         f"({workers['p50'] / bound_ms:.2f} x the copy bound) |",
         f"| sampler's peak of both stages together / room | "
         f"{data['peak_together_bytes'] / GiB:.2f} / {room['room_bytes'] / GiB:.2f} GiB, "
-        f"below: {_ok(data['peak_below_room'])} |",
+        f"below: {ok(data['peak_below_room'])} |",
         f"| sleep ACKs' used-after vs the sampler just after (max(2%, 256 MiB)) | "
         f"largest difference {max(c.get('diff_bytes', 0) for c in checks) / MiB:.0f} MiB, "
-        f"all within: {_ok(data['sleep_acks_agree'])} |",
+        f"all within: {ok(data['sleep_acks_agree'])} |",
         f"| copy limits in the same run | H2D {lim['h2d_pinned_gbps']:.1f} GB/s, D2H "
         f"{lim['d2h_pinned_gbps']:.1f} GB/s, CUDA context "
         f"{(lim['cuda_context_bytes'] or 0) / MiB:.0f} MiB |",
@@ -252,16 +249,16 @@ def multi_gpu_section(data: dict[str, Any]) -> list[str]:
         f"two {data['stage_gib']:.0f} GiB causal LMs, each split over both GPUs by its worker "
         "(one flat buffer per device), a ballast tenant leaving "
         f"{min(bal['free_with_ballast_bytes']) / GiB:.1f} GiB free per device (both fit: "
-        f"{_ok(bal['both_fit'])}; a wake beside the other refused: "
-        f"{_ok(s['b_wake_while_a_awake_refused'])}). Copy limits in the same run, both devices "
+        f"{ok(bal['both_fit'])}; a wake beside the other refused: "
+        f"{ok(s['b_wake_while_a_awake_refused'])}). Copy limits in the same run, both devices "
         f"at once (GB/s per device): {limit}.",
         "",
         "| figure | value |",
         "|---|---|",
         f"| hand-overs, every ACK ok, tokens identical after every wake | {s['handovers']}, "
-        f"{_ok(s['all_acks_ok'])}, {_ok(s['all_tokens_identical'])} |",
+        f"{ok(s['all_acks_ok'])}, {ok(s['all_tokens_identical'])} |",
         f"| every ACK lists both devices; each device freed on sleep | "
-        f"{_ok(s['every_ack_lists_both_devices'])}; {_ok(s['every_device_freed_on_sleep'])} |",
+        f"{ok(s['every_ack_lists_both_devices'])}; {ok(s['every_device_freed_on_sleep'])} |",
         f"| A sleep / wake (level 1) | {pair('a_sleep')} / {pair('a_wake')} |",
         f"| B sleep / wake (level 1) | {pair('b_sleep')} / {pair('b_wake')} |",
         f"| A level-2 wake (reload from files) | {s['level2_wake_seconds']:.2f} s |",
@@ -283,80 +280,17 @@ def ondemand_section(data: dict[str, Any]) -> list[str]:
         f"alternating between two OnDemand stages that cannot both be awake forced "
         f"{sw['demand_swaps']} demand swaps in {sw['seconds']:.0f} s "
         f"({sw['swaps_per_second']:.2f}/s); answers: {answers}; requests lost or failed other "
-        f"than by their own hold timeout: {lost} ({_ok(lost == 0)}). "
+        f"than by their own hold timeout: {lost} ({ok(lost == 0)}). "
         f"Added latency of a held request p50 {held['p50']:.0f} ms, p95 {held['p95']:.0f} ms "
         f"({held['n']} held) against the operator's hand-over (first sleep order to last wake "
         f"ACK) p50 {hand['p50']:.0f} ms, p95 {hand['p95']:.0f} ms: held p95 is hand-over p95 "
         f"{sw['held_p95_minus_handover_p95_ms']:+.0f} ms (goal: at most +100 ms, "
-        f"{_ok(sw['held_p95_minus_handover_p95_ms'] <= 100)}). Under the same alternation with "
+        f"{ok(sw['held_p95_minus_handover_p95_ms'] <= 100)}). Under the same alternation with "
         f"minResidency {res['min_residency_s']:g} s: {res['demand_swaps']} swaps in "
-        f"{res['seconds']:.0f} s (at most {res['allowed_at_most']} allowed, {_ok(res['ok'])}). "
+        f"{res['seconds']:.0f} s (at most {res['allowed_at_most']} allowed, {ok(res['ok'])}). "
         f"An idle stage with idleAfter {idle['idle_after_s']:g} s was asleep "
         + (f"{asleep:.2f} s" if asleep is not None else "never")
-        + f" after its last answer (bound idleAfter + 2 s, {_ok(idle['ok'])}).",
-    ]
-
-
-def _vllm_engine_row(s: dict[str, Any]) -> list[str]:
-    """The fast sleep/wake's own L1 figures (its log lines), where the run has them."""
-    if not s.get("fast_wake"):
-        return []
-    return [
-        f"| L1 sleep / wake inside the engine (fast path, without the RPCs) | "
-        f"{s['l1_sleep_engine_seconds_median']:.3f} s ({s['l1_sleep_engine_ratio_to_d2h']:.0%} "
-        f"of D2H) / {s['l1_wake_engine_seconds_median']:.3f} s "
-        f"({s['l1_wake_engine_ratio_to_h2d']:.0%} of H2D) |"
-    ]
-
-
-def _vllm_restart_row(forkserver: dict[str, Any] | None, spawn: dict[str, Any] | None) -> list[str]:
-    """The stage started again with its compile caches kept, its engine core from the fork
-    server against spawned (two runs of one machine call)."""
-    if not forkserver or not spawn:
-        return []
-    kept = forkserver["summary"]["cold_start_caches_kept_seconds"]
-    spawned = spawn["summary"]["cold_start_caches_kept_seconds"]
-    return [
-        f"| cold start again, compile caches kept (engine core from the fork server / "
-        f"spawned, {forkserver['machine']['date'][:10]}) | {kept:.1f} s / {spawned:.1f} s |"
-    ]
-
-
-def vllm_section(
-    data: dict[str, Any],
-    forkserver: dict[str, Any] | None = None,
-    spawn: dict[str, Any] | None = None,
-) -> list[str]:
-    """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits;
-    the restarts' cold starts from the fork-server run and its spawned twin, where given."""
-    m, s, lim = data["machine"], data["summary"], data["limits"]
-    return [
-        "",
-        f"A vLLM stage, `bench/vllm_stage.py` on {m.get('gpu', '?')} (vLLM {m.get('vllm')}, "
-        f"torch {m.get('torch')}, {m['date'][:10]}): the real worker over gRPC, a "
-        f"{s['weights_gib']:.1f} GiB causal LM (random bf16 weights), figures from its ACKs "
-        f"(NVML over the engine's process tree); copy limits in the same run: H2D "
-        f"{lim['h2d_pinned_gbps']:.1f} GB/s, D2H {lim['d2h_pinned_gbps']:.1f} GB/s.",
-        "",
-        "| figure | value |",
-        "|---|---|",
-        f"| cold start (spawn to first token) | {s['cold_start_seconds']:.1f} s |",
-        *_vllm_restart_row(forkserver, spawn),
-        f"| L1 sleep / wake | {s['l1_sleep_seconds_median']:.2f} s "
-        f"({s['l1_sleep_ratio_to_d2h']:.0%} of D2H) / {s['l1_wake_seconds_median']:.2f} s "
-        f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",
-        *_vllm_engine_row(s),
-        f"| L2 sleep / wake (reload from disk) | {s['l2_sleep_seconds_median']:.2f} s / "
-        f"{s['l2_wake_seconds_median']:.2f} s |",
-        f"| residual after sleep (ACK, bound) | {s['l1_max_residual_bytes'] / MiB:.0f} MiB "
-        f"(bound {s['l1_residual_bound_bytes'] / MiB:.0f} MiB), within: "
-        f"{_ok(s['residual_within_bound'])} |",
-        f"| hand-over vLLM -> torch / torch -> vLLM | "
-        f"{s['handover_vllm_to_torch_seconds']:.2f} s / "
-        f"{s['handover_torch_to_vllm_seconds']:.2f} s |",
-        f"| all ACKs ok; token ids identical after every wake; 1 -> 2 refused | "
-        f"{_ok(s['all_acks_ok'])}; {_ok(s['all_tokens_identical'])}; "
-        f"{_ok(s['deepen_refused'])} |",
+        + f" after its last answer (bound idleAfter + 2 s, {ok(idle['ok'])}).",
     ]
 
 
@@ -381,7 +315,7 @@ def components_section(data: dict[str, Any]) -> list[str]:
             f"| {name} | {c['gib']:.2f} GiB "
             f"| {c['sleep_seconds_median']:.3f} s ({c['sleep_ratio_to_d2h']:.0%} of D2H) "
             f"| {c['wake_seconds_median']:.3f} s ({c['wake_ratio_to_h2d']:.0%} of H2D) "
-            f"| {c['resident_while_asleep_gib']:.2f} GiB | {_ok(c['bit_identical'])} |"
+            f"| {c['resident_while_asleep_gib']:.2f} GiB | {ok(c['bit_identical'])} |"
         )
     lines += [
         "",
@@ -392,7 +326,7 @@ def components_section(data: dict[str, Any]) -> list[str]:
         f"| sequential (largest component {s['largest_component_gib']:.2f} GiB) "
         f"| {s['sequential_peak_gib']:.2f} GiB "
         f"| {s['sequential_seconds_per_request']:.2f} ({s['sequential_time_ratio']:.1f}x) "
-        f"| {_ok(s['all_bit_identical'])} |",
+        f"| {ok(s['all_bit_identical'])} |",
     ]
     return lines
 

@@ -7,7 +7,7 @@ from typing import Any
 GiB = 1024**3
 
 
-def _ok(flag: bool) -> str:
+def ok(flag: bool) -> str:
     return "yes" if flag else "**no**"
 
 
@@ -80,8 +80,8 @@ def serving_section(
             "",
             f"Sleep (level 1) and wake every {swaps['swap_every_s']:g} s for "
             f"{swaps['seconds']:g} s with {swaps['clients']} clients: {s['swaps']} swaps, every "
-            f"ACK ok: {_ok(s['swaps_all_acks_ok'])}; {swaps['requests']} requests, nothing "
-            f"lost: {_ok(s['swaps_nothing_lost'])}; tokens/s between swaps "
+            f"ACK ok: {ok(s['swaps_all_acks_ok'])}; {swaps['requests']} requests, nothing "
+            f"lost: {ok(s['swaps_nothing_lost'])}; tokens/s between swaps "
             f"{s['swaps_window_ratio_min']:.2f}-{max(swaps['window_ratio_to_steady']):.2f} x "
             f"the steady 16-client figure (median {s['swaps_window_ratio_median']:.2f}).",
         ]
@@ -101,8 +101,8 @@ def serving_section(
                 lines.append(
                     f"In `{name}`, sleep and wake every {sw['swap_every_s']:g} s for "
                     f"{sw['seconds']:g} s with {sw['clients']} clients: {os_['swaps']} swaps, "
-                    f"every ACK ok: {_ok(os_['swaps_all_acks_ok'])}; {sw['requests']} requests, "
-                    f"nothing lost: {_ok(os_['swaps_nothing_lost'])}."
+                    f"every ACK ok: {ok(os_['swaps_all_acks_ok'])}; {sw['requests']} requests, "
+                    f"nothing lost: {ok(os_['swaps_nothing_lost'])}."
                 )
     images = data.get("images") or []
     source = ""

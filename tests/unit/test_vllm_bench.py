@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.report import vllm_section
+from bench.report_vllm import vllm_section
 from bench.vllm_stage_models import LLM_CONFIG, llama_shapes
 
 ROOT = Path(__file__).resolve().parents[2]

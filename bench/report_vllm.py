@@ -1,0 +1,73 @@
+"""The README lines for ``bench/vllm_stage.py``'s report (a vLLM stage on the GPU host, and its
+restarts with the compile caches kept); bench/report.py calls it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report_serving import ok
+
+MiB = 1024**2
+
+
+def _vllm_engine_row(s: dict[str, Any]) -> list[str]:
+    """The fast sleep/wake's own L1 figures (its log lines), where the run has them."""
+    if not s.get("fast_wake"):
+        return []
+    return [
+        f"| L1 sleep / wake inside the engine (fast path, without the RPCs) | "
+        f"{s['l1_sleep_engine_seconds_median']:.3f} s ({s['l1_sleep_engine_ratio_to_d2h']:.0%} "
+        f"of D2H) / {s['l1_wake_engine_seconds_median']:.3f} s "
+        f"({s['l1_wake_engine_ratio_to_h2d']:.0%} of H2D) |"
+    ]
+
+
+def _vllm_restart_row(forkserver: dict[str, Any] | None, spawn: dict[str, Any] | None) -> list[str]:
+    """The stage started again with its compile caches kept, its engine core from the fork
+    server against spawned (two runs of one machine call)."""
+    if not forkserver or not spawn:
+        return []
+    kept = forkserver["summary"]["cold_start_caches_kept_seconds"]
+    spawned = spawn["summary"]["cold_start_caches_kept_seconds"]
+    return [
+        f"| cold start again, compile caches kept (engine core from the fork server / "
+        f"spawned, {forkserver['machine']['date'][:10]}) | {kept:.1f} s / {spawned:.1f} s |"
+    ]
+
+
+def vllm_section(
+    data: dict[str, Any],
+    forkserver: dict[str, Any] | None = None,
+    spawn: dict[str, Any] | None = None,
+) -> list[str]:
+    """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits;
+    the restarts' cold starts from the fork-server run and its spawned twin, where given."""
+    m, s, lim = data["machine"], data["summary"], data["limits"]
+    return [
+        "",
+        f"A vLLM stage, `bench/vllm_stage.py` on {m.get('gpu', '?')} (vLLM {m.get('vllm')}, "
+        f"torch {m.get('torch')}, {m['date'][:10]}): the real worker over gRPC, a "
+        f"{s['weights_gib']:.1f} GiB causal LM (random bf16 weights), figures from its ACKs "
+        f"(NVML over the engine's process tree); copy limits in the same run: H2D "
+        f"{lim['h2d_pinned_gbps']:.1f} GB/s, D2H {lim['d2h_pinned_gbps']:.1f} GB/s.",
+        "",
+        "| figure | value |",
+        "|---|---|",
+        f"| cold start (spawn to first token) | {s['cold_start_seconds']:.1f} s |",
+        *_vllm_restart_row(forkserver, spawn),
+        f"| L1 sleep / wake | {s['l1_sleep_seconds_median']:.2f} s "
+        f"({s['l1_sleep_ratio_to_d2h']:.0%} of D2H) / {s['l1_wake_seconds_median']:.2f} s "
+        f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",
+        *_vllm_engine_row(s),
+        f"| L2 sleep / wake (reload from disk) | {s['l2_sleep_seconds_median']:.2f} s / "
+        f"{s['l2_wake_seconds_median']:.2f} s |",
+        f"| residual after sleep (ACK, bound) | {s['l1_max_residual_bytes'] / MiB:.0f} MiB "
+        f"(bound {s['l1_residual_bound_bytes'] / MiB:.0f} MiB), within: "
+        f"{ok(s['residual_within_bound'])} |",
+        f"| hand-over vLLM -> torch / torch -> vLLM | "
+        f"{s['handover_vllm_to_torch_seconds']:.2f} s / "
+        f"{s['handover_torch_to_vllm_seconds']:.2f} s |",
+        f"| all ACKs ok; token ids identical after every wake; 1 -> 2 refused | "
+        f"{ok(s['all_acks_ok'])}; {ok(s['all_tokens_identical'])}; "
+        f"{ok(s['deepen_refused'])} |",
+    ]
