@@ -6,9 +6,9 @@ flat buffer (:class:`omnistage_worker.engine.vmm.PieceBuffer`) as soon as the co
 and the cleaning overlaps its own copy instead of the next stage's wake
 (bench/results/release_behind_probe.json: 1.006 of the serial bound, against 1.09 freed whole).
 
-On the CPU the engine runs over :class:`CpuPieces`, which behaves as freed device memory does:
-a released piece's bytes are gone (overwritten), a piece is released once, and a closed buffer
-holds nothing.
+On the CPU the engine runs over :class:`tests.unit.cpu_pieces.CpuPieces`, which behaves as
+freed device memory does: a released piece's bytes are gone (overwritten), a piece is released
+once, and a closed buffer holds nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from omnistage_worker.control.oom import is_out_of_memory, shortfall_in_message
 from omnistage_worker.engine import WeightEngine, flat_weights, pinning
+from omnistage_worker.engine.claims import ClaimGate
 from omnistage_worker.engine.components import ComponentEngine
 from omnistage_worker.engine.pinning import Mark, marked, pieces
 from omnistage_worker.engine.vmm import (
@@ -29,41 +30,12 @@ from omnistage_worker.engine.vmm import (
     piece_ends,
     piece_spans,
 )
+from tests.unit.cpu_pieces import CpuPieces
 from tests.unit.test_engine_sharded import logits as logits_of
 from tests.unit.test_engine_sharded import tiny_llama
 from tests.unit.test_engine_weights import llama_dir, load, logits
 
 __all__ = ["llama_dir"]
-
-PIECE = 4096
-
-
-class CpuPieces:
-    """A CPU buffer in pieces of :data:`PIECE` bytes; a released piece's bytes are lost."""
-
-    def __init__(self, nbytes: int, device: torch.device, log: list[str]) -> None:
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.spans = piece_spans(nbytes, PIECE, 512)
-        self.held = set(range(len(self.spans)))
-        self.log = log
-        self.closed = False
-
-    def tensor(self) -> torch.Tensor:
-        return self.buffer
-
-    def release(self, k: int) -> None:
-        assert k in self.held, f"piece {k} released twice"
-        self.held.remove(k)
-        offset, size = self.spans[k]
-        self.buffer[offset : offset + size] = 0xA5  # the memory is the driver's again
-        self.log.append(f"release {k}")
-
-    def close(self) -> None:
-        for k in sorted(self.held):
-            self.release(k)
-        self.closed = True
-        self.log.append("close")
-
 
 @pytest.fixture
 def log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -110,8 +82,8 @@ def test_a_sleep_releases_each_piece_after_its_copy_and_wakes_identical(
     model = load(llama_dir)
     made: list[CpuPieces] = []
 
-    def make(nbytes: int, device: torch.device) -> CpuPieces:
-        made.append(CpuPieces(nbytes, device, log))
+    def make(nbytes: int, device: torch.device, gate: ClaimGate | None) -> CpuPieces:
+        made.append(CpuPieces(nbytes, device, log, gate))
         return made[-1]
 
     files = {"model": sorted(llama_dir.glob("*.safetensors"))}
@@ -145,8 +117,8 @@ def test_a_pipelines_groups_release_behind_their_copies_before_any_finish(
     expected = (logits_of(first), logits_of(second))
     made: list[CpuPieces] = []
 
-    def make(nbytes: int, device: torch.device) -> CpuPieces:
-        made.append(CpuPieces(nbytes, device, log))
+    def make(nbytes: int, device: torch.device, gate: ClaimGate | None) -> CpuPieces:
+        made.append(CpuPieces(nbytes, device, log, gate))
         return made[-1]
 
     engine = ComponentEngine(

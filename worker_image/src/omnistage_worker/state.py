@@ -227,9 +227,16 @@ class Worker:
         """
         return await self._sleep_wake.sleep(task_id, level, epoch, drain_timeout, components)
 
-    async def wake(self, task_id: str, epoch: int = 0) -> types_pb2.Ack:
-        """Wake up; the Ack of this task id (replayed when seen before)."""
-        return await self._sleep_wake.wake(task_id, epoch)
+    async def wake(self, task_id: str, epoch: int = 0, claim_limit: int = 0) -> types_pb2.Ack:
+        """Wake up; the Ack of this task id (replayed when seen before). ``claim_limit``: an
+        overlapped wake under that limit (``control/overlap.py``)."""
+        return await self._sleep_wake.wake(task_id, epoch, claim_limit)
+
+    def raise_claim_limit(
+        self, task_id: str, limit: int, epoch: int = 0
+    ) -> sleep_service_pb2.RaiseClaimLimitResponse:
+        """Raise the claim limit of the overlapped wake running under ``task_id``."""
+        return self._sleep_wake.raise_claim_limit(task_id, limit, epoch)
 
     def status(self, epoch: int = 0) -> sleep_service_pb2.GetStatusResponse:
         """Everything GetStatus reports, measured now.

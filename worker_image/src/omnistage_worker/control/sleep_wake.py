@@ -23,14 +23,15 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from omnistage.worker.v1 import types_pb2
+from omnistage.worker.v1 import sleep_service_pb2, types_pb2
 from omnistage_worker.control.acks import Outcome
 from omnistage_worker.control.component_sleep import asleep_components, groups_to_sleep
 from omnistage_worker.control.oom import is_out_of_memory, needed_bytes, wake_allocation
+from omnistage_worker.control.overlap import ClaimLimits
 from omnistage_worker.control.transition_acks import AckedTransitions, Start
 from omnistage_worker.control.transitions import (
     Plan,
@@ -45,6 +46,9 @@ from omnistage_worker.control.wake_capacity import capacity_shortfall
 from omnistage_worker.memory import Reading
 from omnistage_worker.runners.base import SleepController, Stats
 
+if TYPE_CHECKING:
+    from omnistage_worker.control.worker_parts import WorkerParts
+
 log = logging.getLogger(__name__)
 
 SLEEP = types_pb2.OPERATION_SLEEP
@@ -53,6 +57,10 @@ WAKE = types_pb2.OPERATION_WAKE_UP
 
 class SleepWake(AckedTransitions):
     """Sleep and WakeUp of one worker, inside the lock, task ids and Acks of its frame."""
+
+    def __init__(self, worker: WorkerParts) -> None:
+        super().__init__(worker)
+        self.claim_limits = ClaimLimits()
 
     async def sleep(
         self,
@@ -79,9 +87,20 @@ class SleepWake(AckedTransitions):
             lambda: self._sleep(task_id, level, epoch, drain_timeout),
         )
 
-    async def wake(self, task_id: str, epoch: int = 0) -> types_pb2.Ack:
-        """Wake up; the Ack of this task id (replayed when seen before)."""
-        return await self._once(task_id, "wake-up", epoch, lambda: self._wake(task_id, epoch))
+    async def wake(self, task_id: str, epoch: int = 0, claim_limit: int = 0) -> types_pb2.Ack:
+        """Wake up; the Ack of this task id (replayed when seen before). ``claim_limit`` above
+        0: an overlapped wake, its device memory taken piece by piece under that limit, which
+        :meth:`raise_claim_limit` raises (:mod:`.overlap`)."""
+        return await self._once(
+            task_id, "wake-up", epoch, lambda: self._wake(task_id, epoch, claim_limit)
+        )
+
+    def raise_claim_limit(
+        self, task_id: str, limit: int, epoch: int = 0
+    ) -> sleep_service_pb2.RaiseClaimLimitResponse:
+        """Raise the claim limit of the overlapped wake running under ``task_id``."""
+        check_epoch(epoch, self.worker.epoch)
+        return self.claim_limits.raise_limit(task_id, limit)
 
     # -- sleep ----------------------------------------------------------------------------
 
@@ -320,14 +339,17 @@ class SleepWake(AckedTransitions):
 
     # -- wake -----------------------------------------------------------------------------
 
-    async def _wake(self, task_id: str, epoch: int) -> types_pb2.Ack:
+    async def _wake(self, task_id: str, epoch: int, claim_limit: int = 0) -> types_pb2.Ack:
         worker = self.worker
         async with self._lock:
             check_epoch(epoch, worker.epoch)  # a newer leader may have been obeyed meanwhile
             plan = plan_wake(worker.current)
-            self._obey(epoch)
             start = Start()
             before = worker.measure()
+            gate = None
+            if claim_limit and plan is not Plan.NOOP:
+                gate = self.claim_limits.gate(worker, before, claim_limit)
+            self._obey(epoch)
             peak = worker.peak_active  # the Ack reports the peak before this transition
 
             def outcome(after: Reading, **extra: Any) -> Outcome:
@@ -338,7 +360,9 @@ class SleepWake(AckedTransitions):
             if plan is Plan.NOOP and not asleep_components(worker.controller):
                 return self._finish(outcome(before, noop=True))
             controller = worker.require_controller()
-            shortfall, short_by = capacity_shortfall(before, controller)
+            # An overlapped wake starts before the room is free: its gate, not the device's
+            # free memory now, bounds what it takes.
+            shortfall, short_by = ("", 0) if gate else capacity_shortfall(before, controller)
             if shortfall:
                 log.warning("wake refused: %s", shortfall)
                 return self._finish(outcome(before, error=shortfall, needed_bytes=short_by))
@@ -363,7 +387,8 @@ class SleepWake(AckedTransitions):
                 return woke, reading
 
             try:
-                stats, after = await worker.transition_lane.run(wake_and_measure)
+                with self.claim_limits.running(task_id, gate):
+                    stats, after = await worker.transition_lane.run(wake_and_measure)
             except Exception as exc:
                 return await self._wake_failed(controller, asleep_level, exc, allocation, outcome)
             worker.active_footprint = worker.peak_active = after.used

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from omnistage_worker.engine.attributes import AttributeTensor, attribute_tensors, unmovable
+from omnistage_worker.engine.claims import ClaimGate
 from omnistage_worker.engine.host_memory import HostBuffer, HostBufferFuture, release_in_background
 from omnistage_worker.engine.layout import CopyRun, Layout, SlotSpec, plan_layout
 from omnistage_worker.engine.pinning import (
@@ -255,11 +256,18 @@ class FlatWeights:
                 torch._C._cuda_clearCublasWorkspaces()
                 torch.cuda.empty_cache()
 
-    def _new_flat(self) -> torch.Tensor:
+    def _new_flat(self, gate: ClaimGate | None = None, *, lazy: bool = False) -> torch.Tensor:
+        """A new device buffer for the flat weights. With a ``gate`` (an overlapped wake): a
+        ``lazy`` buffer in pieces maps each under its claim later (``self._pieces``'s
+        ``map_through``); any other is claimed whole before it is made."""
+        nbytes = self._layout.total_bytes
+        lazy = lazy and gate is not None and self._make_pieces is not None
+        if gate is not None and not lazy:
+            gate.claim(nbytes)
         if self._make_pieces is not None:
-            self._pieces = self._make_pieces(self._layout.total_bytes, self.device)
+            self._pieces = self._make_pieces(nbytes, self.device, gate if lazy else None)
             return self._pieces.tensor()
-        return torch.empty(self._layout.total_bytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _file_runs(self) -> list[FileRun]:
         return [
@@ -335,6 +343,11 @@ class FlatWeights:
             found.tensor = found.tensor.to("cpu")
             found.put(found.tensor)
             self._attributes.append((found, device))
+
+    def _loose_bytes(self) -> int:
+        """The bytes :meth:`_restore_loose` puts back on the device."""
+        loose = sum(t.data.nbytes for t, _ in self._loose)
+        return loose + sum(f.tensor.nbytes for f, _ in self._attributes)
 
     def _restore_loose(self) -> None:
         for tensor, device in self._loose:

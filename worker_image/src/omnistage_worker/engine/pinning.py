@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -225,8 +226,40 @@ def follow_marks(issued: Sequence[Step]) -> None:
             step.then()
 
 
-Step = Piece | Mark
-"""What a copy job issues: copies, and the marks between them."""
+class Hold:
+    """A point in a queue of copies where issuing waits: :func:`copy_pieces` issues the copies
+    before it, then calls ``before`` (an overlapped wake maps its next device piece there, once
+    its claim is admitted), then goes on."""
+
+    def __init__(self, before: Callable[[], None]) -> None:
+        self.before = before
+
+
+Step = Piece | Mark | Hold
+"""What a copy job issues: copies, the marks between them, and where issuing waits."""
+
+
+def held(
+    batch: Sequence[Piece], ends: Sequence[int], map_through: Callable[[int], None]
+) -> list[Step]:
+    """``batch`` (consecutive pieces of one range, from offset 0, in order) with a :class:`Hold`
+    before the first copy that reaches past what is mapped: it maps through the first of
+    ``ends`` (ascending device-piece ends) that covers that copy."""
+    steps: list[Step] = []
+    done = ready = 0
+    i = 0
+    for piece in batch:
+        stop = done + piece[1].numel()
+        if stop > ready:
+            while i < len(ends) - 1 and ends[i] < stop:
+                i += 1
+            if ends[i] < stop:
+                raise ValueError(f"the device pieces end at {ends[i]}, short of {stop}")
+            ready = ends[i]
+            steps.append(Hold(functools.partial(map_through, ready)))
+        steps.append(piece)
+        done = stop
+    return steps
 
 
 def copy_pieces(batch: Sequence[Step]) -> None:
@@ -241,6 +274,10 @@ def copy_pieces(batch: Sequence[Step]) -> None:
             _copy_run(run)
             run = []
             step.record()
+        elif isinstance(step, Hold):
+            _copy_run(run)
+            run = []
+            step.before()
         else:
             run.append(step)
     _copy_run(run)

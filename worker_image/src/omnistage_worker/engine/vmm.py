@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from omnistage_worker.engine.claims import ClaimGate
+
 PIECE_BYTES = 512 << 20
 """A released piece's cleaning (about 2.5 ms at 200 GB/s) is what may still overlap a wake."""
 
@@ -41,11 +43,16 @@ class DevicePieces(Protocol):
 
     def release(self, k: int) -> None: ...
 
+    def map_through(self, end: int) -> None:
+        """Map every piece under the bytes before ``end`` not mapped yet (a buffer made with a
+        claim gate maps none at first, and each piece only once its claim is admitted)."""
+
     def close(self) -> None: ...
 
 
-PiecesFactory = Callable[[int, torch.device], DevicePieces]
-"""Makes a buffer of that many bytes on that device."""
+PiecesFactory = Callable[[int, torch.device, ClaimGate | None], DevicePieces]
+"""Makes a buffer of that many bytes on that device; with a gate (an overlapped wake), a buffer
+that maps its pieces later, through :meth:`DevicePieces.map_through`."""
 
 
 def default_pieces(device: torch.device) -> PiecesFactory | None:
@@ -55,9 +62,11 @@ def default_pieces(device: torch.device) -> PiecesFactory | None:
     return make_piece_buffer
 
 
-def make_piece_buffer(nbytes: int, device: torch.device) -> DevicePieces:
+def make_piece_buffer(
+    nbytes: int, device: torch.device, gate: ClaimGate | None = None
+) -> DevicePieces:
     """A :class:`PieceBuffer` of :data:`PIECE_BYTES` pieces."""
-    return PieceBuffer(nbytes, device)
+    return PieceBuffer(nbytes, device, gate=gate)
 
 
 def piece_ends(buffer: DevicePieces, nbytes: int) -> list[int]:
@@ -249,11 +258,18 @@ class _Interface:
 class PieceBuffer:
     """``nbytes`` of device memory as pieces of one address range (see the module's docstring).
 
-    Every piece is mapped at construction; :meth:`release` gives pieces back (in any order, each
-    once), :meth:`close` the rest and the address range. The tensor must not be used once a
-    piece under it is released."""
+    Every piece is mapped at construction, or with a ``gate`` none, each later by
+    :meth:`map_through` once the gate admits its claim; :meth:`release` gives pieces back (in any
+    order, each once), :meth:`close` the rest and the address range. The tensor must not be used
+    once a piece under it is released, nor under a piece not mapped yet."""
 
-    def __init__(self, nbytes: int, device: torch.device, piece_bytes: int = PIECE_BYTES) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        device: torch.device,
+        piece_bytes: int = PIECE_BYTES,
+        gate: ClaimGate | None = None,
+    ) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self.nbytes = nbytes
@@ -262,12 +278,41 @@ class PieceBuffer:
         self.reserved = sum(size for _, size in self.spans)
         self.base = self.driver.reserve(self.reserved)
         self.handles: dict[int, int] = {}
+        self.gate = gate
+        self._mapped_end = 0
+        """Every piece starting below this offset has been mapped (some maybe released since)."""
+        if gate is not None:
+            return
         try:
             with torch.cuda.device(index):
                 self._map_all()
         except BaseException:
             self.close()
             raise
+        self._mapped_end = self.reserved
+
+    def map_through(self, end: int) -> None:
+        """Map the pieces under the bytes before ``end`` in order, each after its claim is
+        admitted by the gate (:class:`~omnistage_worker.engine.claims.ClaimTimeout` when it is
+        not); out of memory even so, :class:`OutOfMemoryError` (what is mapped stays mapped,
+        for :meth:`close`)."""
+        with torch.cuda.device(self.device):
+            for k, (offset, size) in enumerate(self.spans):
+                if offset < self._mapped_end:
+                    continue
+                if offset >= end:
+                    return
+                if self.gate is not None:
+                    self.gate.claim(size)
+                try:
+                    self.handles[k] = self.driver.map_new(self.base + offset, size)
+                except CudaError as error:
+                    if error.code != OUT_OF_MEMORY:
+                        raise
+                    free, total = torch.cuda.mem_get_info(self.device)
+                    message = out_of_memory_message(self.device.index or 0, size, free, total)
+                    raise OutOfMemoryError(message) from error
+                self._mapped_end = offset + size
 
     def _map_all(self) -> None:
         """Map every piece; out of memory, give torch's cached blocks back and try once more

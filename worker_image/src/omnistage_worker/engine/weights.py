@@ -29,13 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage_worker.engine.claims import current_gate, report_release
 from omnistage_worker.engine.copy_jobs import CopyJob, JobError, run_jobs
 from omnistage_worker.engine.flat_weights import EngineError, FlatWeights
 from omnistage_worker.engine.gil import quick_switching
 from omnistage_worker.engine.host_memory import HostBuffer
 from omnistage_worker.engine.pinning import Step, marked, pieces, split_copy
+from omnistage_worker.engine.pinning import held as held_steps
 from omnistage_worker.engine.reload import FileLoader
-from omnistage_worker.engine.vmm import piece_ends
+from omnistage_worker.engine.vmm import DevicePieces, piece_ends
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,7 @@ class WeightEngine(FlatWeights):
             ends = piece_ends(behind, self._layout.total_bytes)
             batch, marks = marked(copies, ends, self.device)
             for k, mark in enumerate(marks):
-                mark.then = functools.partial(behind.release, k)
+                mark.then = functools.partial(_release_piece, behind, k)
             self._bind_placeholders()  # the copies hold their own views of the buffer
 
         def finish() -> int:
@@ -260,7 +262,7 @@ class WeightEngine(FlatWeights):
             return TransferStats(0, 0.0, noop=True)
         if self.level == 1:
             return self._run_job(self.wake_job, started)
-        flat = self._new_flat()
+        flat = self._new_flat(current_gate())
         moved = self._loader.load(self._file_runs(), flat)
         for key, kept in self._kept.items():
             slot = self._by_key[key]
@@ -279,14 +281,22 @@ class WeightEngine(FlatWeights):
         host = self._take_host()
         if not self._host_valid:
             raise EngineError("the host copy is not valid")
-        flat = self._new_flat()
+        gate = current_gate()
+        flat = self._new_flat(gate, lazy=True)
         held = contextlib.ExitStack()
         held.enter_context(self._host_held())
-        batch = pieces(flat, host.tensor, 0, self._chunk())
+        copies = pieces(flat, host.tensor, 0, self._chunk())
+        batch: list[Step] = list(copies)
+        lazy = self._pieces
+        if gate is not None and lazy is not None:  # each device piece mapped as it is claimed
+            ends = piece_ends(lazy, self._layout.total_bytes)
+            batch = held_steps(copies, ends, lazy.map_through)
 
         def finish() -> int:
             with held:
                 self._sync()
+            if gate is not None:  # the tensors outside the flat buffer come back too
+                gate.claim(self._loose_bytes())
             if not self.host_copy:
                 self._drop_host()  # a level-2 stage keeps no host copy while awake
             self._woken(flat)
@@ -309,3 +319,9 @@ class WeightEngine(FlatWeights):
         for thread in self._releasing:
             thread.join()
         self._loader.release()
+
+
+def _release_piece(buffer: DevicePieces, k: int) -> None:
+    """Give piece ``k`` back, then say so (an overlapped hand-over's sleep streams it)."""
+    buffer.release(k)
+    report_release(buffer.spans[k][1])

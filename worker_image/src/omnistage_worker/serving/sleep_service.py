@@ -1,11 +1,15 @@
-"""SleepService: Sleep, WakeUp and GetStatus over the worker."""
+"""SleepService: Sleep, SleepStream, WakeUp, RaiseClaimLimit and GetStatus over the worker."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import grpc
+
 from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
+from omnistage_worker.control.overlap import sleep_stream
 from omnistage_worker.control.transitions import (
     Refused,
     drain_timeout_from_proto,
@@ -21,38 +25,85 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
     """Thin gRPC layer: validates the request, then lets the worker act and measure.
 
     Refusals (no state change, task id not remembered): INVALID_ARGUMENT for a bad field
-    (named first in the message: ``task_id``, ``level``, ``epoch``, ``drain_timeout``);
+    (named first in the message: ``task_id``, ``level``, ``epoch``, ``drain_timeout``,
+    ``claim_limit_bytes``, ``sleep``);
     FAILED_PRECONDITION for an order from an older epoch, a failed worker (its error in the
-    message), a level the model cannot sleep at; UNAVAILABLE while the model loads.
+    message), a level the model cannot sleep at, a claim limit the worker cannot wake under;
+    UNAVAILABLE while the model loads.
     """
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
 
+    def _sleep_order(
+        self, request: sleep_service_pb2.SleepRequest
+    ) -> Callable[[], Awaitable[types_pb2.Ack]]:
+        """The sleep ``request`` asks for, validated now, run when called."""
+        task_id = require_task_id(request.task_id)
+        level = level_from_proto(request.level)
+        drain_timeout = drain_timeout_from_proto(
+            request.drain_timeout.ToNanoseconds() / 1e9
+            if request.HasField("drain_timeout")
+            else None
+        )
+        components = list(request.components)
+        return lambda: self.worker.sleep(task_id, level, request.epoch, drain_timeout, components)
+
     async def Sleep(
         self, request: sleep_service_pb2.SleepRequest, context: Context
     ) -> sleep_service_pb2.SleepResponse:
         async def order() -> types_pb2.Ack:
-            task_id = require_task_id(request.task_id)
-            level = level_from_proto(request.level)
-            drain_timeout = drain_timeout_from_proto(
-                request.drain_timeout.ToNanoseconds() / 1e9
-                if request.HasField("drain_timeout")
-                else None
-            )
-            return await self.worker.sleep(
-                task_id, level, request.epoch, drain_timeout, list(request.components)
-            )
+            return await self._sleep_order(request)()
 
         return sleep_service_pb2.SleepResponse(ack=await _ack(order, context))
+
+    async def SleepStream(
+        self, request: sleep_service_pb2.SleepStreamRequest, context: Context
+    ) -> AsyncIterator[sleep_service_pb2.SleepStreamResponse]:
+        try:
+            if not request.HasField("sleep"):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "sleep: required")
+            if request.sleep.components:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "sleep.components: a streamed sleep puts the whole model to sleep",
+                )
+            order = self._sleep_order(request.sleep)
+            async for message in sleep_stream(
+                self.worker.measure, lambda: asyncio.ensure_future(order())
+            ):
+                yield message
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
 
     async def WakeUp(
         self, request: sleep_service_pb2.WakeUpRequest, context: Context
     ) -> sleep_service_pb2.WakeUpResponse:
         async def order() -> types_pb2.Ack:
-            return await self.worker.wake(require_task_id(request.task_id), request.epoch)
+            task_id = require_task_id(request.task_id)
+            if request.claim_limit_bytes < 0:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"claim_limit_bytes: {request.claim_limit_bytes} is negative",
+                )
+            return await self.worker.wake(task_id, request.epoch, request.claim_limit_bytes)
 
         return sleep_service_pb2.WakeUpResponse(ack=await _ack(order, context))
+
+    async def RaiseClaimLimit(
+        self, request: sleep_service_pb2.RaiseClaimLimitRequest, context: Context
+    ) -> sleep_service_pb2.RaiseClaimLimitResponse:
+        try:
+            task_id = require_task_id(request.task_id)
+            if request.claim_limit_bytes <= 0:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"claim_limit_bytes: {request.claim_limit_bytes} must be above 0",
+                )
+            return self.worker.raise_claim_limit(task_id, request.claim_limit_bytes, request.epoch)
+        except Refused as exc:
+            await context.abort(exc.code, exc.message)
+        raise AssertionError("unreachable: context.abort raises")
 
     async def GetStatus(
         self, request: sleep_service_pb2.GetStatusRequest, context: Context

@@ -23,28 +23,39 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from omnistage.worker.v1 import types_pb2 as omnistage_dot_worker_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'omnistage/worker/v1/sleep_service.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fomnistage/worker/v1/types.proto\"\xa4\x01\n\x0cSleepRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12.\n\x05level\x18\x02 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x30\n\rdrain_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ncomponents\x18\x1e \x03(\t\"6\n\rSleepResponse\x12%\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\"/\n\rWakeUpRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"7\n\x0eWakeUpResponse\x12%\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\"!\n\x10GetStatusRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"\x86\x06\n\x11GetStatusResponse\x12/\n\x05state\x18\x01 \x01(\x0e\x32 .omnistage.worker.v1.WorkerState\x12.\n\x05level\x18\x02 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12\r\n\x05model\x18\x03 \x01(\t\x12+\n\x06runner\x18\x04 \x01(\x0e\x32\x1b.omnistage.worker.v1.Runner\x12-\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\x1c.omnistage.worker.v1.Backend\x12\x12\n\nused_bytes\x18\x06 \x01(\x03\x12\x12\n\nfree_bytes\x18\x07 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x03\x12\x32\n\x07\x64\x65vices\x18\t \x03(\x0b\x32!.omnistage.worker.v1.DeviceMemory\x12\x31\n\x06source\x18\n \x01(\x0e\x32!.omnistage.worker.v1.MemorySource\x12\x33\n\x06worker\x18\x0b \x01(\x0b\x32#.omnistage.worker.v1.WorkerIdentity\x12*\n\x08last_ack\x18\x0c \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\x12\x15\n\rweights_bytes\x18\r \x01(\x03\x12\x1e\n\x16\x61\x63tive_footprint_bytes\x18\x0e \x01(\x03\x12\r\n\x05\x65rror\x18\x0f \x01(\t\x12\x19\n\x11inflight_requests\x18\x10 \x01(\x05\x12\x19\n\x11peak_active_bytes\x18\x11 \x01(\x03\x12\x15\n\rcontext_bytes\x18\x12 \x01(\x03\x12\r\n\x05\x65poch\x18\x13 \x01(\x03\x12\x30\n\rdrain_timeout\x18\x14 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x38\n\ncomponents\x18\x1e \x03(\x0b\x32$.omnistage.worker.v1.ComponentMemory\x12\x12\n\nsequential\x18\x1f \x01(\x08\x32\x8d\x02\n\x0cSleepService\x12N\n\x05Sleep\x12!.omnistage.worker.v1.SleepRequest\x1a\".omnistage.worker.v1.SleepResponse\x12Q\n\x06WakeUp\x12\".omnistage.worker.v1.WakeUpRequest\x1a#.omnistage.worker.v1.WakeUpResponse\x12Z\n\tGetStatus\x12%.omnistage.worker.v1.GetStatusRequest\x1a&.omnistage.worker.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'omnistage/worker/v1/sleep_service.proto\x12\x13omnistage.worker.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fomnistage/worker/v1/types.proto\"\xa4\x01\n\x0cSleepRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12.\n\x05level\x18\x02 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x30\n\rdrain_timeout\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ncomponents\x18\x1e \x03(\t\"6\n\rSleepResponse\x12%\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\"J\n\rWakeUpRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x19\n\x11\x63laim_limit_bytes\x18\x03 \x01(\x03\"7\n\x0eWakeUpResponse\x12%\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\"F\n\x12SleepStreamRequest\x12\x30\n\x05sleep\x18\x01 \x01(\x0b\x32!.omnistage.worker.v1.SleepRequest\"\x80\x01\n\x13SleepStreamResponse\x12\x37\n\x08released\x18\x01 \x01(\x0b\x32#.omnistage.worker.v1.MemoryReleasedH\x00\x12\'\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x18.omnistage.worker.v1.AckH\x00\x42\x07\n\x05\x65vent\"\x97\x01\n\x0eMemoryReleased\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x31\n\x06source\x18\x03 \x01(\x0e\x32!.omnistage.worker.v1.MemorySource\x12&\n\x02\x61t\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"S\n\x16RaiseClaimLimitRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x19\n\x11\x63laim_limit_bytes\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"\\\n\x17RaiseClaimLimitResponse\x12\x0f\n\x07running\x18\x01 \x01(\x08\x12\x15\n\rclaimed_bytes\x18\x02 \x01(\x03\x12\x19\n\x11\x63laim_limit_bytes\x18\x03 \x01(\x03\"!\n\x10GetStatusRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\"\x86\x06\n\x11GetStatusResponse\x12/\n\x05state\x18\x01 \x01(\x0e\x32 .omnistage.worker.v1.WorkerState\x12.\n\x05level\x18\x02 \x01(\x0e\x32\x1f.omnistage.worker.v1.SleepLevel\x12\r\n\x05model\x18\x03 \x01(\t\x12+\n\x06runner\x18\x04 \x01(\x0e\x32\x1b.omnistage.worker.v1.Runner\x12-\n\x07\x62\x61\x63kend\x18\x05 \x01(\x0e\x32\x1c.omnistage.worker.v1.Backend\x12\x12\n\nused_bytes\x18\x06 \x01(\x03\x12\x12\n\nfree_bytes\x18\x07 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x03\x12\x32\n\x07\x64\x65vices\x18\t \x03(\x0b\x32!.omnistage.worker.v1.DeviceMemory\x12\x31\n\x06source\x18\n \x01(\x0e\x32!.omnistage.worker.v1.MemorySource\x12\x33\n\x06worker\x18\x0b \x01(\x0b\x32#.omnistage.worker.v1.WorkerIdentity\x12*\n\x08last_ack\x18\x0c \x01(\x0b\x32\x18.omnistage.worker.v1.Ack\x12\x15\n\rweights_bytes\x18\r \x01(\x03\x12\x1e\n\x16\x61\x63tive_footprint_bytes\x18\x0e \x01(\x03\x12\r\n\x05\x65rror\x18\x0f \x01(\t\x12\x19\n\x11inflight_requests\x18\x10 \x01(\x05\x12\x19\n\x11peak_active_bytes\x18\x11 \x01(\x03\x12\x15\n\rcontext_bytes\x18\x12 \x01(\x03\x12\r\n\x05\x65poch\x18\x13 \x01(\x03\x12\x30\n\rdrain_timeout\x18\x14 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x38\n\ncomponents\x18\x1e \x03(\x0b\x32$.omnistage.worker.v1.ComponentMemory\x12\x12\n\nsequential\x18\x1f \x01(\x08\x32\xdf\x03\n\x0cSleepService\x12N\n\x05Sleep\x12!.omnistage.worker.v1.SleepRequest\x1a\".omnistage.worker.v1.SleepResponse\x12Q\n\x06WakeUp\x12\".omnistage.worker.v1.WakeUpRequest\x1a#.omnistage.worker.v1.WakeUpResponse\x12Z\n\tGetStatus\x12%.omnistage.worker.v1.GetStatusRequest\x1a&.omnistage.worker.v1.GetStatusResponse\x12\x62\n\x0bSleepStream\x12\'.omnistage.worker.v1.SleepStreamRequest\x1a(.omnistage.worker.v1.SleepStreamResponse0\x01\x12l\n\x0fRaiseClaimLimit\x12+.omnistage.worker.v1.RaiseClaimLimitRequest\x1a,.omnistage.worker.v1.RaiseClaimLimitResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnistage.worker.v1.sleep_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SLEEPREQUEST']._serialized_start=130
-  _globals['_SLEEPREQUEST']._serialized_end=294
-  _globals['_SLEEPRESPONSE']._serialized_start=296
-  _globals['_SLEEPRESPONSE']._serialized_end=350
-  _globals['_WAKEUPREQUEST']._serialized_start=352
-  _globals['_WAKEUPREQUEST']._serialized_end=399
-  _globals['_WAKEUPRESPONSE']._serialized_start=401
-  _globals['_WAKEUPRESPONSE']._serialized_end=456
-  _globals['_GETSTATUSREQUEST']._serialized_start=458
-  _globals['_GETSTATUSREQUEST']._serialized_end=491
-  _globals['_GETSTATUSRESPONSE']._serialized_start=494
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1268
-  _globals['_SLEEPSERVICE']._serialized_start=1271
-  _globals['_SLEEPSERVICE']._serialized_end=1540
+  _globals['_SLEEPREQUEST']._serialized_start=163
+  _globals['_SLEEPREQUEST']._serialized_end=327
+  _globals['_SLEEPRESPONSE']._serialized_start=329
+  _globals['_SLEEPRESPONSE']._serialized_end=383
+  _globals['_WAKEUPREQUEST']._serialized_start=385
+  _globals['_WAKEUPREQUEST']._serialized_end=459
+  _globals['_WAKEUPRESPONSE']._serialized_start=461
+  _globals['_WAKEUPRESPONSE']._serialized_end=516
+  _globals['_SLEEPSTREAMREQUEST']._serialized_start=518
+  _globals['_SLEEPSTREAMREQUEST']._serialized_end=588
+  _globals['_SLEEPSTREAMRESPONSE']._serialized_start=591
+  _globals['_SLEEPSTREAMRESPONSE']._serialized_end=719
+  _globals['_MEMORYRELEASED']._serialized_start=722
+  _globals['_MEMORYRELEASED']._serialized_end=873
+  _globals['_RAISECLAIMLIMITREQUEST']._serialized_start=875
+  _globals['_RAISECLAIMLIMITREQUEST']._serialized_end=958
+  _globals['_RAISECLAIMLIMITRESPONSE']._serialized_start=960
+  _globals['_RAISECLAIMLIMITRESPONSE']._serialized_end=1052
+  _globals['_GETSTATUSREQUEST']._serialized_start=1054
+  _globals['_GETSTATUSREQUEST']._serialized_end=1087
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1090
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1864
+  _globals['_SLEEPSERVICE']._serialized_start=1867
+  _globals['_SLEEPSERVICE']._serialized_end=2346
 # @@protoc_insertion_point(module_scope)

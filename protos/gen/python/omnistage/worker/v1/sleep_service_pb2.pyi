@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from omnistage.worker.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
@@ -101,19 +102,29 @@ class WakeUpRequest(_message.Message):
 
     TASK_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    CLAIM_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """task_id identifies the transition; repeating it is idempotent. Required."""
     epoch: _builtins.int
     """epoch is the ordering operator's leadership epoch; see SleepRequest.epoch."""
+    claim_limit_bytes: _builtins.int
+    """claim_limit_bytes, when above 0, makes this an overlapped wake: the worker takes its device
+    memory piece by piece, never holding more than this many bytes of device memory in all (its
+    process's, as used_before_bytes counts it: the context and residual included), and waits
+    for RaiseClaimLimit to raise the limit until its whole need fits. 0: an ordinary wake.
+    Negative: INVALID_ARGUMENT. A worker that cannot wake piece by piece under a limit (vLLM,
+    a stage on several devices, components asleep) refuses it with FAILED_PRECONDITION.
+    """
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        claim_limit_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_limit_bytes", b"claim_limit_bytes", "epoch", b"epoch", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -142,6 +153,168 @@ class WakeUpResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WakeUpResponse: _TypeAlias = WakeUpResponse  # noqa: Y015
+
+@_typing.final
+class SleepStreamRequest(_message.Message):
+    """SleepStreamRequest asks for a sleep whose release is streamed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLEEP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sleep(self) -> Global___SleepRequest:
+        """sleep is the sleep asked for, as Sleep takes it (components must be empty: a streamed
+        sleep puts the whole model to sleep). Required.
+        """
+
+    def __init__(
+        self,
+        *,
+        sleep: Global___SleepRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sleep", b"sleep"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sleep", b"sleep"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SleepStreamRequest: _TypeAlias = SleepStreamRequest  # noqa: Y015
+
+@_typing.final
+class SleepStreamResponse(_message.Message):
+    """SleepStreamResponse is one message of a SleepStream: memory released so far, or the Ack."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    ACK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def released(self) -> Global___MemoryReleased:
+        """released reports device memory the sleep has given back so far."""
+
+    @_builtins.property
+    def ack(self) -> _types_pb2.Ack:
+        """ack is the sleep's Ack, the stream's last message."""
+
+    def __init__(
+        self,
+        *,
+        released: Global___MemoryReleased | None = ...,
+        ack: _types_pb2.Ack | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "event", b"event", "released", b"released"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "event", b"event", "released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["released", "ack"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___SleepStreamResponse: _TypeAlias = SleepStreamResponse  # noqa: Y015
+
+@_typing.final
+class MemoryReleased(_message.Message):
+    """MemoryReleased is the device memory a sleep has given back to the driver so far, measured."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_BYTES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    released_bytes: _builtins.int
+    """released_bytes is how much the process's device memory has fallen since the sleep began
+    (used_before_bytes minus used_bytes), as measured for used_bytes.
+    """
+    used_bytes: _builtins.int
+    """used_bytes is the process's device memory now (sum over its devices)."""
+    source: _types_pb2.MemorySource.ValueType
+    """source says how used_bytes was measured."""
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp:
+        """at is when it was measured."""
+
+    def __init__(
+        self,
+        *,
+        released_bytes: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        source: _types_pb2.MemorySource.ValueType = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "released_bytes", b"released_bytes", "source", b"source", "used_bytes", b"used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MemoryReleased: _TypeAlias = MemoryReleased  # noqa: Y015
+
+@_typing.final
+class RaiseClaimLimitRequest(_message.Message):
+    """RaiseClaimLimitRequest raises the claim limit of a running overlapped wake."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    CLAIM_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    """task_id is the wake's task id. Required."""
+    claim_limit_bytes: _builtins.int
+    """claim_limit_bytes is the new limit: the most device memory the worker may hold in all. A
+    limit below the wake's current one is INVALID_ARGUMENT (a claim cannot be taken back).
+    """
+    epoch: _builtins.int
+    """epoch is the ordering operator's leadership epoch; see SleepRequest.epoch."""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+        claim_limit_bytes: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_limit_bytes", b"claim_limit_bytes", "epoch", b"epoch", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RaiseClaimLimitRequest: _TypeAlias = RaiseClaimLimitRequest  # noqa: Y015
+
+@_typing.final
+class RaiseClaimLimitResponse(_message.Message):
+    """RaiseClaimLimitResponse says where the wake stands."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUNNING_FIELD_NUMBER: _builtins.int
+    CLAIMED_BYTES_FIELD_NUMBER: _builtins.int
+    CLAIM_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    running: _builtins.bool
+    """running is false when no overlapped wake of that task id is running (it ended, or never
+    began): the limit then changed nothing.
+    """
+    claimed_bytes: _builtins.int
+    """claimed_bytes is the device memory the wake holds by its own count (its start's measured
+    use plus the pieces it has taken).
+    """
+    claim_limit_bytes: _builtins.int
+    """claim_limit_bytes is the limit now in force."""
+    def __init__(
+        self,
+        *,
+        running: _builtins.bool = ...,
+        claimed_bytes: _builtins.int = ...,
+        claim_limit_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_limit_bytes", b"claim_limit_bytes", "claimed_bytes", b"claimed_bytes", "running", b"running"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RaiseClaimLimitResponse: _TypeAlias = RaiseClaimLimitResponse  # noqa: Y015
 
 @_typing.final
 class GetStatusRequest(_message.Message):

@@ -51,6 +51,16 @@ class SleepServiceStub:
                 request_serializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.SleepStream = channel.unary_stream(
+                '/omnistage.worker.v1.SleepService/SleepStream',
+                request_serializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.SleepStreamRequest.SerializeToString,
+                response_deserializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.SleepStreamResponse.FromString,
+                _registered_method=True)
+        self.RaiseClaimLimit = channel.unary_unary(
+                '/omnistage.worker.v1.SleepService/RaiseClaimLimit',
+                request_serializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.RaiseClaimLimitRequest.SerializeToString,
+                response_deserializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.RaiseClaimLimitResponse.FromString,
+                _registered_method=True)
 
 
 class SleepServiceServicer:
@@ -79,6 +89,23 @@ class SleepServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SleepStream(self, request, context):
+        """SleepStream is Sleep, with the device memory the sleep has given back streamed as it goes
+        (MemoryReleased messages), then its Ack as the last message. The caller of an overlapped
+        hand-over lets the incoming stage claim only what these messages say was released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RaiseClaimLimit(self, request, context):
+        """RaiseClaimLimit raises the claim limit of the overlapped wake running under a task id
+        (WakeUpRequest.claim_limit_bytes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SleepServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +123,16 @@ def add_SleepServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.GetStatusRequest.FromString,
                     response_serializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'SleepStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SleepStream,
+                    request_deserializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.SleepStreamRequest.FromString,
+                    response_serializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.SleepStreamResponse.SerializeToString,
+            ),
+            'RaiseClaimLimit': grpc.unary_unary_rpc_method_handler(
+                    servicer.RaiseClaimLimit,
+                    request_deserializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.RaiseClaimLimitRequest.FromString,
+                    response_serializer=omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.RaiseClaimLimitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +218,60 @@ class SleepService:
             '/omnistage.worker.v1.SleepService/GetStatus',
             omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.GetStatusRequest.SerializeToString,
             omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SleepStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/omnistage.worker.v1.SleepService/SleepStream',
+            omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.SleepStreamRequest.SerializeToString,
+            omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.SleepStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RaiseClaimLimit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnistage.worker.v1.SleepService/RaiseClaimLimit',
+            omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.RaiseClaimLimitRequest.SerializeToString,
+            omnistage_dot_worker_dot_v1_dot_sleep__service__pb2.RaiseClaimLimitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,15 @@ class SleepServiceStub:
     """WakeUp restores the weights to the device."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_sleep_service_pb2.GetStatusRequest, _sleep_service_pb2.GetStatusResponse]
     """GetStatus reports the worker's state and memory without changing anything."""
+    SleepStream: _grpc.UnaryStreamMultiCallable[_sleep_service_pb2.SleepStreamRequest, _sleep_service_pb2.SleepStreamResponse]
+    """SleepStream is Sleep, with the device memory the sleep has given back streamed as it goes
+    (MemoryReleased messages), then its Ack as the last message. The caller of an overlapped
+    hand-over lets the incoming stage claim only what these messages say was released.
+    """
+    RaiseClaimLimit: _grpc.UnaryUnaryMultiCallable[_sleep_service_pb2.RaiseClaimLimitRequest, _sleep_service_pb2.RaiseClaimLimitResponse]
+    """RaiseClaimLimit raises the claim limit of the overlapped wake running under a task id
+    (WakeUpRequest.claim_limit_bytes).
+    """
 
 @_typing.type_check_only
 class SleepServiceAsyncStub(SleepServiceStub):
@@ -55,6 +64,15 @@ class SleepServiceAsyncStub(SleepServiceStub):
     """WakeUp restores the weights to the device."""
     GetStatus: _aio.UnaryUnaryMultiCallable[_sleep_service_pb2.GetStatusRequest, _sleep_service_pb2.GetStatusResponse]  # type: ignore[assignment]
     """GetStatus reports the worker's state and memory without changing anything."""
+    SleepStream: _aio.UnaryStreamMultiCallable[_sleep_service_pb2.SleepStreamRequest, _sleep_service_pb2.SleepStreamResponse]  # type: ignore[assignment]
+    """SleepStream is Sleep, with the device memory the sleep has given back streamed as it goes
+    (MemoryReleased messages), then its Ack as the last message. The caller of an overlapped
+    hand-over lets the incoming stage claim only what these messages say was released.
+    """
+    RaiseClaimLimit: _aio.UnaryUnaryMultiCallable[_sleep_service_pb2.RaiseClaimLimitRequest, _sleep_service_pb2.RaiseClaimLimitResponse]  # type: ignore[assignment]
+    """RaiseClaimLimit raises the claim limit of the overlapped wake running under a task id
+    (WakeUpRequest.claim_limit_bytes).
+    """
 
 class SleepServiceServicer(metaclass=_abc_1.ABCMeta):
     """SleepService puts a worker to sleep and wakes it, answering each with a measured Ack.
@@ -84,5 +102,26 @@ class SleepServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_sleep_service_pb2.GetStatusResponse, _abc.Awaitable[_sleep_service_pb2.GetStatusResponse]]:
         """GetStatus reports the worker's state and memory without changing anything."""
+
+    @_abc_1.abstractmethod
+    def SleepStream(
+        self,
+        request: _sleep_service_pb2.SleepStreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_sleep_service_pb2.SleepStreamResponse], _abc.AsyncIterator[_sleep_service_pb2.SleepStreamResponse]]:
+        """SleepStream is Sleep, with the device memory the sleep has given back streamed as it goes
+        (MemoryReleased messages), then its Ack as the last message. The caller of an overlapped
+        hand-over lets the incoming stage claim only what these messages say was released.
+        """
+
+    @_abc_1.abstractmethod
+    def RaiseClaimLimit(
+        self,
+        request: _sleep_service_pb2.RaiseClaimLimitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sleep_service_pb2.RaiseClaimLimitResponse, _abc.Awaitable[_sleep_service_pb2.RaiseClaimLimitResponse]]:
+        """RaiseClaimLimit raises the claim limit of the overlapped wake running under a task id
+        (WakeUpRequest.claim_limit_bytes).
+        """
 
 def add_SleepServiceServicer_to_server(servicer: SleepServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,112 @@
+"""The caller's side of one hand-over between two workers, serial or overlapped, as
+``bench/overlap.py`` drives it (the operator's rounds do the serial one; the overlapped one is
+issue 23's moonshot, not in the operator yet).
+
+Overlapped: the outgoing worker's ``SleepStream`` and the incoming worker's ``WakeUp`` with
+``claim_limit_bytes`` go out at once. The first limit is what the incoming worker holds plus
+the device's free memory less a margin; each ``MemoryReleased`` the stream reports (measured by
+the outgoing worker, NVML for its process) raises it by that much, and the sleep's Ack by its
+measured ``freed_bytes``. So the incoming worker never holds memory the outgoing one has not
+reported given back.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.worker_grpc import Worker, ack_json
+from omnistage.worker.v1 import sleep_service_pb2, types_pb2
+
+Json = dict[str, Any]
+LEVEL1 = types_pb2.SleepLevel.ValueType(1)
+
+
+def serial(out: Worker, inc: Worker) -> Json:
+    """Sleep ``out``, then wake ``inc``: the operator's hand-over, timed by its caller."""
+    t0 = time.perf_counter()
+    slept = out.sleep.Sleep(
+        sleep_service_pb2.SleepRequest(task_id=str(uuid.uuid4()), level=LEVEL1), timeout=300
+    )
+    t1 = time.perf_counter()
+    woke = inc.sleep.WakeUp(sleep_service_pb2.WakeUpRequest(task_id=str(uuid.uuid4())), timeout=300)
+    t2 = time.perf_counter()
+    return {
+        "mode": "serial",
+        "seconds": t2 - t0,
+        "sleep": ack_json(slept.ack, t1 - t0),
+        "wake": ack_json(woke.ack, t2 - t1),
+    }
+
+
+def overlapped(out: Worker, inc: Worker, margin: int) -> Json:
+    """Sleep ``out`` and wake ``inc`` at once, the wake's limit raised by each measured release
+    (see the module's docstring)."""
+    status = inc.sleep.GetStatus(sleep_service_pb2.GetStatusRequest(), timeout=30)
+    base = status.used_bytes + max(0, status.free_bytes - margin)
+    wake_id = str(uuid.uuid4())
+    t0 = time.perf_counter()
+    wake = inc.sleep.WakeUp.future(
+        sleep_service_pb2.WakeUpRequest(task_id=wake_id, claim_limit_bytes=base), timeout=300
+    )
+    request = sleep_service_pb2.SleepStreamRequest(
+        sleep=sleep_service_pb2.SleepRequest(task_id=str(uuid.uuid4()), level=LEVEL1)
+    )
+    raises: list[tuple[float, int]] = []
+    released = 0
+    sleep_ack: types_pb2.Ack | None = None
+    for message in out.sleep.SleepStream(request, timeout=300):
+        if message.WhichOneof("event") == "released":
+            released = max(released, message.released.released_bytes)
+        else:
+            sleep_ack = message.ack
+            released = max(released, sleep_ack.freed_bytes if sleep_ack.ok else 0)
+        inc.sleep.RaiseClaimLimit(
+            sleep_service_pb2.RaiseClaimLimitRequest(
+                task_id=wake_id, claim_limit_bytes=base + released
+            ),
+            timeout=30,
+        )
+        raises.append((time.perf_counter() - t0, released))
+    t1 = time.perf_counter()
+    woke = wake.result()
+    t2 = time.perf_counter()
+    assert sleep_ack is not None
+    return {
+        "mode": "overlapped",
+        "seconds": t2 - t0,
+        "first_limit_bytes": base,
+        "limit_raises": len(raises),
+        "first_raise_s": raises[0][0] if raises else None,
+        "sleep": ack_json(sleep_ack, t1 - t0),
+        "wake": ack_json(woke.ack, t2 - t0),
+    }
+
+
+def sampler_pairs(path: Path, pids: tuple[int, int]) -> list[tuple[float, int, int]]:
+    """(time, bytes of pid 0, bytes of pid 1) per sample of ``gpu_e2e_children.child_sampler``."""
+    rows = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("S "):
+            continue
+        parts = line.split()
+        held = dict(p.split(":") for p in parts[4:])
+        rows.append(
+            (float(parts[1]), int(held.get(str(pids[0]), 0)), int(held.get(str(pids[1]), 0)))
+        )
+    return rows
+
+
+def room_check(rows: list[tuple[float, int, int]], room: int) -> Json:
+    """The most the two stages held together in any sample, against the room they share."""
+    together = [a + b for _, a, b in rows]
+    over = [t for t in together if t > room]
+    return {
+        "samples": len(rows),
+        "room_bytes": room,
+        "peak_together_bytes": max(together, default=0),
+        "samples_over_room": len(over),
+        "within_room": not over,
+    }

@@ -1,0 +1,144 @@
+"""The overlapped hand-over's RPCs over real gRPC (issue 23): SleepStream, a WakeUp under
+``claim_limit_bytes`` and RaiseClaimLimit, with their refusals.
+
+On the CPU the engine's flat buffer is one allocation, so a wake under a limit claims it whole:
+it waits until the limit covers the model, which is what these tests drive. The piece-by-piece
+overlap itself is tested in ``tests/unit/test_overlapped_wake.py`` and measured on the GPU by
+``bench/overlap.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+
+from omnistage.worker.v1 import sleep_service_pb2, types_pb2
+from tests.worker.conftest import StartWorker, WorkerHandle, new_task_id, rpc_error, wait_for
+
+ACTIVE = types_pb2.WORKER_STATE_ACTIVE
+WAKING = types_pb2.WORKER_STATE_WAKING
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def raise_limit(
+    worker: WorkerHandle, task_id: str, limit: int
+) -> sleep_service_pb2.RaiseClaimLimitResponse:
+    response: sleep_service_pb2.RaiseClaimLimitResponse = await worker.sleep_stub.RaiseClaimLimit(
+        sleep_service_pb2.RaiseClaimLimitRequest(task_id=task_id, claim_limit_bytes=limit),
+        metadata=worker.metadata,
+    )
+    return response
+
+
+async def stream_sleep(
+    worker: WorkerHandle, **fields: object
+) -> list[sleep_service_pb2.SleepStreamResponse]:
+    request = sleep_service_pb2.SleepStreamRequest(
+        sleep=sleep_service_pb2.SleepRequest(**fields)  # type: ignore[arg-type]
+    )
+    return [m async for m in worker.sleep_stub.SleepStream(request, metadata=worker.metadata)]
+
+
+async def test_a_streamed_sleep_ends_with_its_ack(lm_worker: WorkerHandle) -> None:
+    before = await lm_worker.status()
+    messages = await stream_sleep(lm_worker, task_id="s1", level=1)
+    assert messages[-1].WhichOneof("event") == "ack"
+    ack = messages[-1].ack
+    assert ack.ok and ack.task_id == "s1" and ack.freed_bytes > 0
+    released = [m.released.released_bytes for m in messages[:-1]]
+    assert released == sorted(released) and all(0 < r <= before.used_bytes for r in released)
+    # The Ack is the Sleep's: a repeat of its task id over Sleep replays it.
+    assert (await lm_worker.sleep(1, task_id="s1")).replayed
+
+
+async def test_a_wake_under_a_limit_waits_for_its_raise(lm_worker: WorkerHandle) -> None:
+    reference = list((await lm_worker.generate(max_new_tokens=4)).text.token_ids)
+    assert (await lm_worker.sleep(1)).ok
+    asleep = await lm_worker.status()
+    task_id = new_task_id()
+    waking = asyncio.ensure_future(
+        lm_worker.sleep_stub.WakeUp(
+            sleep_service_pb2.WakeUpRequest(task_id=task_id, claim_limit_bytes=1),
+            metadata=lm_worker.metadata,
+        )
+    )
+
+    async def gated() -> bool:
+        return (await raise_limit(lm_worker, task_id, 1)).running
+
+    await wait_for(gated, what="the wake to wait under its limit")
+    held = await raise_limit(lm_worker, task_id, 1)
+    assert held.claimed_bytes == asleep.used_bytes  # nothing taken beyond what it held asleep
+    assert held.claim_limit_bytes == 1
+    assert (await lm_worker.status()).state == WAKING and not waking.done()
+
+    err = await rpc_error(raise_limit(lm_worker, task_id, 0))
+    assert err.code() == INVALID and err.details() == "claim_limit_bytes: 0 must be above 0"
+    need = asleep.active_footprint_bytes  # what it held awake, measured
+    raised = await raise_limit(lm_worker, task_id, need)
+    assert raised.running and raised.claim_limit_bytes == need
+    ack = (await waking).ack
+    assert ack.ok and ack.state == ACTIVE and ack.used_after_bytes <= need
+    assert list((await lm_worker.generate(max_new_tokens=4)).text.token_ids) == reference
+    # The wake is over: a raise now changes nothing and says so.
+    assert not (await raise_limit(lm_worker, task_id, need + 1)).running
+
+
+async def test_a_lower_limit_and_bad_fields_are_refused(lm_worker: WorkerHandle) -> None:
+    err = await rpc_error(
+        lm_worker.sleep_stub.WakeUp(
+            sleep_service_pb2.WakeUpRequest(task_id="w", claim_limit_bytes=-1),
+            metadata=lm_worker.metadata,
+        )
+    )
+    assert err.code() == INVALID and err.details() == "claim_limit_bytes: -1 is negative"
+    err = await rpc_error(stream_sleep(lm_worker, task_id="s", level=1, components=["model"]))
+    assert err.code() == INVALID and err.details().startswith("sleep.components:")
+    err = await rpc_error(
+        lm_worker.sleep_stub.SleepStream(
+            sleep_service_pb2.SleepStreamRequest(), metadata=lm_worker.metadata
+        ).read()
+    )
+    assert err.code() == INVALID and err.details() == "sleep: required"
+    err = await rpc_error(stream_sleep(lm_worker, task_id="", level=1))
+    assert err.code() == INVALID and err.details().startswith("task_id")
+    assert (await lm_worker.status()).state == ACTIVE  # nothing changed
+
+    assert (await lm_worker.sleep(1)).ok
+    task_id = new_task_id()
+    waking = asyncio.ensure_future(
+        lm_worker.sleep_stub.WakeUp(
+            sleep_service_pb2.WakeUpRequest(task_id=task_id, claim_limit_bytes=10),
+            metadata=lm_worker.metadata,
+        )
+    )
+
+    async def gated() -> bool:
+        return (await raise_limit(lm_worker, task_id, 10)).running
+
+    await wait_for(gated, what="the wake to wait under its limit")
+    err = await rpc_error(raise_limit(lm_worker, task_id, 9))
+    assert err.code() == INVALID
+    assert err.details() == "claim_limit_bytes: claim limit 9 is below the current 10"
+    assert (await raise_limit(lm_worker, task_id, 1 << 40)).running
+    assert (await waking).ack.ok
+
+
+async def test_a_stage_on_two_devices_refuses_a_limit(
+    start_worker: StartWorker, lm_dir: Path
+) -> None:
+    worker = await start_worker(lm_dir, "ar", "transformers", gpus=2)
+    assert (await worker.sleep(1)).ok
+    err = await rpc_error(
+        worker.sleep_stub.WakeUp(
+            sleep_service_pb2.WakeUpRequest(task_id="w", claim_limit_bytes=1 << 40),
+            metadata=worker.metadata,
+        )
+    )
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == (
+        "claim_limit_bytes: the stage holds 2 devices; one limit covers one device"
+    )
+    assert (await worker.wake(task_id="w")).ok  # the refused id was not remembered

@@ -1,0 +1,123 @@
+"""The worker's side of an overlapped hand-over (issue 23): a sleep that streams what it has
+released, and a wake that takes its device memory piece by piece under a limit its caller
+raises (:mod:`omnistage_worker.engine.claims`).
+
+The caller (the operator, or ``bench/overlap.py``) opens the outgoing worker's ``SleepStream``
+and the incoming worker's ``WakeUp`` with ``claim_limit_bytes`` at once, and raises the limit
+(``RaiseClaimLimit``) by each measured release the stream reports: at no instant does the
+incoming worker hold memory the outgoing one has not first reported given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from omnistage.worker.v1 import sleep_service_pb2, types_pb2
+from omnistage_worker.control.component_sleep import asleep_components
+from omnistage_worker.control.transitions import Refused
+from omnistage_worker.control.worker_parts import WorkerParts
+from omnistage_worker.engine import claims
+from omnistage_worker.engine.claims import ClaimGate
+from omnistage_worker.memory import Reading
+
+
+def claim_limit_refusal(worker: WorkerParts, before: Reading) -> str:
+    """Why this worker cannot wake piece by piece under a limit now; empty when it can."""
+    if worker.runner.backend_kind == types_pb2.BACKEND_VLLM:
+        return "vLLM wakes through its own sleep mode, not piece by piece"
+    if len(before.devices) > 1:
+        return f"the stage holds {len(before.devices)} devices; one limit covers one device"
+    if asleep_components(worker.controller):
+        return "the worker is Active with components asleep; wake them without a limit"
+    return ""
+
+
+class ClaimLimits:
+    """The overlapped wakes running in this worker, by task id (one at a time in practice)."""
+
+    def __init__(self) -> None:
+        self._gates: dict[str, ClaimGate] = {}
+
+    def gate(self, worker: WorkerParts, before: Reading, limit: int) -> ClaimGate:
+        """A gate for a wake under ``limit`` (FAILED_PRECONDITION when the worker cannot)."""
+        why = claim_limit_refusal(worker, before)
+        if why:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"claim_limit_bytes: {why}")
+        return ClaimGate(limit, before.used)
+
+    @contextlib.contextmanager
+    def running(self, task_id: str, gate: ClaimGate | None) -> Iterator[None]:
+        """The wake of ``task_id`` runs under ``gate`` in this block (nothing without one)."""
+        if gate is None:
+            yield
+            return
+        self._gates[task_id] = gate
+        try:
+            with claims.gated(gate):
+                yield
+        finally:
+            del self._gates[task_id]
+            gate.cancel("the wake ended")
+
+    def raise_limit(self, task_id: str, limit: int) -> sleep_service_pb2.RaiseClaimLimitResponse:
+        """Raise the running wake's limit; ``running`` false when none runs under ``task_id``."""
+        gate = self._gates.get(task_id)
+        if gate is None:
+            return sleep_service_pb2.RaiseClaimLimitResponse(running=False)
+        try:
+            gate.raise_limit(limit)
+        except ValueError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"claim_limit_bytes: {exc}") from exc
+        return sleep_service_pb2.RaiseClaimLimitResponse(
+            running=True, claimed_bytes=gate.claimed, claim_limit_bytes=gate.limit
+        )
+
+
+def _released(before: Reading, now: Reading) -> sleep_service_pb2.SleepStreamResponse:
+    at = Timestamp()
+    at.GetCurrentTime()
+    return sleep_service_pb2.SleepStreamResponse(
+        released=sleep_service_pb2.MemoryReleased(
+            released_bytes=max(before.used - now.used, 0),
+            used_bytes=now.used,
+            source=now.source,
+            at=at,
+        )
+    )
+
+
+async def sleep_stream(
+    measure: Callable[[], Reading], sleep: Callable[[], asyncio.Future[Any]]
+) -> AsyncIterator[sleep_service_pb2.SleepStreamResponse]:
+    """Run ``sleep`` and yield a measured :class:`MemoryReleased` after the pieces it gives
+    back (releases that come while one is measured are reported by the next), then its Ack.
+
+    The sleep runs to its end even when the caller stops reading."""
+    loop = asyncio.get_running_loop()
+    news = asyncio.Event()
+    before = measure()
+    reported = 0
+
+    def released(_nbytes: int) -> None:
+        loop.call_soon_threadsafe(news.set)
+
+    with claims.watching_releases(released):
+        task = sleep()
+        while not task.done():
+            waiter = asyncio.ensure_future(news.wait())
+            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if news.is_set():
+                news.clear()
+                message = _released(before, measure())
+                if message.released.released_bytes > reported:
+                    reported = message.released.released_bytes
+                    yield message
+        ack = await task
+    yield sleep_service_pb2.SleepStreamResponse(ack=ack)

@@ -1,0 +1,134 @@
+"""An overlapped wake's claim limit, and a sleep's releases as they happen (issue 23).
+
+In an overlapped hand-over the outgoing stage's sleep gives its device memory back piece by
+piece while the incoming stage's wake takes pieces, so the two copy directions run at once. The
+promise holds piece by piece: the incoming worker never holds more device memory than its
+caller's limit, and the caller raises the limit only by what the outgoing worker reported
+released (``SleepStream``'s measured ``MemoryReleased``).
+
+- :class:`ClaimGate`: a wake's limit and what it holds by its own count; :meth:`ClaimGate.claim`
+  waits until a piece fits under the limit.
+- :func:`gated` / :func:`current_gate`: the gate the running wake's buffers take their pieces
+  through. A worker runs one transition at a time, so one process-wide slot is enough.
+- :func:`watching_releases` / :func:`report_release`: what a sleep's buffers say as they give
+  each piece back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+CLAIM_WAIT_S = 30.0
+"""How long a claim waits for its limit to be raised before the wake gives up (from the claim,
+or from the last raise that still left it short)."""
+
+
+class ClaimTimeout(RuntimeError):
+    """The limit was not raised far enough in time (the caller went away, or never released)."""
+
+
+class ClaimGate:
+    """A wake's claim limit: the most device memory its process may hold, and what it holds by
+    its own count (its measured use at the start plus every piece claimed since)."""
+
+    def __init__(self, limit: int, held: int, wait_s: float = CLAIM_WAIT_S) -> None:
+        if limit <= 0:
+            raise ValueError(f"claim limit must be above 0, got {limit}")
+        self._limit = limit
+        self._claimed = held
+        self._wait_s = wait_s
+        self._cond = threading.Condition()
+        self._cancelled = ""
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @property
+    def claimed(self) -> int:
+        return self._claimed
+
+    def claim(self, nbytes: int) -> None:
+        """Count ``nbytes`` more as held, once they fit under the limit (waits for raises;
+        :class:`ClaimTimeout` when none comes in time, or the gate is cancelled)."""
+        with self._cond:
+            deadline = time.monotonic() + self._wait_s
+            while self._claimed + nbytes > self._limit:
+                if self._cancelled:
+                    raise ClaimTimeout(self._cancelled)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ClaimTimeout(
+                        f"claim limit {self._limit} bytes left no room for {nbytes} more bytes "
+                        f"beside the {self._claimed} held for {self._wait_s:.0f} s"
+                    )
+                self._cond.wait(left)
+            self._claimed += nbytes
+
+    def raise_limit(self, limit: int) -> None:
+        """A higher limit (a lower one is refused: what was claimed cannot be taken back)."""
+        with self._cond:
+            if limit < self._limit:
+                raise ValueError(f"claim limit {limit} is below the current {self._limit}")
+            self._limit = limit
+            self._cond.notify_all()
+
+    def cancel(self, reason: str) -> None:
+        """Every waiting and later claim that does not fit fails with ``reason``."""
+        with self._cond:
+            self._cancelled = reason
+            self._cond.notify_all()
+
+
+class _Slots:
+    """The process's running wake's gate and running sleep's release watcher."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.gate: ClaimGate | None = None
+        self.watcher: Callable[[int], None] | None = None
+
+
+_SLOTS = _Slots()
+
+
+@contextlib.contextmanager
+def gated(gate: ClaimGate) -> Iterator[ClaimGate]:
+    """``gate`` is the one the wake inside this block takes its device memory through."""
+    with _SLOTS.lock:
+        if _SLOTS.gate is not None:
+            raise RuntimeError("a claim gate is already installed")
+        _SLOTS.gate = gate
+    try:
+        yield gate
+    finally:
+        with _SLOTS.lock:
+            _SLOTS.gate = None
+
+
+def current_gate() -> ClaimGate | None:
+    """The running overlapped wake's gate; None for an ordinary transition."""
+    return _SLOTS.gate
+
+
+@contextlib.contextmanager
+def watching_releases(callback: Callable[[int], None]) -> Iterator[None]:
+    """``callback(nbytes)`` runs (on the releasing thread) as a sleep inside this block gives
+    each piece of device memory back."""
+    with _SLOTS.lock:
+        _SLOTS.watcher = callback
+    try:
+        yield
+    finally:
+        with _SLOTS.lock:
+            _SLOTS.watcher = None
+
+
+def report_release(nbytes: int) -> None:
+    """A sleep gave ``nbytes`` of device memory back to the driver."""
+    watcher = _SLOTS.watcher
+    if watcher is not None:
+        watcher(nbytes)
