@@ -26,6 +26,16 @@ from omnistage_worker.engine.claims import ClaimGate
 PIECE_BYTES = 512 << 20
 """A released piece's cleaning (about 2.5 ms at 200 GB/s) is what may still overlap a wake."""
 
+PIECE_MIB_ENV = "OMNISTAGE_PIECE_MIB"
+"""Overrides :data:`PIECE_BYTES` (MiB): an overlapped hand-over's incoming wake trails the
+outgoing sleep by about one piece, so smaller pieces shorten its tail."""
+
+
+def piece_bytes() -> int:
+    """:data:`PIECE_BYTES`, or :data:`PIECE_MIB_ENV`'s value when set."""
+    mib = os.environ.get(PIECE_MIB_ENV, "")
+    return int(mib) << 20 if mib else PIECE_BYTES
+
 
 RELEASE_BEHIND_ENV = "OMNISTAGE_RELEASE_BEHIND"
 """Set to ``0``: a CUDA engine's flat buffer is one torch allocation, freed whole after a sleep's
@@ -65,8 +75,8 @@ def default_pieces(device: torch.device) -> PiecesFactory | None:
 def make_piece_buffer(
     nbytes: int, device: torch.device, gate: ClaimGate | None = None
 ) -> DevicePieces:
-    """A :class:`PieceBuffer` of :data:`PIECE_BYTES` pieces."""
-    return PieceBuffer(nbytes, device, gate=gate)
+    """A :class:`PieceBuffer` of :func:`piece_bytes` pieces."""
+    return PieceBuffer(nbytes, device, piece_bytes(), gate=gate)
 
 
 def piece_ends(buffer: DevicePieces, nbytes: int) -> list[int]:
