@@ -50,6 +50,7 @@ from bench.overlap_relay import overlapped, room_check, sampler_pairs, serial  #
 from bench.reporting import emit  # noqa: E402
 from bench.worker_grpc import INFERENCE, SLEEP, Worker, generate, start_worker  # noqa: E402
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2  # noqa: E402
+from omnistage_worker.engine.vmm import piece_bytes  # noqa: E402
 
 Json = dict[str, Any]
 GiB = 1024**3
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> Json:
         "code": os.environ.get("OMNISTAGE_COMMIT", ""),
         "smoke": smoke,
         "stage_gib": None if smoke else args.gib,
+        "piece_mib": piece_bytes() >> 20,
     }
     if not smoke:
         import torch

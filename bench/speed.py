@@ -1,7 +1,7 @@
 """Issue 23's figures in one JSON: each part runs an existing bench, with the limits it measures.
 
     python bench/speed.py --work /tmp/speed --out $OUT/speed.json [--bundle .gpubundle]
-        [--parts handover,coldstart,vllm,multi_gpu,operator]
+        [--parts handover,coldstart,vllm,multi_gpu,operator,overlap]
 
 The parts, each run by calling its bench's ``main`` in a fresh child process (so no part's CUDA
 context, environment or imports reach the next one), its report kept as ``--work/parts/NAME.json``:
@@ -15,11 +15,12 @@ context, environment or imports reach the next one), its report kept as ``--work
 - ``multi_gpu`` (two GPUs): ``bench/multi_gpu.py``, each device's wake against its limit when
   both copy at once;
 - ``operator`` (any machine): ``bench/operator_switch.py``, the operator's share of a hand-over
-  on the local control plane; the default where ``handover`` cannot run.
+  on the local control plane; the default where ``handover`` cannot run;
+- ``overlap`` (a GPU): ``bench/overlap.py``, overlapped hand-overs between two workers against
+  the serial copy bound, an NVML sampler checking the room.
 
 By default every part this machine can run runs; a part it cannot run, or one that fails, leaves
-its keys ``None`` in the summary with the reason in ``summary.missing``. The overlapped
-hand-over exists nowhere yet, so ``overlapped_over_serial_bound`` is always ``None``. A report
+its keys ``None`` in the summary with the reason in ``summary.missing``. A report
 already under ``--work/parts`` is reused (``--fresh`` runs it again), so the parts can run in
 consecutive calls on one warm machine; ``--reuse NAME=PATH`` takes a part's report from a file
 (the ``multi_gpu`` part from a two-GPU machine). With ``--out``, each part's report and log
@@ -66,7 +67,7 @@ class Machine:
 
     def cannot(self, part: str) -> str | None:
         """Why ``part`` cannot run here, or None."""
-        if part in ("handover", "coldstart", "vllm") and not self.gpus:
+        if part in ("handover", "coldstart", "vllm", "overlap") and not self.gpus:
             return "no GPU on this machine (NVML sees none)"
         if part == "handover" and self.bundle is None:
             return "needs --bundle (python -m bench.gpu_bundle: the control plane's binaries)"
@@ -118,12 +119,17 @@ def _operator_argv(a: argparse.Namespace, out: Path) -> list[str]:
     return ["--switches", str(a.switches), "--out", str(out)]
 
 
+def _overlap_argv(a: argparse.Namespace, out: Path) -> list[str]:
+    return ["--work", str(a.work / "overlap"), "--out", str(out)]
+
+
 PARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], list[str]]]] = {
     "handover": ("gpu_e2e", _handover_argv),
     "coldstart": ("coldstart", _coldstart_argv),
     "vllm": ("vllm_stage", _vllm_argv),
     "multi_gpu": ("multi_gpu", _multi_gpu_argv),
     "operator": ("operator_switch", _operator_argv),
+    "overlap": ("overlap", _overlap_argv),
 }
 
 

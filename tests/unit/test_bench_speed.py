@@ -82,8 +82,28 @@ def test_a_key_no_part_measured_is_none_with_the_reason() -> None:
     assert out["operator_p50_ms"] is None
     assert out["missing"]["operator_p50_ms"] == "handover: no GPU; operator: exit 1"
     assert out["overlapped_over_serial_bound"] is None
-    assert "overlapped" in out["missing"]["overlapped_over_serial_bound"]
+    assert out["missing"]["overlapped_over_serial_bound"] == "no part that measures it ran"
     assert set(out["missing"]) == {k for k in speed_figures.GOALS if out[k] is None}
+
+
+def test_the_overlapped_handover_is_held_against_its_own_runs_serial_bound() -> None:
+    """Recomputed from the hand-overs and limits of the committed 1000-hand-over run."""
+    report = _load("overlap_h200_1000.json")
+    lim = report["limits"]
+    runs = [r for r in report["handovers"] if r["mode"] == "overlapped"]
+    moved = statistics.median(r["wake"]["bytes_moved"] for r in runs)
+    bound = moved / (lim["d2h_gbps"] * 1e9) + moved / (lim["h2d_gbps"] * 1e9)
+    figures = speed_figures.overlap(report)
+    assert len(runs) == figures["overlapped_count"] == 1000
+    assert figures["overlapped_over_serial_bound"] == pytest.approx(
+        statistics.median(r["seconds"] for r in runs) / bound, rel=1e-6
+    )
+    assert figures["samples_over_room"] == report["sampler"]["samples_over_room"] == 0
+    out = speed_figures.summary({"overlap": figures}, {})
+    assert out["source"]["overlapped_over_serial_bound"] == "overlap"
+    assert out["met"]["overlapped_over_serial_bound"] is (
+        figures["overlapped_over_serial_bound"] <= 0.65
+    )
 
 
 def test_the_gpu_handovers_operator_share_comes_before_the_local_control_planes() -> None:

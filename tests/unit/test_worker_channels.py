@@ -18,11 +18,12 @@ from omnistage_operator.decisions.handover import WorkerUnavailable
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.worker_client import WorkerClient
 from omnistage_operator.runtime.runner import GroupRunner
+from tests.unit.sleep_fakes import SleepServiceWithoutOverlap
 
 ADDRESSES = [f"127.0.0.{i}" for i in range(2, 12)]  # every replacement pod gets another IP
 
 
-class _Asleep(sleep_service_pb2_grpc.SleepServiceServicer):
+class _Asleep(SleepServiceWithoutOverlap):
     """A worker asleep that takes no orders (only GetStatus is called here)."""
 
     async def Sleep(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

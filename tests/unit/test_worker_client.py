@@ -28,10 +28,11 @@ from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.views import GroupViews
 from omnistage_operator.k8s.worker_client import WorkerClient
 from omnistage_operator.runtime.runner import GroupRunner
+from tests.unit.sleep_fakes import SleepServiceWithoutOverlap
 
 
 @dataclass
-class FakeService(sleep_service_pb2_grpc.SleepServiceServicer):
+class FakeService(SleepServiceWithoutOverlap):
     """Records requests; ``abort`` (code, message) makes every call fail with that status."""
 
     requests: list[tuple[str, Any, float | None]] = field(default_factory=list)

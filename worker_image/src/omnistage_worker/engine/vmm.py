@@ -79,7 +79,14 @@ def make_piece_buffer(
     return PieceBuffer(nbytes, device, piece_bytes(), gate=gate)
 
 
-def piece_ends(buffer: DevicePieces, nbytes: int) -> list[int]:
+class Spanned(Protocol):
+    """Anything in pieces: their (offset, size) in order."""
+
+    @property
+    def spans(self) -> Sequence[tuple[int, int]]: ...
+
+
+def piece_ends(buffer: Spanned, nbytes: int) -> list[int]:
     """Where each piece's bytes end in a buffer of ``nbytes`` (the last piece's padding cut)."""
     return [min(offset + size, nbytes) for offset, size in buffer.spans]
 
