@@ -142,3 +142,30 @@ async def test_a_stage_on_two_devices_refuses_a_limit(
         "claim_limit_bytes: the stage holds 2 devices; one limit covers one device"
     )
     assert (await worker.wake(task_id="w")).ok  # the refused id was not remembered
+
+
+async def test_a_raise_before_the_wake_begins_is_kept_for_it(lm_worker: WorkerHandle) -> None:
+    """The caller's raise may reach the worker before its WakeUp does (or while it waits for
+    the worker's lock): the wake starts from it instead of waiting for one that never comes."""
+    assert (await lm_worker.sleep(1)).ok
+    need = (await lm_worker.status()).active_footprint_bytes
+    assert not (await raise_limit(lm_worker, "early", need)).running
+    woke = await lm_worker.sleep_stub.WakeUp(
+        sleep_service_pb2.WakeUpRequest(task_id="early", claim_limit_bytes=1),
+        metadata=lm_worker.metadata,
+        timeout=20,  # a wake left at its own limit of 1 byte would wait 30 s, then fail
+    )
+    assert woke.ack.ok and woke.ack.state == ACTIVE
+
+
+async def test_components_asleep_refuse_a_limit(sd_worker: WorkerHandle) -> None:
+    assert (await sd_worker.sleep(1, components=("vae",))).ok
+    err = await rpc_error(
+        sd_worker.sleep_stub.WakeUp(
+            sleep_service_pb2.WakeUpRequest(task_id="w", claim_limit_bytes=1 << 40),
+            metadata=sd_worker.metadata,
+        )
+    )
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details().startswith("claim_limit_bytes: the worker is Active with components")
+    assert (await sd_worker.wake(task_id="w")).ok

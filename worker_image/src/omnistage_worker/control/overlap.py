@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -38,18 +39,25 @@ def claim_limit_refusal(worker: WorkerParts, before: Reading) -> str:
     return ""
 
 
+EARLY_RAISES_KEPT = 64
+"""Raises for a task id whose wake has not begun yet (it may still wait for the worker's lock)
+are kept, this many at most, and the wake starts from the highest."""
+
+
 class ClaimLimits:
     """The overlapped wakes running in this worker, by task id (one at a time in practice)."""
 
     def __init__(self) -> None:
         self._gates: dict[str, ClaimGate] = {}
+        self._early: OrderedDict[str, int] = OrderedDict()
 
-    def gate(self, worker: WorkerParts, before: Reading, limit: int) -> ClaimGate:
-        """A gate for a wake under ``limit`` (FAILED_PRECONDITION when the worker cannot)."""
+    def gate(self, worker: WorkerParts, before: Reading, task_id: str, limit: int) -> ClaimGate:
+        """A gate for a wake under ``limit``, or a higher one raised before it began
+        (FAILED_PRECONDITION when the worker cannot wake under a limit)."""
         why = claim_limit_refusal(worker, before)
         if why:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"claim_limit_bytes: {why}")
-        return ClaimGate(limit, before.used)
+        return ClaimGate(max(limit, self._early.pop(task_id, 0)), before.used)
 
     @contextlib.contextmanager
     def running(self, task_id: str, gate: ClaimGate | None) -> Iterator[None]:
@@ -68,7 +76,10 @@ class ClaimLimits:
     def raise_limit(self, task_id: str, limit: int) -> sleep_service_pb2.RaiseClaimLimitResponse:
         """Raise the running wake's limit; ``running`` false when none runs under ``task_id``."""
         gate = self._gates.get(task_id)
-        if gate is None:
+        if gate is None:  # kept, in case its wake has yet to begin
+            self._early[task_id] = max(limit, self._early.pop(task_id, 0))
+            while len(self._early) > EARLY_RAISES_KEPT:
+                self._early.popitem(last=False)
             return sleep_service_pb2.RaiseClaimLimitResponse(running=False)
         try:
             gate.raise_limit(limit)

@@ -347,8 +347,8 @@ class SleepWake(AckedTransitions):
             start = Start()
             before = worker.measure()
             gate = None
-            if claim_limit and plan is not Plan.NOOP:
-                gate = self.claim_limits.gate(worker, before, claim_limit)
+            if claim_limit and (plan is not Plan.NOOP or asleep_components(worker.controller)):
+                gate = self.claim_limits.gate(worker, before, task_id, claim_limit)
             self._obey(epoch)
             peak = worker.peak_active  # the Ack reports the peak before this transition
 
