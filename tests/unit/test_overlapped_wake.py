@@ -9,6 +9,7 @@ the waking engine's limit by each piece the sleeping engine reports released.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -107,26 +108,26 @@ def test_the_wake_takes_only_pieces_the_sleep_gave_back() -> None:
     assert torch.equal(logits(a.model), expected_a)
 
 
-def test_without_the_gate_the_wake_is_refused_as_a_gpu_refuses_it() -> None:
+@pytest.mark.parametrize(
+    ("gate", "error", "match"),
+    [
+        (None, OutOfMemoryError, "out of memory"),  # as a GPU refuses it: the gate matters
+        (ClaimGate(limit=PIECE, held=0, wait_s=0.2), ClaimTimeout, "claim limit 4096 bytes"),
+    ],
+    ids=["without_a_gate_the_device_refuses", "a_limit_never_raised_times_out"],
+)
+def test_a_wake_without_its_room_fails_and_leaves_the_stage_asleep(
+    gate: ClaimGate | None, error: type[Exception], match: str
+) -> None:
     log: list[str] = []
     a, b, sim, _, expected_b = two_stages(log)
     a_holds = sim.used
-    with pytest.raises(OutOfMemoryError, match="out of memory"):
-        b.engine.wake()
+    with contextlib.ExitStack() as stack:
+        if gate is not None:
+            stack.enter_context(claims.gated(gate))
+        with pytest.raises(error, match=match):
+            b.engine.wake()
     assert b.engine.level == 1 and sim.used == a_holds  # nothing of B kept
-    a.engine.sleep(1)
-    b.engine.wake()
-    assert torch.equal(logits(b.model), expected_b)
-
-
-def test_a_limit_never_raised_times_out_and_leaves_the_stage_asleep() -> None:
-    log: list[str] = []
-    a, b, sim, _, expected_b = two_stages(log)
-    a_holds = sim.used
-    gate = ClaimGate(limit=PIECE, held=0, wait_s=0.2)
-    with claims.gated(gate), pytest.raises(ClaimTimeout, match="claim limit 4096 bytes"):
-        b.engine.wake()
-    assert b.engine.level == 1 and sim.used == a_holds
     a.engine.sleep(1)
     b.engine.wake()
     assert torch.equal(logits(b.model), expected_b)

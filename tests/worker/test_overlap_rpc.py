@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -30,6 +31,23 @@ async def raise_limit(
         metadata=worker.metadata,
     )
     return response
+
+
+async def gated_wake(worker: WorkerHandle, limit: int) -> tuple[str, asyncio.Future[Any]]:
+    """A WakeUp under ``limit`` sent, once the worker holds it waiting under its gate."""
+    task_id = new_task_id()
+    waking = asyncio.ensure_future(
+        worker.sleep_stub.WakeUp(
+            sleep_service_pb2.WakeUpRequest(task_id=task_id, claim_limit_bytes=limit),
+            metadata=worker.metadata,
+        )
+    )
+
+    async def gated() -> bool:
+        return (await raise_limit(worker, task_id, limit)).running
+
+    await wait_for(gated, what="the wake to wait under its limit")
+    return task_id, waking
 
 
 async def stream_sleep(
@@ -57,18 +75,7 @@ async def test_a_wake_under_a_limit_waits_for_its_raise(lm_worker: WorkerHandle)
     reference = list((await lm_worker.generate(max_new_tokens=4)).text.token_ids)
     assert (await lm_worker.sleep(1)).ok
     asleep = await lm_worker.status()
-    task_id = new_task_id()
-    waking = asyncio.ensure_future(
-        lm_worker.sleep_stub.WakeUp(
-            sleep_service_pb2.WakeUpRequest(task_id=task_id, claim_limit_bytes=1),
-            metadata=lm_worker.metadata,
-        )
-    )
-
-    async def gated() -> bool:
-        return (await raise_limit(lm_worker, task_id, 1)).running
-
-    await wait_for(gated, what="the wake to wait under its limit")
+    task_id, waking = await gated_wake(lm_worker, 1)
     held = await raise_limit(lm_worker, task_id, 1)
     assert held.claimed_bytes == asleep.used_bytes  # nothing taken beyond what it held asleep
     assert held.claim_limit_bytes == 1
@@ -107,18 +114,7 @@ async def test_a_lower_limit_and_bad_fields_are_refused(lm_worker: WorkerHandle)
     assert (await lm_worker.status()).state == ACTIVE  # nothing changed
 
     assert (await lm_worker.sleep(1)).ok
-    task_id = new_task_id()
-    waking = asyncio.ensure_future(
-        lm_worker.sleep_stub.WakeUp(
-            sleep_service_pb2.WakeUpRequest(task_id=task_id, claim_limit_bytes=10),
-            metadata=lm_worker.metadata,
-        )
-    )
-
-    async def gated() -> bool:
-        return (await raise_limit(lm_worker, task_id, 10)).running
-
-    await wait_for(gated, what="the wake to wait under its limit")
+    task_id, waking = await gated_wake(lm_worker, 10)
     err = await rpc_error(raise_limit(lm_worker, task_id, 9))
     assert err.code() == INVALID
     assert err.details() == "claim_limit_bytes: claim limit 9 is below the current 10"
