@@ -120,9 +120,9 @@ class EngineRig:
     def _time_allocations(shard: Any, record: list[float]) -> None:
         original = shard._new_flat
 
-        def timed() -> torch.Tensor:
+        def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
             started = time.perf_counter()
-            flat: torch.Tensor = original()
+            flat: torch.Tensor = original(*args, **kwargs)
             record.append(time.perf_counter() - started)
             return flat
 

@@ -166,7 +166,7 @@ def test_a_device_that_fails_to_wake_leaves_every_device_asleep(
     released: list[int] = []
     real_release = first._release_device
 
-    def out_of_memory() -> torch.Tensor:
+    def out_of_memory(*_args: object, **_kwargs: object) -> torch.Tensor:
         raise torch.OutOfMemoryError("CUDA out of memory (simulated on device 1)")
 
     def release() -> None:
