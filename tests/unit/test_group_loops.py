@@ -57,3 +57,21 @@ async def test_a_failed_round_ends_the_wait() -> None:
     for loop in loops._loops.values():  # the retry after the failure
         if loop.followup is not None:
             loop.followup.cancel()
+
+
+async def test_a_round_that_outlasts_the_resync_interval_takes_no_resync_after_it() -> None:
+    """A storm's hand-over round may wait longer than the interval for API slots: the resync
+    steps during it do not queue a second round (it read the group itself)."""
+    loops = Loops()
+    loops.kick("ns", "g")
+    await asyncio.sleep(0)  # the round begins and waits; the last one ended long ago
+    assert loops.rounds == 1
+    for _ in range(3):  # resync steps while it runs
+        loops.resync("ns", "g", 0.01)
+    loop = loops._loops[("ns", "g")]
+    loops.gate.set()
+    await asyncio.wait_for(loop.task or asyncio.sleep(0), 5.0)  # the loop ends
+    assert loops.rounds == 1
+    loops.resync("ns", "g", 0.0)  # after it, the interval counts from its end
+    await asyncio.wait_for(loop.task or asyncio.sleep(0), 5.0)
+    assert loops.rounds == 2

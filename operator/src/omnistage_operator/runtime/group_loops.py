@@ -57,11 +57,15 @@ class GroupLoops:
             loop.task = asyncio.create_task(self._run(namespace, group, loop))
 
     def resync(self, namespace: str, group: str, interval_s: float) -> None:
-        """A resync timer fired (one per stage): kick the group unless one of its rounds ended
-        within most of ``interval_s``, so a group gets one resync round per interval whatever
-        its stage count, and none while events keep it busy."""
+        """A resync timer fired (one per stage): kick the group unless one of its rounds is
+        running or ended within most of ``interval_s``, so a group gets one resync round per
+        interval whatever its stage count, and none while events keep it busy. A round that
+        outlasts the interval (a storm's hand-over waiting for API slots) reads the group
+        itself: a resync kicked during it would only run a second round right after it."""
         loop = self._loops.get((namespace, group))
-        if loop is not None and time.monotonic() - loop.last_round < 0.9 * interval_s:
+        if loop is not None and (
+            loop.started > loop.ended or time.monotonic() - loop.last_round < 0.9 * interval_s
+        ):
             return
         self.kick(namespace, group)
 
