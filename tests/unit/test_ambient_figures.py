@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from omnistage_operator.api.spec_parse import parse_stage
-from omnistage_operator.decisions.ambient import REFRESH_S, deferred
+from omnistage_operator.decisions.ambient import REFRESH_S, deferred, shown_free
 from omnistage_operator.decisions.arbiter import StageFacts, WorkerPhase
 from omnistage_operator.decisions.facts import DeviceFigures, WorkerReport
 from omnistage_operator.decisions.handover import RoundOutcome
@@ -94,3 +94,58 @@ def test_deferred_only_for_the_free_figures_of_a_recent_write() -> None:
     used = {**moved, "memory": {"usedBytes": 2, "freeBytes": 5}}
     assert not deferred(written, used, 1.0)  # its own use moved
     assert not deferred(written, {**moved, "state": "Active"}, 1.0)
+
+
+def _two_stage_port(runner: GroupRunner, free: int) -> KubeGroupPort:
+    """``_port``'s group with a second stage ``a`` on the same device (spec Asleep, asleep)."""
+    port = _port(runner, free)
+    body = {**port.bodies["b"], "metadata": {**port.bodies["b"]["metadata"], "name": "a"}}
+    body["metadata"]["uid"] = "u-a"
+    port.specs["a"] = parse_stage(body)
+    port.bodies["a"] = body
+    port.facts["a"] = port.facts["b"]
+    port.reports["a"] = port.reports["b"]
+    return port
+
+
+async def test_the_refresh_is_not_written_when_another_stage_shows_the_figure() -> None:
+    """A storm longer than ``REFRESH_S`` wrote every sleeper once more for the free memory the
+    stage that woke on its device was written with (1000 groups on two cores)."""
+    kube = Patches()
+    runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
+    await runner.publish(_two_stage_port(runner, 79 * GiB), RoundOutcome(), events=False)
+    assert sorted(n for n, _ in kube.written) == ["a", "b"]
+    runner.written_at[("ns", "b")] -= REFRESH_S  # b's write is old
+    # a is written for a change of its own, with the device's new free memory
+    port = _two_stage_port(runner, 29 * GiB)
+    port.facts["a"] = StageFacts(WorkerPhase.ACTIVE)
+    port.reports["a"] = WorkerReport(
+        WorkerPhase.ACTIVE, level=None, used_bytes=50 * GiB, free_bytes=29 * GiB,
+        total_bytes=80 * GiB, devices=port.reports["b"].devices,
+    )  # fmt: skip
+    await runner.publish(port, RoundOutcome(), events=False)
+    assert [n for n, _ in kube.written[2:]] == ["a"]  # b's free figure is a's: not written
+    assert kube.written[2][1]["devices"][0]["freeBytes"] == 29 * GiB
+    # a figure no other stage shows is written, as before
+    runner.written_at[("ns", "b")] -= REFRESH_S
+    port = _two_stage_port(runner, 28 * GiB)
+    port.facts["a"] = StageFacts(WorkerPhase.ACTIVE)
+    port.reports["a"] = WorkerReport(
+        WorkerPhase.ACTIVE, level=None, used_bytes=50 * GiB, free_bytes=28 * GiB,
+        total_bytes=80 * GiB, devices=port.reports["b"].devices,
+    )  # fmt: skip
+    runner.written_at[("ns", "a")] -= 1  # a's own change of free alone: deferred (recent)
+    await runner.publish(port, RoundOutcome(), events=False)
+    assert [n for n, _ in kube.written[3:]] == ["b"]
+
+
+def test_shown_free_is_each_devices_latest_written_figure() -> None:
+    older = {"devices": [{"uuid": "GPU-0", "freeBytes": 10}, {"uuid": "GPU-1", "freeBytes": 7}]}
+    newer = {"devices": [{"uuid": "GPU-0", "freeBytes": 5}]}
+    assert shown_free([(2.0, newer), (1.0, older), (3.0, None)]) == {"GPU-0": 5, "GPU-1": 7}
+    status = {"state": "Asleep", "devices": [{"uuid": "GPU-0", "freeBytes": 5, "free": "5 B"}]}
+    written = {"state": "Asleep", "devices": [{"uuid": "GPU-0", "freeBytes": 9, "free": "9 B"}]}
+    assert deferred(written, status, REFRESH_S, {"GPU-0": 5})
+    assert not deferred(written, status, REFRESH_S, {"GPU-0": 6})  # not shown: the refresh
+    assert not deferred(written, status, REFRESH_S, {})
+    assert not deferred(written, {**status, "state": "Active"}, REFRESH_S, {"GPU-0": 5})

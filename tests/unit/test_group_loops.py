@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from omnistage_operator.runtime.group_loops import GroupLoops, _Loop
+from omnistage_operator.runtime.group_loops import BUSY_ROUNDS, BUSY_STRETCH, GroupLoops, _Loop
 
 
 class Loops(GroupLoops):
@@ -17,6 +17,7 @@ class Loops(GroupLoops):
     def __init__(self) -> None:
         self._loops: dict[tuple[str, str], _Loop] = {}
         self._retry_in: dict[tuple[str, str], float] = {}
+        self._in_round = 0
         self.gate = asyncio.Event()
         self.rounds = 0
 
@@ -57,3 +58,51 @@ async def test_a_failed_round_ends_the_wait() -> None:
     for loop in loops._loops.values():  # the retry after the failure
         if loop.followup is not None:
             loop.followup.cancel()
+
+
+async def test_a_round_that_outlasts_the_resync_interval_takes_no_resync_after_it() -> None:
+    """A storm's hand-over round may wait longer than the interval for API slots: the resync
+    steps during it do not queue a second round (it read the group itself)."""
+    loops = Loops()
+    loops.kick("ns", "g")
+    await asyncio.sleep(0)  # the round begins and waits; the last one ended long ago
+    assert loops.rounds == 1
+    for _ in range(3):  # resync steps while it runs
+        loops.resync("ns", "g", 0.01)
+    loop = loops._loops[("ns", "g")]
+    loops.gate.set()
+    await asyncio.wait_for(loop.task or asyncio.sleep(0), 5.0)  # the loop ends
+    assert loops.rounds == 1
+    loops.resync("ns", "g", 0.0)  # after it, the interval counts from its end
+    await asyncio.wait_for(loop.task or asyncio.sleep(0), 5.0)
+    assert loops.rounds == 2
+
+
+async def test_while_a_storm_runs_a_settled_group_is_resynced_less_often() -> None:
+    """A storm's rounds (``BUSY_ROUNDS`` or more at once) are not joined by a settled group's
+    resync round every interval: at 2000 stages those were most of a storm's rounds."""
+    loops = Loops()
+    loops.gate.set()
+    loops.kick("ns", "idle")
+    idle = loops._loops[("ns", "idle")]
+    await asyncio.wait_for(idle.task or asyncio.sleep(0), 5.0)
+    assert loops.rounds == 1
+    idle.last_round -= 2.0  # its last round ended two intervals ago (interval 1 s)
+    loops.gate.clear()
+    for i in range(BUSY_ROUNDS):  # the storm: its rounds wait for the test
+        loops.kick("ns", f"g{i}")
+    await asyncio.sleep(0)
+    assert loops._in_round == BUSY_ROUNDS
+    loops.resync("ns", "idle", 1.0)
+    assert not idle.dirty.is_set()  # within the stretched interval: no resync round
+    idle.last_round -= BUSY_STRETCH  # past it: resynced even so
+    loops.resync("ns", "idle", 1.0)
+    assert idle.dirty.is_set()
+    loops.gate.set()
+    for loop in list(loops._loops.values()):
+        await asyncio.wait_for(loop.task or asyncio.sleep(0), 5.0)
+    assert loops._in_round == 0
+    idle.last_round -= 2.0  # the storm is over: the interval is the interval again
+    loops.resync("ns", "idle", 1.0)
+    assert idle.dirty.is_set()
+    await asyncio.wait_for(idle.task or asyncio.sleep(0), 5.0)

@@ -20,6 +20,7 @@ import kopf
 from prometheus_client import start_http_server
 
 from omnistage_operator.decisions.leadership import Leadership, SoleWriter
+from omnistage_operator.k8s import gc_metrics
 from omnistage_operator.k8s.leader import Elector, KrEpochStore, KrLeaseStore, new_identity
 from omnistage_operator.k8s.settings import Settings, SettingsError, parse_settings
 from omnistage_operator.runtime.election_thread import ElectionThread
@@ -74,6 +75,7 @@ async def _elector(settings: Settings, on_acquired: Callable[[int], None]) -> El
 async def _run(settings: Settings) -> None:
     from omnistage_operator.runtime import handlers
 
+    gc_metrics.install()
     operator_loop = asyncio.get_running_loop()
 
     def acquired(epoch: int) -> None:  # called on the election thread

@@ -23,6 +23,10 @@ __all__ = ["GroupLoops"]
 log = logging.getLogger(__name__)
 
 GroupKey = tuple[str, str]  # (namespace, group)
+# While this many rounds run at once (the operator's API request slots: rounds wait on each
+# other), a settled group's resync comes this many times less often.
+BUSY_ROUNDS = 32
+BUSY_STRETCH = 6.0
 
 
 @dataclass
@@ -42,6 +46,7 @@ class GroupLoops:
 
     _loops: dict[GroupKey, _Loop]
     _retry_in: dict[GroupKey, float]
+    _in_round: int  # rounds running now, every group's
     round: Callable[[str, str], Awaitable[bool]]
 
     def kick_all(self) -> None:
@@ -57,11 +62,23 @@ class GroupLoops:
             loop.task = asyncio.create_task(self._run(namespace, group, loop))
 
     def resync(self, namespace: str, group: str, interval_s: float) -> None:
-        """A resync timer fired (one per stage): kick the group unless one of its rounds ended
-        within most of ``interval_s``, so a group gets one resync round per interval whatever
-        its stage count, and none while events keep it busy."""
+        """A resync timer fired (one per stage): kick the group unless one of its rounds is
+        running or ended within most of ``interval_s``, so a group gets one resync round per
+        interval whatever its stage count, and none while events keep it busy. A round that
+        outlasts the interval (a storm's hand-over waiting for API slots) reads the group
+        itself: a resync kicked during it would only run a second round right after it.
+        While ``BUSY_ROUNDS`` rounds or more are running (a storm), the interval is
+        ``BUSY_STRETCH`` times longer: a settled group's resync rounds took the CPU, the API
+        slots and the workers' time the storm's hand-overs wait for, one every interval for as
+        long as the storm lasted (at 2000 stages most of a storm's rounds)."""
         loop = self._loops.get((namespace, group))
-        if loop is not None and time.monotonic() - loop.last_round < 0.9 * interval_s:
+        if loop is None:
+            self.kick(namespace, group)
+            return
+        stretch = BUSY_STRETCH if self._in_round >= BUSY_ROUNDS else 1.0
+        if loop.started > loop.ended:
+            return
+        if time.monotonic() - loop.last_round < 0.9 * interval_s * stretch:
             return
         self.kick(namespace, group)
 
@@ -104,6 +121,7 @@ class GroupLoops:
         while loop.dirty.is_set():
             loop.dirty.clear()
             loop.started += 1
+            self._in_round += 1
             try:
                 busy = await self.round(namespace, group)
                 loop.last_round = time.monotonic()
@@ -114,6 +132,7 @@ class GroupLoops:
                 self._followup(namespace, group, loop, loop.backoff_s)
                 return
             finally:
+                self._in_round -= 1
                 self._ended(loop)
             retry = self._retry_in.pop((namespace, group), None)
             if busy:

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from omnistage_operator.api import conditions as cond
-from omnistage_operator.decisions.ambient import deferred
+from omnistage_operator.decisions.ambient import REFRESH_S, deferred, shown_free
 from omnistage_operator.decisions.arbiter import StageFacts, WorkerPhase
 from omnistage_operator.decisions.facts import AckFacts
 from omnistage_operator.decisions.handover import RoundOutcome
@@ -238,6 +238,7 @@ class StatusPublisher:
         now = datetime.now(UTC)
         states: list[Coroutine[Any, Any, None]] = []
         patches: list[Coroutine[Any, Any, None]] = []
+        refresh: list[tuple[str, dict[str, Any]]] = []  # only the free memory moved, long ago
         for name, spec in port.specs.items():
             if stages is not None and name not in stages:
                 continue
@@ -291,6 +292,9 @@ class StatusPublisher:
             age = time.monotonic() - self.written_at.get(key, float("-inf"))
             if _same(status, written) or deferred(written, status, age):
                 continue  # unchanged, or only the devices' free memory moved (``ambient``)
+            if deferred(written, status, 0.0):  # only that, and the last write is old: a
+                refresh.append((name, status))  # refresh, unless another stage shows it (below)
+                continue
             old_state = previous.get("state")
             if old_state != status["state"]:
                 self.emit(body, STATE_CHANGED, f"{old_state or 'None'} -> {status['state']}")
@@ -298,6 +302,13 @@ class StatusPublisher:
             self.written_at[key] = time.monotonic()
             write = self._patch_status(port.ns, name, status, port.after_checkpoint(name))
             (states if old_state != status["state"] else patches).append(write)
+        for name, status in refresh:  # judged once this round's other writes are known
+            if deferred(self.published.get((port.ns, name)), status, REFRESH_S,
+                        self._free_shown(port, name)):  # fmt: skip
+                continue
+            self.published[(port.ns, name)] = status
+            self.written_at[(port.ns, name)] = time.monotonic()
+            patches.append(self._patch_status(port.ns, name, status, port.after_checkpoint(name)))
         for name, (body, exc) in port.invalid.items():
             if stages is not None and name not in stages:
                 continue
@@ -310,6 +321,15 @@ class StatusPublisher:
             self.emit(body, "SpecInvalid", str(exc), warning=True)
             patches.append(self._patch_status(port.ns, name, status, port.after_checkpoint(name)))
         return states, patches
+
+    def _free_shown(self, port: RoundView, name: str) -> dict[str, int]:
+        """Each device's free memory as the group's other stages' last written statuses show it
+        (``ambient.shown_free``)."""
+        others = (n for n in port.specs if n != name)
+        return shown_free(
+            (self.written_at.get((port.ns, n), float("-inf")), self.published.get((port.ns, n)))
+            for n in others
+        )
 
     def _extend_status(
         self, status: dict[str, Any], port: RoundView, name: str, now: datetime

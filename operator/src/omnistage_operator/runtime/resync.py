@@ -4,9 +4,9 @@ A group's round re-reads its workers' facts, so status stays true without events
 keeps, for every object it runs on, the object's last raw body (``metadata.managedFields``
 included) and a task for as long as the object exists; this loop over the stages' index keeps
 nothing per stage. Every step (a tenth of the interval) asks each group with a stage that is not
-being deleted for a resync (``GroupLoops.resync``: a round unless one ended within most of the
-interval), so a group gets one resync round per interval whatever its stage count, none while
-events keep it busy, and the groups' rounds are spread by when each last ran.
+being deleted for a resync (``GroupLoops.resync``: a round unless one is running or ended
+within most of the interval), so a group gets one resync round per interval whatever its stage
+count, none while events keep it busy, and the groups' rounds are spread by when each last ran.
 """
 
 from __future__ import annotations

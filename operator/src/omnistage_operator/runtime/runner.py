@@ -144,6 +144,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         # Each group's readings at the end of its last round (``readings.KeptReadings``).
         self.kept: dict[GroupKey, KeptReadings] = {}
         self._loops: dict[GroupKey, _Loop] = {}
+        self._in_round = 0
         # Per group: its sleeps in flight across rounds (a drain holds up no other transition).
         self._sleeps: dict[GroupKey, SleepTracker] = {}
         self._members: dict[GroupKey, dict[str, str]] = {}  # stages listed: name -> uid
