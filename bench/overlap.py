@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parent.parent
 for extra in ("worker_image/src", "protos/gen/python", "."):
     sys.path.insert(0, str(REPO / extra))
 
-from bench.overlap_relay import overlapped, room_check, sampler_pairs, serial  # noqa: E402
+from bench.gpu_e2e_analysis import read_samples  # noqa: E402
+from bench.overlap_relay import overlapped, room_check, serial  # noqa: E402
 from bench.reporting import emit  # noqa: E402
 from bench.worker_grpc import INFERENCE, SLEEP, Worker, generate, start_worker  # noqa: E402
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2  # noqa: E402
@@ -224,8 +225,8 @@ def run(args: argparse.Namespace) -> Json:
         a.stop()
         b.stop()
     if not smoke:
-        rows = sampler_pairs(work / "sampler.txt", (a.proc.pid, b.proc.pid))
-        report["sampler"] = room_check(rows, room)
+        samples, _ = read_samples(work / "sampler.txt")
+        report["sampler"] = room_check(samples, (a.proc.pid, b.proc.pid), room)
     report["summary"] = summarize(report)
     return report
 

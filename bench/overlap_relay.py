@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.worker_grpc import Worker, ack_json
+from bench.gpu_e2e_analysis import Sample, stage_bytes
+from bench.worker_grpc import Worker, ack_json, call_sleep, call_wake
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
 
 Json = dict[str, Any]
@@ -27,18 +28,9 @@ LEVEL1 = types_pb2.SleepLevel.ValueType(1)
 def serial(out: Worker, inc: Worker) -> Json:
     """Sleep ``out``, then wake ``inc``: the operator's hand-over, timed by its caller."""
     t0 = time.perf_counter()
-    slept = out.sleep.Sleep(
-        sleep_service_pb2.SleepRequest(task_id=str(uuid.uuid4()), level=LEVEL1), timeout=300
-    )
-    t1 = time.perf_counter()
-    woke = inc.sleep.WakeUp(sleep_service_pb2.WakeUpRequest(task_id=str(uuid.uuid4())), timeout=300)
-    t2 = time.perf_counter()
-    return {
-        "mode": "serial",
-        "seconds": t2 - t0,
-        "sleep": ack_json(slept.ack, t1 - t0),
-        "wake": ack_json(woke.ack, t2 - t1),
-    }
+    slept = call_sleep(out, 1)
+    woke = call_wake(inc)
+    return {"mode": "serial", "seconds": time.perf_counter() - t0, "sleep": slept, "wake": woke}
 
 
 def overlapped(out: Worker, inc: Worker, margin: int) -> Json:
@@ -85,26 +77,13 @@ def overlapped(out: Worker, inc: Worker, margin: int) -> Json:
     }
 
 
-def sampler_pairs(path: Path, pids: tuple[int, int]) -> list[tuple[float, int, int]]:
-    """(time, bytes of pid 0, bytes of pid 1) per sample of ``gpu_e2e_children.child_sampler``."""
-    rows = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("S "):
-            continue
-        parts = line.split()
-        held = dict(p.split(":") for p in parts[4:])
-        rows.append(
-            (float(parts[1]), int(held.get(str(pids[0]), 0)), int(held.get(str(pids[1]), 0)))
-        )
-    return rows
-
-
-def room_check(rows: list[tuple[float, int, int]], room: int) -> Json:
-    """The most the two stages held together in any sample, against the room they share."""
-    together = [a + b for _, a, b in rows]
+def room_check(samples: Sequence[Sample], pids: Iterable[int], room: int) -> Json:
+    """The most the two stages (``pids``) held together in any sample of
+    ``gpu_e2e_children.child_sampler``, against the room they share."""
+    together = [stage_bytes(s, pids) for s in samples]
     over = [t for t in together if t > room]
     return {
-        "samples": len(rows),
+        "samples": len(samples),
         "room_bytes": room,
         "peak_together_bytes": max(together, default=0),
         "samples_over_room": len(over),
