@@ -108,6 +108,17 @@ def _two_stage_port(runner: GroupRunner, free: int) -> KubeGroupPort:
     return port
 
 
+def _a_active(runner: GroupRunner, free: int) -> KubeGroupPort:
+    """``_two_stage_port`` with ``a`` Active (50 GiB used) and the device at ``free``."""
+    port = _two_stage_port(runner, free)
+    port.facts["a"] = StageFacts(WorkerPhase.ACTIVE)
+    port.reports["a"] = WorkerReport(
+        WorkerPhase.ACTIVE, level=None, used_bytes=50 * GiB, free_bytes=free,
+        total_bytes=80 * GiB, devices=port.reports["b"].devices,
+    )  # fmt: skip
+    return port
+
+
 async def test_the_refresh_is_not_written_when_another_stage_shows_the_figure() -> None:
     """A storm longer than ``REFRESH_S`` wrote every sleeper once more for the free memory the
     stage that woke on its device was written with (1000 groups on two cores)."""
@@ -117,23 +128,12 @@ async def test_the_refresh_is_not_written_when_another_stage_shows_the_figure() 
     assert sorted(n for n, _ in kube.written) == ["a", "b"]
     runner.written_at[("ns", "b")] -= REFRESH_S  # b's write is old
     # a is written for a change of its own, with the device's new free memory
-    port = _two_stage_port(runner, 29 * GiB)
-    port.facts["a"] = StageFacts(WorkerPhase.ACTIVE)
-    port.reports["a"] = WorkerReport(
-        WorkerPhase.ACTIVE, level=None, used_bytes=50 * GiB, free_bytes=29 * GiB,
-        total_bytes=80 * GiB, devices=port.reports["b"].devices,
-    )  # fmt: skip
-    await runner.publish(port, RoundOutcome(), events=False)
+    await runner.publish(_a_active(runner, 29 * GiB), RoundOutcome(), events=False)
     assert [n for n, _ in kube.written[2:]] == ["a"]  # b's free figure is a's: not written
     assert kube.written[2][1]["devices"][0]["freeBytes"] == 29 * GiB
     # a figure no other stage shows is written, as before
     runner.written_at[("ns", "b")] -= REFRESH_S
-    port = _two_stage_port(runner, 28 * GiB)
-    port.facts["a"] = StageFacts(WorkerPhase.ACTIVE)
-    port.reports["a"] = WorkerReport(
-        WorkerPhase.ACTIVE, level=None, used_bytes=50 * GiB, free_bytes=28 * GiB,
-        total_bytes=80 * GiB, devices=port.reports["b"].devices,
-    )  # fmt: skip
+    port = _a_active(runner, 28 * GiB)
     runner.written_at[("ns", "a")] -= 1  # a's own change of free alone: deferred (recent)
     await runner.publish(port, RoundOutcome(), events=False)
     assert [n for n, _ in kube.written[3:]] == ["b"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["REFRESH_S", "deferred", "shown_free"]
+__all__ = ["REFRESH_S", "all_shown", "deferred", "only_free_moved", "shown_free"]
 
 REFRESH_S = 60.0
 _DEVICE_FREE = frozenset({"freeBytes", "free"})
@@ -34,11 +34,16 @@ def deferred(
     old) only in the devices' free memory, and that write is younger than ``REFRESH_S`` or
     ``shown`` (``shown_free`` of the other stages' written statuses) has every device of
     ``status`` at its free memory."""
+    if not only_free_moved(written, status):
+        return False
+    return written_age_s < REFRESH_S or (shown is not None and all_shown(status, shown))
+
+
+def only_free_moved(written: Mapping[str, Any] | None, status: Mapping[str, Any]) -> bool:
+    """``status`` differs from ``written`` only in the devices' free memory."""
     if written is None or written == status:
         return False
-    if _without_free(written) != _without_free(status):
-        return False
-    return written_age_s < REFRESH_S or (shown is not None and _all_shown(status, shown))
+    return _without_free(written) == _without_free(status)
 
 
 def shown_free(written: Iterable[tuple[float, Mapping[str, Any] | None]]) -> dict[str, int]:
@@ -54,7 +59,8 @@ def shown_free(written: Iterable[tuple[float, Mapping[str, Any] | None]]) -> dic
     return {uuid: free for uuid, (_, free) in latest.items()}
 
 
-def _all_shown(status: Mapping[str, Any], shown: Mapping[str, int]) -> bool:
+def all_shown(status: Mapping[str, Any], shown: Mapping[str, int]) -> bool:
+    """``shown`` (``shown_free``) has every device of ``status`` at its free memory."""
     devices = status.get("devices") or ()
     return bool(devices) and all(
         isinstance(d, Mapping) and d.get("uuid") in shown and shown[d["uuid"]] == d.get("freeBytes")

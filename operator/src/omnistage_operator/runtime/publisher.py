@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from omnistage_operator.api import conditions as cond
-from omnistage_operator.decisions.ambient import REFRESH_S, deferred, shown_free
+from omnistage_operator.decisions.ambient import all_shown, deferred, only_free_moved, shown_free
 from omnistage_operator.decisions.arbiter import StageFacts, WorkerPhase
 from omnistage_operator.decisions.facts import AckFacts
 from omnistage_operator.decisions.handover import RoundOutcome
@@ -292,7 +292,7 @@ class StatusPublisher:
             age = time.monotonic() - self.written_at.get(key, float("-inf"))
             if _same(status, written) or deferred(written, status, age):
                 continue  # unchanged, or only the devices' free memory moved (``ambient``)
-            if deferred(written, status, 0.0):  # only that, and the last write is old: a
+            if only_free_moved(written, status):  # only that, and the last write is old: a
                 refresh.append((name, status))  # refresh, unless another stage shows it (below)
                 continue
             old_state = previous.get("state")
@@ -303,8 +303,7 @@ class StatusPublisher:
             write = self._patch_status(port.ns, name, status, port.after_checkpoint(name))
             (states if old_state != status["state"] else patches).append(write)
         for name, status in refresh:  # judged once this round's other writes are known
-            if deferred(self.published.get((port.ns, name)), status, REFRESH_S,
-                        self._free_shown(port, name)):  # fmt: skip
+            if all_shown(status, self._free_shown(port, name)):
                 continue
             self.published[(port.ns, name)] = status
             self.written_at[(port.ns, name)] = time.monotonic()
