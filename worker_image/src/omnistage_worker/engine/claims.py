@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 
 CLAIM_WAIT_S = 30.0
-"""How long a claim waits for its limit to be raised before the wake gives up (from the claim,
-or from the last raise that still left it short)."""
+"""How long one claim waits, from its start, for its limit to be raised far enough before the
+wake gives up."""
 
 
 class ClaimTimeout(RuntimeError):

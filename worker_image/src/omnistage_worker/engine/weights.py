@@ -287,10 +287,10 @@ class WeightEngine(FlatWeights):
         held.enter_context(self._host_held())
         copies = pieces(flat, host.tensor, 0, self._chunk())
         batch: list[Step] = list(copies)
-        lazy = self._pieces
-        if gate is not None and lazy is not None:  # each device piece mapped as it is claimed
-            ends = piece_ends(lazy, self._layout.total_bytes)
-            batch = held_steps(copies, ends, lazy.map_through)
+        buffer = self._pieces
+        if gate is not None and buffer is not None:  # each device piece mapped as it is claimed
+            ends = piece_ends(buffer, self._layout.total_bytes)
+            batch = held_steps(copies, ends, buffer.map_through)
 
         def finish() -> int:
             with held:
