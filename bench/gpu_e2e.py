@@ -233,6 +233,9 @@ def cluster_run(
                 node = nodes.node_names[0]
                 # tiny stages on a device of a few hundred KiB: the e2e tests' 16 KiB margin
                 extra = ("--wake-margin-bytes", "16384") if args.tiny else ()
+                if args.overlapped:
+                    extra = (*extra, "--overlapped-handover")
+                out["overlapped_handover"] = args.overlapped
                 op = Operator(cp.kubeconfig, ns, work, extra)
                 try:
                     op.wait_healthy()
@@ -370,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
         "--image-site",
         type=Path,
         help="the worker image's packages (bench.gpu_bundle --image-site), first on the path",
+    )
+    p.add_argument(
+        "--overlapped",
+        action="store_true",
+        help="the operator runs overlapped hand-overs (--overlapped-handover)",
     )
     p.add_argument(
         "--small-sd",

@@ -103,6 +103,7 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
             "sleepTimeoutSeconds": 7,
             "ackRetries": 4,
             "roundWaitSeconds": 2,
+            "overlappedHandover": True,
         },
         "workerTLS": {"caSecret": "worker-ca"},
     }
@@ -118,8 +119,10 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
     assert (settings.sleep_timeout_s, settings.wake_timeout_s) == (7.0, 600.0)
     assert settings.ack_retries == 4
     assert settings.round_wait_s == 2.0
+    assert settings.overlapped_handover
     standalone = parse_settings(operator_args(render()), environ={})
     assert standalone.peering is None, "standalone by default"
+    assert not standalone.overlapped_handover, "serial hand-overs by default"
 
 
 def test_generated_token_secret_is_kept_and_random() -> None:

@@ -165,3 +165,15 @@ async def test_components_asleep_refuse_a_limit(sd_worker: WorkerHandle) -> None
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert err.details().startswith("claim_limit_bytes: the worker is Active with components")
     assert (await sd_worker.wake(task_id="w")).ok
+
+
+async def test_an_asleep_pipeline_wakes_whole_under_a_limit(sd_worker: WorkerHandle) -> None:
+    """Every component of an asleep pipeline is asleep: that is a whole wake, not the Active
+    worker's components, and it takes a limit like any other."""
+    assert (await sd_worker.sleep(1)).ok
+    status = await sd_worker.status()
+    task_id, waking = await gated_wake(sd_worker, max(1, status.used_bytes))
+    assert not waking.done()  # held at its limit: the pipeline's weights do not fit under it
+    await raise_limit(sd_worker, task_id, 1 << 40)
+    woke = await waking
+    assert woke.ack.ok and woke.ack.state == ACTIVE

@@ -28,10 +28,8 @@ from omnistage_operator.decisions.handover import (
     GroupObservation,
     RoundOutcome,
     StageDeleting,
-    WorkerUnavailable,
 )
 from omnistage_operator.decisions.memory import group_memory
-from omnistage_operator.decisions.peaks import StagePeaks
 from omnistage_operator.decisions.readings import (
     KeptReadings,
     acked_memory,
@@ -49,10 +47,10 @@ from omnistage_operator.k8s.builders import (
 )
 from omnistage_operator.k8s.group_claims import claim_holders
 from omnistage_operator.k8s.kube import CLAIMS, PODS, SERVICES
-from omnistage_operator.k8s.port_facts import FactsPort, loading_asleep
+from omnistage_operator.k8s.port_facts import loading_asleep
 from omnistage_operator.k8s.port_listing import _built_from
+from omnistage_operator.k8s.port_orders import OrdersPort
 from omnistage_operator.k8s.views import group_of
-from omnistage_operator.k8s.worker_client import WorkerClient
 
 if TYPE_CHECKING:
     from omnistage_operator.k8s.port_host import PortHost
@@ -67,7 +65,7 @@ log = logging.getLogger(__name__)
 WAKING_STATUS_AFTER_S = 1.0
 
 
-class KubeGroupPort(FactsPort):
+class KubeGroupPort(OrdersPort):
     """``GroupPort`` of one group, for one round."""
 
     _checkpointed: RoundOutcome | None = None  # the round's checkpoint, once started
@@ -87,22 +85,13 @@ class KubeGroupPort(FactsPort):
         from them: ``readings.kept_reports``)."""
         super().__init__(runner, namespace, group)
         self._waking_written = set()
-        # Since the last observe: the stages sent a Sleep or WakeUp, their ACKs, and whether
-        # a pod was created or fenced (then every worker is asked again).
-        self._ordered: set[str] = set()
-        self._acks: dict[str, AckFacts] = {}
+        # Since the last observe: whether a pod was created or fenced (then every worker is
+        # asked again).
         self._reread = False
         self._kept = kept
         self._from_kept = False  # the last observe answered from kept readings
         # Then: the asleep workers' GetStatus, sent at once and taken by the next observe.
         self._early: dict[str, asyncio.Future[WorkerReport | None]] = {}
-
-    def _acked(self, stage: str, ack: AckFacts) -> None:
-        """Keep an ACK for status, and count it into the stage's per-device peaks."""
-        self._acks[stage] = ack
-        key = (self.ns, stage)
-        self.r.last_acks[key] = ack
-        self.r.peaks[key] = self.r.peaks.get(key, StagePeaks()).acked(ack)
 
     async def observe(self) -> GroupObservation:
         """Read the group's specs, pods, claim and every worker's GetStatus.
@@ -238,13 +227,6 @@ class KubeGroupPort(FactsPort):
         await self.r.kube.create(SERVICES, self.ns, build_service(spec, owner=owner))
         self._listed = False
 
-    def _client(self, stage: str) -> WorkerClient:
-        pod = self.pods.get(stage)
-        client = None if pod is None else self.r.client_for(self.ns, self.specs[stage], pod)
-        if client is None:
-            raise WorkerUnavailable(f"{stage} has no running pod with an address")
-        return client
-
     async def probe(self, stage: str) -> StageFacts:
         """GetStatus of one worker, as the arbiter's facts (a draining sleep is told from a
         lost worker by this)."""
@@ -282,14 +264,7 @@ class KubeGroupPort(FactsPort):
             level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain,
             components=components,
         )  # fmt: skip
-        took = time.monotonic() - t0
-        metrics.ACK_SECONDS.labels("sleep").observe(took)
-        _log_ack("sleep", task_id, stage, ack, took)
-        self._acked(stage, ack)
-        result = "ok" if ack.ok else "not_ok"
-        metrics.TRANSITIONS.labels(self.ns, self.group, "sleep", result).inc()
-        if ack.ok and ack.freed_bytes > 0 and not ack.replayed:
-            metrics.BYTES_FREED.labels(self.ns, self.group).inc(ack.freed_bytes)
+        self._sleep_acked(stage, task_id, ack, time.monotonic() - t0)
         return ack
 
     async def wake(self, stage: str, task_id: str) -> AckFacts:
@@ -305,12 +280,7 @@ class KubeGroupPort(FactsPort):
             )
         finally:
             await self._waking_settled(stage, shown)
-        took = time.monotonic() - t0
-        metrics.ACK_SECONDS.labels("wake").observe(took)
-        _log_ack("wake", task_id, stage, ack, took)
-        self._acked(stage, ack)
-        result = "ok" if ack.ok else "not_ok"
-        metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
+        self._wake_acked(stage, task_id, ack, time.monotonic() - t0)
         return ack
 
     async def checkpoint(self, outcome: RoundOutcome) -> None:
@@ -410,15 +380,6 @@ def _pod_key(pod: Mapping[str, Any]) -> tuple[str, str]:
     """A pod as kept readings name it: its uid and resourceVersion (any change reads anew)."""
     meta = pod.get("metadata") or {}
     return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
-
-
-def _log_ack(op: str, task_id: str, stage: str, ack: AckFacts, took: float) -> None:
-    """The ACK's arrival: the call's time and the worker's own (the budget's marks)."""
-    verdict = "ok" if ack.ok else "not ok"
-    log.info(
-        "%s %s of %s: ACK %s in %.3fs (the worker's transition %.3fs)",
-        op, task_id, stage, verdict, took, ack.duration_s,
-    )  # fmt: skip
 
 
 def _asked(read: Coroutine[Any, Any, WorkerReport | None]) -> asyncio.Future[WorkerReport | None]:

@@ -52,6 +52,8 @@ class Settings:
     # it goes on (a draining sleep never holds the round; a later round takes its ACK).
     round_wait_s: float = 5.0
     wake_margin_bytes: int = 64 << 20
+    # Overlapped hand-overs (handover.overlap): off until the GPU host's sampler check holds.
+    overlapped_handover: bool = False
     retry_backoff_s: float = 0.25
     # Leader election (leader.Elector); off: this process is the sole writer (epoch 0).
     leader_election: bool = True
@@ -169,6 +171,15 @@ def parse_settings(
         "--wake-margin-bytes", default=env.get("OMNISTAGE_WAKE_MARGIN_BYTES", str(64 << 20))
     )
     p.add_argument(
+        "--overlapped-handover",
+        action=argparse.BooleanOptionalAction,
+        default=_flag(
+            env.get("OMNISTAGE_OVERLAPPED_HANDOVER", "false"), "OMNISTAGE_OVERLAPPED_HANDOVER"
+        ),
+        help="wake the next stage beside the sleep of the one it replaces, under a claim limit "
+        "raised by each release the sleep reports (default off)",
+    )
+    p.add_argument(
         "--log-format",
         choices=LOG_FORMATS,
         default=env.get("OMNISTAGE_LOG_FORMAT") or "text",
@@ -240,6 +251,7 @@ def parse_settings(
         resync_interval_s=float(_positive(a.resync_interval, "--resync-interval", float)),
         round_wait_s=_round_wait(a.round_wait),
         wake_margin_bytes=int(_positive(a.wake_margin_bytes, "--wake-margin-bytes", int)),
+        overlapped_handover=bool(a.overlapped_handover),
         leader_election=bool(a.leader_election),
         lease_name=a.lease_name,
         lease_namespace=a.lease_namespace or None,

@@ -131,29 +131,61 @@ class WorkerClient:
         """Sleep at ``level`` (1 or 2) under ``task_id``, ordered by leadership ``epoch``;
         ``drain_timeout_s`` bounds the worker's wait for in-flight requests (None: its own);
         ``components``: only those pipeline components (the worker stays Active)."""
-        if level not in _LEVELS:
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        req = sleep_service_pb2.SleepRequest(
-            task_id=task_id, level=_LEVELS[level], epoch=epoch, components=list(components)
-        )
-        if drain_timeout_s is not None:
-            drain = duration_pb2.Duration()
-            drain.FromNanoseconds(int(drain_timeout_s * 1e9))
-            req.drain_timeout.CopyFrom(drain)
+        req = _sleep_request(level, task_id, epoch, drain_timeout_s, components)
         try:
             resp = await self._stub.Sleep(req, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise self._error(f"Sleep {task_id}", exc) from exc
         return ack_from_proto(resp.ack)
 
-    async def wake(self, task_id: str, timeout_s: float, *, epoch: int = 0) -> AckFacts:
-        """WakeUp under ``task_id``, ordered by leadership ``epoch``."""
-        req = sleep_service_pb2.WakeUpRequest(task_id=task_id, epoch=epoch)
+    async def wake(
+        self, task_id: str, timeout_s: float, *, epoch: int = 0, claim_limit_bytes: int = 0
+    ) -> AckFacts:
+        """WakeUp under ``task_id``, ordered by leadership ``epoch``; ``claim_limit_bytes``
+        above 0: an overlapped wake, which holds at most that much device memory until
+        :meth:`raise_claim_limit` raises it."""
+        req = sleep_service_pb2.WakeUpRequest(
+            task_id=task_id, epoch=epoch, claim_limit_bytes=claim_limit_bytes
+        )
         try:
             resp = await self._stub.WakeUp(req, timeout=timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise self._error(f"WakeUp {task_id}", exc) from exc
         return ack_from_proto(resp.ack)
+
+    async def sleep_stream(
+        self, level: int, task_id: str, timeout_s: float, *, epoch: int = 0
+    ) -> AsyncIterator[int | AckFacts]:
+        """SleepStream of the whole model: the bytes released so far (measured, rising) after
+        each piece the sleep gives back, then its ACK (the last item)."""
+        request = sleep_service_pb2.SleepStreamRequest(
+            sleep=_sleep_request(level, task_id, epoch, None, ())
+        )
+        call = self._stub.SleepStream(request, timeout=timeout_s, metadata=self._metadata)
+        try:
+            async for message in call:
+                if message.WhichOneof("event") == "ack":
+                    yield ack_from_proto(message.ack)
+                else:
+                    yield int(message.released.released_bytes)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(f"SleepStream {task_id}", exc) from exc
+        finally:
+            call.cancel()
+
+    async def raise_claim_limit(
+        self, task_id: str, claim_limit_bytes: int, timeout_s: float, *, epoch: int = 0
+    ) -> bool:
+        """Raise the claim limit of the overlapped wake ``task_id``; False when none runs under
+        it (it ended, or has yet to begin: the worker keeps the raise for it)."""
+        req = sleep_service_pb2.RaiseClaimLimitRequest(
+            task_id=task_id, claim_limit_bytes=claim_limit_bytes, epoch=epoch
+        )
+        try:
+            resp = await self._stub.RaiseClaimLimit(req, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(f"RaiseClaimLimit {task_id}", exc) from exc
+        return bool(resp.running)
 
     async def watch_demand(
         self, epoch: int = 0
@@ -170,3 +202,23 @@ class WorkerClient:
             raise self._error("WatchDemand", exc) from exc
         finally:
             call.cancel()
+
+
+def _sleep_request(
+    level: int,
+    task_id: str,
+    epoch: int,
+    drain_timeout_s: float | None,
+    components: tuple[str, ...],
+) -> sleep_service_pb2.SleepRequest:
+    """A Sleep request at ``level`` (1 or 2)."""
+    if level not in _LEVELS:
+        raise ValueError(f"sleep level must be 1 or 2, got {level}")
+    req = sleep_service_pb2.SleepRequest(
+        task_id=task_id, level=_LEVELS[level], epoch=epoch, components=list(components)
+    )
+    if drain_timeout_s is not None:
+        drain = duration_pb2.Duration()
+        drain.FromNanoseconds(int(drain_timeout_s * 1e9))
+        req.drain_timeout.CopyFrom(drain)
+    return req

@@ -102,6 +102,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
             retry_window_s=settings.sleep_timeout_s,
             transition_allowance_s=settings.sleep_timeout_s,
             round_wait_s=settings.round_wait_s,
+            overlapped=settings.overlapped_handover,
         )
         self.asks: dict[StageKey, float] = {}
         self.created: dict[StageKey, str] = {}  # the uid of the stage's pod this process created

@@ -28,13 +28,14 @@ from omnistage_worker.engine.claims import ClaimGate
 from omnistage_worker.memory import Reading
 
 
-def claim_limit_refusal(worker: WorkerParts, before: Reading) -> str:
-    """Why this worker cannot wake piece by piece under a limit now; empty when it can."""
+def claim_limit_refusal(worker: WorkerParts, before: Reading, *, active: bool) -> str:
+    """Why this worker (``active``: Active already, a wake of its asleep components) cannot
+    wake piece by piece under a limit now; empty when it can."""
     if worker.runner.backend_kind == types_pb2.BACKEND_VLLM:
         return "vLLM wakes through its own sleep mode, not piece by piece"
     if len(before.devices) > 1:
         return f"the stage holds {len(before.devices)} devices; one limit covers one device"
-    if asleep_components(worker.controller):
+    if active and asleep_components(worker.controller):
         return "the worker is Active with components asleep; wake them without a limit"
     return ""
 
@@ -51,10 +52,13 @@ class ClaimLimits:
         self._gates: dict[str, ClaimGate] = {}
         self._early: OrderedDict[str, int] = OrderedDict()
 
-    def gate(self, worker: WorkerParts, before: Reading, task_id: str, limit: int) -> ClaimGate:
+    def gate(
+        self, worker: WorkerParts, before: Reading, task_id: str, limit: int, *, active: bool
+    ) -> ClaimGate:
         """A gate for a wake under ``limit``, or a higher one raised before it began
-        (FAILED_PRECONDITION when the worker cannot wake under a limit)."""
-        why = claim_limit_refusal(worker, before)
+        (FAILED_PRECONDITION when the worker cannot wake under a limit; ``active``: it is
+        Active, the wake is of its asleep components)."""
+        why = claim_limit_refusal(worker, before, active=active)
         if why:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"claim_limit_bytes: {why}")
         return ClaimGate(max(limit, self._early.pop(task_id, 0)), before.used)

@@ -348,7 +348,8 @@ class SleepWake(AckedTransitions):
             before = worker.measure()
             gate = None
             if claim_limit and (plan is not Plan.NOOP or asleep_components(worker.controller)):
-                gate = self.claim_limits.gate(worker, before, task_id, claim_limit)
+                active = plan is Plan.NOOP  # a wake of the Active worker's asleep components
+                gate = self.claim_limits.gate(worker, before, task_id, claim_limit, active=active)
             self._obey(epoch)
             peak = worker.peak_active  # the Ack reports the peak before this transition
 

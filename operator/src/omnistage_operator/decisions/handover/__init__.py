@@ -34,6 +34,7 @@ __all__ = [
     "RoundPolicy",
     "SleepResult",
     "StageDeleting",
+    "WakeBeside",
     "WorkerRefused",
     "WorkerUnauthenticated",
     "WorkerUnavailable",
@@ -181,6 +182,19 @@ class RoundPolicy:
     # With a group's ``SleepTracker``: how long a round waits for the sleeps it sent without
     # requests in flight (a draining one is never waited for: it runs on in the background).
     round_wait_s: float = 5.0
+    # Overlapped hand-overs (``overlap``): a sleep that streams its releases, with the wake the
+    # arbiter would order next running beside it under a claim limit raised by each release.
+    overlapped: bool = False
+
+
+@dataclass(frozen=True)
+class WakeBeside:
+    """The wake an overlapped sleep carried (``overlap``): its stage, task id and how it ended
+    (its ACK, a refusal, or why no ACK came)."""
+
+    stage: str
+    task_id: str
+    result: AckFacts | Refusal | str
 
 
 @dataclass(frozen=True)
@@ -199,6 +213,7 @@ class SleepResult:
     contradiction: str = ""  # why an ok ACK was not trusted (the device's figures)
     drained: bool = False  # the round waited for the worker's drain of in-flight requests
     error: str = ""  # an unexpected exception ended the sleep (not ACKed, not fenced)
+    beside: WakeBeside | None = None  # an overlapped sleep's wake, once it ended
 
     @property
     def ok(self) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from omnistage_operator.decisions.arbiter import FenceOrder, SleepOrder, WorkerPhase
 from omnistage_operator.decisions.facts import AckFacts, ack_contradiction
@@ -160,9 +162,10 @@ def _failure(stage: str, what: str, exc: Exception) -> str:
 
 
 async def _guarded_sleep(
-    port: GroupPort, order: SleepOrder, base_id: str, policy: RoundPolicy
+    order: SleepOrder, base_id: str, work: Coroutine[Any, Any, SleepResult]
 ) -> SleepResult:
+    """``work`` (the sleep of ``order``), its unexpected error turned into its result."""
     try:
-        return await _sleep_or_fence(port, order, base_id, policy)
+        return await work
     except Exception as exc:  # isolated per stage, reported on its resource
         return SleepResult(order, base_id, None, 1, error=_failure(order.stage, "sleep", exc))

@@ -22,7 +22,11 @@ a simulated fleet in the property tests. One round:
    once, other refusals after the normal retries); an ok ACK the device's own figures
    contradict (``facts.ack_contradiction``) is not trusted: reported and fenced. Then the stage
    is fenced (pod deleted, deletion confirmed); a fence not confirmed stays pending (the kube
-   side persists ``RoundOutcome.fence_pending``, and the arbiter keeps the gate closed);
+   side persists ``RoundOutcome.fence_pending``, and the arbiter keeps the gate closed).
+   With ``RoundPolicy.overlapped``, a round's only order, a whole sleep with no request in
+   flight, may carry the one wake the arbiter would order after it (``overlap``): that wake
+   runs beside the sleep under a claim limit raised by each release, and its result is the
+   round's (step 4 does not wake it again);
 4. observe again and plan with this hand-over's bookkeeping (who had to sleep or be fenced, who
    ACKed ok, who was fenced); publish that (``checkpoint``: started, its status built and
    its writes sent, before the first wake; the kube side writes those stages again only after
@@ -53,6 +57,7 @@ for the same group.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -73,9 +78,19 @@ from omnistage_operator.decisions.handover import (
     RoundOutcome,
     RoundPolicy,
     StageDeleting,
+    WakeBeside,
 )
-from omnistage_operator.decisions.handover.orders import _failure, _fence, _guarded_sleep, _wake
+from omnistage_operator.decisions.handover.orders import (
+    _failure,
+    _fence,
+    _guarded_sleep,
+    _sleep_or_fence,
+    _wake,
+)
+from omnistage_operator.decisions.handover.overlap import OverlapPort, pair_wake, sleep_beside_wake
 from omnistage_operator.decisions.handover.sleep_tasks import SleepTracker
+
+log = logging.getLogger(__name__)
 
 
 def oom_need(ack: AckFacts) -> int:
@@ -166,9 +181,12 @@ async def run_round(
         tracker.close_if_idle()  # e.g. a round ended by LeadershipLost before it closed it
     obs = await port.observe()
     decision = _plan(obs, tracker.handover(), policy)
-    if obs.kept and (done or tracker.running or not _sleeps_only(obs, decision)):
+    overlapping = policy.overlapped and isinstance(port, OverlapPort)
+    if obs.kept and (done or tracker.running or overlapping or not _sleeps_only(obs, decision)):
         # Kept readings send whole sleeps of every Active stage only: anything else is
-        # decided from the workers' answers.
+        # decided from the workers' answers (an overlapped wake's room is read before the
+        # sleep it runs beside: read once the sleep has begun, it would count the sleep's
+        # first releases twice).
         obs = await port.observe()
         decision = _plan(obs, tracker.handover(), policy)
     out.from_kept = obs.kept
@@ -192,13 +210,28 @@ async def run_round(
         hid = tracker.open(new_id() if handover is None else handover.id)
         out.handover_id = hid
         tracker.fences(fences)
+        pairing = None
+        if overlapping and len(sleeps) == 1:
+            alone = not (fences or done or busy or started or decision.wake)
+            pairing = pair_wake(obs, sleeps[0], tracker.handover(), policy) if alone else None
         for order in sleeps:
             task_id = tracker.task_id(order.stage, _sleep_id(hid, order))
-            tracker.launch(order, _guarded_sleep(port, order, task_id, policy))
+            if pairing is not None and isinstance(port, OverlapPort):
+                y = pairing.stage
+                wake_id = tracker.task_id(f"wake:{y}", f"{hid}-{y}-wake-beside")
+                work = sleep_beside_wake(
+                    port, order, task_id, policy, pairing=pairing, wake_id=wake_id
+                )
+            else:
+                work = _sleep_or_fence(port, order, task_id, policy)
+            tracker.launch(order, _guarded_sleep(order, task_id, work))
         fenced = list(await asyncio.gather(*(_fence(port, order) for order in fences)))
         await tracker.settle(policy.round_wait_s)
         slept = done + tracker.collect()
         tracker.record(slept, fenced)
+        for r in slept:
+            if r.beside is not None:
+                _beside(out, r.beside)
         out.sleeps.extend(slept)
         out.fences.extend(fenced)
         out.fence_pending |= {r.order.stage for r in slept if r.fence_pending}
@@ -257,22 +290,39 @@ async def _wake_allowed(
         except Exception as exc:  # isolated per stage
             out.stage_errors[name] = _failure(name, "wake", exc)
             continue
-        need: int | None = None
-        if isinstance(result, str):
-            out.wake_errors[name] = result
-        elif isinstance(result, Refusal):
-            out.wake_refusals[name] = result
-            out.wake_errors[name] = f"refused ({result.code}): {result.message}"
-            need = result.need_bytes
-        else:
-            out.wakes[name] = result
-            if not result.ok:
-                out.wake_errors[name] = result.error or "wake ACK not ok"
-                need = memory_need(result.error)
-                if result.needed_bytes > 0:
-                    out.wake_oom[name] = result
-                    need = max(need or 0, oom_need(result))
-        if parts:
-            out.component_wakes.add(name)
-        elif need is not None:
-            out.learned_needs[name] = need
+        _woken(out, name, result, parts=parts)
+
+
+def _woken(out: RoundOutcome, name: str, result: AckFacts | Refusal | str, *, parts: bool) -> None:
+    """One wake's result into ``out`` (a refusal for lack of memory, or a wake out of memory,
+    teaches the stage's need)."""
+    need: int | None = None
+    if isinstance(result, str):
+        out.wake_errors[name] = result
+    elif isinstance(result, Refusal):
+        out.wake_refusals[name] = result
+        out.wake_errors[name] = f"refused ({result.code}): {result.message}"
+        need = result.need_bytes
+    else:
+        out.wakes[name] = result
+        if not result.ok:
+            out.wake_errors[name] = result.error or "wake ACK not ok"
+            need = memory_need(result.error)
+            if result.needed_bytes > 0:
+                out.wake_oom[name] = result
+                need = max(need or 0, oom_need(result))
+    if parts:
+        out.component_wakes.add(name)
+    elif need is not None:
+        out.learned_needs[name] = need
+
+
+def _beside(out: RoundOutcome, beside: WakeBeside) -> None:
+    """The wake an overlapped sleep carried, into ``out``; a worker that cannot wake under a
+    limit (its refusal names ``claim_limit_bytes``) is left asleep for step 4's plain wake."""
+    result = beside.result
+    if isinstance(result, Refusal) and result.message.startswith("claim_limit_bytes"):
+        log.info("%s cannot wake under a claim limit (%s): woken the serial way", beside.stage,
+                 result.message)  # fmt: skip
+        return
+    _woken(out, beside.stage, result, parts=False)

@@ -1,0 +1,262 @@
+"""The overlapped hand-over (issue 23): the sleep of the stage that must give its device up
+streams each piece it releases, and the wake of the stage the arbiter would wake next runs
+beside it under a claim limit, raised by each measured release.
+
+The promise is kept piece by piece: the woken worker never holds more device memory than the
+limit (its worker enforces it: ``WakeUpRequest.claim_limit_bytes``), and the limit is what it
+held plus the device's measured free memory (less the margin) when the round read it, plus what
+the sleeping worker has reported released (``MemoryReleased``); the sleep's own measured
+``freed_bytes`` raise it last, and only once its ACK is ok and not contradicted by the device
+(``facts.ack_contradiction``).
+
+- :func:`pair_wake` (pure) decides whether a round's sleep may carry a wake: the arbiter itself,
+  asked with the sleeper already asleep (its context left on the device), must wake exactly one
+  stage on the same single device and order nothing else. Only a whole-model sleep with no
+  request in flight, of a stage that can start asleep (not vLLM), is overlapped; everything else
+  goes the serial way.
+- :func:`sleep_beside_wake` runs it against a port that can (:class:`OverlapPort`). When the
+  streamed sleep does not end in a trusted ok ACK, the wake gets no further raise (its worker
+  gives up after its claim wait and goes back to sleep) and the sleep goes on the ordinary way
+  (``orders._sleep_or_fence``: the worker replays the streamed sleep's ACK for its task id, then
+  retries under a new one or fences).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+from omnistage_operator.decisions.arbiter import (
+    DeviceMemory,
+    GroupMemory,
+    Handover,
+    SleepOrder,
+    StageFacts,
+    WorkerPhase,
+)
+from omnistage_operator.decisions.arbiter.plan import plan
+from omnistage_operator.decisions.facts import AckFacts, ack_contradiction
+from omnistage_operator.decisions.handover import (
+    GroupObservation,
+    GroupPort,
+    Refusal,
+    RoundPolicy,
+    SleepResult,
+    WakeBeside,
+    WorkerRefused,
+    WorkerUnavailable,
+)
+from omnistage_operator.decisions.handover.orders import _sleep_or_fence
+from omnistage_operator.decisions.leadership import LeadershipLost
+
+__all__ = ["OverlapPort", "Pairing", "pair_wake", "sleep_beside_wake"]
+
+log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class OverlapPort(Protocol):
+    """What an overlapped hand-over needs of a port beside ``GroupPort``."""
+
+    def sleep_stream(
+        self, stage: str, level: int, task_id: str, *, timeout_s: float
+    ) -> AsyncIterator[int | AckFacts]:
+        """SleepStream: the bytes released so far after each piece, then the ACK (last)."""
+        ...
+
+    async def wake_limited(self, stage: str, task_id: str, claim_limit_bytes: int) -> AckFacts:
+        """WakeUp under a claim limit (raises as ``GroupPort.wake`` does)."""
+        ...
+
+    async def raise_claim_limit(self, stage: str, task_id: str, claim_limit_bytes: int) -> None:
+        """RaiseClaimLimit of the wake ``task_id``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """The wake a sleep carries: its stage and its first claim limit (bytes)."""
+
+    stage: str
+    first_limit_bytes: int
+
+
+def pair_wake(
+    obs: GroupObservation, order: SleepOrder, handover: Handover | None, policy: RoundPolicy
+) -> Pairing | None:
+    """The wake ``order``'s sleep may carry, or None (the module's docstring says when)."""
+    x = obs.facts.get(order.stage)
+    intent = obs.intents.get(order.stage)
+    if (
+        x is None
+        or intent is None
+        or intent.starts_active
+        or not order.releases_memory
+        or order.components
+        or order.inflight_requests
+        or x.phase is not WorkerPhase.ACTIVE
+        or x.context_bytes is None
+        or len(x.device_uuids) > 1
+    ):
+        return None
+    asleep = _asleep(x, order.level, x.context_bytes)
+    memory = _freed(obs.memory, x, x.context_bytes)
+    if memory is None:
+        return None
+    if handover is None:
+        handover = Handover("overlap")
+    then = plan(
+        obs.intents,
+        {**obs.facts, order.stage: asleep},
+        memory,
+        replace(
+            handover,
+            sleepers=handover.sleepers | {order.stage},
+            acked=handover.acked | {order.stage},
+        ),
+        margin_bytes=policy.margin_bytes,
+    )
+    if then.sleep or then.fence or then.start or then.component_wakes or len(then.wake) != 1:
+        return None
+    name = then.wake[0]
+    y = obs.facts[name]
+    if (
+        obs.intents[name].starts_active
+        or obs.intents[name].asleep_components
+        or y.phase is not WorkerPhase.ASLEEP
+        or y.device_uuids != x.device_uuids
+    ):
+        return None
+    # Kept readings are a round old: the room beside the sleeper is then not counted on.
+    free = 0 if obs.kept else _free_on(obs.memory, x.device_uuids)
+    return Pairing(name, y.used_bytes + max(0, free - policy.margin_bytes))
+
+
+def _asleep(fact: StageFacts, level: int, context: int) -> StageFacts:
+    """``fact`` once asleep at ``level``: its CUDA context is all it holds."""
+    return replace(
+        fact,
+        phase=WorkerPhase.ASLEEP,
+        level=level,
+        used_bytes=context,
+        device_used=dict.fromkeys(fact.device_used, context),
+        device_held={},
+        inflight_requests=0,
+    )
+
+
+def _freed(memory: GroupMemory, fact: StageFacts, context: int) -> GroupMemory | None:
+    """``memory`` once ``fact``'s stage holds only its context (None: free not measured)."""
+    if memory.free is None:
+        return None
+    if not memory.devices:
+        return replace(memory, free=memory.free + max(0, fact.used_bytes - context))
+    devices = tuple(
+        DeviceMemory(d.uuid, d.total, d.free + max(0, fact.device_used.get(d.uuid, 0) - context))
+        if d.uuid in fact.device_uuids
+        else d
+        for d in memory.devices
+    )
+    return replace(memory, devices=devices, free=min(d.free for d in devices))
+
+
+def _free_on(memory: GroupMemory, uuids: tuple[str, ...]) -> int:
+    """The measured free memory of the device ``uuids`` names (the group's, without GPUs)."""
+    if not memory.devices:
+        return memory.free or 0
+    return next((d.free for d in memory.devices if d.uuid in uuids), 0)
+
+
+class _Port(GroupPort, OverlapPort, Protocol):
+    """A port that can run an overlapped hand-over."""
+
+
+async def sleep_beside_wake(
+    port: _Port,
+    order: SleepOrder,
+    task_id: str,
+    policy: RoundPolicy,
+    *,
+    pairing: Pairing,
+    wake_id: str,
+) -> SleepResult:
+    """Sleep ``order``'s stage streamed, with ``pairing``'s wake beside it (module docstring)."""
+    began = time.monotonic()
+    wake = asyncio.ensure_future(
+        port.wake_limited(pairing.stage, wake_id, pairing.first_limit_bytes)
+    )
+    wake.add_done_callback(_taken)  # its error is read even when nothing awaits it
+    log.info(
+        "overlapped hand-over %s: %s sleeps while %s wakes (%s) under a %d-byte limit",
+        task_id, order.stage, pairing.stage, wake_id, pairing.first_limit_bytes,
+    )  # fmt: skip
+    ack: AckFacts | None = None
+    released = 0
+    try:
+        stream = port.sleep_stream(
+            order.stage, order.level, task_id, timeout_s=policy.transition_allowance_s
+        )
+        async for event in stream:
+            if isinstance(event, AckFacts):
+                ack = event
+            elif event > released:
+                released = event
+                await _raise(port, pairing, wake_id, pairing.first_limit_bytes + released, wake)
+    except (WorkerUnavailable, WorkerRefused) as exc:
+        if isinstance(exc, WorkerRefused) and exc.refusal.stale_epoch:
+            raise LeadershipLost(f"{order.stage} refused sleep {task_id}: {exc}") from exc
+        log.warning("overlapped sleep %s of %s: %s", task_id, order.stage, exc)
+    trusted = (
+        ack is not None and ack.ok and not ack_contradiction(ack, order.held, order.context_bytes)
+    )
+    if ack is None or not trusted:
+        # No further raise: the wake waits out its worker's claim wait and goes back to sleep.
+        log.warning(
+            "overlapped sleep %s of %s not ACKed ok; the wake of %s gets no more room, and "
+            "the sleep goes on the ordinary way", task_id, order.stage, pairing.stage,
+        )  # fmt: skip
+        return await _sleep_or_fence(port, order, task_id, policy)
+    freed = max(released, ack.freed_bytes)
+    await _raise(port, pairing, wake_id, pairing.first_limit_bytes + freed, wake)
+    beside = WakeBeside(pairing.stage, wake_id, await _woken(wake, pairing.stage, wake_id))
+    return SleepResult(
+        order, task_id, ack, 1, seconds=time.monotonic() - began, task_ids=(task_id,),
+        beside=beside,
+    )  # fmt: skip
+
+
+async def _raise(
+    port: OverlapPort, pairing: Pairing, wake_id: str, limit: int, wake: asyncio.Future[AckFacts]
+) -> None:
+    """Raise the wake's limit; a raise that fails is logged (the sleep goes on regardless)."""
+    if wake.done():
+        return
+    try:
+        await port.raise_claim_limit(pairing.stage, wake_id, limit)
+    except (WorkerUnavailable, WorkerRefused) as exc:
+        log.warning("raise of %s's claim limit to %d: %s", pairing.stage, limit, exc)
+
+
+async def _woken(
+    wake: asyncio.Future[AckFacts], stage: str, wake_id: str
+) -> AckFacts | Refusal | str:
+    """How the wake beside the sleep ended (as ``orders._wake`` reports one attempt)."""
+    try:
+        return await wake
+    except WorkerRefused as exc:
+        if exc.refusal.stale_epoch:
+            raise LeadershipLost(f"{stage} refused wake {wake_id}: {exc}") from exc
+        return exc.refusal
+    except WorkerUnavailable as exc:
+        return f"no wake ACK: {exc}"
+
+
+def _taken(wake: asyncio.Future[AckFacts]) -> None:
+    """The wake's error marked read (a wake left to end on its own: the next round's GetStatus
+    reads where it stands)."""
+    if not wake.cancelled() and wake.exception() is not None:
+        log.info("wake beside an overlapped sleep: %s", wake.exception())

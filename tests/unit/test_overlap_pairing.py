@@ -1,0 +1,117 @@
+"""Which sleep carries a wake in an overlapped hand-over (``handover.overlap.pair_wake``): the
+arbiter itself, asked with the sleeper already asleep, must wake exactly one stage on the same
+single device and order nothing else; the wake's first limit is what it holds plus the measured
+room beside the sleeper, less the margin."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from omnistage_operator.decisions.arbiter import (
+    DeviceMemory,
+    GroupMemory,
+    StageFacts,
+    StageIntent,
+    WorkerPhase,
+)
+from omnistage_operator.decisions.arbiter.plan import plan
+from omnistage_operator.decisions.handover import GroupObservation, RoundPolicy
+from omnistage_operator.decisions.handover.overlap import Pairing, pair_wake
+
+GI = 1 << 30
+MI = 1 << 20
+CTX = 600 * MI
+GPU = "GPU-0"
+POLICY = RoundPolicy(margin_bytes=64 * MI, overlapped=True)
+
+
+def _active(used: int, uuids: tuple[str, ...] = (GPU,)) -> StageFacts:
+    return StageFacts(
+        WorkerPhase.ACTIVE, used_bytes=used, active_footprint=used, context_bytes=CTX,
+        device_uuids=uuids, device_used=dict.fromkeys(uuids, used),
+    )  # fmt: skip
+
+
+def _asleep(uuids: tuple[str, ...] = (GPU,)) -> StageFacts:
+    return StageFacts(
+        WorkerPhase.ASLEEP, level=1, used_bytes=CTX, active_footprint=16 * GI,
+        context_bytes=CTX, device_uuids=uuids, device_used=dict.fromkeys(uuids, CTX),
+    )  # fmt: skip
+
+
+def _handover(free: int = GI, **over: object) -> GroupObservation:
+    """x (16 GiB Active) must give the 40 GiB device up to y (16 GiB asleep, asked last);
+    ``free``: the room beside them."""
+    intents = {
+        "x": StageIntent("x", True, requested_active_at=1.0),
+        "y": StageIntent("y", True, requested_active_at=2.0),
+    }
+    facts = {"x": _active(16 * GI + CTX), "y": _asleep()}
+    memory = GroupMemory(20 * GI, free, (DeviceMemory(GPU, 20 * GI, free),), (GPU,))
+    obs = GroupObservation(intents, facts, memory)
+    return replace(obs, **over)  # type: ignore[arg-type]
+
+
+def _pair(obs: GroupObservation, policy: RoundPolicy = POLICY) -> Pairing | None:
+    decision = plan(obs.intents, obs.facts, obs.memory, margin_bytes=policy.margin_bytes)
+    assert [o.stage for o in decision.sleep] == ["x"] and decision.wake == ()
+    return pair_wake(obs, decision.sleep[0], None, policy)
+
+
+def test_the_sleep_carries_the_wake_the_arbiter_orders_next() -> None:
+    pairing = _pair(_handover(free=GI))
+    assert pairing == Pairing("y", CTX + GI - 64 * MI)
+
+
+def test_room_beside_the_sleeper_is_counted_less_the_margin() -> None:
+    assert _pair(_handover(free=100 * MI)) == Pairing("y", CTX + 36 * MI)
+    # 32 MiB beside: after x's sleep, y's 16 GiB and the margin would not fit
+    assert _pair(_handover(free=32 * MI)) is None
+
+
+def test_kept_readings_count_no_room_beside() -> None:
+    assert _pair(_handover(free=GI, kept=True)) == Pairing("y", CTX)
+
+
+def test_no_pairing_when_the_freed_memory_would_not_let_the_arbiter_wake() -> None:
+    obs = _handover()
+    big = replace(obs.intents["y"], vram_request=19 * GI)  # more than x's sleep gives
+    assert _pair(replace(obs, intents={**obs.intents, "y": big})) is None
+
+
+def test_vllm_stages_and_busy_sleepers_go_the_serial_way() -> None:
+    obs = _handover()
+    vllm = replace(obs.intents["y"], starts_active=True)
+    assert _pair(replace(obs, intents={**obs.intents, "y": vllm})) is None
+    busy = replace(obs.facts["x"], inflight_requests=2)
+    assert _pair(replace(obs, facts={**obs.facts, "x": busy})) is None
+    no_context = replace(obs.facts["x"], context_bytes=None)
+    assert _pair(replace(obs, facts={**obs.facts, "x": no_context})) is None
+
+
+def test_a_wake_on_another_device_or_two_devices_is_not_carried() -> None:
+    obs = _handover()
+    two = ("GPU-0", "GPU-1")
+    devs = (DeviceMemory("GPU-0", 20 * GI, GI), DeviceMemory("GPU-1", 20 * GI, GI))
+    memory = GroupMemory(20 * GI, GI, devs, two)
+    wide = GroupObservation(
+        {**obs.intents, "x": replace(obs.intents["x"], gpus=2)},
+        {"x": _active(16 * GI + CTX, two), "y": _asleep(two)},
+        memory,
+    )
+    assert _pair(wide) is None
+
+
+def test_a_sleep_that_lets_two_stages_wake_is_not_overlapped() -> None:
+    obs = _handover()
+    z = StageIntent("z", True, requested_active_at=3.0, vram_request=GI)
+    z_facts = replace(_asleep(), active_footprint=GI)
+    both = GroupObservation({**obs.intents, "z": z}, {**obs.facts, "z": z_facts}, obs.memory)
+    one_fits = pair_wake(both, plan(both.intents, both.facts, both.memory).sleep[0], None, POLICY)
+    assert one_fits is not None  # with 1 GiB beside, only one of them fits after x's sleep
+    free = 2 * GI  # now both do: y and z wake after x
+    devs = (DeviceMemory(GPU, 20 * GI, free),)
+    both = replace(both, memory=GroupMemory(20 * GI, free, devs, (GPU,)))
+    decision = plan(both.intents, both.facts, both.memory, margin_bytes=POLICY.margin_bytes)
+    sleeps = [o for o in decision.sleep if o.stage == "x"]
+    assert sleeps and pair_wake(both, sleeps[0], None, POLICY) is None
