@@ -1,7 +1,8 @@
 """Which sleep carries a wake in an overlapped hand-over (``handover.overlap.pair_wake``): the
 arbiter itself, asked with the sleeper already asleep, must wake exactly one stage on the same
 single device and order nothing else; the wake's first limit is what it holds plus the measured
-room beside the sleeper, less the margin."""
+room beside the sleeper, less the margin. And how that sleep's ACK is judged against the device
+(``facts.ack_contradiction`` with the wake beside it)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from omnistage_operator.decisions.arbiter import (
     WorkerPhase,
 )
 from omnistage_operator.decisions.arbiter.plan import plan
+from omnistage_operator.decisions.facts import (
+    OVERLAPPED_SLEEP,
+    AckFacts,
+    DeviceFigures,
+    ack_contradiction,
+)
 from omnistage_operator.decisions.handover import GroupObservation, RoundPolicy
 from omnistage_operator.decisions.handover.overlap import Pairing, pair_wake
 
@@ -115,3 +122,53 @@ def test_a_sleep_that_lets_two_stages_wake_is_not_overlapped() -> None:
     decision = plan(both.intents, both.facts, both.memory, margin_bytes=POLICY.margin_bytes)
     sleeps = [o for o in decision.sleep if o.stage == "x"]
     assert sleeps and pair_wake(both, sleeps[0], None, POLICY) is None
+
+
+# -- the sleep's ACK judged against the wake that ran beside it -----------------------------
+
+
+def _ack(op: str, task_id: str, *figures: int) -> AckFacts:
+    """One device's ACK (used before, used after, free before, free after) on a 141 GiB GPU."""
+    used_before, used_after, free_before, free_after = figures
+    dev = DeviceFigures(GPU, 0, 141 * GI, used_before, used_after, free_before, free_after)
+    state = WorkerPhase.ASLEEP if op == "sleep" else WorkerPhase.ACTIVE
+    return AckFacts(
+        task_id, True, op, state, level=1 if op == "sleep" else None,
+        freed_bytes=used_before - used_after, devices=(dev,), total_bytes=141 * GI,
+        used_before_bytes=used_before, used_after_bytes=used_after,
+        free_before_bytes=free_before, free_after_bytes=free_after,
+    )  # fmt: skip
+
+
+# x frees 17 GiB while y, beside it, takes 16 GiB: the device's free memory rose by only 1 GiB
+# between x's readings, and by 1.4 GiB from x's start to y's end (3.4 GiB of room before).
+X_HONEST = _ack("sleep", "h-x-sleep1" + OVERLAPPED_SLEEP, 17 * GI + CTX, CTX, 3 * GI, 4 * GI)
+Y_WOKE = _ack("wake", "h-y-wake-beside", CTX, 16 * GI + CTX, 4 * GI, 4 * GI + 400 * MI)
+
+
+def test_the_device_gain_counts_what_the_wake_beside_took() -> None:
+    # Judged alone (as a serial ACK is), the 17 GiB x claims never showed up: a contradiction.
+    alone = ack_contradiction(X_HONEST, context_bytes=CTX)
+    assert alone is not None and "gained 1073741824 bytes" in alone
+    # With the wake beside it, both workers' figures add up.
+    assert ack_contradiction(X_HONEST, context_bytes=CTX, beside=Y_WOKE) is None
+
+
+def test_a_lying_sleeper_is_caught_even_beside_a_wake() -> None:
+    # x claims 17 GiB freed but kept 10 GiB of it (its figure omits them): y could take only
+    # 7 GiB of the room (a real GPU refuses the rest), and the device ends 10 GiB short.
+    liar = _ack("sleep", "h-x-sleep1" + OVERLAPPED_SLEEP, 17 * GI + CTX, CTX, 3 * GI, 3 * GI)
+    short = _ack("wake", "h-y-wake-beside", CTX, 7 * GI + CTX, 3 * GI, 3 * GI)
+    why = ack_contradiction(liar, context_bytes=CTX, beside=short)
+    assert why is not None and "to the end of the wake beside it" in why
+
+
+def test_later_readings_of_an_overlapped_ack_judge_what_the_worker_holds() -> None:
+    # A GetStatus after the hand-over carries x's ACK as its last: its device gain is not
+    # judged again without the wake beside it, but what x holds asleep still is.
+    assert ack_contradiction(X_HONEST, None, CTX, rejudged=True) is None
+    serial = replace(X_HONEST, task_id="h-x-sleep1")
+    assert ack_contradiction(serial, None, CTX, rejudged=True) is not None
+    keeps = _ack("sleep", "h-x-sleep1" + OVERLAPPED_SLEEP, 17 * GI + CTX, 9 * GI, 3 * GI, 4 * GI)
+    why = ack_contradiction(keeps, None, CTX, rejudged=True)
+    assert why is not None and "still holds" in why

@@ -16,6 +16,7 @@ from omnistage_operator.decisions.arbiter import ComponentFacts, StageFacts, Wor
 __all__ = [
     "CONTRADICTION_FLOOR_BYTES",
     "CONTRADICTION_SHARE",
+    "OVERLAPPED_SLEEP",
     "AckFacts",
     "DeviceFigures",
     "WorkerReport",
@@ -165,7 +166,9 @@ class WorkerReport:
         if self.phase is WorkerPhase.ASLEEP and self.last_ack is not None:
             # Judged on its own figures here: what was seen held since the wake is judged
             # when the ACK arrives (``SleepOrder.held``), not against a later deepening's ACK.
-            contradicted = ack_contradiction(self.last_ack, None, self.context_bytes or None)
+            contradicted = ack_contradiction(
+                self.last_ack, None, self.context_bytes or None, rejudged=True
+            )
         return StageFacts(
             phase=self.phase,
             level=self.level,
@@ -186,10 +189,19 @@ class WorkerReport:
         )
 
 
+OVERLAPPED_SLEEP = "-overlapped"
+"""The end of an overlapped sleep's task id (``handover.overlap``). Its ACK's device figures are
+judged once, by the round that sent it, against the wake that ran beside it (``beside``); a later
+reading of the ACK (``rejudged``) judges only what the worker holds asleep."""
+
+
 def ack_contradiction(
     ack: AckFacts,
     held: Mapping[str, int] | None = None,
     context_bytes: int | None = None,
+    *,
+    beside: AckFacts | None = None,
+    rejudged: bool = False,
 ) -> str | None:
     """Why an ok sleep ACK is not to be trusted, or None.
 
@@ -205,18 +217,29 @@ def ack_contradiction(
     - a worker asleep whole must hold no more than its context (``context_bytes``, the sum over
       its devices, measured at its start) on each device.
 
+    ``beside``: the ACK of the wake that ran beside this sleep on the same device (an
+    overlapped hand-over). The device's gain is then measured from this sleep's start to that
+    wake's end, and what the wake took meanwhile (its own used after less before) is counted
+    as freed by this sleep: the figures of both workers must add up. ``rejudged``: a later
+    reading of the ACK; an overlapped sleep's is then judged only on what the worker holds.
+
     An ACK that is not ok, of a wake, or without per-device figures (its sums are judged then)
     is not judged per device here.
     """
     if not ack.ok or ack.op != "sleep":
         return None
+    gains = not (rejudged and ack.task_id.endswith(OVERLAPPED_SLEEP))
+    woke = {b.uuid: b for b in beside.devices if b.total > 0} if beside is not None else {}
     whole = str(ack.state) == "Asleep"
     measured = [d for d in ack.devices if d.total > 0]
     problems: list[str] = []
     if not measured:
         gain = ack.device_free_gain
-        if gain is None or ack.freed_bytes <= 0:
+        if gain is None or ack.freed_bytes <= 0 or not gains:
             return None
+        if beside is not None:
+            gain += beside.free_after_bytes - ack.free_after_bytes
+            gain += beside.used_after_bytes - beside.used_before_bytes
         tolerance = max(int(CONTRADICTION_SHARE * ack.total_bytes), CONTRADICTION_FLOOR_BYTES)
         if ack.freed_bytes - gain > tolerance:
             problems.append(
@@ -231,7 +254,10 @@ def ack_contradiction(
         before = max(d.used_before, seen.get(d.uuid, 0))
         left = before - d.used_after
         gain = d.free_after - d.free_before
-        if left - gain > tolerance:
+        other = woke.get(d.uuid)
+        if other is not None:  # to the wake's end, with what the wake took meanwhile
+            gain = other.free_after - d.free_before + other.used_after - other.used_before
+        if gains and left - gain > tolerance:
             was = (
                 f"held {before} bytes (seen by the operator; the ACK says {d.used_before})"
                 if before > d.used_before
@@ -240,7 +266,9 @@ def ack_contradiction(
             problems.append(
                 f"on {name} the worker {was} and {d.used_after} after, so {left} bytes must "
                 f"have left the device (the ACK claims {d.used_before - d.used_after} freed), "
-                f"but its free memory gained {gain} bytes (tolerance {tolerance})"
+                f"but its free memory gained {gain} bytes"
+                + (" to the end of the wake beside it, with what that took" if other else "")
+                + f" (tolerance {tolerance})"
             )
         if whole and context is not None and d.used_after - context > tolerance:
             problems.append(

@@ -128,7 +128,7 @@ def reuse_reports(
             ack = acks.get(name)
             if ack is None or not _trusted(ack):
                 return None
-            if ack_contradiction(ack, None, last.context_bytes or None) is not None:
+            if ack_contradiction(ack, None, last.context_bytes or None, rejudged=True):
                 return None  # the device's own figures disagree: nobody's reading is reused
             out[name] = report_after_ack(last, ack)
         elif last.phase is WorkerPhase.ASLEEP and not last.inflight_requests:

@@ -4,10 +4,13 @@ beside it under a claim limit, raised by each measured release.
 
 The promise is kept piece by piece: the woken worker never holds more device memory than the
 limit (its worker enforces it: ``WakeUpRequest.claim_limit_bytes``), and the limit is what it
-held plus the device's measured free memory (less the margin) when the round read it, plus what
-the sleeping worker has reported released (``MemoryReleased``); the sleep's own measured
-``freed_bytes`` raise it last, and only once its ACK is ok and not contradicted by the device
-(``facts.ack_contradiction``).
+held plus the device's measured free memory (less the margin) when the round read it, before the
+sleep began, plus what the sleeping worker has measured released (each ``MemoryReleased``, then
+its ok ACK's ``freed_bytes``). The device's own figures judge that ACK once the wake has ended
+(``facts.ack_contradiction`` with ``beside``: from the sleep's start to the wake's end, what the
+wake took meanwhile counted as the sleep's): a contradicted ACK gets its stage fenced, as a
+serial one does. The sleep's task id ends in ``facts.OVERLAPPED_SLEEP``: later readings of its
+ACK judge only what the worker holds asleep.
 
 - :func:`pair_wake` (pure) decides whether a round's sleep may carry a wake: the arbiter itself,
   asked with the sleeper already asleep (its context left on the device), must wake exactly one
@@ -15,10 +18,9 @@ the sleeping worker has reported released (``MemoryReleased``); the sleep's own 
   request in flight, of a stage that can start asleep (not vLLM), is overlapped; everything else
   goes the serial way.
 - :func:`sleep_beside_wake` runs it against a port that can (:class:`OverlapPort`). When the
-  streamed sleep does not end in a trusted ok ACK, the wake gets no further raise (its worker
-  gives up after its claim wait and goes back to sleep) and the sleep goes on the ordinary way
-  (``orders._sleep_or_fence``: the worker replays the streamed sleep's ACK for its task id, then
-  retries under a new one or fences).
+  streamed sleep does not end in an ok ACK, the wake gets no further raise (its worker gives up
+  after its claim wait and goes back to sleep) and the sleep goes on the ordinary way, under the
+  plain task id (``orders._sleep_or_fence``: retries, then a fence).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from omnistage_operator.decisions.arbiter import (
     WorkerPhase,
 )
 from omnistage_operator.decisions.arbiter.plan import plan
-from omnistage_operator.decisions.facts import AckFacts, ack_contradiction
+from omnistage_operator.decisions.facts import OVERLAPPED_SLEEP, AckFacts, ack_contradiction
 from omnistage_operator.decisions.handover import (
+    FenceFailed,
     GroupObservation,
     GroupPort,
     Refusal,
@@ -196,9 +199,10 @@ async def sleep_beside_wake(
     )  # fmt: skip
     ack: AckFacts | None = None
     released = 0
+    streamed = f"{task_id}{OVERLAPPED_SLEEP}"
     try:
         stream = port.sleep_stream(
-            order.stage, order.level, task_id, timeout_s=policy.transition_allowance_s
+            order.stage, order.level, streamed, timeout_s=policy.transition_allowance_s
         )
         async for event in stream:
             if isinstance(event, AckFacts):
@@ -208,25 +212,44 @@ async def sleep_beside_wake(
                 await _raise(port, pairing, wake_id, pairing.first_limit_bytes + released, wake)
     except (WorkerUnavailable, WorkerRefused) as exc:
         if isinstance(exc, WorkerRefused) and exc.refusal.stale_epoch:
-            raise LeadershipLost(f"{order.stage} refused sleep {task_id}: {exc}") from exc
-        log.warning("overlapped sleep %s of %s: %s", task_id, order.stage, exc)
-    trusted = (
-        ack is not None and ack.ok and not ack_contradiction(ack, order.held, order.context_bytes)
-    )
-    if ack is None or not trusted:
+            raise LeadershipLost(f"{order.stage} refused sleep {streamed}: {exc}") from exc
+        log.warning("overlapped sleep %s of %s: %s", streamed, order.stage, exc)
+    if ack is None or not ack.ok:
         # No further raise: the wake waits out its worker's claim wait and goes back to sleep.
         log.warning(
             "overlapped sleep %s of %s not ACKed ok; the wake of %s gets no more room, and "
-            "the sleep goes on the ordinary way", task_id, order.stage, pairing.stage,
+            "the sleep goes on the ordinary way", streamed, order.stage, pairing.stage,
         )  # fmt: skip
         return await _sleep_or_fence(port, order, task_id, policy)
-    freed = max(released, ack.freed_bytes)
-    await _raise(port, pairing, wake_id, pairing.first_limit_bytes + freed, wake)
-    beside = WakeBeside(pairing.stage, wake_id, await _woken(wake, pairing.stage, wake_id))
-    return SleepResult(
-        order, task_id, ack, 1, seconds=time.monotonic() - began, task_ids=(task_id,),
+    # The worker's own measured release (as each MemoryReleased was); the device's figures
+    # judge it once the wake beside has ended (its growth meanwhile is not the sleep's).
+    await _raise(
+        port, pairing, wake_id, pairing.first_limit_bytes + max(released, ack.freed_bytes), wake
+    )
+    woken = await _woken(wake, pairing.stage, wake_id)
+    beside = WakeBeside(pairing.stage, wake_id, woken)
+    result = SleepResult(
+        order, streamed, ack, 1, seconds=time.monotonic() - began, task_ids=(streamed,),
         beside=beside,
     )  # fmt: skip
+    why = ack_contradiction(
+        ack, order.held, order.context_bytes,
+        beside=woken if isinstance(woken, AckFacts) else None,
+    )  # fmt: skip
+    if why is None:
+        return result
+    log.warning("overlapped sleep %s of %s: %s", streamed, order.stage, why)
+    return await _fenced(port, replace(result, contradiction=why))
+
+
+async def _fenced(port: GroupPort, result: SleepResult) -> SleepResult:
+    """Fence the stage of a sleep whose ACK is not trusted (as ``orders`` fences one)."""
+    reason = f"sleep {result.task_id} failed after 1 attempt: {result.message}"
+    try:
+        await port.fence(result.order.stage, reason)
+    except FenceFailed as exc:
+        return replace(result, fence_error=str(exc) or "fence not confirmed")
+    return replace(result, fenced=True)
 
 
 async def _raise(
