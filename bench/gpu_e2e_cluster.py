@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -191,11 +192,25 @@ def hand_over(cp: Any, ns: str, state: str) -> Json:
         and sleep.get("op") == "sleep"
         and sleep.get("ok")
     )
-    worker = float(wake.get("durationSeconds") or 0) + float(sleep.get("durationSeconds") or 0)
+    worker = workers_s(sleep, wake)
     r["worker_s"] = worker
     r["operator_s"] = r["total_s"] - worker
     r.update(operator_shares(r))
     return r
+
+
+def workers_s(sleep: Json, wake: Json) -> float:
+    """The workers' share of a hand-over: the sleep's and the wake's transitions one after the
+    other, or, when the wake began before the sleep ended (an overlapped hand-over), the span
+    from the first start to the last end (their clocks are one host's)."""
+    serial = float(sleep.get("durationSeconds") or 0) + float(wake.get("durationSeconds") or 0)
+    marks = [sleep.get("startedAt"), sleep.get("time"), wake.get("startedAt"), wake.get("time")]
+    if not all(marks):
+        return serial
+    s0, s1, w0, w1 = (datetime.fromisoformat(str(m).replace("Z", "+00:00")) for m in marks)
+    if w0 >= s1:
+        return serial
+    return (max(s1, w1) - min(s0, w0)).total_seconds()
 
 
 _PATCH_LATENCY = (

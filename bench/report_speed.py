@@ -13,6 +13,11 @@ ROWS = (
     ("vllm_cold_start_s", "vLLM stage cold start", "{:.1f} s"),
     ("multi_gpu_wake_of_limit", "multi-GPU wake / each device's limit", "{:.3f}"),
     ("overlapped_over_serial_bound", "overlapped hand-over / serial copy bound", "{:.2f}"),
+    (
+        "overlapped_patch_to_active_over_serial_bound",
+        "`kubectl patch` -> Active, the operator ordering overlapped hand-overs / serial bound",
+        "{:.2f}",
+    ),
 )
 
 

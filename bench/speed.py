@@ -17,7 +17,9 @@ context, environment or imports reach the next one), its report kept as ``--work
 - ``operator`` (any machine): ``bench/operator_switch.py``, the operator's share of a hand-over
   on the local control plane; the default where ``handover`` cannot run;
 - ``overlap`` (a GPU): ``bench/overlap.py``, overlapped hand-overs between two workers against
-  the serial copy bound, an NVML sampler checking the room.
+  the serial copy bound, an NVML sampler checking the room;
+- ``handover_overlapped`` (a GPU, ``--bundle``): ``bench/gpu_e2e.py --overlapped``, as
+  ``handover`` with the operator ordering overlapped hand-overs (``--overlapped-handover``).
 
 By default every part this machine can run runs; a part it cannot run, or one that fails, leaves
 its keys ``None`` in the summary with the reason in ``summary.missing``. A report
@@ -67,9 +69,11 @@ class Machine:
 
     def cannot(self, part: str) -> str | None:
         """Why ``part`` cannot run here, or None."""
-        if part in ("handover", "coldstart", "vllm", "overlap") and not self.gpus:
+        if part in ("handover", "handover_overlapped", "coldstart", "vllm", "overlap") and (
+            not self.gpus
+        ):
             return "no GPU on this machine (NVML sees none)"
-        if part == "handover" and self.bundle is None:
+        if part in ("handover", "handover_overlapped") and self.bundle is None:
             return "needs --bundle (python -m bench.gpu_bundle: the control plane's binaries)"
         if part == "vllm" and not self.vllm:
             return "vLLM is not importable here (source bench/vllm_host_setup.sh first)"
@@ -101,6 +105,10 @@ def _handover_argv(a: argparse.Namespace, out: Path) -> list[str]:
             "--logs", str(a.work / "logs" / "gpu_e2e"), "--switches", str(a.switches)]  # fmt: skip
 
 
+def _handover_overlapped_argv(a: argparse.Namespace, out: Path) -> list[str]:
+    return [*_handover_argv(a, out), "--overlapped"]
+
+
 def _coldstart_argv(a: argparse.Namespace, out: Path) -> list[str]:
     return ["--workdir", str(a.work / "coldstart"), "--runs", str(a.coldstart_runs),
             "--pycache", str(a.work / "pycache"), "--out", str(out),
@@ -130,6 +138,7 @@ PARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], list[str]]]] = 
     "multi_gpu": ("multi_gpu", _multi_gpu_argv),
     "operator": ("operator_switch", _operator_argv),
     "overlap": ("overlap", _overlap_argv),
+    "handover_overlapped": ("gpu_e2e", _handover_overlapped_argv),
 }
 
 

@@ -122,3 +122,34 @@ def test_a_vllm_restart_with_its_caches_kept_gives_the_cold_start() -> None:
     assert figures["cold_start_basis"] == "caches kept"
     assert figures["cold_start_first_s"] == first
     assert speed_figures.vllm(_load("vllm_stage.json"))["cold_start_basis"].startswith("first")
+
+
+def test_the_operator_ordered_overlap_is_held_against_the_same_serial_bound() -> None:
+    report = _load("gpu_e2e_overlapped_h200_300.json")
+    assert report["overlapped_handover"]
+    figures = speed_figures.handover_overlapped(report)
+    serial = speed_figures.handover(report)
+    key = "overlapped_patch_to_active_over_serial_bound"
+    assert figures[key] == serial["handover_over_serial_bound"]
+    assert "handover_over_serial_bound" not in figures
+    out = speed_figures.summary({"handover_overlapped": figures}, {})
+    assert out[key] == figures[key] and out["source"][key] == "handover_overlapped"
+    assert out["handover_over_serial_bound"] is None  # the serial key is not taken from it
+
+
+def test_overlapping_transitions_count_once_in_the_workers_share() -> None:
+    from bench.gpu_e2e_cluster import workers_s
+
+    def ack(start: str, end: str, seconds: float) -> dict[str, Any]:
+        return {"startedAt": f"2026-11-29T11:28:{start}Z", "time": f"2026-11-29T11:28:{end}Z",
+                "durationSeconds": seconds}  # fmt: skip
+
+    # serial: the wake begins after the sleep ended, the two durations add up
+    assert workers_s(ack("02.000", "02.300", 0.3), ack("02.350", "02.650", 0.3)) == 0.6
+    # overlapped: the span from the first start to the last end
+    overlapped = workers_s(ack("02.000", "02.376", 0.376), ack("02.001", "02.436", 0.435))
+    assert overlapped == pytest.approx(0.436)
+    # a run of the committed overlapped report: its span is below the sum of its transitions
+    run = _load("gpu_e2e_overlapped_h200.json")["runs"][0]
+    summed = run["sleep"]["durationSeconds"] + run["wake"]["durationSeconds"]
+    assert run["worker_s"] == workers_s(run["sleep"], run["wake"]) < summed
