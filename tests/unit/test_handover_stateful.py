@@ -17,7 +17,10 @@ simulated fleet whose device behaves like a real GPU in everything the operator 
   survives).
 
 The port builds the operator's view with the operator's own code (``WorkerReport.stage_facts``,
-``memory.group_memory``), and persists what the kube side persists.
+``memory.group_memory``), and persists what the kube side persists. Half the fleets run
+overlapped hand-overs (``RoundPolicy.overlapped``, on ``overlap_sim.OverlapSimPort``: a wake
+beside a sleep takes each piece only when its limit allows it and the device has it); the same
+invariants hold for them.
 
 Invariants:
 - within a round: no wake while a stage told to sleep lacks an ok ACK or a confirmed fence, and
@@ -52,6 +55,7 @@ from omnistage_operator.decisions.arbiter.admission import admission_order
 from omnistage_operator.decisions.handover import RoundOutcome, RoundPolicy
 from omnistage_operator.decisions.handover.rounds import run_round
 from tests.unit.handover_sim import CONTEXT, RESERVE, UNIT, OperatorDied, SimPort, SimWorker
+from tests.unit.overlap_sim import OverlapSimPort
 
 MARGIN = 0
 SLEEP_OUTCOMES = st.sampled_from(
@@ -78,6 +82,7 @@ class HandoverMachine(RuleBasedStateMachine):
         self.ids = itertools.count(1)
         self.last: RoundOutcome | None = None
         self.measure_free = True
+        self.overlapped = False  # overlapped hand-overs (RoundPolicy.overlapped), on OverlapSimPort
 
     def total_used(self) -> int:
         return sum(w.used for w in self.workers.values() if w.pod and w.alive)
@@ -99,9 +104,13 @@ class HandoverMachine(RuleBasedStateMachine):
             min_size=1,
             max_size=4,
         ),
+        overlapped=st.booleans(),
     )
-    def setup(self, capacity: int, stages: list[tuple[int, int, str, int, bool, int]]) -> None:
+    def setup(
+        self, capacity: int, stages: list[tuple[int, int, str, int, bool, int]], overlapped: bool
+    ) -> None:
         self.capacity = capacity * UNIT
+        self.overlapped = overlapped
         for i, (weights, extra, req, prio, want, level) in enumerate(stages):
             name = f"s{i}"
             peak = (weights + extra) * UNIT + CONTEXT
@@ -115,10 +124,10 @@ class HandoverMachine(RuleBasedStateMachine):
 
     def _round(self, outcomes: list[str]) -> SimPort:
         self.outcomes = list(outcomes)
-        port = SimPort(self)
+        port = OverlapSimPort(self) if self.overlapped else SimPort(self)
         policy = RoundPolicy(
             ack_retries=2, backoff_s=0.0, margin_bytes=MARGIN, transition_allowance_s=0.0,
-            default_drain_timeout_s=0.0,
+            default_drain_timeout_s=0.0, overlapped=self.overlapped,
         )  # fmt: skip
         try:
             self.last = asyncio.run(run_round(port, policy, lambda: f"h{next(self.ids)}"))
