@@ -64,12 +64,16 @@ def delta(after: Mapping[str, float], before: Mapping[str, float], key: str) -> 
 
 @contextmanager
 def resting_pair(
-    cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
+    cluster: Cluster,
+    tiny_models: dict[str, Path],
+    gpu: Gpu,
+    tmp_path: Path,
+    flags: Collection[str] = (),
 ) -> Iterator[OperatorProcess]:
-    """The operator, with ``ar`` Active and ``sd`` Asleep on the test GPU; stopped after (its
-    log's end printed)."""
+    """The operator (with ``flags``), with ``ar`` Active and ``sd`` Asleep on the test GPU;
+    stopped after (its log's end printed)."""
     op = OperatorProcess(cluster.cp, cluster.namespace, tmp_path)
-    op.extra = ["--resync-interval", "600"]  # no timer round in the window
+    op.extra = ["--resync-interval", "600", *flags]  # no timer round in the window
     op.start()
     try:
         cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu.node, state="Active"))

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from omnistage_operator.decisions.arbiter import WorkerPhase
-from tests.e2e.conftest import CAPACITY, Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
+from tests.e2e.conftest import CAPACITY, Cluster, Gpu, wait_for
+from tests.e2e.handover_counting import resting_pair
 from tests.e2e.test_handover import MemoryWatch
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -24,22 +25,12 @@ pytestmark = [pytest.mark.timeout(600)]
 def test_the_wake_runs_beside_the_sleep_and_the_gpu_never_holds_both(
     cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
 ) -> None:
-    op = OperatorProcess(cluster.cp, cluster.namespace, tmp_path)
-    op.extra = ["--overlapped-handover"]
-    op.start()
-    try:
-        cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu.node, state="Active"))
-        cluster.apply(stage_manifest("sd", "sd", tiny_models, gpu.node, state="Asleep"))
-        wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
-        wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
+    with resting_pair(cluster, tiny_models, gpu, tmp_path, ["--overlapped-handover"]) as op:
         with MemoryWatch(gpu) as watch:
             cluster.patch_state("sd", "Active")
             wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
             wait_for("ar Waiting", lambda: cluster.state("ar") == "Waiting", 30)
         log = op.log.read_text()
-    finally:
-        op.stop()
-        print(f"--- operator log tail ---\n{op.tail()}")
 
     ar_status, sd_status = cluster.status("ar"), cluster.status("sd")
     ack = ar_status["lastAck"]

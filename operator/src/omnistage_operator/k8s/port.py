@@ -264,7 +264,7 @@ class KubeGroupPort(OrdersPort):
             level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain,
             components=components,
         )  # fmt: skip
-        self._sleep_acked(stage, task_id, ack, time.monotonic() - t0)
+        self._counted("sleep", stage, task_id, ack, time.monotonic() - t0)
         return ack
 
     async def wake(self, stage: str, task_id: str) -> AckFacts:
@@ -280,7 +280,7 @@ class KubeGroupPort(OrdersPort):
             )
         finally:
             await self._waking_settled(stage, shown)
-        self._wake_acked(stage, task_id, ack, time.monotonic() - t0)
+        self._counted("wake", stage, task_id, ack, time.monotonic() - t0)
         return ack
 
     async def checkpoint(self, outcome: RoundOutcome) -> None:

@@ -50,23 +50,16 @@ class OrdersPort(FactsPort):
         self.r.last_acks[key] = ack
         self.r.peaks[key] = self.r.peaks.get(key, StagePeaks()).acked(ack)
 
-    def _sleep_acked(self, stage: str, task_id: str, ack: AckFacts, took: float) -> None:
-        """The ACK of sleep ``task_id`` arrived after ``took`` seconds: logged, counted, kept."""
-        metrics.ACK_SECONDS.labels("sleep").observe(took)
-        _log_ack("sleep", task_id, stage, ack, took)
+    def _counted(self, op: str, stage: str, task_id: str, ack: AckFacts, took: float) -> None:
+        """The ACK of ``op`` (sleep or wake) ``task_id`` arrived after ``took`` seconds:
+        logged, counted, kept."""
+        metrics.ACK_SECONDS.labels(op).observe(took)
+        _log_ack(op, task_id, stage, ack, took)
         self._acked(stage, ack)
         result = "ok" if ack.ok else "not_ok"
-        metrics.TRANSITIONS.labels(self.ns, self.group, "sleep", result).inc()
-        if ack.ok and ack.freed_bytes > 0 and not ack.replayed:
+        metrics.TRANSITIONS.labels(self.ns, self.group, op, result).inc()
+        if op == "sleep" and ack.ok and ack.freed_bytes > 0 and not ack.replayed:
             metrics.BYTES_FREED.labels(self.ns, self.group).inc(ack.freed_bytes)
-
-    def _wake_acked(self, stage: str, task_id: str, ack: AckFacts, took: float) -> None:
-        """The ACK of wake ``task_id`` arrived after ``took`` seconds: logged, counted, kept."""
-        metrics.ACK_SECONDS.labels("wake").observe(took)
-        _log_ack("wake", task_id, stage, ack, took)
-        self._acked(stage, ack)
-        result = "ok" if ack.ok else "not_ok"
-        metrics.TRANSITIONS.labels(self.ns, self.group, "wake", result).inc()
 
     async def sleep_stream(
         self, stage: str, level: int, task_id: str, *, timeout_s: float
@@ -80,7 +73,7 @@ class OrdersPort(FactsPort):
         stream = client.sleep_stream(level, task_id, timeout_s, epoch=self.r.leadership.epoch)
         async for event in stream:
             if isinstance(event, AckFacts):
-                self._sleep_acked(stage, task_id, event, time.monotonic() - t0)
+                self._counted("sleep", stage, task_id, event, time.monotonic() - t0)
             yield event
 
     async def wake_limited(self, stage: str, task_id: str, claim_limit_bytes: int) -> AckFacts:
@@ -97,7 +90,7 @@ class OrdersPort(FactsPort):
             epoch=self.r.leadership.epoch,
             claim_limit_bytes=max(1, claim_limit_bytes),
         )
-        self._wake_acked(stage, task_id, ack, time.monotonic() - t0)
+        self._counted("wake", stage, task_id, ack, time.monotonic() - t0)
         return ack
 
     async def raise_claim_limit(self, stage: str, task_id: str, claim_limit_bytes: int) -> None:

@@ -10,6 +10,7 @@ every other code) is ``WorkerUnavailable``.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
@@ -105,17 +106,18 @@ class WorkerClient:
             )
         return WorkerUnavailable(message)
 
+    async def _unary(self, what: str, rpc: Any, request: Any, timeout_s: float) -> Any:
+        """One unary call with its deadline and token; its failure as ``_error`` says."""
+        try:
+            return await rpc(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise self._error(what, exc) from exc
+
     async def get_status(self, timeout_s: float, epoch: int = 0) -> WorkerReport:
         """GetStatus with a deadline; ``epoch`` (this operator's leadership) is remembered by
         the worker, which then refuses orders from any older leader."""
-        try:
-            resp = await self._stub.GetStatus(
-                sleep_service_pb2.GetStatusRequest(epoch=epoch),
-                timeout=timeout_s,
-                metadata=self._metadata,
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise self._error("GetStatus", exc) from exc
+        request = sleep_service_pb2.GetStatusRequest(epoch=epoch)
+        resp = await self._unary("GetStatus", self._stub.GetStatus, request, timeout_s)
         return report_from_proto(resp)
 
     async def sleep(
@@ -132,10 +134,7 @@ class WorkerClient:
         ``drain_timeout_s`` bounds the worker's wait for in-flight requests (None: its own);
         ``components``: only those pipeline components (the worker stays Active)."""
         req = _sleep_request(level, task_id, epoch, drain_timeout_s, components)
-        try:
-            resp = await self._stub.Sleep(req, timeout=timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(f"Sleep {task_id}", exc) from exc
+        resp = await self._unary(f"Sleep {task_id}", self._stub.Sleep, req, timeout_s)
         return ack_from_proto(resp.ack)
 
     async def wake(
@@ -147,10 +146,7 @@ class WorkerClient:
         req = sleep_service_pb2.WakeUpRequest(
             task_id=task_id, epoch=epoch, claim_limit_bytes=claim_limit_bytes
         )
-        try:
-            resp = await self._stub.WakeUp(req, timeout=timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(f"WakeUp {task_id}", exc) from exc
+        resp = await self._unary(f"WakeUp {task_id}", self._stub.WakeUp, req, timeout_s)
         return ack_from_proto(resp.ack)
 
     async def sleep_stream(
@@ -181,10 +177,8 @@ class WorkerClient:
         req = sleep_service_pb2.RaiseClaimLimitRequest(
             task_id=task_id, claim_limit_bytes=claim_limit_bytes, epoch=epoch
         )
-        try:
-            resp = await self._stub.RaiseClaimLimit(req, timeout=timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise self._error(f"RaiseClaimLimit {task_id}", exc) from exc
+        what = f"RaiseClaimLimit {task_id}"
+        resp = await self._unary(what, self._stub.RaiseClaimLimit, req, timeout_s)
         return bool(resp.running)
 
     async def watch_demand(
