@@ -60,6 +60,7 @@ OPERATOR_IO = {
     "omnistage_operator.k8s.port",
     "omnistage_operator.k8s.port_facts",
     "omnistage_operator.k8s.port_listing",
+    "omnistage_operator.k8s.port_orders",
     "omnistage_operator.k8s.port_host",
 }
 # The worker's pure logic; every other worker module may do I/O. The worker is a process
