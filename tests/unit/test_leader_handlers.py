@@ -32,7 +32,7 @@ class RecordingRunner:
         self.published: dict[Any, Any] = {("ns", "x"): {"state": "Active"}}
         self.kept: dict[Any, Any] = {("ns", "g"): "readings of epoch 2"}
 
-    def kick(self, namespace: str, group: str) -> None:
+    def kick(self, namespace: str, group: str, cause: str = "event") -> None:
         self.calls.append(("kick", (namespace, group)))
 
     def kick_all(self) -> None:
