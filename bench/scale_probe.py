@@ -184,6 +184,9 @@ class Probe:
             snap["metrics"][op.name]["outcome"] = counters(
                 text, "omnistage_rounds_total", "outcome"
             )
+            snap["metrics"][op.name]["cause"] = counters(
+                text, "omnistage_round_kicks_total", "cause"
+            )
             snap["metrics"][op.name]["gc_n"] = counters(
                 text, "python_gc_collections_total", "generation"
             )
@@ -225,6 +228,7 @@ class Probe:
             "operator_cpu_s": round(cpu, 2),
             "leader_lost": int(summed("leader").get("lost", 0.0)),
             "rounds_by_outcome": {k: int(v) for k, v in sorted(summed("outcome").items())},
+            "rounds_by_cause": {k: int(v) for k, v in sorted(summed("cause").items())},
             "operator_gc_s": {g: round(v, 2) for g, v in sorted(summed("gc").items())},
             "operator_gc_collections": {g: int(v) for g, v in sorted(summed("gc_n").items())},
             "operator_rss_mib": round(max(after["rss"].values(), default=0) / 2**20, 1),
