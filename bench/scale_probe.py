@@ -181,6 +181,9 @@ class Probe:
             snap["metrics"][op.name]["gc"] = counters(
                 text, "omnistage_gc_seconds_total", "generation"
             )
+            snap["metrics"][op.name]["gc_cpu"] = counters(
+                text, "omnistage_gc_cpu_seconds_total", "generation"
+            )
             snap["metrics"][op.name]["outcome"] = counters(
                 text, "omnistage_rounds_total", "outcome"
             )
@@ -230,6 +233,7 @@ class Probe:
             "rounds_by_outcome": {k: int(v) for k, v in sorted(summed("outcome").items())},
             "rounds_by_cause": {k: int(v) for k, v in sorted(summed("cause").items())},
             "operator_gc_s": {g: round(v, 2) for g, v in sorted(summed("gc").items())},
+            "operator_gc_cpu_s": {g: round(v, 2) for g, v in sorted(summed("gc_cpu").items())},
             "operator_gc_collections": {g: int(v) for g, v in sorted(summed("gc_n").items())},
             "operator_rss_mib": round(max(after["rss"].values(), default=0) / 2**20, 1),
             **api_times(
