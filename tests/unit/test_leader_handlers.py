@@ -38,8 +38,9 @@ class RecordingRunner:
     def kick_all(self) -> None:
         self.calls.append(("kick_all", None))
 
-    def resync(self, namespace: str, group: str, interval_s: float) -> None:
+    def resync(self, namespace: str, group: str, interval_s: float) -> bool:
         self.calls.append(("resync", (namespace, group)))
+        return True
 
     def record_ask(self, namespace: str, name: str) -> None:
         self.calls.append(("record_ask", name))

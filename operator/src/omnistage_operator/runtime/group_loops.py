@@ -64,7 +64,7 @@ class GroupLoops:
         if loop.task is None or loop.task.done():
             loop.task = asyncio.create_task(self._run(namespace, group, loop))
 
-    def resync(self, namespace: str, group: str, interval_s: float) -> None:
+    def resync(self, namespace: str, group: str, interval_s: float) -> bool:
         """A resync timer fired (one per stage): kick the group unless one of its rounds is
         running or ended within most of ``interval_s``, so a group gets one resync round per
         interval whatever its stage count, and none while events keep it busy. A round that
@@ -73,17 +73,18 @@ class GroupLoops:
         While ``BUSY_ROUNDS`` rounds or more are running (a storm), the interval is
         ``BUSY_STRETCH`` times longer: a settled group's resync rounds took the CPU, the API
         slots and the workers' time the storm's hand-overs wait for, one every interval for as
-        long as the storm lasted (at 2000 stages most of a storm's rounds)."""
+        long as the storm lasted (at 2000 stages most of a storm's rounds). True: kicked."""
         loop = self._loops.get((namespace, group))
         if loop is None:
             self.kick(namespace, group, "resync")
-            return
+            return True
         stretch = BUSY_STRETCH if self._in_round >= BUSY_ROUNDS else 1.0
-        if loop.started > loop.ended:
-            return
+        if loop.started > loop.ended or loop.dirty.is_set():
+            return False
         if time.monotonic() - loop.last_round < 0.9 * interval_s * stretch:
-            return
+            return False
         self.kick(namespace, group, "resync")
+        return True
 
     async def settled(self, namespace: str, group: str, within_s: float) -> bool:
         """Wait until the round that takes the group's latest kick has ended: True, or False
