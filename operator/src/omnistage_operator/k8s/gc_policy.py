@@ -12,7 +12,9 @@ of wall-clock time in collections against 146 CPU-s, 39 s of it in 67 full colle
 s each (53f69f8, README's scale section). Here a young collection comes every 50 000 objects
 net (a round's objects are mostly freed before one sees them) and a full one at most once every 10
 million; what the start-up built (modules, classes, kopf's registry, the API clients) is frozen
-(``gc.freeze``) out of every collection.
+(``gc.freeze``) out of every collection. Measured at 1000 stages, setup and four storms
+(bench/results/scale_1000_gc_off.json, scale_1000_gc.json): 7764 / 707 / 51 collections (young
+/ middle / full) -> 78 / 3 / 0, their CPU 24.9 of 124 operator CPU-s -> 6.3 of 112.
 """
 
 from __future__ import annotations
