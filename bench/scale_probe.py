@@ -176,6 +176,23 @@ class Probe:
             snap["metrics"][op.name]["leader"] = counters(
                 text, "omnistage_leader_transitions_total", "change"
             )
+            # wall-clock seconds inside garbage collections, by generation; prometheus_client's
+            # own counter of them, by generation
+            snap["metrics"][op.name]["gc"] = counters(
+                text, "omnistage_gc_seconds_total", "generation"
+            )
+            snap["metrics"][op.name]["gc_cpu"] = counters(
+                text, "omnistage_gc_cpu_seconds_total", "generation"
+            )
+            snap["metrics"][op.name]["outcome"] = counters(
+                text, "omnistage_rounds_total", "outcome"
+            )
+            snap["metrics"][op.name]["cause"] = counters(
+                text, "omnistage_round_kicks_total", "cause"
+            )
+            snap["metrics"][op.name]["gc_n"] = counters(
+                text, "python_gc_collections_total", "generation"
+            )
             for key, (name, label) in API_TIMES.items():
                 for part in ("sum", "count"):
                     by = counters(text, f"{name}_{part}", label)
@@ -213,6 +230,11 @@ class Probe:
             "api_objects_per_s": round(sum(objs.values()) / max(seconds, 1e-6), 1),
             "operator_cpu_s": round(cpu, 2),
             "leader_lost": int(summed("leader").get("lost", 0.0)),
+            "rounds_by_outcome": {k: int(v) for k, v in sorted(summed("outcome").items())},
+            "rounds_by_cause": {k: int(v) for k, v in sorted(summed("cause").items())},
+            "operator_gc_s": {g: round(v, 2) for g, v in sorted(summed("gc").items())},
+            "operator_gc_cpu_s": {g: round(v, 2) for g, v in sorted(summed("gc_cpu").items())},
+            "operator_gc_collections": {g: int(v) for g, v in sorted(summed("gc_n").items())},
             "operator_rss_mib": round(max(after["rss"].values(), default=0) / 2**20, 1),
             **api_times(
                 {n: before["metrics"][n] for n in names}, {n: after["metrics"][n] for n in names}

@@ -85,6 +85,8 @@ def test_handover_metrics_and_json_logs(
     assert total(samples, "omnistage_rounds_total", **group, outcome="acted") >= 1
     assert total(samples, "omnistage_round_api_requests_total", **group) > 0
     assert value(samples, "omnistage_leader") == 1
+    # What the start-up built is frozen out of garbage collection (k8s.gc_policy).
+    assert (value(samples, "omnistage_gc_frozen_objects") or 0) > 10_000
     # Per stage: the state and wait reason the status shows, device memory per device.
     state = "omnistage_stage_state"
     assert value(samples, state, **group, stage="sd", state="Active") == 1

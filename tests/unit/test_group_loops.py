@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from omnistage_operator.k8s import metrics
 from omnistage_operator.runtime.group_loops import BUSY_ROUNDS, BUSY_STRETCH, GroupLoops, _Loop
 
 
@@ -106,3 +107,29 @@ async def test_while_a_storm_runs_a_settled_group_is_resynced_less_often() -> No
     loops.resync("ns", "idle", 1.0)
     assert idle.dirty.is_set()
     await asyncio.wait_for(idle.task or asyncio.sleep(0), 5.0)
+
+
+async def test_rounds_are_counted_by_what_asked_for_them_first() -> None:
+    second = asyncio.Event()
+
+    class BusyOnce(Loops):
+        async def round(self, namespace: str, group: str) -> bool:
+            self.rounds += 1
+            if self.rounds == 2:
+                second.set()
+            return self.rounds == 1  # the first round leaves something in progress
+
+    def count(cause: str) -> float:
+        return float(metrics.ROUND_KICKS.labels(cause)._value.get())
+
+    before = {cause: count(cause) for cause in ("event", "busy", "resync")}
+    loops = BusyOnce()
+    loops.kick("ns", "g")
+    loops.kick("ns", "g")  # joins the round already asked: not counted again
+    await asyncio.wait_for(second.wait(), 5.0)  # the busy round's follow-up
+    loops.resync("ns", "g", 0.0)  # settled, interval over: a resync round
+    assert {cause: count(cause) - n for cause, n in before.items()} == {
+        "event": 1,
+        "busy": 1,
+        "resync": 1,
+    }

@@ -45,6 +45,7 @@ OPERATOR_IO = {
     "omnistage_operator.runtime.pipeline_status",
     "omnistage_operator.k8s.metrics",
     "omnistage_operator.k8s.gc_metrics",
+    "omnistage_operator.k8s.gc_policy",
     "omnistage_operator.runtime.stage_metrics",
     "omnistage_operator.cli",
     "omnistage_operator.runtime.handlers",

@@ -32,14 +32,15 @@ class RecordingRunner:
         self.published: dict[Any, Any] = {("ns", "x"): {"state": "Active"}}
         self.kept: dict[Any, Any] = {("ns", "g"): "readings of epoch 2"}
 
-    def kick(self, namespace: str, group: str) -> None:
+    def kick(self, namespace: str, group: str, cause: str = "event") -> None:
         self.calls.append(("kick", (namespace, group)))
 
     def kick_all(self) -> None:
         self.calls.append(("kick_all", None))
 
-    def resync(self, namespace: str, group: str, interval_s: float) -> None:
+    def resync(self, namespace: str, group: str, interval_s: float) -> bool:
         self.calls.append(("resync", (namespace, group)))
+        return True
 
     def record_ask(self, namespace: str, name: str) -> None:
         self.calls.append(("record_ask", name))

@@ -97,6 +97,27 @@ async def test_every_group_gets_one_round_per_interval_whatever_its_stage_count(
         await runner.close()
 
 
+def test_a_step_begins_at_most_its_share_of_rounds_and_the_next_goes_on_from_there() -> None:
+    """50 groups due at once, 20 rounds a second, steps of 1 s: 20, 20, then the last 10 (and
+    the first ones again only when they are due), instead of all 50 in the first step."""
+    groups = [("ns", f"g{i}") for i in range(50)]
+    due = set(groups)
+    begun: list[tuple[str, str]] = []
+
+    def resync(namespace: str, group: str, interval_s: float) -> bool:
+        if (namespace, group) not in due:
+            return False
+        due.discard((namespace, group))
+        begun.append((namespace, group))
+        return True
+
+    loop = Resync(lambda: groups, resync, 10.0, max_per_s=20.0)
+    assert [loop.step(), loop.step(), loop.step(), loop.step()] == [20, 20, 10, 0]
+    assert begun == groups  # each once, in turn
+    due.update(groups[:3])  # due again: the next step begins where the last one stopped
+    assert loop.step() == 3 and begun[-3:] == groups[:3]
+
+
 def _spawning(module: str) -> list[str]:
     registry = kopf.get_default_registry()
     return [h.id for h in registry._spawning.get_all_handlers() if h.fn.__module__ == module]

@@ -20,7 +20,7 @@ import kopf
 from prometheus_client import start_http_server
 
 from omnistage_operator.decisions.leadership import Leadership, SoleWriter
-from omnistage_operator.k8s import gc_metrics
+from omnistage_operator.k8s import gc_metrics, gc_policy
 from omnistage_operator.k8s.leader import Elector, KrEpochStore, KrLeaseStore, new_identity
 from omnistage_operator.k8s.settings import Settings, SettingsError, parse_settings
 from omnistage_operator.runtime.election_thread import ElectionThread
@@ -34,10 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = parse_settings(argv)
         settings.worker_credentials()  # fail early on an empty or unreadable token file
-    except (SettingsError, OSError) as exc:
+        gc_settings = gc_policy.parse(os.environ)
+    except (SettingsError, gc_policy.GcPolicyError, OSError) as exc:
         print(f"omnistage-operator: {exc}", file=sys.stderr)
         return 2
     configure_logging(sys.stdout, settings.log_level, settings.log_format)
+    gc_policy.apply(gc_settings)
     os.environ["OMNISTAGE_RESYNC_INTERVAL"] = str(settings.resync_interval_s)
     os.environ["OMNISTAGE_PEERING"] = settings.peering or ""
     from omnistage_operator.runtime import handlers  # noqa: F401  (registers the kopf handlers)
@@ -45,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_http_server(settings.metrics_port)
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    asyncio.run(_run(settings))
+    asyncio.run(_run(settings, gc_settings))
     return 0
 
 
@@ -72,7 +74,7 @@ async def _elector(settings: Settings, on_acquired: Callable[[int], None]) -> El
     )
 
 
-async def _run(settings: Settings) -> None:
+async def _run(settings: Settings, gc_settings: gc_policy.GcPolicy) -> None:
     from omnistage_operator.runtime import handlers
 
     gc_metrics.install()
@@ -87,6 +89,7 @@ async def _run(settings: Settings) -> None:
         await asyncio.to_thread(election.start)
     leadership: Leadership = election if election is not None else SoleWriter()
     handlers.configure(settings, leadership)
+    gc_policy.freeze(gc_settings)  # imports, kopf's registry, the election's client: kept
     try:
         await kopf.operator(
             clusterwide=not settings.namespaces,

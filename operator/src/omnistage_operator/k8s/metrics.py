@@ -28,6 +28,7 @@ __all__ = [
     "ROUNDS",
     "ROUND_API_OBJECTS",
     "ROUND_API_REQUESTS",
+    "ROUND_KICKS",
     "RUNNER_ENTRIES",
     "STAGE_DEVICE_USED",
     "STAGE_SLEEP_LEVEL",
@@ -68,6 +69,12 @@ ROUNDS = Counter(
     "omnistage_rounds_total",
     "Arbitration rounds run, by outcome.",
     ["namespace", "group", "outcome"],
+)
+ROUND_KICKS = Counter(
+    "omnistage_round_kicks_total",
+    "Rounds asked for, by what asked first (kicks that join a round already asked are not"
+    " counted): event, pod, resync, busy, error, retry, demand, sleep, leading.",
+    ["cause"],
 )
 ROUNDS_FROM_KEPT = Counter(
     "omnistage_rounds_from_kept_readings_total",

@@ -52,16 +52,19 @@ class GroupLoops:
     def kick_all(self) -> None:
         """Ask for a round of every group seen so far (e.g. on becoming the leader)."""
         for namespace, group in list(self._loops):
-            self.kick(namespace, group)
+            self.kick(namespace, group, "leading")
 
-    def kick(self, namespace: str, group: str) -> None:
-        """Ask for a round of the group (coalesced with one in progress)."""
+    def kick(self, namespace: str, group: str, cause: str = "event") -> None:
+        """Ask for a round of the group (coalesced with one in progress); ``cause`` counts
+        the round under what asked for it first (``omnistage_round_kicks_total``)."""
         loop = self._loops.setdefault((namespace, group), _Loop())
+        if not loop.dirty.is_set():
+            metrics.ROUND_KICKS.labels(cause).inc()
         loop.dirty.set()
         if loop.task is None or loop.task.done():
             loop.task = asyncio.create_task(self._run(namespace, group, loop))
 
-    def resync(self, namespace: str, group: str, interval_s: float) -> None:
+    def resync(self, namespace: str, group: str, interval_s: float) -> bool:
         """A resync timer fired (one per stage): kick the group unless one of its rounds is
         running or ended within most of ``interval_s``, so a group gets one resync round per
         interval whatever its stage count, and none while events keep it busy. A round that
@@ -70,17 +73,18 @@ class GroupLoops:
         While ``BUSY_ROUNDS`` rounds or more are running (a storm), the interval is
         ``BUSY_STRETCH`` times longer: a settled group's resync rounds took the CPU, the API
         slots and the workers' time the storm's hand-overs wait for, one every interval for as
-        long as the storm lasted (at 2000 stages most of a storm's rounds)."""
+        long as the storm lasted (at 2000 stages most of a storm's rounds). True: kicked."""
         loop = self._loops.get((namespace, group))
         if loop is None:
-            self.kick(namespace, group)
-            return
+            self.kick(namespace, group, "resync")
+            return True
         stretch = BUSY_STRETCH if self._in_round >= BUSY_ROUNDS else 1.0
-        if loop.started > loop.ended:
-            return
+        if loop.started > loop.ended or loop.dirty.is_set():
+            return False
         if time.monotonic() - loop.last_round < 0.9 * interval_s * stretch:
-            return
-        self.kick(namespace, group)
+            return False
+        self.kick(namespace, group, "resync")
+        return True
 
     async def settled(self, namespace: str, group: str, within_s: float) -> bool:
         """Wait until the round that takes the group's latest kick has ended: True, or False
@@ -112,10 +116,12 @@ class GroupLoops:
         """The group's loop ended with no kick pending (a follow-up may be; overridden by the
         runner)."""
 
-    def _followup(self, namespace: str, group: str, loop: _Loop, delay: float) -> None:
+    def _followup(self, namespace: str, group: str, loop: _Loop, delay: float, cause: str) -> None:
         if loop.followup is not None:
             loop.followup.cancel()
-        loop.followup = asyncio.get_running_loop().call_later(delay, self.kick, namespace, group)
+        loop.followup = asyncio.get_running_loop().call_later(
+            delay, self.kick, namespace, group, cause
+        )
 
     async def _run(self, namespace: str, group: str, loop: _Loop) -> None:
         while loop.dirty.is_set():
@@ -129,18 +135,18 @@ class GroupLoops:
                 log.exception("round of group %s/%s failed; retrying", namespace, group)
                 metrics.ROUNDS.labels(namespace, group, "error").inc()
                 loop.backoff_s = min(loop.backoff_s * 2, 5.0)
-                self._followup(namespace, group, loop, loop.backoff_s)
+                self._followup(namespace, group, loop, loop.backoff_s, "error")
                 return
             finally:
                 self._in_round -= 1
                 self._ended(loop)
             retry = self._retry_in.pop((namespace, group), None)
             if busy:
-                self._followup(namespace, group, loop, loop.backoff_s)
+                self._followup(namespace, group, loop, loop.backoff_s, "busy")
                 loop.backoff_s = min(loop.backoff_s * 1.5, 2.0)
             else:
                 loop.backoff_s = 0.2
                 if retry is not None:  # a crash back-off ends: create the stage's pod then
-                    self._followup(namespace, group, loop, retry + 0.05)
+                    self._followup(namespace, group, loop, retry + 0.05, "retry")
         if self._loops.get((namespace, group)) is loop:
             self.loop_ended(namespace, group, loop)

@@ -280,5 +280,5 @@ async def worker_pod_event(
 ) -> None:
     """A worker pod changed (started, became ready, failed, went away): re-plan its group."""
     group = (body.get("metadata", {}).get("labels") or {}).get(GROUP_LABEL)
-    if group:
-        _kick(namespace, group)
+    if group and _State.runner is not None:
+        _State.runner.kick(namespace or "default", group, "pod")

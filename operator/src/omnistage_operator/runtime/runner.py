@@ -159,7 +159,9 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         # What every worker pod is built with: a change of either replaces the pods.
         self.pod_profile = PodProfile(settings.log_format, self.credentials.pod_flags())
         # OnDemand stages: one demand stream per worker, each change kicks the group.
-        self.demand = DemandWatcher(self.kick, lambda: self.leadership.epoch)
+        self.demand = DemandWatcher(
+            lambda ns, g: self.kick(ns, g, "demand"), lambda: self.leadership.epoch
+        )
         self.pipeline_status = PipelineStatus(kube, self.emit)
         self.count_entries()
         ca = settings.worker_tls_ca
@@ -324,7 +326,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         t0 = time.monotonic()
         tracker = self._sleeps.get((namespace, group))
         if tracker is None:
-            tracker = SleepTracker(lambda: self.kick(namespace, group))
+            tracker = SleepTracker(lambda: self.kick(namespace, group, "sleep"))
             self._sleeps[(namespace, group)] = tracker
         try:
             outcome = await run_round(port, self.policy, self.new_id, tracker)
