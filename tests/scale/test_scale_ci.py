@@ -3,9 +3,10 @@
 bench/scale.py at two small sizes (6 and 24 groups, two simulated stages each, 8 GPUs per node,
 simulated worker hosts) with one operator: a request to every sleeping OnDemand stage at once,
 then ``spec.state`` patched on every group's other stage at once. Per round of the hand-over
-storm, the operator's API requests and objects read, and its CPU seconds, must stay flat from
-6 to 24 groups; no group's round reads more than its own group's objects (its claim, its
-node's ResourceSlice: not every node's); every request is answered and every group converges.
+storm that acted, the operator's API requests and objects read, and its CPU seconds per round,
+must stay flat from 6 to 24 groups; no group's round reads more than its own group's objects
+(its claim, its node's ResourceSlice: not every node's); every request is answered and every
+group converges.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ GROUP_OBJECTS = 2.0
 
 
 def _per_round(run: dict[str, object], key: str) -> float:
+    """``key`` (a storm's figure per round) per round that acted: rounds that found nothing to
+    do (a pod event after the group's hand-over, say) read nothing, and how many of them come
+    depends on when events land, not on the number of groups (a CI run: 6 groups, 6 acted and 7
+    idle rounds, 1.85 requests per round and 4.0 per acted one; 24 groups, 24 acted, 4.0)."""
     storm = run["handover"]
     assert isinstance(storm, dict)
-    return float(storm[key])
+    acted = storm["rounds_by_outcome"].get("acted", 0)
+    return float(storm[key]) * storm["rounds"] / max(acted, 1)
 
 
 def test_round_cost_is_flat_in_the_number_of_groups(tmp_path: Path) -> None:
