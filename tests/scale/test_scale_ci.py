@@ -30,8 +30,8 @@ def _per_round(run: dict[str, object], key: str) -> float:
     idle rounds, 1.85 requests per round and 4.0 per acted one; 24 groups, 24 acted, 4.0)."""
     storm = run["handover"]
     assert isinstance(storm, dict)
-    acted = storm["rounds_by_outcome"].get("acted", 0)
-    return float(storm[key]) * storm["rounds"] / max(acted, 1)
+    acted = int(storm["rounds_by_outcome"].get("acted", 0))
+    return float(storm[key]) * int(storm["rounds"]) / max(acted, 1)
 
 
 def test_round_cost_is_flat_in_the_number_of_groups(tmp_path: Path) -> None:
