@@ -29,6 +29,19 @@ def counters(text: str, name: str, label: str = "group") -> dict[str, float]:
 
 # The operator's API requests: time waiting for a request slot (by lane), time the API server
 # took (all verbs).
+# Counters kept by one label, each under its key in a replica's figures.
+BY_LABEL = {
+    # leadership changes of this replica (the only one: did it step down mid-storm?)
+    "leader": ("omnistage_leader_transitions_total", "change"),
+    # wall-clock and CPU seconds inside garbage collections; prometheus_client's own count
+    "gc": ("omnistage_gc_seconds_total", "generation"),
+    "gc_cpu": ("omnistage_gc_cpu_seconds_total", "generation"),
+    "gc_n": ("python_gc_collections_total", "generation"),
+    # rounds by outcome, and by what asked for them first
+    "outcome": ("omnistage_rounds_total", "outcome"),
+    "cause": ("omnistage_round_kicks_total", "cause"),
+}
+
 API_TIMES = {
     "api_wait": ("omnistage_api_wait_seconds", "lane"),
     "api_request": ("omnistage_api_request_seconds", "verb"),
@@ -168,37 +181,18 @@ class Probe:
                 text = op.metrics()
             except OSError:
                 continue
-            snap["metrics"][op.name] = {
+            figures = snap["metrics"][op.name] = {
                 k: counters(text, f"omnistage_{k}_total")
                 for k in ("rounds", "round_api_requests", "round_api_objects")
             }
-            # leadership changes of this replica (the only one: did it step down mid-storm?)
-            snap["metrics"][op.name]["leader"] = counters(
-                text, "omnistage_leader_transitions_total", "change"
-            )
-            # wall-clock seconds inside garbage collections, by generation; prometheus_client's
-            # own counter of them, by generation
-            snap["metrics"][op.name]["gc"] = counters(
-                text, "omnistage_gc_seconds_total", "generation"
-            )
-            snap["metrics"][op.name]["gc_cpu"] = counters(
-                text, "omnistage_gc_cpu_seconds_total", "generation"
-            )
-            snap["metrics"][op.name]["outcome"] = counters(
-                text, "omnistage_rounds_total", "outcome"
-            )
-            snap["metrics"][op.name]["cause"] = counters(
-                text, "omnistage_round_kicks_total", "cause"
-            )
-            snap["metrics"][op.name]["gc_n"] = counters(
-                text, "python_gc_collections_total", "generation"
-            )
+            for key, (name, label) in BY_LABEL.items():
+                figures[key] = counters(text, name, label)
             for key, (name, label) in API_TIMES.items():
                 for part in ("sum", "count"):
                     by = counters(text, f"{name}_{part}", label)
                     if label == "verb":  # every verb together
                         by = {"": sum(by.values())}
-                    snap["metrics"][op.name][f"{key}_{part}"] = by
+                    figures[f"{key}_{part}"] = by
         return snap
 
     @staticmethod

@@ -96,10 +96,11 @@ def on_acquired(epoch: int) -> None:
     runner.kick_all()
 
 
-def _kick(namespace: str | None, group: str | None) -> None:
-    """Kick the group's loop; a standby's loop runs no round but remembers the group."""
+def _kick(namespace: str | None, group: str | None, cause: str = "event") -> None:
+    """Kick the group's loop (``cause``: what asked, ``GroupLoops.kick``); a standby's loop
+    runs no round but remembers the group."""
     if group is not None and _State.runner is not None:
-        _State.runner.kick(namespace or "default", group)
+        _State.runner.kick(namespace or "default", group, cause)
 
 
 def _runner() -> GroupRunner:
@@ -280,5 +281,4 @@ async def worker_pod_event(
 ) -> None:
     """A worker pod changed (started, became ready, failed, went away): re-plan its group."""
     group = (body.get("metadata", {}).get("labels") or {}).get(GROUP_LABEL)
-    if group and _State.runner is not None:
-        _State.runner.kick(namespace or "default", group, "pod")
+    _kick(namespace, group or None, "pod")
