@@ -233,8 +233,9 @@ def cluster_run(
                 node = nodes.node_names[0]
                 # tiny stages on a device of a few hundred KiB: the e2e tests' 16 KiB margin
                 extra = ("--wake-margin-bytes", "16384") if args.tiny else ()
-                if args.overlapped:
-                    extra = (*extra, "--overlapped-handover")
+                # either mode named, whatever the operator's default
+                mode = "--overlapped-handover" if args.overlapped else "--no-overlapped-handover"
+                extra = (*extra, mode)
                 out["overlapped_handover"] = args.overlapped
                 op = Operator(cp.kubeconfig, ns, work, extra)
                 try:
@@ -377,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--overlapped",
         action="store_true",
-        help="the operator runs overlapped hand-overs (--overlapped-handover)",
+        help="the operator runs overlapped hand-overs (--overlapped-handover); without it, "
+        "serial ones (--no-overlapped-handover)",
     )
     p.add_argument(
         "--small-sd",

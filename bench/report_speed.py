@@ -6,7 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 ROWS = (
-    ("handover_over_serial_bound", "`kubectl patch` -> Active / serial copy bound", "{:.2f}"),
+    (
+        "handover_over_serial_bound",
+        "`kubectl patch` -> Active / serial copy bound (serial, the operator's default)",
+        "{:.2f}",
+    ),
     ("operator_p50_ms", "the operator's share of a hand-over, p50", "{:.0f} ms"),
     ("cold_start_first_token_s", "cold start, spawn -> first token", "{:.2f} s"),
     ("vllm_l1_wake_of_h2d", "vLLM stage level-1 wake / H2D", "{:.2f}"),
@@ -26,7 +30,9 @@ def speed_section(data: dict[str, Any]) -> list[str]:
     s = data["summary"]
     figures = data.get("figures", {})
     bases = {
-        "operator_p50_ms": (figures.get("handover") or {}).get("operator_basis"),
+        "operator_p50_ms": (
+            figures.get(s.get("source", {}).get("operator_p50_ms", "handover")) or {}
+        ).get("operator_basis"),
         "vllm_cold_start_s": (figures.get("vllm") or {}).get("cold_start_basis"),
     }
     lines = [

@@ -125,8 +125,8 @@ def test_a_vllm_restart_with_its_caches_kept_gives_the_cold_start() -> None:
 
 
 def test_the_operator_ordered_overlap_is_held_against_the_same_serial_bound() -> None:
-    report = _load("gpu_e2e_overlapped_h200_300.json")
-    assert report["overlapped_handover"]
+    report = _load("gpu_e2e_overlapped_h200_1000.json")
+    assert report["overlapped_handover"] and len(report["runs"]) == 1000
     figures = speed_figures.handover_overlapped(report)
     serial = speed_figures.handover(report)
     key = "overlapped_patch_to_active_over_serial_bound"
