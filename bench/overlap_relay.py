@@ -51,7 +51,9 @@ def overlapped(out: Worker, inc: Worker, margin: int) -> Json:
     sleep_ack: types_pb2.Ack | None = None
     for message in out.sleep.SleepStream(request, timeout=300):
         if message.WhichOneof("event") == "released":
-            released = max(released, message.released.released_bytes)
+            if message.released.released_bytes <= released:
+                continue  # the first message (nothing released yet): the room is in base
+            released = message.released.released_bytes
         else:
             sleep_ack = message.ack
             released = max(released, sleep_ack.freed_bytes if sleep_ack.ok else 0)

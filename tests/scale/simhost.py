@@ -13,6 +13,8 @@ What it does not cover (use the ordinary one-process-per-pod localnode for these
 - models and the weight engine: weights are a byte count, a move takes a fixed time;
 - the OpenAI HTTP front (``--http-port`` is ignored), the Prometheus endpoint
   (``--metrics-port`` is ignored), TLS, vLLM, several devices per stage;
+- overlapped hand-overs: the simulated engine takes no device memory piece by piece, so its
+  workers say they cannot take part (``GetStatus.claim_limits`` false) and hand over serially;
 - the simulated GPU's faults (leaks, lies, slow serving, tenants) and per-process isolation:
   workers share one interpreter, so one worker's CPU use delays the others on the host, a
   crash takes the host down, and every ACK carries the host's pid;

@@ -72,6 +72,8 @@ async def _scenario(tmp_path: Path) -> None:
         assert ra.used_bytes == 64 * MiB + WEIGHTS
         assert rb.used_bytes == 64 * MiB
         assert ra.free_bytes == rb.free_bytes == device.total - 16 * MiB - 2 * 64 * MiB - WEIGHTS
+        # its engine takes no memory piece by piece: no overlapped hand-over, and it says so
+        assert not ra.claim_limits and not rb.claim_limits
         # b does not fit beside a: its wake is refused ahead, nothing charged
         ack = await cb.wake("w1", 5.0, epoch=3)
         assert not ack.ok and "free" in ack.error, ack

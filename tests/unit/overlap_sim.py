@@ -1,9 +1,10 @@
 """``handover_sim.SimPort`` with the overlapped hand-over's three calls
 (``handover.overlap.OverlapPort``) on the simulated device's physics: a streamed sleep gives its
-weights back piece by piece (a liar says so and keeps them; every other fault is the plain
-sleep's), and a wake under a claim limit takes a piece only when its limit allows it and the
-device has it, else it is out of memory and back asleep, as a worker is. A wake left waiting for
-a raise that never comes gives up (the worker's claim wait) and is back asleep."""
+weights back piece by piece after its device's free memory measured first (a liar says so and
+keeps them; every other fault is the plain sleep's), and a wake under a claim limit takes a
+piece only when its limit allows it and the device has it, else it is out of memory and back
+asleep, as a worker is. A wake left waiting for a raise that never comes gives up (the worker's
+claim wait) and is back asleep."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from omnistage_operator.decisions.arbiter import WorkerPhase
-from omnistage_operator.decisions.facts import AckFacts, DeviceFigures
+from omnistage_operator.decisions.facts import AckFacts, DeviceFigures, RoomBeside, WorkerReport
 from omnistage_operator.decisions.handover import WorkerRefused
 from tests.unit.handover_sim import CONTEXT, UNIT, UUID, SimPort, SimWorker, SimWorld
 
@@ -32,9 +33,13 @@ class OverlapSimPort(SimPort):
         self.sleep_acked = False
         self.peak = 0  # the most the device held at once (its reserve included)
 
+    def _report(self, wk: SimWorker) -> WorkerReport:
+        """As ``SimPort``'s, from a worker that says it can take part (``claim_limits``)."""
+        return replace(super()._report(wk), claim_limits=True)
+
     async def sleep_stream(
         self, stage: str, level: int, task_id: str, *, timeout_s: float
-    ) -> AsyncIterator[int | AckFacts]:
+    ) -> AsyncIterator[int | RoomBeside | AckFacts]:
         """Whole-model sleep, streamed: an honest one releases piece by piece, a liar reports
         the pieces and keeps them; every other outcome is the plain sleep's (one ACK, or its
         error)."""
@@ -47,6 +52,7 @@ class OverlapSimPort(SimPort):
         self.calls.append(("sleep", stage))
         self.unresolved.add(stage)
         before, free_before = wk.used, self.world.free()
+        yield RoomBeside(free_before)  # measured before anything is released, as a worker does
         released = 0
         while released < before - CONTEXT:
             piece = min(PIECE, before - CONTEXT - released)

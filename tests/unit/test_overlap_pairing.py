@@ -35,7 +35,7 @@ POLICY = RoundPolicy(margin_bytes=64 * MI, overlapped=True)
 def _active(used: int, uuids: tuple[str, ...] = (GPU,)) -> StageFacts:
     return StageFacts(
         WorkerPhase.ACTIVE, used_bytes=used, active_footprint=used, context_bytes=CTX,
-        device_uuids=uuids, device_used=dict.fromkeys(uuids, used),
+        device_uuids=uuids, device_used=dict.fromkeys(uuids, used), claim_limits=True,
     )  # fmt: skip
 
 
@@ -43,6 +43,7 @@ def _asleep(uuids: tuple[str, ...] = (GPU,)) -> StageFacts:
     return StageFacts(
         WorkerPhase.ASLEEP, level=1, used_bytes=CTX, active_footprint=16 * GI,
         context_bytes=CTX, device_uuids=uuids, device_used=dict.fromkeys(uuids, CTX),
+        claim_limits=True,
     )  # fmt: skip
 
 
@@ -76,8 +77,17 @@ def test_room_beside_the_sleeper_is_counted_less_the_margin() -> None:
     assert _pair(_handover(free=32 * MI)) is None
 
 
-def test_kept_readings_count_no_room_beside() -> None:
-    assert _pair(_handover(free=GI, kept=True)) == Pairing("y", CTX)
+def test_kept_readings_leave_the_room_beside_to_the_sleeps_own_reading() -> None:
+    assert _pair(_handover(free=GI, kept=True)) == Pairing("y", CTX, room_from_stream=True)
+
+
+def test_a_worker_that_cannot_take_part_goes_the_serial_way() -> None:
+    """An older worker (no SleepStream, a WakeUp that would ignore the limit) or one whose
+    engine does not take memory piece by piece says so in ``claim_limits``: no pairing."""
+    for name in ("x", "y"):
+        obs = _handover(free=GI)
+        facts = {**obs.facts, name: replace(obs.facts[name], claim_limits=False)}
+        assert _pair(replace(obs, facts=facts)) is None, name
 
 
 def test_no_pairing_when_the_freed_memory_would_not_let_the_arbiter_wake() -> None:

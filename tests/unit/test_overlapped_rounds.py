@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 
 from omnistage_operator.decisions.arbiter import StageIntent, WorkerPhase
-from omnistage_operator.decisions.handover import RoundOutcome, RoundPolicy
+from omnistage_operator.decisions.facts import AckFacts, RoomBeside
+from omnistage_operator.decisions.handover import GroupObservation, RoundOutcome, RoundPolicy
 from omnistage_operator.decisions.handover.overlap import OverlapPort
 from omnistage_operator.decisions.handover.rounds import run_round
 from tests.unit.handover_sim import CONTEXT, RESERVE, UNIT, SimWorker
@@ -56,9 +58,32 @@ def _world() -> World:
     return World(12 * UNIT, {"x": x, "y": y}, intents, created={"x", "y"})
 
 
-def _round(world: World, outcomes: list[str]) -> tuple[RoundOutcome, OverlapSimPort]:
+class KeptFirst(OverlapSimPort):
+    """Its first observation is the kept readings of the round before (as the operator's port
+    gives when nothing changed since); it notes how many it gave before the sleep began."""
+
+    def __init__(self, world: World) -> None:
+        super().__init__(world)
+        self.observed = 0
+        self.observed_before_sleep = 0
+
+    async def observe(self) -> GroupObservation:
+        self.observed += 1
+        obs = await super().observe()
+        return replace(obs, kept=True) if self.observed == 1 else obs
+
+    def sleep_stream(
+        self, stage: str, level: int, task_id: str, *, timeout_s: float
+    ) -> AsyncIterator[int | RoomBeside | AckFacts]:
+        self.observed_before_sleep = self.observed_before_sleep or self.observed
+        return super().sleep_stream(stage, level, task_id, timeout_s=timeout_s)
+
+
+def _round(
+    world: World, outcomes: list[str], port_type: type[OverlapSimPort] = OverlapSimPort
+) -> tuple[RoundOutcome, OverlapSimPort]:
     world.outcomes = list(outcomes)
-    port = OverlapSimPort(world)
+    port = port_type(world)
     assert isinstance(port, OverlapPort)
     policy = RoundPolicy(
         ack_retries=1, backoff_s=0.0, margin_bytes=MARGIN, transition_allowance_s=5.0,
@@ -110,3 +135,18 @@ def test_a_sleep_not_acked_ok_gives_the_wake_no_more_room() -> None:
     assert world.workers["y"].state is not WorkerPhase.ACTIVE
     assert port.calls.count(("wake", "y")) == 1
     assert port.peak <= world.capacity
+
+
+def test_kept_readings_pair_the_wake_with_the_room_the_sleeper_measured() -> None:
+    """A lone sleep planned from kept readings carries its wake without reading the workers
+    again: the wake starts under what it holds, raised first by the room beside the sleeper
+    that the sleeping worker measured before it released anything."""
+    world = _world()
+    room = world.free()
+    out, port = _round(world, ["ok"], KeptFirst)
+    assert isinstance(port, KeptFirst)
+    assert out.from_kept and port.observed_before_sleep == 1
+    assert port.wake_began_before_ack and out.wakes["y"].ok
+    assert port.raises[0] == CONTEXT + room - MARGIN  # before any release
+    assert port.raises[1:] and min(port.raises[1:]) > port.raises[0]
+    assert world.workers["y"].state is WorkerPhase.ACTIVE and port.peak <= world.capacity

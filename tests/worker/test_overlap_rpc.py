@@ -65,8 +65,15 @@ async def test_a_streamed_sleep_ends_with_its_ack(lm_worker: WorkerHandle) -> No
     assert messages[-1].WhichOneof("event") == "ack"
     ack = messages[-1].ack
     assert ack.ok and ack.task_id == "s1" and ack.freed_bytes > 0
-    released = [m.released.released_bytes for m in messages[:-1]]
+    assert before.claim_limits, "one device, the weight engine: it can take part"
+    first, *pieces = [m.released for m in messages[:-1]]
+    # measured before the sleep gave anything back: the device's free memory then
+    assert first.released_bytes == 0 and first.used_bytes == before.used_bytes
+    assert first.HasField("device_free_bytes")
+    assert first.device_free_bytes == before.free_bytes
+    released = [m.released_bytes for m in pieces]
     assert released == sorted(released) and all(0 < r <= before.used_bytes for r in released)
+    assert not any(m.HasField("device_free_bytes") for m in pieces)
     # The Ack is the Sleep's: a repeat of its task id over Sleep replays it.
     assert (await lm_worker.sleep(1, task_id="s1")).replayed
 
@@ -127,6 +134,7 @@ async def test_a_stage_on_two_devices_refuses_a_limit(
 ) -> None:
     worker = await start_worker(lm_dir, "ar", "transformers", gpus=2)
     assert (await worker.sleep(1)).ok
+    assert not (await worker.status()).claim_limits, "it says so ahead: no overlapped hand-over"
     err = await rpc_error(
         worker.sleep_stub.WakeUp(
             sleep_service_pb2.WakeUpRequest(task_id="w", claim_limit_bytes=1 << 40),

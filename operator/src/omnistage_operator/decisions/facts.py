@@ -19,6 +19,7 @@ __all__ = [
     "OVERLAPPED_SLEEP",
     "AckFacts",
     "DeviceFigures",
+    "RoomBeside",
     "WorkerReport",
     "ack_contradiction",
     "ack_from_proto",
@@ -137,6 +138,7 @@ class WorkerReport:
     drain_timeout_s: float | None = None
     components: tuple[ComponentFacts, ...] = ()  # per pipeline component (empty: undivided)
     sequential: bool = False  # one component resident at a time, inside requests
+    claim_limits: bool = False  # takes part in an overlapped hand-over (GetStatus.claim_limits)
 
     @property
     def device_uuids(self) -> tuple[str, ...]:
@@ -186,7 +188,16 @@ class WorkerReport:
             device_peaks=dict(device_peaks or {}),
             device_weights={d.uuid: d.weights for d in self.devices if d.uuid and d.weights},
             device_held=dict(held or {}),
+            claim_limits=self.claim_limits,
         )
+
+
+@dataclass(frozen=True)
+class RoomBeside:
+    """A streamed sleep's first report: its device's free memory, measured by its worker before
+    the sleep gave anything back (the room beside the sleeping stage)."""
+
+    free_bytes: int
 
 
 OVERLAPPED_SLEEP = "-overlapped"
@@ -381,4 +392,5 @@ def report_from_proto(status: sleep_service_pb2.GetStatusResponse) -> WorkerRepo
         ),
         components=tuple(_component(c) for c in status.components),
         sequential=status.sequential,
+        claim_limits=status.claim_limits,
     )

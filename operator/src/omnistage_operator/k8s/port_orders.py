@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from omnistage_operator.decisions.facts import AckFacts
+from omnistage_operator.decisions.facts import AckFacts, RoomBeside
 from omnistage_operator.decisions.handover import WorkerUnavailable
 from omnistage_operator.decisions.peaks import StagePeaks
 from omnistage_operator.k8s import metrics
@@ -63,9 +63,9 @@ class OrdersPort(FactsPort):
 
     async def sleep_stream(
         self, stage: str, level: int, task_id: str, *, timeout_s: float
-    ) -> AsyncIterator[int | AckFacts]:
-        """SleepStream of the whole model: the bytes it has released after each piece, then
-        its ACK (kept for status as a Sleep's)."""
+    ) -> AsyncIterator[int | RoomBeside | AckFacts]:
+        """SleepStream of the whole model: the room beside it measured before it began, the
+        bytes it has released after each piece, then its ACK (kept for status as a Sleep's)."""
         client = self._client(stage)
         self._ensure_leading(f"SleepStream {task_id}")
         self._ordered.add(stage)

@@ -24,6 +24,7 @@ from omnistage.worker.v1 import (
 )
 from omnistage_operator.decisions.facts import (
     AckFacts,
+    RoomBeside,
     WorkerReport,
     ack_from_proto,
     report_from_proto,
@@ -151,9 +152,10 @@ class WorkerClient:
 
     async def sleep_stream(
         self, level: int, task_id: str, timeout_s: float, *, epoch: int = 0
-    ) -> AsyncIterator[int | AckFacts]:
-        """SleepStream of the whole model: the bytes released so far (measured, rising) after
-        each piece the sleep gives back, then its ACK (the last item)."""
+    ) -> AsyncIterator[int | RoomBeside | AckFacts]:
+        """SleepStream of the whole model: the room beside it where the worker measured one
+        before the sleep began (first), the bytes released so far (measured, rising) after each
+        piece the sleep gives back, then its ACK (the last item)."""
         request = sleep_service_pb2.SleepStreamRequest(
             sleep=_sleep_request(level, task_id, epoch, None, ())
         )
@@ -162,6 +164,8 @@ class WorkerClient:
             async for message in call:
                 if message.WhichOneof("event") == "ack":
                     yield ack_from_proto(message.ack)
+                elif message.released.HasField("device_free_bytes"):
+                    yield RoomBeside(int(message.released.device_free_bytes))
                 else:
                     yield int(message.released.released_bytes)
         except grpc.aio.AioRpcError as exc:

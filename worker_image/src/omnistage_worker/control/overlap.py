@@ -22,17 +22,19 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
 from omnistage_worker.control.component_sleep import asleep_components
 from omnistage_worker.control.transitions import Refused
-from omnistage_worker.control.worker_parts import WorkerParts
+from omnistage_worker.control.worker_parts import WorkerParts, WorkerReadings
 from omnistage_worker.engine import claims
 from omnistage_worker.engine.claims import ClaimGate
 from omnistage_worker.memory import Reading
 
 
-def claim_limit_refusal(worker: WorkerParts, before: Reading, *, active: bool) -> str:
+def claim_limit_refusal(worker: WorkerReadings, before: Reading, *, active: bool) -> str:
     """Why this worker (``active``: Active already, a wake of its asleep components) cannot
-    wake piece by piece under a limit now; empty when it can."""
+    wake piece by piece under a limit now; empty when it can (GetStatus's ``claim_limits``)."""
     if worker.runner.backend_kind == types_pb2.BACKEND_VLLM:
         return "vLLM wakes through its own sleep mode, not piece by piece"
+    if not worker.runner.wakes_piece_by_piece:
+        return "its engine does not take device memory piece by piece"
     if len(before.devices) > 1:
         return f"the stage holds {len(before.devices)} devices; one limit covers one device"
     if active and asleep_components(worker.controller):
@@ -94,17 +96,17 @@ class ClaimLimits:
         )
 
 
-def _released(before: Reading, now: Reading) -> sleep_service_pb2.SleepStreamResponse:
+def _released(
+    before: Reading, now: Reading, *, first: bool = False
+) -> sleep_service_pb2.SleepStreamResponse:
     at = Timestamp()
     at.GetCurrentTime()
-    return sleep_service_pb2.SleepStreamResponse(
-        released=sleep_service_pb2.MemoryReleased(
-            released_bytes=max(before.used - now.used, 0),
-            used_bytes=now.used,
-            source=now.source,
-            at=at,
-        )
+    released = sleep_service_pb2.MemoryReleased(
+        released_bytes=max(before.used - now.used, 0), used_bytes=now.used, source=now.source, at=at
     )
+    if first and len(now.devices) == 1:  # the room beside the sleeper, before it releases
+        released.device_free_bytes = now.free
+    return sleep_service_pb2.SleepStreamResponse(released=released)
 
 
 async def sleep_stream(
@@ -112,6 +114,8 @@ async def sleep_stream(
 ) -> AsyncIterator[sleep_service_pb2.SleepStreamResponse]:
     """Run ``sleep`` and yield a measured :class:`MemoryReleased` after the pieces it gives
     back (releases that come while one is measured are reported by the next), then its Ack.
+    The first one is the measurement taken before the sleep began (nothing released; the
+    device's free memory then, for a stage on one device).
 
     The sleep runs to its end even when the caller stops reading."""
     loop = asyncio.get_running_loop()
@@ -124,6 +128,7 @@ async def sleep_stream(
 
     with claims.watching_releases(released):
         task = sleep()
+        yield _released(before, before, first=True)
         while not task.done():
             waiter = asyncio.ensure_future(news.wait())
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)

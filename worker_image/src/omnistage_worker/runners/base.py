@@ -162,6 +162,13 @@ class ModelRunner(ABC):
         the weights; 0 when idle."""
         return 0
 
+    @property
+    def wakes_piece_by_piece(self) -> bool:
+        """Whether its wake takes device memory piece by piece through the claim gate
+        (``engine.claims``): only such a runner wakes under a claim limit, beside another
+        stage's sleep (an overlapped hand-over)."""
+        return False
+
     def warm_up(self) -> None:  # noqa: B027 (a runner without a warm-up does nothing)
         """After activation, before the worker reports Active: run what makes the first
         request slow (kernel loading, library handles), so that request does not pay it."""
@@ -210,6 +217,11 @@ class TorchRunner(ModelRunner):
     @property
     def supports_level2(self) -> bool:
         return self.weight_files() is not None
+
+    @property
+    def wakes_piece_by_piece(self) -> bool:
+        """The weight engine maps each device piece through the claim gate."""
+        return True
 
     def blocks(self) -> list[Block]:
         """The blocks a stage on several devices deals out (default: whole components)."""

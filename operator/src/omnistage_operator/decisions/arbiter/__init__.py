@@ -120,6 +120,9 @@ class StageFacts:
     # Per device, the most the worker was seen holding since its last wake (not persisted): an
     # ok sleep ACK of it must show that leaving the device (``facts.ack_contradiction``).
     device_held: Mapping[str, int] = field(default_factory=dict)
+    # The worker streams its sleep and wakes under a claim limit (an overlapped hand-over);
+    # false for one that cannot or is older than those RPCs.
+    claim_limits: bool = False
 
     @property
     def asleep_components(self) -> frozenset[str]:

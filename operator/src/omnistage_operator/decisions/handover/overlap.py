@@ -4,19 +4,24 @@ beside it under a claim limit, raised by each measured release.
 
 The promise is kept piece by piece: the woken worker never holds more device memory than the
 limit (its worker enforces it: ``WakeUpRequest.claim_limit_bytes``), and the limit is what it
-held plus the device's measured free memory (less the margin) when the round read it, before the
-sleep began, plus what the sleeping worker has measured released (each ``MemoryReleased``, then
-its ok ACK's ``freed_bytes``). The device's own figures judge that ACK once the wake has ended
-(``facts.ack_contradiction`` with ``beside``: from the sleep's start to the wake's end, what the
-wake took meanwhile counted as the sleep's): a contradicted ACK gets its stage fenced, as a
-serial one does. The sleep's task id ends in ``facts.OVERLAPPED_SLEEP``: later readings of its
-ACK judge only what the worker holds asleep.
+held plus the device's free memory (less the margin) measured before the sleep began, plus what
+the sleeping worker has measured released (each ``MemoryReleased``, then its ok ACK's
+``freed_bytes``). That free memory is the round's own reading when it read the workers, else (a
+round planned from kept readings) the sleeping worker's, sent as its stream's first message
+(:class:`RoomBeside`); a worker that sends none gives the wake only what it releases. The
+device's own figures judge that ACK once the wake has ended (``facts.ack_contradiction`` with
+``beside``: from the sleep's start to the wake's end, what the wake took meanwhile counted as
+the sleep's): a contradicted ACK gets its stage fenced, as a serial one does. The sleep's task
+id ends in ``facts.OVERLAPPED_SLEEP``: later readings of its ACK judge only what the worker
+holds asleep.
 
 - :func:`pair_wake` (pure) decides whether a round's sleep may carry a wake: the arbiter itself,
   asked with the sleeper already asleep (its context left on the device), must wake exactly one
   stage on the same single device and order nothing else. Only a whole-model sleep with no
-  request in flight, of a stage that can start asleep (not vLLM), is overlapped; everything else
-  goes the serial way.
+  request in flight, of a stage that can start asleep (not vLLM), is overlapped, and only when
+  both workers say they can take part (``GetStatus.claim_limits``: an older worker, or one
+  whose engine does not take memory piece by piece, does not); everything else goes the serial
+  way.
 - :func:`sleep_beside_wake` runs it against a port that can (:class:`OverlapPort`). When the
   streamed sleep does not end in an ok ACK, the wake gets no further raise (its worker gives up
   after its claim wait and goes back to sleep) and the sleep goes on the ordinary way, under the
@@ -41,7 +46,12 @@ from omnistage_operator.decisions.arbiter import (
     WorkerPhase,
 )
 from omnistage_operator.decisions.arbiter.plan import plan
-from omnistage_operator.decisions.facts import OVERLAPPED_SLEEP, AckFacts, ack_contradiction
+from omnistage_operator.decisions.facts import (
+    OVERLAPPED_SLEEP,
+    AckFacts,
+    RoomBeside,
+    ack_contradiction,
+)
 from omnistage_operator.decisions.handover import (
     FenceFailed,
     GroupObservation,
@@ -67,8 +77,9 @@ class OverlapPort(Protocol):
 
     def sleep_stream(
         self, stage: str, level: int, task_id: str, *, timeout_s: float
-    ) -> AsyncIterator[int | AckFacts]:
-        """SleepStream: the bytes released so far after each piece, then the ACK (last)."""
+    ) -> AsyncIterator[int | RoomBeside | AckFacts]:
+        """SleepStream: the room beside the sleeper measured before it began (where its worker
+        sends one), the bytes released so far after each piece, then the ACK (last)."""
         ...
 
     async def wake_limited(self, stage: str, task_id: str, claim_limit_bytes: int) -> AckFacts:
@@ -82,10 +93,13 @@ class OverlapPort(Protocol):
 
 @dataclass(frozen=True)
 class Pairing:
-    """The wake a sleep carries: its stage and its first claim limit (bytes)."""
+    """The wake a sleep carries: its stage and its first claim limit (bytes); with
+    ``room_from_stream`` (planned from kept readings) the room beside the sleeper is not in it
+    and comes from the sleep's own first report."""
 
     stage: str
     first_limit_bytes: int
+    room_from_stream: bool = False
 
 
 def pair_wake(
@@ -102,6 +116,7 @@ def pair_wake(
         or order.components
         or order.inflight_requests
         or x.phase is not WorkerPhase.ACTIVE
+        or not x.claim_limits
         or x.context_bytes is None
         or len(x.device_uuids) > 1
     ):
@@ -131,11 +146,15 @@ def pair_wake(
         obs.intents[name].starts_active
         or obs.intents[name].asleep_components
         or y.phase is not WorkerPhase.ASLEEP
+        or not y.claim_limits
         or y.device_uuids != x.device_uuids
     ):
         return None
-    # Kept readings are a round old: the room beside the sleeper is then not counted on.
-    free = 0 if obs.kept else _free_on(obs.memory, x.device_uuids)
+    # Kept readings are a round old: the room beside the sleeper is then the sleeping worker's
+    # own reading, taken before it releases anything (the stream's first report).
+    if obs.kept:
+        return Pairing(name, y.used_bytes, room_from_stream=True)
+    free = _free_on(obs.memory, x.device_uuids)
     return Pairing(name, y.used_bytes + max(0, free - policy.margin_bytes))
 
 
@@ -199,6 +218,7 @@ async def sleep_beside_wake(
     )  # fmt: skip
     ack: AckFacts | None = None
     released = 0
+    base = pairing.first_limit_bytes  # what the wake may hold beyond the sleep's releases
     streamed = f"{task_id}{OVERLAPPED_SLEEP}"
     try:
         stream = port.sleep_stream(
@@ -207,9 +227,13 @@ async def sleep_beside_wake(
         async for event in stream:
             if isinstance(event, AckFacts):
                 ack = event
+            elif isinstance(event, RoomBeside):
+                if pairing.room_from_stream and event.free_bytes > policy.margin_bytes:
+                    base += event.free_bytes - policy.margin_bytes
+                    await _raise(port, pairing, wake_id, base + released, wake)
             elif event > released:
                 released = event
-                await _raise(port, pairing, wake_id, pairing.first_limit_bytes + released, wake)
+                await _raise(port, pairing, wake_id, base + released, wake)
     except (WorkerUnavailable, WorkerRefused) as exc:
         if isinstance(exc, WorkerRefused) and exc.refusal.stale_epoch:
             raise LeadershipLost(f"{order.stage} refused sleep {streamed}: {exc}") from exc
@@ -223,9 +247,7 @@ async def sleep_beside_wake(
         return await _sleep_or_fence(port, order, task_id, policy)
     # The worker's own measured release (as each MemoryReleased was); the device's figures
     # judge it once the wake beside has ended (its growth meanwhile is not the sleep's).
-    await _raise(
-        port, pairing, wake_id, pairing.first_limit_bytes + max(released, ack.freed_bytes), wake
-    )
+    await _raise(port, pairing, wake_id, base + max(released, ack.freed_bytes), wake)
     woken = await _woken(wake, pairing.stage, wake_id)
     beside = WakeBeside(pairing.stage, wake_id, woken)
     result = SleepResult(

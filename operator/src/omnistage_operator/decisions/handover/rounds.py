@@ -182,12 +182,11 @@ async def run_round(
     obs = await port.observe()
     decision = _plan(obs, tracker.handover(), policy)
     overlapping = policy.overlapped and isinstance(port, OverlapPort)
-    pairable = overlapping and len(decision.sleep) == 1
-    if obs.kept and (done or tracker.running or pairable or not _sleeps_only(obs, decision)):
+    if obs.kept and (done or tracker.running or not _sleeps_only(obs, decision)):
         # Kept readings send whole sleeps of every Active stage only: anything else is
-        # decided from the workers' answers, and so is a lone sleep that may carry an
-        # overlapped wake (the wake's room is read before the sleep begins: read after, it
-        # would count the sleep's first releases twice).
+        # decided from the workers' answers. A lone sleep may carry an overlapped wake planned
+        # from them: the room beside it is its worker's reading before it begins
+        # (``overlap.Pairing.room_from_stream``), not a second round of readings.
         obs = await port.observe()
         decision = _plan(obs, tracker.handover(), policy)
     out.from_kept = obs.kept

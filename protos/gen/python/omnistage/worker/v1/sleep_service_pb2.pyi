@@ -214,7 +214,10 @@ Global___SleepStreamResponse: _TypeAlias = SleepStreamResponse  # noqa: Y015
 
 @_typing.final
 class MemoryReleased(_message.Message):
-    """MemoryReleased is the device memory a sleep has given back to the driver so far, measured."""
+    """MemoryReleased is the device memory a sleep has given back to the driver so far, measured.
+    A SleepStream's first one is measured before the sleep gives anything back: released_bytes
+    0 and, for a stage on one device, device_free_bytes.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -222,6 +225,7 @@ class MemoryReleased(_message.Message):
     USED_BYTES_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     AT_FIELD_NUMBER: _builtins.int
+    DEVICE_FREE_BYTES_FIELD_NUMBER: _builtins.int
     released_bytes: _builtins.int
     """released_bytes is how much the process's device memory has fallen since the sleep began
     (used_before_bytes minus used_bytes), as measured for used_bytes.
@@ -230,6 +234,12 @@ class MemoryReleased(_message.Message):
     """used_bytes is the process's device memory now (sum over its devices)."""
     source: _types_pb2.MemorySource.ValueType
     """source says how used_bytes was measured."""
+    device_free_bytes: _builtins.int
+    """device_free_bytes is the device's free memory at the stream's first measurement, before
+    the sleep gave anything back (the room beside the sleeping stage; the caller of an
+    overlapped hand-over may let the incoming stage claim it). Set only on that first message
+    of a stage on one device.
+    """
     @_builtins.property
     def at(self) -> _timestamp_pb2.Timestamp:
         """at is when it was measured."""
@@ -241,12 +251,15 @@ class MemoryReleased(_message.Message):
         used_bytes: _builtins.int = ...,
         source: _types_pb2.MemorySource.ValueType = ...,
         at: _timestamp_pb2.Timestamp | None = ...,
+        device_free_bytes: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_device_free_bytes", b"_device_free_bytes", "at", b"at", "device_free_bytes", b"device_free_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "released_bytes", b"released_bytes", "source", b"source", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_device_free_bytes", b"_device_free_bytes", "at", b"at", "device_free_bytes", b"device_free_bytes", "released_bytes", b"released_bytes", "source", b"source", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__device_free_bytes: _TypeAlias = _typing.Literal["device_free_bytes"]  # noqa: Y015
+    _WhichOneofArgType__device_free_bytes: _TypeAlias = _typing.Literal["_device_free_bytes", b"_device_free_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__device_free_bytes) -> _WhichOneofReturnType__device_free_bytes | None: ...
 
 Global___MemoryReleased: _TypeAlias = MemoryReleased  # noqa: Y015
 
@@ -370,6 +383,7 @@ class GetStatusResponse(_message.Message):
     DRAIN_TIMEOUT_FIELD_NUMBER: _builtins.int
     COMPONENTS_FIELD_NUMBER: _builtins.int
     SEQUENTIAL_FIELD_NUMBER: _builtins.int
+    CLAIM_LIMITS_FIELD_NUMBER: _builtins.int
     state: _types_pb2.WorkerState.ValueType
     """state is the worker's state."""
     level: _types_pb2.SleepLevel.ValueType
@@ -408,6 +422,13 @@ class GetStatusResponse(_message.Message):
     """epoch is the highest leadership epoch this worker has obeyed (0: none seen)."""
     sequential: _builtins.bool
     """sequential is true when a request keeps only one component resident at a time."""
+    claim_limits: _builtins.bool
+    """claim_limits is true when the worker can take part in an overlapped hand-over: it streams
+    its sleep (SleepStream) and, asleep, wakes under WakeUpRequest.claim_limit_bytes. False
+    for a worker that would refuse a limit (vLLM, several devices, an engine that does not
+    take device memory piece by piece) and for one older than these RPCs: the operator hands
+    its memory over the serial way.
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.DeviceMemory]:
         """devices holds the figures per device (used_after_bytes is "now")."""
@@ -453,10 +474,11 @@ class GetStatusResponse(_message.Message):
         drain_timeout: _duration_pb2.Duration | None = ...,
         components: _abc.Iterable[_types_pb2.ComponentMemory] | None = ...,
         sequential: _builtins.bool = ...,
+        claim_limits: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["drain_timeout", b"drain_timeout", "last_ack", b"last_ack", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_footprint_bytes", b"active_footprint_bytes", "backend", b"backend", "components", b"components", "context_bytes", b"context_bytes", "devices", b"devices", "drain_timeout", b"drain_timeout", "epoch", b"epoch", "error", b"error", "free_bytes", b"free_bytes", "inflight_requests", b"inflight_requests", "last_ack", b"last_ack", "level", b"level", "model", b"model", "peak_active_bytes", b"peak_active_bytes", "runner", b"runner", "sequential", b"sequential", "source", b"source", "state", b"state", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "weights_bytes", b"weights_bytes", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_footprint_bytes", b"active_footprint_bytes", "backend", b"backend", "claim_limits", b"claim_limits", "components", b"components", "context_bytes", b"context_bytes", "devices", b"devices", "drain_timeout", b"drain_timeout", "epoch", b"epoch", "error", b"error", "free_bytes", b"free_bytes", "inflight_requests", b"inflight_requests", "last_ack", b"last_ack", "level", b"level", "model", b"model", "peak_active_bytes", b"peak_active_bytes", "runner", b"runner", "sequential", b"sequential", "source", b"source", "state", b"state", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "weights_bytes", b"weights_bytes", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
