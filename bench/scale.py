@@ -46,6 +46,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+WORK = Path(tempfile.gettempdir()) / "scale-bundle"
+
+
+def _bundle(argv: list[str]) -> dict[str, Any] | None:
+    """``--bundle``: unpacked (binaries, packages on the path) before the imports below need
+    its packages (a GPU host lacks kopf, kr8s, diffusers)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--bundle", type=Path, default=None)
+    pre.add_argument("--work", type=Path, default=WORK)
+    known, _ = pre.parse_known_args(argv)
+    if known.bundle is None:
+        return None
+    from bench.gpu_e2e_host import unpack_bundle
+
+    return dict(unpack_bundle(known.bundle, known.work), work=str(known.work))
+
+
+BUNDLE = _bundle(sys.argv[1:]) if __name__ == "__main__" else None
 
 from bench.scale_operators import NamedOperator  # noqa: E402
 from bench.scale_pinning import Pinning, PinningError  # noqa: E402
@@ -255,17 +273,14 @@ def main() -> int:
     p.add_argument("--bundle", type=Path, default=None,
                    help="a bench.gpu_bundle folder: unpack it into --work and use its binaries "
                    "(the controller-manager only if it holds one)")  # fmt: skip
-    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "scale-bundle")
+    p.add_argument("--work", type=Path, default=WORK, help="where --bundle is unpacked")
     args = p.parse_args()
     try:
         pinning = Pinning.parse(args.operator_cpus, args.control_plane_cpus, args.harness_cpus)
     except PinningError as exc:
         p.error(str(exc))
-    binaries, controller_manager, bundle = None, True, None
-    if args.bundle is not None:
-        from bench.gpu_e2e_host import unpack_bundle
-
-        bundle = unpack_bundle(args.bundle, args.work)
+    binaries, controller_manager, bundle = None, True, BUNDLE
+    if bundle is not None:
         binaries = binaries_in(args.work / "bin")
         controller_manager = "kube-controller-manager" in bundle["binaries"]
         if args.identity == "chart" and not binaries.helm.is_file():
