@@ -25,6 +25,15 @@ per size: etcd's db size and localnode's own figures. Writes JSON (and an SVG pl
 against stages) under bench/results/.
 
     .venv/bin/python bench/scale.py --sizes 50,200 --replicas 1,2 [--out bench/results/scale.json]
+
+``--shards N``: the groups spread over N namespaces, each served by its own operator(s) and
+Lease (bench/scale_shards.py; each storm's ``by_shard``). ``--operator-cpus``,
+``--control-plane-cpus``, ``--harness-cpus``: CPU lists each part is pinned to
+(bench/scale_pinning.py). ``--bundle DIR``: a ``bench.gpu_bundle`` folder, unpacked into
+``--work`` first, whose binaries run the control plane (a host without the local build):
+
+    python3 bench/scale.py --bundle /tmp/gb --identity admin --sizes 1000 --replicas 1 \
+        --shards 2 --operator-cpus 0-1 --control-plane-cpus 0-1 --harness-cpus 2-15
 """
 
 from __future__ import annotations
