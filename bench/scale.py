@@ -25,6 +25,15 @@ per size: etcd's db size and localnode's own figures. Writes JSON (and an SVG pl
 against stages) under bench/results/.
 
     .venv/bin/python bench/scale.py --sizes 50,200 --replicas 1,2 [--out bench/results/scale.json]
+
+``--shards N``: the groups spread over N namespaces, each served by its own operator(s) and
+Lease (bench/scale_shards.py; each storm's ``by_shard``). ``--operator-cpus``,
+``--control-plane-cpus``, ``--harness-cpus``: CPU lists each part is pinned to
+(bench/scale_pinning.py). ``--bundle DIR``: a ``bench.gpu_bundle`` folder, unpacked into
+``--work`` first, whose binaries run the control plane (a host without the local build):
+
+    python3 bench/scale.py --bundle /tmp/gb --identity admin --sizes 1000 --replicas 1 \
+        --shards 2 --operator-cpus 0-1 --control-plane-cpus 0-1 --harness-cpus 2-15
 """
 
 from __future__ import annotations
@@ -46,27 +55,54 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+WORK = Path(tempfile.gettempdir()) / "scale-bundle"
+
+
+def _bundle(argv: list[str]) -> dict[str, Any] | None:
+    """``--bundle``: unpacked (binaries, packages on the path) before the imports below need
+    its packages (a GPU host lacks kopf, kr8s, diffusers)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--bundle", type=Path, default=None)
+    pre.add_argument("--work", type=Path, default=WORK)
+    known, _ = pre.parse_known_args(argv)
+    if known.bundle is None:
+        return None
+    from bench.gpu_e2e_host import unpack_bundle
+
+    return dict(unpack_bundle(known.bundle, known.work), work=str(known.work))
+
+
+BUNDLE = _bundle(sys.argv[1:]) if __name__ == "__main__" else None
 
 from bench.scale_operators import NamedOperator  # noqa: E402
+from bench.scale_pinning import Pinning, PinningError  # noqa: E402
+from bench.scale_pinning import apply as pin  # noqa: E402
 from bench.scale_probe import Probe, etcd_db_bytes  # noqa: E402
 from bench.scale_report import write_svg  # noqa: E402
+from bench.scale_shards import (  # noqa: E402
+    per_shard,
+    shard_namespaces,
+    shard_operators,
+    shards_summary,
+)
 from bench.scale_storms import (  # noqa: E402
     Fleet,
+    fleet_targets,
     generate,
     later_storms,
     ondemand_storm,
     patch_storm,
-    pod_targets,
     stage,
     storm_writes,
 )
+from tests.cluster.build import Binaries, binaries_in  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.kubeconfig import load_kubeconfig  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
 from tests.cluster.localnode.api import Api  # noqa: E402
-from tests.e2e.test_helm_support import install_chart, operator_kubeconfig  # noqa: E402
 
 GiB = 1024**3
+NO_PINNING = Pinning()
 GPUS_PER_NODE = 8
 WEIGHTS = 50 * GiB  # two stages of a group never fit one 80 GiB GPU together
 STORMS = ("ondemand", "handover", "leader_kill", "unresponsive")
@@ -78,11 +114,13 @@ CONTROLLERS = "*,-endpoint,-endpointslice,-endpointslicemirroring"
 
 
 async def _storms(
-    cp: ControlPlane, nodes: LocalNodes, ns: str, *, groups: int, ops: list[NamedOperator],
-    model_dir: Path, transfer_s: float, storms: frozenset[str] = frozenset(STORMS),
+    cp: ControlPlane, nodes: LocalNodes, namespaces: list[str], *, groups: int,
+    shard_ops: list[list[NamedOperator]], model_dir: Path, transfer_s: float,
+    storms: frozenset[str] = frozenset(STORMS),
 ) -> dict[str, Any]:  # fmt: skip
     api = Api(load_kubeconfig(cp.kubeconfig))
-    fleet = Fleet(api, ns, groups)
+    fleet = Fleet(api, namespaces, groups)
+    ops = [op for shard in shard_ops for op in shard]
     probe = Probe(ops, cp)
     env = {"OMNISTAGE_SIM_WEIGHTS": str(WEIGHTS), "OMNISTAGE_SIM_TRANSFER_S": str(transfer_s)}
     names = fleet.groups
@@ -103,7 +141,7 @@ async def _storms(
         # both asleep first, then a request wakes each group's a (memory free: no hand-over)
         await fleet.settle_both_asleep(names, 120 + 2.0 * len(manifests))
         pods_s = time.monotonic() - t0
-        targets = await pod_targets(api, ns)
+        targets = await fleet_targets(api, fleet)
         await asyncio.gather(*(generate(targets[f"{g}-a"], 600) for g in names))
         await fleet.settle("a", "b", names, 300)
         out["setup"] = {"create_s": round(created, 1), "all_asleep_s": round(pods_s, 1),
@@ -119,12 +157,14 @@ async def _storms(
             storm_numbers[label] = fleet.storm
             result.update(Probe.delta(before, probe.snapshot(), time.monotonic() - t))
             out[label] = result
+            if len(shard_ops) > 1:
+                per_shard(result, namespaces, shard_ops)
             print(f"[scale] {label}: {json.dumps(result)}", flush=True)
 
-        await measured("ondemand", ondemand_storm(fleet, api, ns, names))
+        await measured("ondemand", ondemand_storm(fleet, api, names))
         await measured("handover", patch_storm(fleet, "a", "b", names, within_s=600))
-        if "leader_kill" in storms:
-            await later_storms(fleet, ops, cp, nodes, measured=measured, out=out)
+        if "leader_kill" in storms:  # with shards: the first shard's leader is killed
+            await later_storms(fleet, shard_ops[0], cp, nodes, measured=measured, out=out)
         # each storm's stage writes as the watch saw them, its tail until the next one included
         out["stage_writes"] = {k: storm_writes(fleet, n) for k, n in storm_numbers.items()}
         out["etcd_db_mib"] = round(etcd_db_bytes(cp) / 2**20, 1)
@@ -138,43 +178,46 @@ async def _storms(
 
 def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
              transfer_s: float = 0.1, storms: frozenset[str] = frozenset(STORMS),
-             as_chart: bool = True, nice: int = 0) -> dict[str, Any]:  # fmt: skip
-    """One size with ``replicas`` operators on a fresh control plane: the storms' figures.
+             as_chart: bool = True, nice: int = 0, shards: int = 1,
+             pinning: Pinning = NO_PINNING, binaries: Binaries | None = None,
+             controller_manager: bool = True) -> dict[str, Any]:  # fmt: skip
+    """One size with ``replicas`` operators per shard on a fresh control plane: the storms'
+    figures.
 
     ``as_chart``: the operators act as the chart's ServiceAccount (its RBAC, its Lease and the
     FlowSchema that gives the Lease requests the leader-election priority level); off: admin.
-    ``nice``: etcd's and the API server's niceness (``ControlPlane(nice=)``)."""
+    ``nice``: etcd's and the API server's niceness (``ControlPlane(nice=)``). ``shards``:
+    namespaces, each with its own operators and Lease (bench/scale_shards.py). ``pinning``:
+    CPU sets of the control plane, the operators and the rest (bench/scale_pinning.py)."""
     groups = stages // 2
     node_count = max(1, math.ceil(groups / 2))
     model_dir = work / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     started = time.monotonic()
-    with ControlPlane(controllers=CONTROLLERS, nice=nice) as cp:
+    pinned: dict[str, Any] = {}
+    with ControlPlane(controllers=CONTROLLERS, nice=nice, binaries=binaries,
+                      controller_manager=controller_manager) as cp:  # fmt: skip
+        pinned["control_plane"] = pin(pinning)
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
         cp.wait_crd_established("omnistages.omnistage.io")
-        ns = cp.create_namespace("scale")
+        namespaces = shard_namespaces(cp, shards)
         with LocalNodes(
             cp.kubeconfig, nodes=node_count, gpus=GPUS_PER_NODE, gpu_memory=80 * GiB,
             name_prefix="sim-", sim_hosts=min(sim_hosts, node_count),
             ready_timeout=120 + node_count * 1.0,
         ) as nodes:  # fmt: skip
             nodes_s = nodes.timings["start"]
-            chart = None
-            if as_chart:  # the chart's objects, its Deployment parked: the processes play it
-                release = install_chart(cp, {"crds": {"enabled": False},
-                                             "watch": {"namespaces": [ns]}})  # fmt: skip
-                kubeconfig = operator_kubeconfig(cp, release)
-                chart = (kubeconfig, release.namespace, release.fullname)
-            ops = [NamedOperator(cp, ns, work / f"op{i}", f"op-{i}", chart)
-                   for i in range(replicas)]  # fmt: skip
+            shard_ops = shard_operators(cp, namespaces, replicas, work, as_chart=as_chart)
+            ops = [op for shard in shard_ops for op in shard]
             for op in ops:
                 op.start()
+            pinned["operators"] = pin(pinning)
             try:
                 result = asyncio.run(
                     _storms(
-                        cp, nodes, ns, groups=groups, ops=ops, model_dir=model_dir,
-                        transfer_s=transfer_s, storms=storms,
+                        cp, nodes, namespaces, groups=groups, shard_ops=shard_ops,
+                        model_dir=model_dir, transfer_s=transfer_s, storms=storms,
                     )
                 )  # fmt: skip
             finally:
@@ -183,8 +226,11 @@ def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
     result.update({
         "stages": stages, "groups": groups, "nodes": node_count, "gpus_per_node": GPUS_PER_NODE,
         "identity": "chart" if as_chart else "admin",
-        "controllers": CONTROLLERS, "control_plane_nice": nice,
-        "replicas": replicas, "nodes_ready_s": round(nodes_s, 1),
+        "controllers": CONTROLLERS if controller_manager else None,
+        "control_plane_nice": nice,
+        "replicas": replicas, "shards": shards, "shard_namespaces": namespaces,
+        "pinning": pinning.record(), "pinned_threads": pinned,
+        "nodes_ready_s": round(nodes_s, 1),
         "load_avg_at_start": [round(x, 2) for x in load],
         "wall_s": round(time.monotonic() - started, 1),
     })  # fmt: skip
@@ -203,6 +249,8 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "storm_overhead_p99_s": max(s["overhead_s"]["p99"] for s in storms),
         "storm_converge_s": max(s["converge_s"] for s in storms),
         "operator_rss_mib": max(s["operator_rss_mib"] for s in storms),
+        "shards": biggest.get("shards", 1),
+        **({"handover_by_shard": shards_summary(biggest)} if biggest.get("shards", 1) > 1 else {}),
     }
 
 
@@ -219,16 +267,46 @@ def main() -> int:
     nice = "etcd's and the API server's niceness: below 0 they go ahead of the harness's other "
     nice += "processes (and other work on the machine), as a control plane on its own cores would"
     p.add_argument("--control-plane-nice", type=int, default=-5, help=nice)
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="namespaces, each served by its own operator(s) (times --replicas)",
+    )
+    for part in ("operator", "control-plane", "harness"):
+        p.add_argument(
+            f"--{part}-cpus",
+            default=None,
+            help=f"CPU list (e.g. 0-1) for the {part.replace('-', ' ')} processes",
+        )
+    p.add_argument("--bundle", type=Path, default=None,
+                   help="a bench.gpu_bundle folder: unpack it into --work and use its binaries "
+                   "(the controller-manager only if it holds one)")  # fmt: skip
+    p.add_argument("--work", type=Path, default=WORK, help="where --bundle is unpacked")
     args = p.parse_args()
+    try:
+        pinning = Pinning.parse(args.operator_cpus, args.control_plane_cpus, args.harness_cpus)
+    except PinningError as exc:
+        p.error(str(exc))
+    binaries, controller_manager, bundle = None, True, BUNDLE
+    if bundle is not None:
+        binaries = binaries_in(args.work / "bin")
+        controller_manager = "kube-controller-manager" in bundle["binaries"]
+        if args.identity == "chart" and not binaries.helm.is_file():
+            p.error("--identity chart needs helm, which the bundle lacks: use --identity admin")
     runs = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for size in [int(s) for s in args.sizes.split(",")]:
         for replicas in [int(r) for r in args.replicas.split(",")]:
             work = Path(tempfile.mkdtemp(prefix=f"scale-{size}-{replicas}-"))
-            print(f"[scale] {size} stages, {replicas} replica(s) in {work}", flush=True)
+            print(f"[scale] {size} stages, {replicas} replica(s) x {args.shards} shard(s) in "
+                  f"{work}", flush=True)  # fmt: skip
             runs.append(run_size(size, replicas, work, sim_hosts=args.sim_hosts,
                                  transfer_s=args.transfer_s,
                                  as_chart=args.identity == "chart",
-                                 nice=args.control_plane_nice))  # fmt: skip
+                                 nice=args.control_plane_nice, shards=args.shards,
+                                 pinning=pinning, binaries=binaries,
+                                 controller_manager=controller_manager))  # fmt: skip
             args.out.write_text(json.dumps({"partial": True, "runs": runs}, indent=1) + "\n")
     result = {
         "benchmark": "scale",
@@ -238,8 +316,11 @@ def main() -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
-            "note": "shared 2-core machine: control plane, localnode, simulated hosts, operators",
+            "note": "shared 2-core machine: control plane, localnode, simulated hosts, operators"
+            if (os.cpu_count() or 0) <= 2
+            else "",
         },
+        "bundle": bundle,
         "summary": summary(runs),
         "runs": runs,
     }

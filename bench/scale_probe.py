@@ -81,6 +81,14 @@ SCRIPTS = (
 )
 
 
+def process_kind(argv: list[str]) -> str:
+    """What a harness process is, from its command line (``BINARIES``, ``SCRIPTS``)."""
+    cmd = " ".join(argv)
+    return BINARIES.get(Path(argv[0]).name if argv else "") or next(
+        (k for needle, k in SCRIPTS if needle in cmd), "other_children"
+    )
+
+
 def stack_cpu() -> dict[str, float]:
     """CPU seconds so far: the harness's processes by kind (``bench``: this one), and the
     whole machine's busy time (``machine``; every core)."""
@@ -88,14 +96,10 @@ def stack_cpu() -> dict[str, float]:
     out = {"bench": sum(me.cpu_times()[:2])}
     for child in me.children(recursive=True):
         try:
-            argv = child.cmdline()
+            kind = process_kind(child.cmdline())
             t = child.cpu_times()
         except psutil.Error:
             continue
-        cmd = " ".join(argv)
-        kind = BINARIES.get(Path(argv[0]).name if argv else "") or next(
-            (k for needle, k in SCRIPTS if needle in cmd), "other_children"
-        )
         out[kind] = out.get(kind, 0.0) + t.user + t.system
     m = psutil.cpu_times()
     out["machine"] = sum(m) - m.idle - getattr(m, "iowait", 0.0)
@@ -223,6 +227,10 @@ class Probe:
             "api_requests_per_s": round(sum(reqs.values()) / max(seconds, 1e-6), 1),
             "api_objects_per_s": round(sum(objs.values()) / max(seconds, 1e-6), 1),
             "operator_cpu_s": round(cpu, 2),
+            "operator_cpu_s_by_replica": {
+                n: round(after["cpu"][n] - before["cpu"].get(n, after["cpu"][n]), 2)
+                for n in sorted(after["cpu"])
+            },
             "leader_lost": int(summed("leader").get("lost", 0.0)),
             "rounds_by_outcome": {k: int(v) for k, v in sorted(summed("outcome").items())},
             "rounds_by_cause": {k: int(v) for k, v in sorted(summed("cause").items())},

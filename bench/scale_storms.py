@@ -95,21 +95,36 @@ class Seen:
 
 
 class Fleet:
-    """The bench's stages in one namespace and one watch over them."""
+    """The bench's stages and one watch over them: in one namespace, or (shards) group ``g<i>``
+    in ``namespaces[i % len(namespaces)]``, watched cluster-wide (stage names stay unique)."""
 
-    def __init__(self, api: Api, namespace: str, groups: int) -> None:
+    def __init__(self, api: Api, namespace: str | list[str], groups: int) -> None:
         self.api = api
-        self.ns = namespace
+        self.namespaces = [namespace] if isinstance(namespace, str) else list(namespace)
+        self.ns = self.namespaces[0]
         self.groups = [f"g{i}" for i in range(groups)]
+        self.ns_of = {
+            g: self.namespaces[i % len(self.namespaces)] for i, g in enumerate(self.groups)
+        }
         self.seen: dict[str, Seen] = {}
         self.storm = 0
         # per storm: the writes the watch saw, by stage role (a/b) and the status keys changed
         self.writes: dict[int, Counter[str]] = {}
         self._watch: asyncio.Task[None] | None = None
-        self.path = f"/apis/{GROUP}/namespaces/{namespace}/omnistages"
+        sharded = len(self.namespaces) > 1
+        self.path = f"/apis/{GROUP}/" + ("" if sharded else f"namespaces/{self.ns}/") + "omnistages"
+
+    def path_of(self, group: str) -> str:
+        """The collection ``group``'s stages live in."""
+        return f"/apis/{GROUP}/namespaces/{self.ns_of[group]}/omnistages"
 
     async def create(self, manifests: list[dict[str, Any]]) -> None:
-        await bounded([functools.partial(self.api.create, self.path, m) for m in manifests])
+        """Create each stage in its group's namespace."""
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            functools.partial(self.api.create, self.path_of(m["spec"]["colocation"]["group"]), m)
+            for m in manifests
+        ]
+        await bounded(calls)
 
     def start_watch(self) -> None:
         self._watch = asyncio.create_task(self._run_watch())
@@ -189,7 +204,8 @@ class Fleet:
         body = {"spec": {"state": state}}
         for attempt in range(5):
             try:
-                obj = await self.api.patch(f"{self.path}/{name}", body)
+                group = name.rsplit("-", 1)[0]
+                obj = await self.api.patch(f"{self.path_of(group)}/{name}", body)
                 return t0, time.monotonic(), str(obj["metadata"]["resourceVersion"])
             except ApiError:
                 if attempt == 4:
@@ -265,11 +281,12 @@ async def patch_storm(
         if side is not None:
             side.cancel()
     converge = time.monotonic() - t0
-    latency, overhead, lag = [], [], []
+    latency, overhead, lag, done = [], [], [], []
     for g, (tp, tr, rv) in zip(groups, patches, strict=True):
         seen = fleet.seen[f"{g}-{gainer}"]
         lat = seen.active_at[n] - tp
         latency.append(lat)
+        done.append(seen.active_at[n] - t0)
         overhead.append(fleet.overhead(f"{g}-{gainer}", f"{g}-{loser}", lat))
         if rv in seen.rv_seen:
             lag.append(max(seen.rv_seen[rv] - tr, 0.0))
@@ -280,28 +297,62 @@ async def patch_storm(
         "overhead_s": percentiles(overhead),
         "watch_lag_s": percentiles(lag),
         "patches_sent_s": round(max(tr for _, tr, _ in patches) - t0, 2),
+        **by_shard(fleet, groups, overhead, done),
     }
 
 
-async def ondemand_storm(fleet: Fleet, api: Api, ns: str, groups: list[str]) -> dict[str, Any]:
+def by_shard(
+    fleet: Fleet, groups: list[str], overhead: list[float], done: list[float]
+) -> dict[str, Any]:
+    """With several namespaces (shards): each one's groups, overhead percentiles and the time
+    its last group was done (``done``: seconds from the storm's start, per group)."""
+    if len(fleet.namespaces) < 2:
+        return {}
+    out: dict[str, Any] = {}
+    for ns in fleet.namespaces:
+        mine = [i for i, g in enumerate(groups) if fleet.ns_of[g] == ns]
+        out[ns] = {
+            "groups": len(mine),
+            "overhead_s": percentiles([overhead[i] for i in mine]),
+            "last_done_s": round(max((done[i] for i in mine), default=0.0), 2),
+        }
+    return {"by_shard": out}
+
+
+async def fleet_targets(api: Api, fleet: Fleet) -> dict[str, str]:
+    """Each stage's worker address over the fleet's namespaces."""
+    out: dict[str, str] = {}
+    for ns in fleet.namespaces:
+        out.update(await pod_targets(api, ns))
+    return out
+
+
+async def ondemand_storm(fleet: Fleet, api: Api, groups: list[str]) -> dict[str, Any]:
     """A request to every group's sleeping ``b`` at once."""
     fleet.storm += 1
-    targets = await pod_targets(api, ns)
+    targets = await fleet_targets(api, fleet)
     t0 = time.monotonic()
-    answers = await asyncio.gather(
-        *(generate(targets[f"{g}-b"], 600) for g in groups), return_exceptions=True
-    )
+
+    async def one(g: str) -> float:
+        answer = await generate(targets[f"{g}-b"], 600)
+        done[g] = time.monotonic() - t0
+        return answer
+
+    done: dict[str, float] = {}
+    answers = await asyncio.gather(*(one(g) for g in groups), return_exceptions=True)
     converge = time.monotonic() - t0
     await fleet.settle("b", "a", groups, 120)
     ok = [(g, a) for g, a in zip(groups, answers, strict=True) if isinstance(a, float)]
     failed = [repr(a) for a in answers if not isinstance(a, float)]
+    overhead = [fleet.overhead(f"{g}-b", f"{g}-a", a) for g, a in ok]
     return {
         "groups": len(groups),
         "answered": len(ok),
         "failed": failed[:5],
         "converge_s": round(converge, 2),
         "latency_s": percentiles([a for _, a in ok]),
-        "overhead_s": percentiles([fleet.overhead(f"{g}-b", f"{g}-a", a) for g, a in ok]),
+        "overhead_s": percentiles(overhead),
+        **by_shard(fleet, [g for g, _ in ok], overhead, [done[g] for g, _ in ok]),
     }
 
 

@@ -117,13 +117,14 @@ class OperatorProcess:
         self.metrics_port = _free_port()
         self.liveness_port = _free_port()
         self.extra: list[str] = []
+        self.executable = OPERATOR
         # How it authenticates to workers (the shared token by default).
         self.auth: list[str] = ["--worker-token-file", str(self.token_file)]
 
     def start(self) -> None:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         argv = [
-            OPERATOR,
+            self.executable,
             "--namespace", self.namespace,
             *self.auth,
             "--metrics-port", str(self.metrics_port),
