@@ -9,6 +9,7 @@ claim wait) and is back asleep."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -18,6 +19,7 @@ from omnistage_operator.decisions.handover import WorkerRefused
 from tests.unit.handover_sim import CONTEXT, UNIT, UUID, SimPort, SimWorker, SimWorld
 
 PIECE = UNIT // 4
+CLOCK = itertools.count(1)  # the workers' clock: each ACK's end, in order
 CLAIM_WAIT_S = 0.2  # the worker's claim wait, scaled down
 
 
@@ -63,7 +65,10 @@ class OverlapSimPort(SimPort):
             yield released
         wk.state, wk.level, wk.lied = WorkerPhase.ASLEEP, level, outcome == "lie"
         self.sleep_acked = True
-        ack = self._ack(wk, task_id, True, before, free_before, level=level, freed_bytes=released)
+        ack = self._ack(
+            wk, task_id, True, before, free_before, level=level, freed_bytes=released,
+            finished_at=float(next(CLOCK)),
+        )  # fmt: skip
         if wk.lied:  # its own figures say it holds its context; the device's free memory is real
             dev = replace(ack.devices[0], used_after=CONTEXT)
             ack = replace(ack, used_after_bytes=CONTEXT, devices=(dev,))
@@ -128,6 +133,7 @@ class OverlapSimPort(SimPort):
             task_id, not error, "wake", wk.state, error=error, devices=(dev,),
             used_before_bytes=before, used_after_bytes=wk.used, free_before_bytes=free_before,
             free_after_bytes=free, total_bytes=self.world.capacity, needed_bytes=short,
+            finished_at=float(next(CLOCK)),
         )  # fmt: skip
         wk.acks[task_id] = ack
         return ack

@@ -164,6 +164,21 @@ def test_the_device_gain_counts_what_the_wake_beside_took() -> None:
     assert ack_contradiction(X_HONEST, context_bytes=CTX, beside=Y_WOKE) is None
 
 
+def test_a_wake_that_ended_before_the_sleep_is_judged_to_the_sleeps_end() -> None:
+    """A small wake fits in the room beside the sleeper and ends first: the device's gain runs
+    to the sleep's own end (the workers' clocks say which ended last), not to the wake's."""
+    x = _ack("sleep", "h-x-sleep1" + OVERLAPPED_SLEEP, 6 * GI + CTX, CTX, 1136 * MI, 6256 * MI)
+    small = _ack("wake", "h-y-wake-beside", CTX, GI + CTX, 1392 * MI, 1392 * MI)
+    x, small = replace(x, finished_at=20.0), replace(small, finished_at=10.0)
+    assert ack_contradiction(x, context_bytes=CTX, beside=small) is None
+    # a sleeper that kept 4 GiB of it is still caught
+    kept = replace(x, devices=(replace(x.devices[0], free_after=2160 * MI),))
+    why = ack_contradiction(kept, context_bytes=CTX, beside=small)
+    assert why is not None and "with what the wake beside it took" in why
+    # unstamped ACKs: the wake's end is taken as the later one (as before the clocks counted)
+    assert ack_contradiction(replace(x, finished_at=0.0), context_bytes=CTX, beside=small)
+
+
 def test_a_lying_sleeper_is_caught_even_beside_a_wake() -> None:
     # x claims 17 GiB freed but kept 10 GiB of it (its figure omits them): y could take only
     # 7 GiB of the room (a real GPU refuses the rest), and the device ends 10 GiB short.

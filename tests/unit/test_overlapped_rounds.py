@@ -110,7 +110,7 @@ def test_a_sleeper_that_keeps_its_memory_starves_the_wake_and_is_fenced() -> Non
     # the device refused the wake beside it what the liar kept
     assert out.wake_errors["y"] == "out of memory"
     [sleep] = out.sleeps
-    assert sleep.contradiction and "to the end of the wake beside it" in sleep.contradiction
+    assert sleep.contradiction and "the wake beside it" in sleep.contradiction
     assert sleep.fenced
     # then y woke the serial way, after the liar's fence
     assert port.calls.count(("wake", "y")) == 2

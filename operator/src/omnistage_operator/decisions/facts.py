@@ -200,6 +200,12 @@ class RoomBeside:
     free_bytes: int
 
 
+def _ended_first(wake: AckFacts, sleep: AckFacts) -> bool:
+    """Whether the wake beside ended before the sleep did, by the workers' clocks (one node's;
+    unknown when either is unstamped: then the wake's end is the later one)."""
+    return 0 < wake.finished_at < sleep.finished_at
+
+
 OVERLAPPED_SLEEP = "-overlapped"
 """The end of an overlapped sleep's task id (``handover.overlap``). Its ACK's device figures are
 judged once, by the round that sent it, against the wake that ran beside it (``beside``); a later
@@ -229,10 +235,12 @@ def ack_contradiction(
       its devices, measured at its start) on each device.
 
     ``beside``: the ACK of the wake that ran beside this sleep on the same device (an
-    overlapped hand-over). The device's gain is then measured from this sleep's start to that
-    wake's end, and what the wake took meanwhile (its own used after less before) is counted
-    as freed by this sleep: the figures of both workers must add up. ``rejudged``: a later
-    reading of the ACK; an overlapped sleep's is then judged only on what the worker holds.
+    overlapped hand-over). The device's gain is then measured from this sleep's start to the
+    later of the two ends (the wake's, unless the workers' clocks say it ended first: a small
+    wake that fitted in the room beside), and what the wake took meanwhile (its own used after
+    less before) is counted as freed by this sleep: the figures of both workers must add up.
+    ``rejudged``: a later reading of the ACK; an overlapped sleep's is then judged only on what
+    the worker holds.
 
     An ACK that is not ok, of a wake, or without per-device figures (its sums are judged then)
     is not judged per device here.
@@ -249,7 +257,8 @@ def ack_contradiction(
         if gain is None or ack.freed_bytes <= 0 or not gains:
             return None
         if beside is not None:
-            gain += beside.free_after_bytes - ack.free_after_bytes
+            if not _ended_first(beside, ack):
+                gain += beside.free_after_bytes - ack.free_after_bytes
             gain += beside.used_after_bytes - beside.used_before_bytes
         tolerance = max(int(CONTRADICTION_SHARE * ack.total_bytes), CONTRADICTION_FLOOR_BYTES)
         if ack.freed_bytes - gain > tolerance:
@@ -266,8 +275,10 @@ def ack_contradiction(
         left = before - d.used_after
         gain = d.free_after - d.free_before
         other = woke.get(d.uuid)
-        if other is not None:  # to the wake's end, with what the wake took meanwhile
-            gain = other.free_after - d.free_before + other.used_after - other.used_before
+        wake_first = beside is not None and _ended_first(beside, ack)
+        if other is not None:  # to the later end of the two, with what the wake took meanwhile
+            end_free = d.free_after if wake_first else other.free_after
+            gain = end_free - d.free_before + other.used_after - other.used_before
         if gains and left - gain > tolerance:
             was = (
                 f"held {before} bytes (seen by the operator; the ACK says {d.used_before})"
@@ -278,7 +289,13 @@ def ack_contradiction(
                 f"on {name} the worker {was} and {d.used_after} after, so {left} bytes must "
                 f"have left the device (the ACK claims {d.used_before - d.used_after} freed), "
                 f"but its free memory gained {gain} bytes"
-                + (" to the end of the wake beside it, with what that took" if other else "")
+                + (
+                    ""
+                    if other is None
+                    else " with what the wake beside it took"
+                    if wake_first
+                    else " to the end of the wake beside it, with what that took"
+                )
                 + f" (tolerance {tolerance})"
             )
         if whole and context is not None and d.used_after - context > tolerance:
