@@ -157,7 +157,7 @@ async def test_a_raise_before_the_wake_begins_is_kept_for_it(lm_worker: WorkerHa
     woke = await lm_worker.sleep_stub.WakeUp(
         sleep_service_pb2.WakeUpRequest(task_id="early", claim_limit_bytes=1),
         metadata=lm_worker.metadata,
-        timeout=20,  # a wake left at its own limit of 1 byte would wait 30 s, then fail
+        timeout=20,  # a wake left at its own limit of 1 byte would give up after 5 s
     )
     assert woke.ack.ok and woke.ack.state == ACTIVE
 

@@ -21,13 +21,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-CLAIM_WAIT_S = 30.0
-"""How long one claim waits, from its start, for its limit to be raised far enough before the
-wake gives up."""
+CLAIM_WAIT_S = 5.0
+"""How long a claim waits without its limit rising before the wake gives up. An honest sleep
+beside it raises the limit with each piece it releases (milliseconds apart); a caller that went
+away (a leader lost in the middle of the hand-over) raises it no more, and the wake is back
+asleep in this long instead of holding its stage in Waking."""
 
 
 class ClaimTimeout(RuntimeError):
-    """The limit was not raised far enough in time (the caller went away, or never released)."""
+    """The limit stopped rising short of the claim (the caller went away, or never released)."""
 
 
 class ClaimGate:
@@ -42,6 +44,7 @@ class ClaimGate:
         self._wait_s = wait_s
         self._cond = threading.Condition()
         self._cancelled = ""
+        self._raised_at = 0.0  # monotonic time of the last raise (0: none yet)
 
     @property
     def limit(self) -> int:
@@ -55,15 +58,15 @@ class ClaimGate:
         """Count ``nbytes`` more as held, once they fit under the limit (waits for raises;
         :class:`ClaimTimeout` when none comes in time, or the gate is cancelled)."""
         with self._cond:
-            deadline = time.monotonic() + self._wait_s
+            started = time.monotonic()
             while self._claimed + nbytes > self._limit:
                 if self._cancelled:
                     raise ClaimTimeout(self._cancelled)
-                left = deadline - time.monotonic()
+                left = max(started, self._raised_at) + self._wait_s - time.monotonic()
                 if left <= 0:
                     raise ClaimTimeout(
                         f"claim limit {self._limit} bytes left no room for {nbytes} more bytes "
-                        f"beside the {self._claimed} held for {self._wait_s:.0f} s"
+                        f"beside the {self._claimed} held, not raised for {self._wait_s:g} s"
                     )
                 self._cond.wait(left)
             self._claimed += nbytes
@@ -73,6 +76,8 @@ class ClaimGate:
         with self._cond:
             if limit < self._limit:
                 raise ValueError(f"claim limit {limit} is below the current {self._limit}")
+            if limit > self._limit:
+                self._raised_at = time.monotonic()
             self._limit = limit
             self._cond.notify_all()
 
