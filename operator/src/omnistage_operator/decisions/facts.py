@@ -206,6 +206,13 @@ def _ended_first(wake: AckFacts, sleep: AckFacts) -> bool:
     return 0 < wake.finished_at < sleep.finished_at
 
 
+def _span(wake_first: bool) -> str:
+    """How far a gain judged with the wake beside ran (``ack_contradiction``'s message)."""
+    if wake_first:
+        return " with what the wake beside it took"
+    return " to the end of the wake beside it, with what that took"
+
+
 OVERLAPPED_SLEEP = "-overlapped"
 """The end of an overlapped sleep's task id (``handover.overlap``). Its ACK's device figures are
 judged once, by the round that sent it, against the wake that ran beside it (``beside``); a later
@@ -249,6 +256,7 @@ def ack_contradiction(
         return None
     gains = not (rejudged and ack.task_id.endswith(OVERLAPPED_SLEEP))
     woke = {b.uuid: b for b in beside.devices if b.total > 0} if beside is not None else {}
+    wake_first = beside is not None and _ended_first(beside, ack)
     whole = str(ack.state) == "Asleep"
     measured = [d for d in ack.devices if d.total > 0]
     problems: list[str] = []
@@ -257,7 +265,7 @@ def ack_contradiction(
         if gain is None or ack.freed_bytes <= 0 or not gains:
             return None
         if beside is not None:
-            if not _ended_first(beside, ack):
+            if not wake_first:
                 gain += beside.free_after_bytes - ack.free_after_bytes
             gain += beside.used_after_bytes - beside.used_before_bytes
         tolerance = max(int(CONTRADICTION_SHARE * ack.total_bytes), CONTRADICTION_FLOOR_BYTES)
@@ -275,7 +283,6 @@ def ack_contradiction(
         left = before - d.used_after
         gain = d.free_after - d.free_before
         other = woke.get(d.uuid)
-        wake_first = beside is not None and _ended_first(beside, ack)
         if other is not None:  # to the later end of the two, with what the wake took meanwhile
             end_free = d.free_after if wake_first else other.free_after
             gain = end_free - d.free_before + other.used_after - other.used_before
@@ -289,13 +296,7 @@ def ack_contradiction(
                 f"on {name} the worker {was} and {d.used_after} after, so {left} bytes must "
                 f"have left the device (the ACK claims {d.used_before - d.used_after} freed), "
                 f"but its free memory gained {gain} bytes"
-                + (
-                    ""
-                    if other is None
-                    else " with what the wake beside it took"
-                    if wake_first
-                    else " to the end of the wake beside it, with what that took"
-                )
+                + (_span(wake_first) if other is not None else "")
                 + f" (tolerance {tolerance})"
             )
         if whole and context is not None and d.used_after - context > tolerance:

@@ -10,10 +10,10 @@ the sleeping worker has measured released (each ``MemoryReleased``, then its ok 
 round planned from kept readings) the sleeping worker's, sent as its stream's first message
 (:class:`RoomBeside`); a worker that sends none gives the wake only what it releases. The
 device's own figures judge that ACK once the wake has ended (``facts.ack_contradiction`` with
-``beside``: from the sleep's start to the wake's end, what the wake took meanwhile counted as
-the sleep's): a contradicted ACK gets its stage fenced, as a serial one does. The sleep's task
-id ends in ``facts.OVERLAPPED_SLEEP``: later readings of its ACK judge only what the worker
-holds asleep.
+``beside``: from the sleep's start to the later of the two ends, what the wake took meanwhile
+counted as the sleep's): a contradicted ACK gets its stage fenced, as a serial one does. The
+sleep's task id ends in ``facts.OVERLAPPED_SLEEP``: later readings of its ACK judge only what
+the worker holds asleep.
 
 - :func:`pair_wake` (pure) decides whether a round's sleep may carry a wake: the arbiter itself,
   asked with the sleeper already asleep (its context left on the device), must wake exactly one
