@@ -1,7 +1,9 @@
 """``handover_sim.SimPort`` with the overlapped hand-over's three calls
 (``handover.overlap.OverlapPort``) on the simulated device's physics: a streamed sleep gives its
 weights back piece by piece after its device's free memory measured first (a liar says so and
-keeps them; every other fault is the plain sleep's), and a wake under a claim limit takes a
+keeps them; one draining requests the readings did not show gives no room and its stream is
+cut off by the deadline, its sleep going on to be joined by task id; every other fault is the
+plain sleep's), and a wake under a claim limit takes a
 piece only when its limit allows it and the device has it, else it is out of memory and back
 asleep, as a worker is. A wake left waiting for a raise that never comes gives up (the worker's
 claim wait) and is back asleep."""
@@ -15,7 +17,7 @@ from dataclasses import replace
 
 from omnistage_operator.decisions.arbiter import WorkerPhase
 from omnistage_operator.decisions.facts import AckFacts, DeviceFigures, RoomBeside, WorkerReport
-from omnistage_operator.decisions.handover import WorkerRefused
+from omnistage_operator.decisions.handover import WorkerRefused, WorkerUnavailable
 from tests.unit.handover_sim import CONTEXT, UNIT, UUID, SimPort, SimWorker, SimWorld
 
 PIECE = UNIT // 4
@@ -34,6 +36,7 @@ class OverlapSimPort(SimPort):
         self.wake_began_before_ack = False
         self.sleep_acked = False
         self.peak = 0  # the most the device held at once (its reserve included)
+        self.draining: dict[str, str] = {}  # stage -> the streamed sleep still draining
 
     def _report(self, wk: SimWorker) -> WorkerReport:
         """As ``SimPort``'s, from a worker that says it can take part (``claim_limits``)."""
@@ -47,12 +50,17 @@ class OverlapSimPort(SimPort):
         error)."""
         wk = self._check(stage)
         outcome = self.world.outcomes[0] if self.world.outcomes else "ok"
-        if outcome not in ("ok", "lie") or wk.state is not WorkerPhase.ACTIVE:
+        if outcome not in ("ok", "lie", "drain") or wk.state is not WorkerPhase.ACTIVE:
             yield await self.sleep(stage, level, task_id)
             return
         self.world.outcomes[:1] = []
         self.calls.append(("sleep", stage))
         self.unresolved.add(stage)
+        if outcome == "drain":  # a request came after the readings: the worker drains it first
+            wk.state, wk.inflight = WorkerPhase.SLEEPING, 1
+            self.draining[stage] = task_id
+            yield 0  # its first report: nothing released, and no room while requests run
+            raise WorkerUnavailable(f"SleepStream {task_id}: deadline exceeded (draining)")
         before, free_before = wk.used, self.world.free()
         yield RoomBeside(free_before)  # measured before anything is released, as a worker does
         released = 0
@@ -76,6 +84,36 @@ class OverlapSimPort(SimPort):
         else:
             self.unresolved.discard(stage)
         yield ack
+
+    async def sleep(
+        self,
+        stage: str,
+        level: int,
+        task_id: str,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+        components: tuple[str, ...] = (),
+    ) -> AckFacts:
+        """A ``Sleep`` of a streamed sleep still draining joins it: the drain ends, the sleep
+        releases everything and its Ack (drain timed, ``replayed``) answers; else the plain
+        sleep's."""
+        if self.draining.get(stage) != task_id:
+            return await super().sleep(
+                stage, level, task_id, drain_timeout_s=drain_timeout_s, timeout_s=timeout_s,
+                components=components,
+            )  # fmt: skip
+        del self.draining[stage]
+        self.calls.append(("sleep", stage))
+        wk = self._check(stage)
+        before, free_before = wk.used, self.world.free()
+        wk.inflight, wk.used, wk.state, wk.level = 0, CONTEXT, WorkerPhase.ASLEEP, level
+        self.sleep_acked = True
+        self.unresolved.discard(stage)
+        return self._ack(
+            wk, task_id, True, before, free_before, level=level, freed_bytes=before - CONTEXT,
+            drain_s=1.5, replayed=True, finished_at=float(next(CLOCK)),
+        )  # fmt: skip
 
     async def wake_limited(self, stage: str, task_id: str, claim_limit_bytes: int) -> AckFacts:
         """Take the weights piece by piece under the limit, each only if the device has it."""

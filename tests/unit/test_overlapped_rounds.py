@@ -150,3 +150,19 @@ def test_kept_readings_pair_the_wake_with_the_room_the_sleeper_measured() -> Non
     assert port.raises[0] == CONTEXT + room - MARGIN  # before any release
     assert port.raises[1:] and min(port.raises[1:]) > port.raises[0]
     assert world.workers["y"].state is WorkerPhase.ACTIVE and port.peak <= world.capacity
+
+
+def test_a_sleep_draining_a_request_the_readings_missed_is_joined_not_sent_again() -> None:
+    """The round paired x from readings without requests in flight; one came before the sleep.
+    The worker drains it, gives no room beside it meanwhile, and the stream's deadline cuts the
+    call: the same task is joined (its Ack carries the drain), not a new sleep sent under
+    another id (which would have answered a no-op, the drain lost), and nothing is fenced."""
+    world = _world()
+    out, port = _round(world, ["drain"])
+    [sleep] = out.sleeps
+    assert sleep.ok and not sleep.fenced and not sleep.contradiction
+    assert sleep.task_id == "h1-x-sleep1-overlapped" and sleep.ack is not None
+    assert sleep.ack.drain_s > 0 and sleep.ack.freed_bytes == 8 * UNIT
+    assert port.calls.count(("sleep", "x")) == 2  # the stream, then the join of its task
+    assert world.workers["x"].used == CONTEXT
+    assert port.peak <= world.capacity

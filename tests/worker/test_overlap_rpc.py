@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
+from tests.fakegpu.device import FakeGpu
+from tests.fakegpu.model import Device, GiB
 from tests.worker.conftest import StartWorker, WorkerHandle, new_task_id, rpc_error, wait_for
 
 ACTIVE = types_pb2.WORKER_STATE_ACTIVE
@@ -185,3 +188,28 @@ async def test_an_asleep_pipeline_wakes_whole_under_a_limit(sd_worker: WorkerHan
     await raise_limit(sd_worker, task_id, 1 << 40)
     woke = await waking
     assert woke.ack.ok and woke.ack.state == ACTIVE
+
+
+async def test_a_stream_begun_while_a_request_runs_gives_no_room_beside(
+    start_worker: StartWorker, lm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The room beside the sleeper is what a wake may take before anything is released: while a
+    request still runs (the sleep drains it first) its activations may need that room, so the
+    first report leaves it out (the wake beside waits for what the sleep releases)."""
+    gpu = FakeGpu.create(tmp_path / "gpu", Device(uuid="GPU-drain", index=0, total=GiB))
+    monkeypatch.setenv("OMNISTAGE_MEMORY_PROBE", "tests.fakegpu.probe:from_env")
+    monkeypatch.setenv("OMNISTAGE_FAKE_GPU", str(gpu.dir))
+    worker = await start_worker(lm_dir, "ar", "transformers")
+    gpu.set_faults(slow_serving_s=1.0)  # the request holds the engine for a second
+    request = asyncio.ensure_future(worker.generate(prompt="the cat", max_new_tokens=2))
+    await wait_for(lambda: _inflight(worker), what="the request in flight")
+    messages = await stream_sleep(worker, task_id="s-drain", level=1)
+    await request
+    ack = messages[-1].ack
+    assert ack.ok and ack.drain_duration.ToNanoseconds() > 0 and ack.freed_bytes > 0
+    first = messages[0].released
+    assert first.released_bytes == 0 and not first.HasField("device_free_bytes")
+
+
+async def _inflight(worker: WorkerHandle) -> bool:
+    return (await worker.status()).inflight_requests > 0

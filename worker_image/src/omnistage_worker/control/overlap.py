@@ -110,12 +110,16 @@ def _released(
 
 
 async def sleep_stream(
-    measure: Callable[[], Reading], sleep: Callable[[], asyncio.Future[Any]]
+    measure: Callable[[], Reading],
+    sleep: Callable[[], asyncio.Future[Any]],
+    *,
+    room: bool = True,
 ) -> AsyncIterator[sleep_service_pb2.SleepStreamResponse]:
     """Run ``sleep`` and yield a measured :class:`MemoryReleased` after the pieces it gives
     back (releases that come while one is measured are reported by the next), then its Ack.
-    The first one is the measurement taken before the sleep began (nothing released; the
-    device's free memory then, for a stage on one device).
+    The first one is the measurement taken before the sleep began (nothing released; with
+    ``room``, the device's free memory then, for a stage on one device: left out while
+    requests are in flight, whose activations may still need it as they drain).
 
     The sleep runs to its end even when the caller stops reading."""
     loop = asyncio.get_running_loop()
@@ -128,7 +132,7 @@ async def sleep_stream(
 
     with claims.watching_releases(released):
         task = sleep()
-        yield _released(before, before, first=True)
+        yield _released(before, before, first=room)
         while not task.done():
             waiter = asyncio.ensure_future(news.wait())
             await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)

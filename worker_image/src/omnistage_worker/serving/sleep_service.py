@@ -69,8 +69,9 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
                     "sleep.components: a streamed sleep puts the whole model to sleep",
                 )
             order = self._sleep_order(request.sleep)
+            room = self.worker.inflight == 0  # a draining request's activations may need it
             async for message in sleep_stream(
-                self.worker.measure, lambda: asyncio.ensure_future(order())
+                self.worker.measure, lambda: asyncio.ensure_future(order()), room=room
             ):
                 yield message
         except Refused as exc:

@@ -220,10 +220,12 @@ async def sleep_beside_wake(
     released = 0
     base = pairing.first_limit_bytes  # what the wake may hold beyond the sleep's releases
     streamed = f"{task_id}{OVERLAPPED_SLEEP}"
+    bound = _drain_bound(order, policy)
     try:
         stream = port.sleep_stream(
-            order.stage, order.level, streamed, timeout_s=policy.transition_allowance_s
-        )
+            order.stage, order.level, streamed,
+            timeout_s=bound if order.inflight_requests > 0 else policy.transition_allowance_s,
+        )  # fmt: skip
         async for event in stream:
             if isinstance(event, AckFacts):
                 ack = event
@@ -238,6 +240,8 @@ async def sleep_beside_wake(
         if isinstance(exc, WorkerRefused) and exc.refusal.stale_epoch:
             raise LeadershipLost(f"{order.stage} refused sleep {streamed}: {exc}") from exc
         log.warning("overlapped sleep %s of %s: %s", streamed, order.stage, exc)
+        if isinstance(exc, WorkerUnavailable):
+            ack = await _join_draining(port, order, streamed, bound - (time.monotonic() - began))
     if ack is None or not ack.ok:
         # No further raise: the wake waits out its worker's claim wait and goes back to sleep.
         log.warning(
@@ -262,6 +266,36 @@ async def sleep_beside_wake(
         return result
     log.warning("overlapped sleep %s of %s: %s", streamed, order.stage, why)
     return await _fenced(port, replace(result, contradiction=why))
+
+
+def _drain_bound(order: SleepOrder, policy: RoundPolicy) -> float:
+    """The longest a sleep that drains requests is waited for (as ``orders`` waits one)."""
+    drain = order.drain_timeout_s
+    return (policy.default_drain_timeout_s if drain is None else drain) + (
+        policy.transition_allowance_s
+    )
+
+
+async def _join_draining(
+    port: GroupPort, order: SleepOrder, streamed: str, left_s: float
+) -> AckFacts | None:
+    """The Ack of a streamed sleep whose stream was cut off while its worker drains requests
+    the round's readings did not show: the same task joined by a unary ``Sleep`` (the worker
+    answers with that transition's Ack, drain timed), within what is left of the drain's bound;
+    None when the worker is not draining or does not answer."""
+    try:
+        facts = await port.probe(order.stage)
+        if facts.phase is not WorkerPhase.SLEEPING or facts.inflight_requests <= 0 or left_s <= 0:
+            return None
+        log.info("overlapped sleep %s of %s: draining; joined for %.0f s", streamed, order.stage,
+                 left_s)  # fmt: skip
+        return await port.sleep(
+            order.stage, order.level, streamed, drain_timeout_s=order.drain_timeout_s,
+            timeout_s=left_s,
+        )  # fmt: skip
+    except (WorkerUnavailable, WorkerRefused) as exc:
+        log.warning("overlapped sleep %s of %s, joined: %s", streamed, order.stage, exc)
+        return None
 
 
 async def _fenced(port: GroupPort, result: SleepResult) -> SleepResult:
