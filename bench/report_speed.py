@@ -8,7 +8,7 @@ from typing import Any
 ROWS = (
     (
         "handover_over_serial_bound",
-        "`kubectl patch` -> Active / serial copy bound (serial, the operator's default)",
+        "`kubectl patch` -> Active / serial copy bound (overlapped, the operator's default)",
         "{:.2f}",
     ),
     ("operator_p50_ms", "the operator's share of a hand-over, p50", "{:.0f} ms"),
@@ -18,8 +18,8 @@ ROWS = (
     ("multi_gpu_wake_of_limit", "multi-GPU wake / each device's limit", "{:.3f}"),
     ("overlapped_over_serial_bound", "overlapped hand-over / serial copy bound", "{:.2f}"),
     (
-        "overlapped_patch_to_active_over_serial_bound",
-        "`kubectl patch` -> Active, the operator ordering overlapped hand-overs / serial bound",
+        "serial_patch_to_active_over_serial_bound",
+        "`kubectl patch` -> Active / serial copy bound, `--no-overlapped-handover`",
         "{:.2f}",
     ),
 )

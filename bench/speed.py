@@ -6,9 +6,10 @@
 The parts, each run by calling its bench's ``main`` in a fresh child process (so no part's CUDA
 context, environment or imports reach the next one), its report kept as ``--work/parts/NAME.json``:
 
-- ``handover`` (a GPU, ``--bundle``): ``bench/gpu_e2e.py``, the real control plane and operator,
-  ``kubectl patch`` -> Active against the serial copy bound (bytes out at D2H + bytes in at H2D,
-  the limits measured in that run), and the operator's share of each hand-over;
+- ``handover`` (a GPU, ``--bundle``): ``bench/gpu_e2e.py --overlapped``, the real control plane
+  and operator handing over as it does by default (overlapped), ``kubectl patch`` -> Active
+  against the serial copy bound (bytes out at D2H + bytes in at H2D, the limits measured in that
+  run), and the operator's share of each hand-over;
 - ``coldstart`` (a GPU): ``bench/coldstart.py``, process spawn to the first token;
 - ``vllm`` (a GPU and vLLM importable): ``bench/vllm_stage.py``, level-1 wake against H2D and
   the cold start of a vLLM stage;
@@ -18,8 +19,8 @@ context, environment or imports reach the next one), its report kept as ``--work
   on the local control plane; the default where ``handover`` cannot run;
 - ``overlap`` (a GPU): ``bench/overlap.py``, overlapped hand-overs between two workers against
   the serial copy bound, an NVML sampler checking the room;
-- ``handover_overlapped`` (a GPU, ``--bundle``): ``bench/gpu_e2e.py --overlapped``, as
-  ``handover`` with the operator ordering overlapped hand-overs (``--overlapped-handover``).
+- ``handover_serial`` (a GPU, ``--bundle``): ``bench/gpu_e2e.py``, as ``handover`` with the
+  operator's ``--no-overlapped-handover`` (every wake after the sleep's ACK).
 
 By default every part this machine can run runs; a part it cannot run, or one that fails, leaves
 its keys ``None`` in the summary with the reason in ``summary.missing``. A report
@@ -69,11 +70,11 @@ class Machine:
 
     def cannot(self, part: str) -> str | None:
         """Why ``part`` cannot run here, or None."""
-        if part in ("handover", "handover_overlapped", "coldstart", "vllm", "overlap") and (
+        if part in ("handover", "handover_serial", "coldstart", "vllm", "overlap") and (
             not self.gpus
         ):
             return "no GPU on this machine (NVML sees none)"
-        if part in ("handover", "handover_overlapped") and self.bundle is None:
+        if part in ("handover", "handover_serial") and self.bundle is None:
             return "needs --bundle (python -m bench.gpu_bundle: the control plane's binaries)"
         if part == "vllm" and not self.vllm:
             return "vLLM is not importable here (source bench/vllm_host_setup.sh first)"
@@ -100,13 +101,14 @@ def nvml_gpus() -> list[str]:
 # ---- the parts: bench module and its arguments ------------------------------------------------
 
 
-def _handover_argv(a: argparse.Namespace, out: Path) -> list[str]:
+def _handover_serial_argv(a: argparse.Namespace, out: Path) -> list[str]:
     return ["--bundle", str(a.bundle), "--work", str(a.work / "gpu_e2e"), "--out", str(out),
             "--logs", str(a.work / "logs" / "gpu_e2e"), "--switches", str(a.switches)]  # fmt: skip
 
 
-def _handover_overlapped_argv(a: argparse.Namespace, out: Path) -> list[str]:
-    return [*_handover_argv(a, out), "--overlapped"]
+def _handover_argv(a: argparse.Namespace, out: Path) -> list[str]:
+    """The operator's default: overlapped hand-overs where both workers can."""
+    return [*_handover_serial_argv(a, out), "--overlapped"]
 
 
 def _coldstart_argv(a: argparse.Namespace, out: Path) -> list[str]:
@@ -138,7 +140,7 @@ PARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], list[str]]]] = 
     "multi_gpu": ("multi_gpu", _multi_gpu_argv),
     "operator": ("operator_switch", _operator_argv),
     "overlap": ("overlap", _overlap_argv),
-    "handover_overlapped": ("gpu_e2e", _handover_overlapped_argv),
+    "handover_serial": ("gpu_e2e", _handover_serial_argv),
 }
 
 

@@ -15,11 +15,12 @@ Json = dict[str, Any]
 
 # issue 23's summary keys, each with its goal: (comparison, value)
 GOALS: dict[str, tuple[str, float]] = {
+    # kubectl patch -> Active as the operator hands over by default (overlapped where both
+    # workers can: kubectl's process and the status write inside)
     "handover_over_serial_bound": ("<=", 1.05),
     "overlapped_over_serial_bound": ("<=", 0.65),
-    # the same hand-over from kubectl patch to Active, the operator ordering it (kubectl's
-    # process and the status write inside): at most the serial bound
-    "overlapped_patch_to_active_over_serial_bound": ("<=", 1.0),
+    # the same with --no-overlapped-handover: every wake after the sleep's ACK
+    "serial_patch_to_active_over_serial_bound": ("<=", 1.05),
     "operator_p50_ms": ("<=", 50.0),
     "cold_start_first_token_s": ("<=", 6.0),
     "vllm_l1_wake_of_h2d": (">=", 0.9),
@@ -30,7 +31,8 @@ GOALS: dict[str, tuple[str, float]] = {
 
 def handover(report: Json) -> Json:
     """``bench/gpu_e2e.py``: each ``kubectl patch`` -> Active against its serial copy bound
-    (the loser's weights out at the D2H limit, then the gainer's in at the H2D limit)."""
+    (the loser's weights out at the D2H limit, then the gainer's in at the H2D limit); ``mode``
+    says how the operator handed over (``overlapped``: the default)."""
     lim, models = report["limits"], report["models"]
     size = {"llm": models["llm_weight_bytes"], "sd": models["sd_weight_bytes"]}
     d2h, h2d = lim["d2h_pinned_gbps"] * 1e9, lim["h2d_pinned_gbps"] * 1e9
@@ -40,6 +42,7 @@ def handover(report: Json) -> Json:
         rows.append({"total_s": r["total_s"], "bound_s": bound, "ratio": r["total_s"] / bound})
     return {
         "handovers": len(rows),
+        "mode": "overlapped" if report.get("overlapped_handover") else "serial",
         "all_acks_ok": report["all_acks_ok"],
         "handover_over_serial_bound": statistics.median(r["ratio"] for r in rows),
         "patch_to_active_p50_s": statistics.median(r["total_s"] for r in rows),
@@ -52,12 +55,11 @@ def handover(report: Json) -> Json:
     }
 
 
-def handover_overlapped(report: Json) -> Json:
-    """``bench/gpu_e2e.py --overlapped``: as :func:`handover`, the operator ordering
-    overlapped hand-overs; its ratio is ``overlapped_patch_to_active_over_serial_bound``."""
+def handover_serial(report: Json) -> Json:
+    """``bench/gpu_e2e.py`` without ``--overlapped``: as :func:`handover`, the operator with
+    ``--no-overlapped-handover``; its ratio is ``serial_patch_to_active_over_serial_bound``."""
     out = handover(report)
-    out["overlapped_patch_to_active_over_serial_bound"] = out.pop("handover_over_serial_bound")
-    out["overlapped_handover"] = bool(report.get("overlapped_handover"))
+    out["serial_patch_to_active_over_serial_bound"] = out.pop("handover_over_serial_bound")
     return out
 
 
@@ -173,7 +175,7 @@ def overlap(report: Json) -> Json:
 SOURCES: dict[str, tuple[str, ...]] = {
     "handover_over_serial_bound": ("handover",),
     "overlapped_over_serial_bound": ("overlap",),
-    "overlapped_patch_to_active_over_serial_bound": ("handover_overlapped",),
+    "serial_patch_to_active_over_serial_bound": ("handover_serial",),
     "operator_p50_ms": ("handover", "operator"),
     "cold_start_first_token_s": ("coldstart",),
     "vllm_l1_wake_of_h2d": ("vllm",),
@@ -215,5 +217,5 @@ FIGURES = {
     "vllm": vllm,
     "multi_gpu": multi_gpu,
     "overlap": overlap,
-    "handover_overlapped": handover_overlapped,
+    "handover_serial": handover_serial,
 }

@@ -136,9 +136,19 @@ class Demo:
                 self.operator.kill()
 
     def order(self, slept: str, woke: str) -> str:
-        """The hand-over's order, from the workers' own ACK timestamps."""
+        """The hand-over's order, from the workers' own ACK timestamps and task ids: the wake
+        after the sleep's ACK (serial), or beside the sleep it replaced (overlapped: it took
+        only memory the sleep had reported released)."""
         sleep = self.cp.get_json("omnistage", slept, namespace=NAMESPACE)["status"]["lastAck"]
         wake = self.cp.get_json("omnistage", woke, namespace=NAMESPACE)["status"]["lastAck"]
+        hid = str(sleep.get("taskId", "")).partition(f"-{slept}-sleep")[0]
+        if str(sleep.get("taskId", "")).endswith("-overlapped") and str(
+            wake.get("taskId", "")
+        ).startswith(f"{hid}-{woke}-wake-beside"):
+            return (
+                f"order: {woke}'s wake started at {wake['startedAt']} beside {slept}'s sleep "
+                f"(ACK at {sleep['time']}), under a limit raised by each release it reported"
+            )
         verdict = "before" if sleep["time"] < wake["startedAt"] else "NOT before"
         return (
             f"order: {slept}'s sleep ACK finished at {sleep['time']}, {verdict} {woke}'s wake "

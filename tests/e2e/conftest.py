@@ -173,11 +173,17 @@ class OperatorProcess:
         return tail_log(self.log, n)
 
 
+SERIAL = "--no-overlapped-handover"  # a test of the serial promise: the sleep's ACK, then the wake
+
+
 @pytest.fixture
 def operator(
-    omnistage_crd: ControlPlane, namespace: str, tmp_path: Path
+    omnistage_crd: ControlPlane, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[OperatorProcess]:
+    """The operator for one test; ``@pytest.mark.operator_args(...)`` adds its flags."""
     op = OperatorProcess(omnistage_crd, namespace, tmp_path)
+    marker = request.node.get_closest_marker("operator_args")
+    op.extra = [str(arg) for arg in marker.args] if marker else []
     op.start()
     yield op
     op.stop()

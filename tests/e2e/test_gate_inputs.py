@@ -16,6 +16,7 @@ import pytest
 
 from tests.cluster.localnode import LocalNodes
 from tests.e2e.conftest import (
+    SERIAL,
     WAKE_MARGIN,
     Cluster,
     Gpu,
@@ -119,7 +120,11 @@ def test_an_ok_sleep_ack_the_device_contradicts_fails_and_fences_the_stage(  # n
     models = {**tiny_models, "ar": big}
     nodes: LocalNodes = make_local_nodes(nodes=1, gpus=1, gpu_memory=1 << 30)
     gpu = Gpu(nodes, nodes.node_names[0])
-    op = _operator(cluster, namespace, tmp_path, "--sleep-timeout", "20", "--fence-timeout", "60")
+    # Serial: the liar is gone before the wake (overlapped, the wake runs beside it and the
+    # liar is fenced once it ends: test_physics' liar runs both ways).
+    op = _operator(
+        cluster, namespace, tmp_path, "--sleep-timeout", "20", "--fence-timeout", "60", SERIAL
+    )
     try:
         _pair(cluster, models, gpu.node, sd_vram="700Mi")  # both do not fit: a hand-over
         # The operator has seen ar hold its weights while Active (its kept per-device peak).

@@ -18,6 +18,7 @@ import pytest
 from omnistage_operator.decisions.arbiter import WorkerPhase
 from tests.e2e.conftest import (
     CAPACITY,
+    SERIAL,
     Cluster,
     Gpu,
     OperatorProcess,
@@ -66,6 +67,7 @@ def _active_pair(cluster: Cluster, models: dict[str, Path], node: str) -> None:
     wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
 
 
+@pytest.mark.operator_args(SERIAL)
 def test_switch_waits_for_the_sleep_ack(
     cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu: Gpu
 ) -> None:
@@ -193,11 +195,17 @@ def _worker_pid(cluster: Cluster, stage: str) -> int:
     return asyncio.run(call())
 
 
+@pytest.mark.parametrize(
+    "mode", ["overlapped", pytest.param("serial", marks=pytest.mark.operator_args(SERIAL))]
+)
 def test_operator_killed_mid_handover_converges(
-    cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu: Gpu
+    mode: str, cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu: Gpu
 ) -> None:
     _active_pair(cluster, tiny_models, gpu.node)
     pid = _worker_pid(cluster, "ar")
+    # Overlapped: killed with sd's wake under a claim limit no one will raise again; it gives
+    # up (the worker's claim wait) and sd is woken by the next leader.
+    sent = "overlapped hand-over" if mode == "overlapped" else "level 1 to ar"
     with MemoryWatch(gpu) as watch:
         # Freeze the AR worker so the hand-over is caught with its Sleep sent and no ACK yet.
         os.kill(pid, signal.SIGSTOP)
@@ -205,7 +213,7 @@ def test_operator_killed_mid_handover_converges(
             cluster.patch_state("sd", "Active")
             wait_for(
                 "the operator sending the sleep to ar",
-                lambda: "level 1 to ar" in operator.log.read_text(errors="replace"),
+                lambda: sent in operator.log.read_text(errors="replace"),
                 60,
             )
             operator.kill()
@@ -217,10 +225,11 @@ def test_operator_killed_mid_handover_converges(
         wait_for("ar Waiting", lambda: cluster.state("ar") == "Waiting", 60)
     assert watch.samples > 0
     assert watch.max_sum <= CAPACITY, f"holders reached {watch.max_sum} > {CAPACITY}"
-    assert watch.max_resident == 1
     ar_worker = cluster.worker_status("ar")
     sd_worker = cluster.worker_status("sd")
     assert ar_worker is not None and ar_worker.phase is WorkerPhase.ASLEEP
     assert sd_worker is not None and sd_worker.last_ack is not None
     assert ar_worker.last_ack is not None
-    assert ar_worker.last_ack.finished_at < sd_worker.last_ack.started_at
+    if mode == "serial":
+        assert watch.max_resident == 1
+        assert ar_worker.last_ack.finished_at < sd_worker.last_ack.started_at

@@ -1,7 +1,8 @@
 """What one hand-over costs the workers: the RPCs each one answers, counted by the worker itself.
 
 Real API server, localnode, real workers and the real operator, as in ``test_handover``. A
-hand-over from ``ar`` to ``sd`` takes one Sleep (ar), one WakeUp (sd), and at most one GetStatus
+hand-over from ``ar`` to ``sd`` takes one Sleep (ar; a SleepStream when overlapped, the default),
+one WakeUp (sd), and at most one GetStatus
 of each worker per round: the round reads the group before its plan, unless the round before
 left readings that are still the group's (then its Sleep goes out from those:
 ``omnistage_rounds_from_kept_readings_total``, and it reads only the asleep sd, beside the
@@ -50,10 +51,12 @@ def _worker_rpcs(cluster: Cluster, stage: str) -> dict[str, float]:
 KEPT = "omnistage_rounds_from_kept_readings_total"
 
 
+@pytest.mark.parametrize("mode", ["overlapped", "serial"])
 def test_a_handover_asks_each_worker_once_per_round(
-    cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
+    mode: str, cluster: Cluster, tiny_models: dict[str, Path], gpu: Gpu, tmp_path: Path
 ) -> None:
-    with resting_pair(cluster, tiny_models, gpu, tmp_path) as op:
+    flags = [f"--{'' if mode == 'overlapped' else 'no-'}overlapped-handover"]
+    with resting_pair(cluster, tiny_models, gpu, tmp_path, flags) as op:
 
         def quiet() -> tuple[float, dict[str, float], dict[str, float]] | None:
             """Counters that did not move for a while (the start's rounds are over)."""
@@ -74,7 +77,9 @@ def test_a_handover_asks_each_worker_once_per_round(
 
     ran = rounds1 - rounds0
     assert ran >= 1 and kept <= 1
-    assert delta(ar1, ar0, "Sleep") == 1 and delta(ar1, ar0, "WakeUp") == 0
+    streamed = delta(ar1, ar0, "SleepStream")
+    assert delta(ar1, ar0, "Sleep") + streamed == 1 and delta(ar1, ar0, "WakeUp") == 0
+    assert streamed == (mode == "overlapped")  # the sleep streamed with the wake beside it
     assert delta(sd1, sd0, "WakeUp") == 1 and delta(sd1, sd0, "Sleep") == 0
     # Each worker read once per round; when the hand-over's round sent its Sleep from the
     # readings kept from the round before, it read only sd (asleep, beside the sleep), never

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from omnistage_operator.decisions.arbiter import WorkerPhase
-from tests.e2e.conftest import CAPACITY, Cluster, Gpu, stage_manifest, wait_for
+from tests.e2e.conftest import CAPACITY, SERIAL, Cluster, Gpu, stage_manifest, wait_for
 from tests.e2e.test_handover import MemoryWatch
 from tests.e2e.test_leader_support import ElectedOperator, LeaseReader, Watcher, WorkerProbe
 
@@ -136,6 +136,8 @@ def test_resumed_leader_order_is_refused_by_the_workers_epoch(
 ) -> None:  # fmt: skip
     marker = tmp_path / "stop-before-wake"
     a, b = _pair(cluster, tmp_path, stop_before_wake=marker)
+    for op in (a, b):  # the fault point is before a serial WakeUp, after the sleep's ACK
+        op.extra.append(SERIAL)
     watch = MemoryWatch(gpu)
     started = False
     try:

@@ -7,9 +7,9 @@
   ``POD_NAME`` set (the Lease holder is ``<POD_NAME>_<random>``), short election timings, and
   an optional test-only fault point (below).
 - ``WorkerProbe``: the workers' own GetStatus over gRPC (pod IPs cached), with the epoch they
-  obeyed, and ``HoldingLog``, which keeps every ACK seen and answers "did two stages ever hold
-  memory at once?" from the workers' ACK timestamps (the tests also watch the simulated GPU
-  from outside with ``test_handover.MemoryWatch``).
+  obeyed, and ``Watcher``, which polls them into a ``holding_log.HoldingLog``: every ACK seen,
+  and "did two stages ever hold memory at once?" from the workers' ACK timestamps (the tests
+  also watch the simulated GPU from outside with ``test_handover.MemoryWatch``).
 
 The operators run as ``python -m tests.e2e.test_leader_faultpoint`` (the real CLI plus a
 test-only fault point, see there).
@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +35,13 @@ import httpx
 import yaml
 
 from omnistage_operator.decisions.arbiter import WorkerPhase
-from omnistage_operator.decisions.facts import AckFacts, WorkerReport, report_from_proto
+from omnistage_operator.decisions.facts import (
+    report_from_proto,
+)
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubeconfig import auth_context, load_kubeconfig
 from tests.e2e.conftest import ROOT, TOKEN, WAKE_MARGIN, OperatorProcess, wait_for
+from tests.e2e.holding_log import HoldingLog, Probe
 from tests.e2e.test_leader_faultpoint import BUSY_BEFORE_WAKE, STOP_BEFORE_WAKE
 
 LEASE = "omnistage-operator"
@@ -240,15 +242,6 @@ class LeaseReader:
         self._client.close()
 
 
-@dataclass
-class Probe:
-    """One GetStatus answer: the report and the highest epoch the worker obeyed."""
-
-    report: WorkerReport
-    epoch: int
-    at: float
-
-
 class WorkerProbe:
     """GetStatus of the stages' workers, dialled at their pod IPs (cached until they fail)."""
 
@@ -309,57 +302,6 @@ class WorkerProbe:
         self._loop.close()
 
 
-@dataclass
-class HoldingLog:
-    """Every distinct ACK the workers reported, and the memory each stage held over time.
-
-    A stage holds memory from a (non-noop) wake's ``started_at`` to the next ok sleep's
-    ``finished_at``, both on the worker's clock; a stage first seen Active holds it from the
-    start. Two stages of the group holding at one instant is a violation."""
-
-    first_phase: dict[str, WorkerPhase] = field(default_factory=dict)
-    acks: dict[str, dict[str, AckFacts]] = field(default_factory=dict)
-    samples: int = 0
-
-    def record(self, stage: str, probe: Probe) -> None:
-        self.samples += 1
-        rep = probe.report
-        self.first_phase.setdefault(stage, rep.phase)
-        if rep.last_ack is not None and rep.last_ack.task_id:
-            a = rep.last_ack
-            self.acks.setdefault(stage, {})[f"{a.op}:{a.task_id}:{a.started_at}"] = a
-
-    def intervals(self, stage: str, now: float) -> list[tuple[float, float]]:
-        holding_since: float | None = (
-            float("-inf") if self.first_phase.get(stage) is WorkerPhase.ACTIVE else None
-        )
-        out: list[tuple[float, float]] = []
-        for a in sorted(self.acks.get(stage, {}).values(), key=lambda a: a.started_at):
-            if not a.ok or a.noop or a.replayed:
-                continue
-            if a.op == "wake" and holding_since is None:
-                holding_since = a.started_at
-            elif a.op == "sleep" and holding_since is not None:
-                out.append((holding_since, a.finished_at))
-                holding_since = None
-        if holding_since is not None:
-            out.append((holding_since, now))
-        return out
-
-    def overlaps(self, stages: list[str]) -> list[tuple[str, str, tuple[float, float]]]:
-        """Instants at which two stages held memory at once (empty: never)."""
-        now = time.time() + 3600
-        found = []
-        for i, a in enumerate(stages):
-            for b in stages[i + 1 :]:
-                for s1, e1 in self.intervals(a, now):
-                    for s2, e2 in self.intervals(b, now):
-                        lo, hi = max(s1, s2), min(e1, e2)
-                        if lo < hi:
-                            found.append((a, b, (lo, hi)))
-        return found
-
-
 class Watcher:
     """Polls the workers in a thread into a ``HoldingLog``."""
 
@@ -387,28 +329,3 @@ class Watcher:
         self._stop.set()
         self._thread.join(30)
         return self.log
-
-
-def _ack(op: str, task: str, start: float, end: float, *, noop: bool = False) -> AckFacts:
-    phase = WorkerPhase.ACTIVE if op == "wake" else WorkerPhase.ASLEEP
-    return AckFacts(task, True, op, phase, started_at=start, finished_at=end, noop=noop)
-
-
-def _report(phase: WorkerPhase, ack: AckFacts | None) -> Probe:
-    return Probe(WorkerReport(phase=phase, last_ack=ack), 0, 0.0)
-
-
-def test_holding_log_finds_two_holders_from_ack_timestamps() -> None:
-    """The chaos test's judge: a wake that starts before the other stage's sleep finished is an
-    overlap; a wake after it, or a no-op wake, is not."""
-    log = HoldingLog()
-    log.record("a", _report(WorkerPhase.ACTIVE, None))  # holding from the start
-    log.record("b", _report(WorkerPhase.ASLEEP, None))
-    log.record("a", _report(WorkerPhase.ASLEEP, _ack("sleep", "1", 10.0, 10.5)))
-    log.record("b", _report(WorkerPhase.ACTIVE, _ack("wake", "2", 10.6, 10.8)))
-    log.record("b", _report(WorkerPhase.ACTIVE, _ack("wake", "3", 10.9, 10.9, noop=True)))
-    assert log.overlaps(["a", "b"]) == []
-    assert log.intervals("a", 100.0) == [(float("-inf"), 10.5)]
-    log.record("a", _report(WorkerPhase.ACTIVE, _ack("wake", "4", 11.0, 11.2)))  # b still holds
-    ((x, y, (lo, hi)),) = log.overlaps(["a", "b"])
-    assert (x, y, lo) == ("a", "b", 11.0) and hi > lo

@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
+from tests.e2e.conftest import CAPACITY, Cluster, Gpu, OperatorProcess, stage_manifest, wait_for
+from tests.e2e.holding_log import handed_over
 from tests.e2e.test_handover import MemoryWatch
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -62,7 +63,8 @@ def test_a_held_request_is_served_after_the_hand_over(
         wait_for(
             "ar awake for demand", lambda: cluster.status("ar").get("awakeReason") == "Demand", 30
         )
-        # 2. The other stage's request is held until ar has slept (ACK) and sd woke.
+        # 2. The other stage's request is held until sd woke: after ar's sleep ACK, or beside
+        # ar's sleep taking only what it released (overlapped).
         chat = pool.submit(
             http.post,
             f"{sd_url}/v1/chat/completions",
@@ -71,14 +73,14 @@ def test_a_held_request_is_served_after_the_hand_over(
         answer = chat.result(120)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["message"]["role"] == "assistant"
-    assert watch.samples > 0 and watch.max_resident == 1  # never both on the GPU
+    assert watch.samples > 0 and watch.max_sum <= CAPACITY
     wait_for("ar Asleep after the swap", lambda: cluster.state("ar") == "Asleep", 30)
     ar_ack = cluster.worker_status("ar")
     sd_ack = cluster.worker_status("sd")
     assert ar_ack is not None and sd_ack is not None
     assert ar_ack.last_ack is not None and sd_ack.last_ack is not None
     assert ar_ack.last_ack.op == "sleep" and ar_ack.last_ack.ok
-    assert ar_ack.last_ack.finished_at < sd_ack.last_ack.started_at
+    assert handed_over("ar", ar_ack.last_ack, "sd", sd_ack.last_ack)
     sd_status = cluster.status("sd")
     assert sd_status["demand"]["heldRequests"] == 0
     assert sd_status["demand"]["lastRequestTime"]

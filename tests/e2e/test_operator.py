@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import ROOT, Cluster, OperatorProcess, stage_manifest, wait_for
+from tests.e2e.holding_log import handed_over
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -38,7 +39,7 @@ def test_highest_priority_wish_gets_the_memory_and_hands_it_on(
     assert high is not None and mid is not None
     assert high.last_ack is not None and mid.last_ack is not None
     assert high.last_ack.op == "sleep" and high.last_ack.ok
-    assert high.last_ack.finished_at < mid.last_ack.started_at
+    assert handed_over("high", high.last_ack, "mid", mid.last_ack)
     conds = {c["type"]: c for c in cluster.status("low")["conditions"]}
     assert conds["Admitted"]["status"] == "False"
     assert conds["Admitted"]["reason"] == "LowerPriority"

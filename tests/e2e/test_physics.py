@@ -20,8 +20,10 @@ import pytest
 
 from omnistage.worker.v1 import inference_service_pb2, inference_service_pb2_grpc
 from omnistage_operator.decisions.arbiter import WorkerPhase
+from omnistage_operator.decisions.facts import AckFacts
 from tests.cluster.localnode import LocalNodes
 from tests.e2e.conftest import (
+    CAPACITY,
     TOKEN,
     Cluster,
     Gpu,
@@ -30,6 +32,7 @@ from tests.e2e.conftest import (
     stage_port,
     wait_for,
 )
+from tests.e2e.holding_log import handed_over
 from tests.e2e.test_handover import MemoryWatch, _worker_pid
 from tests.worker.tiny_models import build_causal_lm
 
@@ -79,11 +82,15 @@ def _pair(
     wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 120)
 
 
-def _wake_started(cluster: Cluster, stage: str) -> float:
+def _wake_ack(cluster: Cluster, stage: str) -> AckFacts:
     rep = cluster.worker_status(stage)
     assert rep is not None and rep.last_ack is not None
     assert rep.last_ack.op == "wake" and rep.last_ack.ok
-    return rep.last_ack.started_at
+    return rep.last_ack
+
+
+def _wake_started(cluster: Cluster, stage: str) -> float:
+    return _wake_ack(cluster, stage).started_at
 
 
 class PodWatch:
@@ -122,21 +129,21 @@ def test_stages_without_request_hand_over_both_ways(
     with MemoryWatch(gpu) as watch:
         cluster.patch_state("sd", "Active")
         wait_for("sd Active", lambda: cluster.state("sd") == "Active", 120)
-        sd_woke = _wake_started(cluster, "sd")
+        sd_woke = _wake_ack(cluster, "sd")
         ar_rep = cluster.worker_status("ar")
         assert ar_rep is not None and ar_rep.last_ack is not None
-        assert ar_rep.last_ack.op == "sleep" and ar_rep.last_ack.finished_at < sd_woke
+        assert ar_rep.last_ack.op == "sleep" and handed_over("ar", ar_rep.last_ack, "sd", sd_woke)
         assert ar_rep.last_ack.peak_active_bytes > ar_rep.weights_bytes  # activations counted
         assert cluster.state("ar") == "Waiting"  # it still wants Active
         cluster.patch_state("sd", "Asleep")  # and back: sd gives the memory to ar
         wait_for("ar Active again", lambda: cluster.state("ar") == "Active", 120)
         wait_for("sd Asleep", lambda: cluster.state("sd") == "Asleep", 60)
-    ar_woke = _wake_started(cluster, "ar")
+    ar_woke = _wake_ack(cluster, "ar")
     sd_rep = cluster.worker_status("sd")
     assert sd_rep is not None and sd_rep.last_ack is not None
     assert sd_rep.last_ack.op == "sleep" and sd_rep.last_ack.ok
-    assert sd_rep.last_ack.finished_at < ar_woke
-    assert watch.samples > 0 and watch.max_resident == 1
+    assert handed_over("sd", sd_rep.last_ack, "ar", ar_woke)
+    assert watch.samples > 0 and watch.max_sum <= CAPACITY
     status = cluster.status("ar")
     devices = status["devices"]
     assert [d["uuid"] for d in devices] == [gpu.snapshot().device.uuid]
@@ -174,7 +181,9 @@ def test_wrong_model_path_backs_off_and_leaves_the_healthy_stage_active(
     assert "does not exist" in described and "WorkerExited" in described
 
 
-def test_lying_sleep_ack_is_reported_and_fenced_before_the_wake(
+@pytest.mark.parametrize("mode", ["overlapped", "serial"])
+def test_lying_sleep_ack_is_reported_and_fenced_before_the_wake(  # noqa: PLR0917
+    mode: str,
     cluster: Cluster,
     namespace: str,
     tmp_path: Path,
@@ -188,7 +197,10 @@ def test_lying_sleep_ack_is_reported_and_fenced_before_the_wake(
     models = {**tiny_models, "ar": big}
     nodes: LocalNodes = make_local_nodes(nodes=1, gpus=1, gpu_memory=1 << 30)
     gpu = Gpu(nodes, nodes.node_names[0])
-    op = _operator(cluster, namespace, tmp_path, "--sleep-timeout", "20", "--fence-timeout", "60")
+    flag = f"--{'' if mode == 'overlapped' else 'no-'}overlapped-handover"
+    op = _operator(
+        cluster, namespace, tmp_path, "--sleep-timeout", "20", "--fence-timeout", "60", flag
+    )
     try:
         _pair(cluster, models, gpu.node, sd_vram="700Mi")  # both do not fit: a hand-over
         pid = _worker_pid(cluster, "ar")
@@ -199,10 +211,13 @@ def test_lying_sleep_ack_is_reported_and_fenced_before_the_wake(
         with PodWatch(cluster, "ar", pod["metadata"]["uid"]) as watch:
             cluster.patch_state("sd", "Active")
             wait_for("sd Active", lambda: cluster.state("sd") == "Active", 180)
-        assert _wake_started(cluster, "sd") > watch.last_seen  # the liar was gone first
         events = cluster.reasons_include("ar", {"AckContradicted", "Fenced"})
         contradicted = [e for e in events if e["reason"] == "AckContradicted"]
         assert "device" in contradicted[0]["message"]
+        if mode == "serial":
+            assert _wake_started(cluster, "sd") > watch.last_seen  # the liar was gone first
+        else:  # the wake beside it took only what the device had; the device judged the liar
+            assert "the wake beside it" in contradicted[0]["message"]
         assert pid not in gpu.snapshot().procs  # the liar's process, and its memory, are gone
     finally:
         op.stop()

@@ -191,7 +191,9 @@ def test_sixteen_clients_two_round_trips_and_outputs_equal_one_process(  # noqa:
         concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool,
     ):
         images = list(pool.map(client, range(CLIENTS)))
-    assert watch.samples > 0 and watch.max_resident == 1  # never both on the GPU
+    # never more on the GPU than it has (overlapped hand-overs: a wake takes only what the
+    # sleep beside it released)
+    assert watch.samples > 0 and watch.max_sum <= ROOM
 
     reference = InProcessPipeline(models["ar"], models["sd"])
     for got, want in zip(images, reference.images(prompts, seeds, FIELDS), strict=True):

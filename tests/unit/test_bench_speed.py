@@ -124,17 +124,21 @@ def test_a_vllm_restart_with_its_caches_kept_gives_the_cold_start() -> None:
     assert speed_figures.vllm(_load("vllm_stage.json"))["cold_start_basis"].startswith("first")
 
 
-def test_the_operator_ordered_overlap_is_held_against_the_same_serial_bound() -> None:
-    report = _load("gpu_e2e_overlapped_h200_1000.json")
-    assert report["overlapped_handover"] and len(report["runs"]) == 1000
-    figures = speed_figures.handover_overlapped(report)
-    serial = speed_figures.handover(report)
-    key = "overlapped_patch_to_active_over_serial_bound"
-    assert figures[key] == serial["handover_over_serial_bound"]
-    assert "handover_over_serial_bound" not in figures
-    out = speed_figures.summary({"handover_overlapped": figures}, {})
-    assert out[key] == figures[key] and out["source"][key] == "handover_overlapped"
-    assert out["handover_over_serial_bound"] is None  # the serial key is not taken from it
+def test_the_default_handover_is_overlapped_and_the_serial_one_has_its_own_key() -> None:
+    overlapped = _load("gpu_e2e_overlapped_h200_1000.json")
+    assert overlapped["overlapped_handover"] and len(overlapped["runs"]) == 1000
+    default = speed_figures.handover(overlapped)
+    assert default["mode"] == "overlapped"
+    serial_report = _load("gpu_e2e_h200_5f31957.json")
+    serial = speed_figures.handover_serial(serial_report)
+    key = "serial_patch_to_active_over_serial_bound"
+    assert serial["mode"] == "serial" and "handover_over_serial_bound" not in serial
+    assert serial[key] == speed_figures.handover(serial_report)["handover_over_serial_bound"]
+    out = speed_figures.summary({"handover": default, "handover_serial": serial}, {})
+    assert out["handover_over_serial_bound"] == default["handover_over_serial_bound"]
+    assert (out[key], out["source"][key]) == (serial[key], "handover_serial")
+    assert out[key] > out["handover_over_serial_bound"]  # the wake beside the sleep gains
+    assert out["operator_p50_ms"] == default["operator_p50_ms"]  # from the default's run
 
 
 def test_overlapping_transitions_count_once_in_the_workers_share() -> None:

@@ -33,6 +33,7 @@ def test_default_args_follow_the_operator_contract() -> None:
         "--wake-timeout=600",
         "--ack-retries=3",
         "--round-wait=5",
+        "--overlapped-handover",
         "--leader-election",
         f"--lease-name={FULLNAME}",
         "--lease-duration=15",
@@ -103,7 +104,7 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
             "sleepTimeoutSeconds": 7,
             "ackRetries": 4,
             "roundWaitSeconds": 2,
-            "overlappedHandover": True,
+            "overlappedHandover": False,
         },
         "workerTLS": {"caSecret": "worker-ca"},
     }
@@ -119,10 +120,14 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
     assert (settings.sleep_timeout_s, settings.wake_timeout_s) == (7.0, 600.0)
     assert settings.ack_retries == 4
     assert settings.round_wait_s == 2.0
-    assert settings.overlapped_handover
+    assert not settings.overlapped_handover
+    assert "--no-overlapped-handover" in operator_args(objs)
     standalone = parse_settings(operator_args(render()), environ={})
     assert standalone.peering is None, "standalone by default"
-    assert not standalone.overlapped_handover, "serial hand-overs by default"
+    assert standalone.overlapped_handover, "overlapped hand-overs by default"
+    assert parse_settings([], environ={}).overlapped_handover, "the operator's own default"
+    serial = parse_settings([], environ={"OMNISTAGE_OVERLAPPED_HANDOVER": "false"})
+    assert not serial.overlapped_handover
 
 
 def test_generated_token_secret_is_kept_and_random() -> None:

@@ -52,8 +52,9 @@ class Settings:
     # it goes on (a draining sleep never holds the round; a later round takes its ACK).
     round_wait_s: float = 5.0
     wake_margin_bytes: int = 64 << 20
-    # Overlapped hand-overs (handover.overlap): off until the GPU host's sampler check holds.
-    overlapped_handover: bool = False
+    # Overlapped hand-overs (handover.overlap), where both workers can take part (claim_limits);
+    # on since 1000 of them held the room under the GPU host's outside sampler.
+    overlapped_handover: bool = True
     retry_backoff_s: float = 0.25
     # Leader election (leader.Elector); off: this process is the sole writer (epoch 0).
     leader_election: bool = True
@@ -174,10 +175,11 @@ def parse_settings(
         "--overlapped-handover",
         action=argparse.BooleanOptionalAction,
         default=_flag(
-            env.get("OMNISTAGE_OVERLAPPED_HANDOVER", "false"), "OMNISTAGE_OVERLAPPED_HANDOVER"
+            env.get("OMNISTAGE_OVERLAPPED_HANDOVER", "true"), "OMNISTAGE_OVERLAPPED_HANDOVER"
         ),
         help="wake the next stage beside the sleep of the one it replaces, under a claim limit "
-        "raised by each release the sleep reports (default off)",
+        "raised by each release the sleep reports, where both workers can (default on; "
+        "--no-overlapped-handover: every wake waits for the sleep's ACK)",
     )
     p.add_argument(
         "--log-format",
