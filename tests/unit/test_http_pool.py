@@ -74,6 +74,93 @@ async def test_a_connection_the_server_closed_is_replaced() -> None:
         assert transport._pool.connections[0]._connection is not conns[0]._connection  # type: ignore[attr-defined]
 
 
+class RecordingStream(httpcore.AsyncNetworkStream):
+    """An inner stream that records each write and answers reads from ``answer``."""
+
+    def __init__(self, answer: bytes = b"") -> None:
+        self.writes: list[bytes] = []
+        self.events: list[str] = []
+        self.answer = answer
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        self.writes.append(buffer)
+        self.events.append("write")
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        self.events.append("read")
+        answer, self.answer = self.answer, b""
+        return answer
+
+    def get_extra_info(self, info: str) -> Any:
+        return None
+
+
+HEAD = b"PATCH /apis/x/status HTTP/1.1\r\nHost: api\r\nContent-Length: 7\r\n\r\n"
+
+
+async def test_a_head_that_announces_a_body_goes_out_with_it() -> None:
+    inner = RecordingStream()
+    stream = http_pool._Stream(inner)
+    await stream.write(HEAD)
+    assert inner.writes == []
+    await stream.write(b'{"a":1}')
+    assert inner.writes == [HEAD + b'{"a":1}']  # one send, one TLS record
+    await stream.write(b"")  # httpcore's end of a Content-Length body
+    assert inner.writes[1:] in ([], [b""])
+
+
+async def test_heads_without_a_body_and_bodies_go_out_at_once() -> None:
+    inner = RecordingStream()
+    stream = http_pool._Stream(inner)
+    get = b"GET /api/v1/pods HTTP/1.1\r\nHost: api\r\n\r\n"
+    empty = b"POST /x HTTP/1.1\r\nhost: api\r\ncontent-length: 0\r\n\r\n"
+    for buffer in (get, empty, b"data ending in a blank line\r\n\r\n"):
+        await stream.write(buffer)
+    assert inner.writes == [get, empty, b"data ending in a blank line\r\n\r\n"]
+    chunked = b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    await stream.write(chunked)
+    await stream.write(b"3\r\nabc\r\n")
+    assert inner.writes[-1] == chunked + b"3\r\nabc\r\n"
+
+
+async def test_what_is_held_goes_out_before_any_read() -> None:
+    inner = RecordingStream(answer=b"HTTP/1.1 200 OK\r\n")
+    stream = http_pool._Stream(inner)
+    await stream.write(HEAD)
+    assert await stream.read(100) == b"HTTP/1.1 200 OK\r\n"
+    assert inner.events == ["write", "read"] and inner.writes == [HEAD]
+
+
+async def _echo_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer each request with its own body."""
+    while True:
+        length = 0
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        if not line:
+            break
+        body = await reader.readexactly(length)
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body)
+        writer.write(head + body)
+        await writer.drain()
+    writer.close()
+
+
+async def test_requests_with_and_without_bodies_through_the_transport() -> None:
+    server = await asyncio.start_server(_echo_body, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    limits = httpx.Limits(max_connections=2, max_keepalive_connections=2, keepalive_expiry=60)
+    async with server, httpx.AsyncClient(transport=http_pool.transport(False, limits)) as client:
+        url = f"http://127.0.0.1:{port}/x"
+        for n in range(5):
+            patch = {"status": {"state": "Asleep", "n": n}}
+            answer = await client.patch(url, json=patch)
+            assert answer.json() == patch
+            assert (await client.get(url)).content == b""
+            assert (await client.post(url, content=b"")).content == b""
+
+
 class FakeConnection(httpcore.AsyncConnectionInterface):
     """A pooled connection in a given state; counts how often the pool looks at it."""
 
