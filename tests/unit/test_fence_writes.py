@@ -26,8 +26,9 @@ class Api:
         self.patches: list[tuple[str, dict[str, Any]]] = []
 
     async def merge_patch(
-        self, kind: Any, namespace: str, name: str, patch: Any, *, status: bool = False
-    ) -> Any:
+        self, kind: Any, namespace: str, name: str, patch: Any, *, status: bool = False,
+        answer: bool = True,
+    ) -> Any:  # fmt: skip
         assert status
         self.patches.append((name, dict(patch["status"])))
         return {}

@@ -193,10 +193,12 @@ class Kube:
         absent: frozenset[int],
         what: str,
         read: bool = False,
+        answer: bool = True,
         **request: Any,
     ) -> dict[str, Any] | None:
         """One request through kr8s's client (at most ``API_CONCURRENCY`` at once); the object
-        the API answered with as plain JSON (None on a status in ``absent``).
+        the API answered with as plain JSON (None on a status in ``absent``; ``{}`` when the
+        caller wants no ``answer``: it is read, not decoded).
 
         The answer is not wrapped in a kr8s object: turning each answer into a ``Box`` and back
         cost more CPU than the rest of a hand-over (py-spy over ``bench/operator_switch.py``)."""
@@ -215,7 +217,7 @@ class Kube:
                         namespace=namespace if kind.namespaced else None,
                         **request,
                     ) as resp:
-                        body: dict[str, Any] = resp.json() if resp.content else {}
+                        body: dict[str, Any] = resp.json() if answer and resp.content else {}
                 finally:
                     metrics.API_REQUEST_SECONDS.labels(method).observe(time.monotonic() - sent)
         except kr8s.ServerError as exc:
@@ -304,8 +306,11 @@ class Kube:
         patch: Mapping[str, Any],
         *,
         status: bool = False,
+        answer: bool = True,
     ) -> dict[str, Any] | None:
-        """JSON merge patch (of the status subresource when ``status``); None when gone."""
+        """JSON merge patch (of the status subresource when ``status``); None when gone.
+        ``answer=False``: ``{}`` in place of the patched object, which is not decoded (a
+        stage's whole body; a storm's status writes decoded and dropped one each, py-spy)."""
         url = f"{kind.endpoint}/{name}" + ("/status" if status else "")
         return await self._call(
             kind,
@@ -314,6 +319,7 @@ class Kube:
             namespace=namespace,
             absent=_ABSENT,
             what=f"patch {kind.kind}/{name}",
+            answer=answer,
             content=json.dumps(patch),
             headers={"Content-Type": "application/merge-patch+json"},
         )

@@ -414,7 +414,9 @@ class StatusPublisher:
         if after is not None:
             await asyncio.wait([after])  # its errors are its own
         try:
-            await self.kube.merge_patch(OMNISTAGE, namespace, name, {"status": status}, status=True)
+            await self.kube.merge_patch(
+                OMNISTAGE, namespace, name, {"status": status}, status=True, answer=False
+            )
         except KubeError as exc:
             self.published.pop((namespace, name), None)
             log.warning("status of %s/%s not written: %s", namespace, name, exc)
