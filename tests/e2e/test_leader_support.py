@@ -303,7 +303,9 @@ class WorkerProbe:
 
 
 class Watcher:
-    """Polls the workers in a thread into a ``HoldingLog``."""
+    """Polls the workers in a thread into a ``HoldingLog``; returns once every stage has been
+    seen (a stage's first phase is where its holding starts: a hand-over before that first
+    sample would make both stages holders from the start)."""
 
     def __init__(self, probe_args: tuple[ControlPlane, str, list[str]]) -> None:
         self.log = HoldingLog()
@@ -312,6 +314,11 @@ class Watcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        wait_for(
+            "the watcher's first sample of every stage",
+            lambda: set(self.stages) <= set(self.log.first_phase),
+            30,
+        )
 
     def _run(self) -> None:
         probe = WorkerProbe(*self._probe_args)
