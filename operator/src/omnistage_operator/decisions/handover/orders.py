@@ -35,16 +35,20 @@ def _retry_id(base: str, n: int) -> str:
     return base if n == 0 else f"{base}-r{n}"
 
 
+def drain_bound(order: SleepOrder, policy: RoundPolicy) -> float:
+    """The longest a sleep that drains requests is waited for: its drain timeout and the
+    transition's allowance."""
+    drain = order.drain_timeout_s
+    if drain is None:
+        drain = policy.default_drain_timeout_s
+    return drain + policy.transition_allowance_s
+
+
 async def _sleep_or_fence(
     port: GroupPort, order: SleepOrder, base_id: str, policy: RoundPolicy
 ) -> SleepResult:
     began = time.monotonic()
-    drain = (
-        order.drain_timeout_s
-        if order.drain_timeout_s is not None
-        else policy.default_drain_timeout_s
-    )
-    bound = drain + policy.transition_allowance_s  # the longest a draining sleep is waited for
+    bound = drain_bound(order, policy)
     timeout = bound if order.inflight_requests > 0 else policy.transition_allowance_s
     ack: AckFacts | None = None
     refusal: Refusal | None = None

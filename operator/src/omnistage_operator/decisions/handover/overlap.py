@@ -63,7 +63,7 @@ from omnistage_operator.decisions.handover import (
     WorkerRefused,
     WorkerUnavailable,
 )
-from omnistage_operator.decisions.handover.orders import _sleep_or_fence
+from omnistage_operator.decisions.handover.orders import _sleep_or_fence, drain_bound
 from omnistage_operator.decisions.leadership import LeadershipLost
 
 __all__ = ["OverlapPort", "Pairing", "pair_wake", "sleep_beside_wake"]
@@ -220,12 +220,11 @@ async def sleep_beside_wake(
     released = 0
     base = pairing.first_limit_bytes  # what the wake may hold beyond the sleep's releases
     streamed = f"{task_id}{OVERLAPPED_SLEEP}"
-    bound = _drain_bound(order, policy)
-    try:
+    bound = drain_bound(order, policy)
+    try:  # a paired sleep had no request in flight by its readings (pair_wake)
         stream = port.sleep_stream(
-            order.stage, order.level, streamed,
-            timeout_s=bound if order.inflight_requests > 0 else policy.transition_allowance_s,
-        )  # fmt: skip
+            order.stage, order.level, streamed, timeout_s=policy.transition_allowance_s
+        )
         async for event in stream:
             if isinstance(event, AckFacts):
                 ack = event
@@ -266,14 +265,6 @@ async def sleep_beside_wake(
         return result
     log.warning("overlapped sleep %s of %s: %s", streamed, order.stage, why)
     return await _fenced(port, replace(result, contradiction=why))
-
-
-def _drain_bound(order: SleepOrder, policy: RoundPolicy) -> float:
-    """The longest a sleep that drains requests is waited for (as ``orders`` waits one)."""
-    drain = order.drain_timeout_s
-    return (policy.default_drain_timeout_s if drain is None else drain) + (
-        policy.transition_allowance_s
-    )
 
 
 async def _join_draining(
