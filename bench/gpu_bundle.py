@@ -100,6 +100,7 @@ MISSING_ON_HOST = (
     "grpcio-reflection",
     "starlette",  # the worker's OpenAI-compatible HTTP API (every pod gets --http-port)
     "uvicorn",
+    "sniffio",  # httpcore's async-library check (pyproject.toml: the operator extra)
 )
 # the generated stubs need grpcio >= 1.85.1 and protobuf >= 7.35.1 at run time
 GRPC = ("grpcio", "protobuf")

@@ -12,7 +12,7 @@ prompt token ids and vLLM runs with ``skip_tokenizer_init``) and a smaller torch
 local tokenizer, then starts the torch worker asleep and the vLLM worker Active (its memory:
 ``--vllm-fraction`` of the device), and records: the cold start, level-1 and level-2 sleep/wake
 cycles through the worker's ACKs (worker-side seconds, NVML figures of the engine's process
-tree, residual bound), the device's NVML used memory after each sleep as an outside observer
+tree, residual bound; ``--l1-rested-cycles`` more level-1 cycles asleep ``--rest-s`` first), the device's NVML used memory after each sleep as an outside observer
 sees it, Generate refused while asleep, token ids identical after every wake, 1 -> 2 refused
 while asleep, and a hand-over vLLM -> torch -> vLLM on the one GPU.
 
@@ -88,16 +88,20 @@ def cycles(
     llm: Worker, outside: Outside, reference: list[int], a: argparse.Namespace, phases: PhaseLog
 ) -> list[Json]:
     out = []
-    for level in [1] * a.l1_cycles + [2] * a.l2_cycles:
+    plan = [(1, 0.0)] * a.l1_cycles + [(2, 0.0)] * a.l2_cycles
+    plan += [(1, a.rest_s)] * a.l1_rested_cycles
+    for level, rest_s in plan:
         slept = llm.sleep(level)
         sleep_phases = phases.take()
         device_after_sleep = outside.read()
         refusal = refused_while_asleep_tokens(llm)
+        time.sleep(rest_s)  # asleep as long as another stage would serve in a hand-over
         woke = llm.wake()
         wake_phases = phases.take()
         tokens = llm.generate(PROMPT, a.tokens)
         out.append({
-            "level": level, "sleep": slept, "wake": woke, "outside_after_sleep": device_after_sleep,
+            "level": level, "rest_s": rest_s, "sleep": slept, "wake": woke,
+            "outside_after_sleep": device_after_sleep,
             "generate_while_asleep": refusal, "tokens_identical": tokens == reference,
             "sleep_phases": sleep_phases, "wake_phases": wake_phases,
         })  # fmt: skip
@@ -273,7 +277,7 @@ def summarize(r: Json) -> Json:
         out["cold_start_caches_kept_seconds"] = _median([x["cold_start_seconds"] for x in restarts])
         out["restart_tokens_identical"] = all(x["tokens_identical"] for x in restarts)
     for level in (1, 2):
-        rows = [c for c in r["cycles"] if c["level"] == level]
+        rows = [c for c in r["cycles"] if c["level"] == level and not c.get("rest_s")]
         if not rows:
             continue
         sleep_s = _median([c["sleep"]["worker_seconds"] for c in rows])
@@ -291,6 +295,7 @@ def summarize(r: Json) -> Json:
             out["l1_sleep_ratio_to_d2h"] = out["l1_sleep_gbps"] / lim["d2h_pinned_gbps"]
             out["l1_wake_ratio_to_h2d"] = out["l1_wake_gbps"] / lim["h2d_pinned_gbps"]
             out.update(engine_phases(rows, lim))
+    out.update(rested(r, weights, lim))
     h = r["handover"]
     out["handover_vllm_to_torch_seconds"] = h["vllm_to_torch_seconds"]
     out["handover_torch_to_vllm_seconds"] = h["torch_to_vllm_seconds"]
@@ -307,6 +312,24 @@ def summarize(r: Json) -> Json:
     out["residual_within_bound"] = all(
         c["sleep"]["used_after_bytes"] <= c["sleep"]["residual_bound_bytes"] for c in r["cycles"]
     )
+    return out
+
+
+def rested(r: Json, weights: int, lim: Json) -> Json:
+    """The level-1 wakes after a rest asleep (``--rest-s``): by then the driver has cleaned the
+    memory the sleep released (``scrub_probe.json``), as when another stage served between the
+    two; the wakes right after their sleep map memory the driver is still cleaning."""
+    rows = [c for c in r["cycles"] if c["level"] == 1 and c.get("rest_s")]
+    if not rows:
+        return {}
+    wake_s = _median([c["wake"]["worker_seconds"] for c in rows])
+    out: Json = {"l1_rested_rest_s": rows[0]["rest_s"], "l1_rested_wake_seconds_median": wake_s}
+    out["l1_rested_wake_ratio_to_h2d"] = weights / wake_s / 1e9 / lim["h2d_pinned_gbps"]
+    phases = engine_phases(rows, lim)
+    for key in ("l1_wake_engine_seconds_median", "l1_wake_engine_ratio_to_h2d",
+                "l1_wake_phases_median"):  # fmt: skip
+        if key in phases:
+            out[key.replace("l1_", "l1_rested_", 1)] = phases[key]
     return out
 
 
@@ -338,6 +361,18 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny, stand-in engine")
     parser.add_argument("--l1-cycles", type=int, default=3)
     parser.add_argument("--l2-cycles", type=int, default=2)
+    parser.add_argument(
+        "--l1-rested-cycles",
+        type=int,
+        default=2,
+        help="level-1 cycles more, each asleep --rest-s before its wake",
+    )
+    parser.add_argument(
+        "--rest-s",
+        type=float,
+        default=3.0,
+        help="seconds a rested cycle stays asleep (another stage's turn in a hand-over)",
+    )
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument(
         "--vllm-fraction",

@@ -32,7 +32,7 @@ def test_smoke_run_renders_a_readme_section(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "bench" / "vllm_stage.py"), "--smoke",
          "--workdir", str(tmp_path / "w"), "--out", str(out), "--l1-cycles", "1",
-         "--l2-cycles", "1"],
+         "--l2-cycles", "1", "--l1-rested-cycles", "1", "--rest-s", "0.2"],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     data = json.loads(out.read_text())
@@ -41,6 +41,10 @@ def test_smoke_run_renders_a_readme_section(tmp_path: Path) -> None:
     assert s["all_refused_while_asleep"] and s["residual_within_bound"]
     assert s["restart_tokens_identical"] and s["cold_start_caches_kept_seconds"] > 0
     assert len(data["restarts"]) == 1  # the stage started again, its compile caches kept
+    rested = [c for c in data["cycles"] if c["rest_s"]]
+    assert [(c["level"], c["rest_s"]) for c in rested] == [(1, 0.2)]
+    assert s["l1_rested_rest_s"] == 0.2 and s["l1_rested_wake_ratio_to_h2d"] > 0
+    assert s["l1_rested_wake_seconds_median"] == rested[0]["wake"]["worker_seconds"]
     text = "\n".join(vllm_section(data))
     assert "A vLLM stage" in text and "hand-over vLLM -> torch" in text
 
