@@ -21,6 +21,7 @@ from omnistage_operator.decisions.handover import RoundOutcome, SleepResult
 from omnistage_operator.k8s import port as port_module
 from omnistage_operator.k8s.port import KubeGroupPort
 from omnistage_operator.k8s.settings import Settings
+from omnistage_operator.runtime.group_loops import BUSY_ROUNDS
 from omnistage_operator.runtime.runner import GroupRunner
 
 
@@ -83,6 +84,31 @@ async def test_a_slow_wake_shows_waking_before_its_result_is_taken(
     assert log == [
         ("write", frozenset({"a"})),
         ("written", frozenset({"a"})),
+        ("write", frozenset({"b"})),
+        ("written", frozenset({"b"})),
+        ("woken", "h1-b-wake"),
+    ]
+
+
+async def test_in_a_storm_only_a_wake_slower_still_shows_waking(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the runner has a storm's rounds running, the same slow wake writes no Waking (its
+    time is the storm's queues: the write would add to them); a wake slower than the storm's
+    threshold still does."""
+    monkeypatch.setattr(port_module, "WAKING_STATUS_AFTER_S", 0.05)
+    monkeypatch.setattr(port_module, "WAKING_STATUS_IN_STORM_S", 0.4)
+    port, log = _port(0.2, monkeypatch)
+    port.r._in_round = BUSY_ROUNDS  # type: ignore[attr-defined]
+    await port.checkpoint(_outcome())
+    await port.wake("b", "h1-b-wake")
+    await port.checkpoint_written()
+    assert ("write", frozenset({"b"})) not in log and ("woken", "h1-b-wake") in log
+    slow, slow_log = _port(0.6, monkeypatch)
+    slow.r._in_round = BUSY_ROUNDS  # type: ignore[attr-defined]
+    await slow.checkpoint(_outcome())
+    await slow.wake("b", "h1-b-wake")
+    assert slow_log[-3:] == [
         ("write", frozenset({"b"})),
         ("written", frozenset({"b"})),
         ("woken", "h1-b-wake"),

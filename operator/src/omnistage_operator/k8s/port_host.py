@@ -123,6 +123,9 @@ class PortHost(Memory, Protocol):
     @property
     def demand(self) -> DemandShaper: ...
 
+    @property
+    def storming(self) -> bool: ...
+
     # What a round learns for the next ones (see ``runner.GroupRunner.__init__``).
     @property
     def asks(self) -> dict[StageKey, float]: ...

@@ -49,6 +49,12 @@ class GroupLoops:
     _in_round: int  # rounds running now, every group's
     round: Callable[[str, str], Awaitable[bool]]
 
+    @property
+    def storming(self) -> bool:
+        """``BUSY_ROUNDS`` rounds or more running at once: a storm, whose rounds wait on each
+        other for the API request slots and the loop."""
+        return self._in_round >= BUSY_ROUNDS
+
     def kick_all(self) -> None:
         """Ask for a round of every group seen so far (e.g. on becoming the leader)."""
         for namespace, group in list(self._loops):
@@ -78,7 +84,7 @@ class GroupLoops:
         if loop is None:
             self.kick(namespace, group, "resync")
             return True
-        stretch = BUSY_STRETCH if self._in_round >= BUSY_ROUNDS else 1.0
+        stretch = BUSY_STRETCH if self.storming else 1.0
         if loop.started > loop.ended or loop.dirty.is_set():
             return False
         if time.monotonic() - loop.last_round < 0.9 * interval_s * stretch:
