@@ -22,10 +22,11 @@ STAGE_MAPS = (
     "component_refused", "stage_problems", "published", "written_at",
 )  # fmt: skip
 # ... keyed by (namespace, group).
-GROUP_MAPS = ("_loops", "_retry_in", "kept", "_sleeps", "_members")
+GROUP_MAPS = ("_loops", "_retry_in", "kept", "_sleeps", "_members", "claim_waits")
 # ... keyed otherwise: the group claims' cache ("namespace/claim", dropped with the group),
-# namespaces with the token Secret, Events being posted.
-PROCESS_MAPS = ("_claims", "_claim_errors", "_secrets", "_tasks")
+# namespaces with the token Secret, Events being posted, the epoch last ordered with per
+# namespace (one entry per namespace the shard served, as the namespace claims themselves).
+PROCESS_MAPS = ("_claims", "_claim_errors", "_secrets", "_tasks", "claim_epochs")
 
 
 def live(bodies: Iterable[Mapping[str, Any]]) -> bool:
