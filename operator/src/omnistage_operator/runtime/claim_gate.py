@@ -9,7 +9,7 @@ Before a round orders anything, the gate asks the shard's claims (read from memo
   shard last ordered there (its epoch there changed), what it last wrote and read in the
   namespace is forgotten first (another shard may have acted meanwhile).
 - held by another shard: no round (nothing is ordered, created or deleted there); once per
-  group and holder, each stage's ``status.namespaceClaim`` says so (reason
+  stage and holder, the stage's ``status.namespaceClaim`` says so (reason
   ``NamespaceClaimed``, the other shard, the message), with a Warning Event per stage and a log
   line; every round skipped counts in ``omnistage_rounds_total{outcome="namespace_claimed"}``.
   The keeper kicks the namespace's groups once the claim is this shard's.
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 CLAIM_REASON = "NamespaceClaimed"
 GroupKey = tuple[str, str]
+StageKey = tuple[str, str]
 
 
 class ClaimGate:
@@ -48,7 +49,7 @@ class ClaimGate:
     kube: Kube
     views: GroupViews
     claims: NamespaceClaims
-    claim_waits: dict[GroupKey, str]  # group -> the holder its stages were told of
+    claim_waits: dict[StageKey, str]  # stage -> the holder its status was told of
     claim_epochs: dict[str, int]  # namespace -> the epoch this shard last ordered there with
     published: dict[tuple[str, str], dict[str, Any]]
     kept: dict[GroupKey, Any]
@@ -65,9 +66,7 @@ class ClaimGate:
         """True when this shard may order the group's workers now (see the module)."""
         claims = self.claims
         claims.want(namespace)
-        key = (namespace, group)
         if claims.held(namespace):
-            self.claim_waits.pop(key, None)
             self._forget_other_shards(namespace)
             await self._clear_waits(namespace, group, claims.shard)
             return True
@@ -77,11 +76,17 @@ class ClaimGate:
         if holder is None:
             log.debug("group %s/%s: namespace claim not held yet, no round", namespace, group)
             return False
-        if self.claim_waits.get(key) == holder:
+        bodies = [
+            b
+            for b in self.views.stages(namespace, group)
+            if self.claim_waits.get((namespace, b["metadata"]["name"])) != holder
+        ]
+        if not bodies:
             return False
-        self.claim_waits[key] = holder
         message = wait_message(namespace, claims.shard, holder)
         log.warning("group %s/%s waits: %s", namespace, group, message)
+        for body in bodies:
+            self.claim_waits[(namespace, body["metadata"]["name"])] = holder
         wait = {
             "reason": CLAIM_REASON,
             "shard": claims.shard,
@@ -89,7 +94,6 @@ class ClaimGate:
             "holder": holder,
             "message": message,
         }
-        bodies = list(self.views.stages(namespace, group))
         await asyncio.gather(*(self._write(namespace, b, wait) for b in bodies))
         for body in bodies:
             self.emit(body, CLAIM_REASON, message, warning=True)
@@ -109,11 +113,12 @@ class ClaimGate:
     async def _clear_waits(self, namespace: str, group: str, shard: str) -> None:
         """Clear ``status.namespaceClaim`` where this shard wrote it (an in-memory look at the
         group's stages; a write only where one is found)."""
-        stale = [
-            b
-            for b in self.views.stages(namespace, group)
-            if ((b.get("status") or {}).get("namespaceClaim") or {}).get("shard") == shard
-        ]
+        stale = []
+        for body in self.views.stages(namespace, group):
+            told = self.claim_waits.pop((namespace, body["metadata"]["name"]), None)
+            wait = (body.get("status") or {}).get("namespaceClaim") or {}
+            if told is not None or wait.get("shard") == shard:
+                stale.append(body)
         await asyncio.gather(*(self._write(namespace, b, None) for b in stale))
 
     async def _write(

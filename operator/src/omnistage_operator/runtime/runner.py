@@ -105,7 +105,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         self.settings = settings
         self.leadership: Leadership = leadership if leadership is not None else SoleWriter()
         self.claims: NamespaceClaims = claims if claims is not None else AllNamespaces()
-        self.claim_waits: dict[GroupKey, str] = {}
+        self.claim_waits: dict[StageKey, str] = {}  # the other shard's holder, as told
         self.claim_epochs: dict[str, int] = {}
         self.policy = RoundPolicy(
             ack_retries=settings.ack_retries,
