@@ -136,6 +136,8 @@ def test_overlapping_shards_order_a_namespace_one_at_a_time(
         line for line in op_y.metrics().splitlines() if line.startswith("omnistage_transitions")
     )
     assert _claim_holder(x).startswith(shard_x + "#")
+    first = x.worker_status("g0-b")  # the epoch shard x's orders carried: its own (claimed once)
+    assert first is not None and 1 <= first.epoch < 2**32, first
 
     # shard x stops (its claim is not renewed): once it expired, shard y takes x over
     op_x.stop()
@@ -144,5 +146,8 @@ def test_overlapping_shards_order_a_namespace_one_at_a_time(
     x.patch_state("g0-a", "Active")
     wait_for("x handed back to g0-a by shard y", lambda: _settled(x, "a", "b"), 60)
     assert "acted" in _outcomes(op_y, x.namespace)
+    # shard y's orders there rank above shard x's: the claim's second holder adds 2**32
+    taken = x.worker_status("g0-a")
+    assert taken is not None and taken.epoch >= 2**32 + 1, taken
     for name in ("g0-a", "g0-b"):  # shard y cleared the wait it wrote
         wait_for(f"{name}: wait cleared", partial(_cleared, x, name), 30)
