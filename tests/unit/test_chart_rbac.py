@@ -37,6 +37,12 @@ STAGE_RULES: set[Rule] = (
     | _grants("events.k8s.io", "events", "create patch")
     | _grants("resource.k8s.io", "resourceclaims", "get list watch create delete")
 )
+# Namespace claims (with leader election, the default): in every served namespace, create (not
+# limitable by name), read and conditional writes of the one claim Lease; no list, no delete.
+CLAIM_RULES: set[Rule] = _grants("coordination.k8s.io", "leases", "create") | _grants(
+    "coordination.k8s.io", "leases", "get patch", "omnistage-namespace-claim"
+)
+STAGE_RULES |= CLAIM_RULES
 FRAMEWORK_RULES: set[Rule] = (
     _grants("apiextensions.k8s.io", "customresourcedefinitions", "list watch")
     | _grants("", "namespaces", "list watch")
@@ -138,6 +144,29 @@ def test_namespaced_scope_has_one_role_per_namespace() -> None:
     # Only kopf's cluster-scoped reads remain cluster-wide (beside the users' aggregated roles).
     (cluster_role,) = _by_name(objs, "ClusterRole").values()
     assert flatten_rules(cluster_role["rules"]) == FRAMEWORK_RULES
+
+
+def test_namespace_claims_need_only_the_claim_lease_and_only_with_election() -> None:
+    for values in ({}, {"rbac": {"scope": "Namespaced"}, "watch": {"namespaces": ["team-a"]}}):
+        roles = [r for r in _all_rules_by_name(render(values)) if r[0] == FULLNAME]
+        for _, rules in roles:
+            leases = {g for g in flatten_rules(rules) if g[1] == "leases"}
+            assert leases == CLAIM_RULES
+    off = {"leaderElection": {"enabled": False}, "replicaCount": 1}
+    for values in (off, {**off, "rbac": {"scope": "Namespaced"}}):
+        for name, rules in _all_rules_by_name(render(values)):
+            assert not {g for g in flatten_rules(rules) if g[1] == "leases"}
+            if name == FULLNAME:
+                assert flatten_rules(rules) == STAGE_RULES - CLAIM_RULES
+
+
+def _all_rules_by_name(objs: list[Obj]) -> list[tuple[str, list[Obj]]]:
+    return [
+        (role["metadata"]["name"], role["rules"])
+        for kind in ("ClusterRole", "Role")
+        for role in select(objs, kind)
+        if not _aggregated(role)
+    ]
 
 
 def test_namespaced_scope_defaults_to_the_release_namespace() -> None:

@@ -194,7 +194,8 @@ def test_lease_requests_get_the_leader_election_priority_level() -> None:
     assert spec["priorityLevelConfiguration"] == {"name": "leader-election"}
     # It must match before service-accounts (9000), which sends the rest to workload-low.
     assert spec["matchingPrecedence"] < 9000
-    # Least privilege: only the operator's ServiceAccount, only Leases, only the release namespace.
+    # Least privilege: only the operator's ServiceAccount, only Leases: its own in the release
+    # namespace and the namespace claims (every namespace when it serves all).
     (rule,) = spec["rules"]
     assert rule["subjects"] == [
         {"kind": "ServiceAccount", "serviceAccount": {"name": FULLNAME, "namespace": NAMESPACE}}
@@ -205,9 +206,16 @@ def test_lease_requests_get_the_leader_election_priority_level() -> None:
             "apiGroups": ["coordination.k8s.io"],
             "resources": ["leases"],
             "verbs": ["get", "create", "update", "patch"],
-            "namespaces": [NAMESPACE],
+            "namespaces": ["*"],
         }
     ]
+    for values, namespaces in (
+        ({"watch": {"namespaces": ["team-a", "team-b"]}}, [NAMESPACE, "team-a", "team-b"]),
+        ({"watch": {"namespaces": ["team-a", NAMESPACE]}}, [NAMESPACE, "team-a"]),
+        ({"rbac": {"scope": "Namespaced"}}, [NAMESPACE]),
+    ):
+        (served,) = one(render(values), "FlowSchema")["spec"]["rules"]
+        assert served["resourceRules"][0]["namespaces"] == namespaces
     named = render({"serviceAccount": {"name": "op-sa"}})
     subject = one(named, "FlowSchema")["spec"]["rules"][0]["subjects"][0]
     assert subject["serviceAccount"]["name"] == "op-sa"

@@ -21,7 +21,7 @@ def _report(
 
 async def _watcher() -> tuple[DemandWatcher, list[tuple[str, str]], _Stream]:
     kicks: list[tuple[str, str]] = []
-    watcher = DemandWatcher(lambda ns, group: kicks.append((ns, group)), lambda: 1)
+    watcher = DemandWatcher(lambda ns, group: kicks.append((ns, group)), lambda ns: 1)
     task = asyncio.create_task(asyncio.sleep(3600))
     stream = _Stream("uid", "g", task)
     watcher._streams[KEY] = stream  # the stream of b, as ``shape`` opens it

@@ -52,6 +52,19 @@ can do: keep tests/unit/test_chart_rbac.py in step and say why in a comment.
 - apiGroups: ["resource.k8s.io"]
   resources: ["resourceclaims"]
   verbs: ["get", "list", "watch", "create", "delete"]
+{{- if .Values.leaderElection.enabled }}
+# Namespace claims (with leader election): the leader claims each served namespace before it
+# orders a worker there, in one Lease of that namespace, so two releases serving one namespace
+# never both order it. "create" cannot be limited by name, so it is granted alone; reading and
+# writing (conditional patches) is limited to the claim's one name. No list/watch, no delete.
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: ["omnistage-namespace-claim"]
+  verbs: ["get", "patch"]
+{{- end }}
 {{- if and .Values.peering.enabled (not (include "omnistage.watchNamespaces" . | fromJsonArray | empty)) }}
 # kopf peering (namespaced operator): find and mark live peers in each served namespace.
 - apiGroups: ["kopf.dev"]

@@ -19,13 +19,14 @@ STAGE_MAPS = (
     "fences_cleared", "learned", "peaks", "backoffs", "wake_backoffs", "device_mismatch",
     "spec_active", "deepen_refused", "asleep_asked", "asleep_restored", "adopted",
     "active_since", "sleep_problems", "wake_problems", "component_problems",
-    "component_refused", "stage_problems", "published", "written_at",
+    "component_refused", "stage_problems", "published", "written_at", "claim_waits",
 )  # fmt: skip
 # ... keyed by (namespace, group).
 GROUP_MAPS = ("_loops", "_retry_in", "kept", "_sleeps", "_members")
 # ... keyed otherwise: the group claims' cache ("namespace/claim", dropped with the group),
-# namespaces with the token Secret, Events being posted.
-PROCESS_MAPS = ("_claims", "_claim_errors", "_secrets", "_tasks")
+# namespaces with the token Secret, Events being posted, the epoch last ordered with per
+# namespace (one entry per namespace the shard served, as the namespace claims themselves).
+PROCESS_MAPS = ("_claims", "_claim_errors", "_secrets", "_tasks", "claim_epochs")
 
 
 def live(bodies: Iterable[Mapping[str, Any]]) -> bool:

@@ -25,6 +25,8 @@ __all__ = [
     "LEADER",
     "LEADER_EPOCH",
     "LEADER_TRANSITIONS",
+    "NAMESPACE_CLAIMED_BY",
+    "NAMESPACE_CLAIM_HELD",
     "ROUNDS",
     "ROUND_API_OBJECTS",
     "ROUND_API_REQUESTS",
@@ -73,7 +75,7 @@ ROUNDS = Counter(
 ROUND_KICKS = Counter(
     "omnistage_round_kicks_total",
     "Rounds asked for, by what asked first (kicks that join a round already asked are not"
-    " counted): event, pod, resync, busy, error, retry, demand, sleep, leading.",
+    " counted): event, pod, resync, busy, error, retry, demand, sleep, leading, claim.",
     ["cause"],
 )
 ROUNDS_FROM_KEPT = Counter(
@@ -211,4 +213,16 @@ DEVICE_TOTAL = Gauge(
     "omnistage_device_total_bytes",
     "Total memory of a device (uuid, else index).",
     ["device"],
+)
+NAMESPACE_CLAIM_HELD = Gauge(
+    "omnistage_namespace_claim_held",
+    "1 while this replica's shard holds the namespace's claim (renewed within the renew "
+    "deadline): only then are that namespace's workers ordered.",
+    ["namespace"],
+)
+NAMESPACE_CLAIMED_BY = Gauge(
+    "omnistage_namespace_claimed_by_other_shard",
+    "1 while this shard's rounds in the namespace wait because another shard (its holder: "
+    "<lease namespace>/<lease name>#<leader>) holds the namespace's claim.",
+    ["namespace", "holder"],
 )

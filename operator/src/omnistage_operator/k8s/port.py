@@ -134,7 +134,7 @@ class KubeGroupPort(OrdersPort):
         settled = not reread and not self.listing_deleted and set(with_pod) == set(names)
         if kept is not None and settled:
             pods = {n: _pod_key(self.pods[n]) for n in with_pod}
-            reused = kept_reports(kept, pods, self.r.leadership.epoch, time.monotonic())
+            reused = kept_reports(kept, pods, self.r.epoch_for(self.ns), time.monotonic())
             self._from_kept = reused is not None
             # The asleep workers are read meanwhile (beside the sleeps, for the gate after them).
             for name, report in (reused or {}).items():
@@ -195,7 +195,7 @@ class KubeGroupPort(OrdersPort):
         if self._from_kept:
             return None  # never read back after a plan from kept readings
         pods = {n: _pod_key(self.pods[n]) for n in self.reports if n in self.pods}
-        return keep_readings(self.reports, pods, self.r.leadership.epoch, time.monotonic())
+        return keep_readings(self.reports, pods, self.r.epoch_for(self.ns), time.monotonic())
 
     # -- acting ----------------------------------------------------------------------------
 
@@ -220,7 +220,7 @@ class KubeGroupPort(OrdersPort):
         state = DesiredState.ACTIVE if active else DesiredState.ASLEEP
         pod = self.r.credentials.adapt(build_worker_pod(
             spec, initial_state=state, owner=owner, claim_name=claim,
-            epoch=self.r.leadership.epoch, profile=self.r.pod_profile,
+            epoch=self.r.epoch_for(self.ns), profile=self.r.pod_profile,
         ))  # fmt: skip
         created = await self.r.kube.create_returning(PODS, self.ns, pod)
         if created is not None:
@@ -266,7 +266,7 @@ class KubeGroupPort(OrdersPort):
         deadline = timeout_s if timeout_s is not None else drain + self.r.settings.sleep_timeout_s
         t0 = time.monotonic()
         ack = await client.sleep(
-            level, task_id, deadline, epoch=self.r.leadership.epoch, drain_timeout_s=drain,
+            level, task_id, deadline, epoch=self.r.epoch_for(self.ns), drain_timeout_s=drain,
             components=components,
         )  # fmt: skip
         self._counted("sleep", stage, task_id, ack, time.monotonic() - t0)
@@ -281,7 +281,7 @@ class KubeGroupPort(OrdersPort):
         shown = self._show_waking(stage)
         try:
             ack = await client.wake(
-                task_id, self.r.settings.wake_timeout_s, epoch=self.r.leadership.epoch
+                task_id, self.r.settings.wake_timeout_s, epoch=self.r.epoch_for(self.ns)
             )
         finally:
             await self._waking_settled(stage, shown)

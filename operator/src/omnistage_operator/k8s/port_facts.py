@@ -118,7 +118,7 @@ class FactsPort(ListingPort):
         key = (self.ns, name)
         try:
             report = await client.get_status(
-                self.r.settings.status_timeout_s, self.r.leadership.epoch
+                self.r.settings.status_timeout_s, self.r.epoch_for(self.ns)
             )
         except WorkerUnauthenticated as exc:
             if self.r.auth_errors.get(key) != str(exc):

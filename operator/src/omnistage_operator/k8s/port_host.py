@@ -111,6 +111,14 @@ class PortHost(Memory, Protocol):
     @property
     def leadership(self) -> Leadership: ...
 
+    def may_order(self, namespace: str) -> bool:
+        """Leading, and the shard holds the namespace's claim."""
+        ...
+
+    def epoch_for(self, namespace: str) -> int:
+        """The epoch orders carry in ``namespace``."""
+        ...
+
     @property
     def views(self) -> GroupViews: ...
 

@@ -156,8 +156,11 @@ class ListingPort:
     def _ensure_leading(self, what: str) -> None:
         """Raise ``LeadershipLost`` unless this operator still leads: an order (Sleep, WakeUp,
         a fence's delete) is never sent by a process that may have been replaced."""
-        if not self.r.leadership.leading():
-            raise LeadershipLost(f"{what} in group {self.ns}/{self.group}: no longer leading")
+        if not self.r.may_order(self.ns):
+            raise LeadershipLost(
+                f"{what} in group {self.ns}/{self.group}: no longer leading, or the "
+                "namespace's claim is no longer this shard's"
+            )
 
 
 def _built_from(pod: Mapping[str, Any], spec_hash: str) -> bool:

@@ -70,7 +70,7 @@ class OrdersPort(FactsPort):
         self._ensure_leading(f"SleepStream {task_id}")
         self._ordered.add(stage)
         t0 = time.monotonic()
-        stream = client.sleep_stream(level, task_id, timeout_s, epoch=self.r.leadership.epoch)
+        stream = client.sleep_stream(level, task_id, timeout_s, epoch=self.r.epoch_for(self.ns))
         async for event in stream:
             if isinstance(event, AckFacts):
                 self._counted("sleep", stage, task_id, event, time.monotonic() - t0)
@@ -87,7 +87,7 @@ class OrdersPort(FactsPort):
         ack = await client.wake(
             task_id,
             self.r.settings.wake_timeout_s,
-            epoch=self.r.leadership.epoch,
+            epoch=self.r.epoch_for(self.ns),
             claim_limit_bytes=max(1, claim_limit_bytes),
         )
         self._counted("wake", stage, task_id, ack, time.monotonic() - t0)
@@ -99,7 +99,7 @@ class OrdersPort(FactsPort):
         self._ensure_leading(f"RaiseClaimLimit {task_id}")
         running = await client.raise_claim_limit(
             task_id, claim_limit_bytes, self.r.settings.status_timeout_s,
-            epoch=self.r.leadership.epoch,
+            epoch=self.r.epoch_for(self.ns),
         )  # fmt: skip
         log.debug("%s: claim limit of %s raised to %d (running: %s)", stage, task_id,
                   claim_limit_bytes, running)  # fmt: skip

@@ -137,7 +137,7 @@ class _Timers:
 class DemandWatcher:
     """The demand streams of one operator process."""
 
-    def __init__(self, kick: Callable[[str, str], None], epoch: Callable[[], int]) -> None:
+    def __init__(self, kick: Callable[[str, str], None], epoch: Callable[[str], int]) -> None:
         self._kick = kick
         self._epoch = epoch
         self._streams: dict[StageKey, _Stream] = {}
@@ -288,7 +288,7 @@ class DemandWatcher:
         retry = _RETRY_MIN_S
         while True:
             try:
-                async for message in client.watch_demand(self._epoch()):
+                async for message in client.watch_demand(self._epoch(key[0])):
                     self._on_report(key, group, report_from_proto(message))
                     retry = _RETRY_MIN_S
             except (WorkerUnavailable, WorkerRefused, WorkerUnauthenticated) as exc:

@@ -21,6 +21,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 
+from omnistage_operator.k8s.claim_keeper import ClaimKeeper
 from omnistage_operator.k8s.leader import Elector
 
 __all__ = ["ElectionThread"]
@@ -30,10 +31,14 @@ log = logging.getLogger(__name__)
 
 class ElectionThread:
     """Runs the elector that ``build`` makes (in the thread, so its API client is the
-    thread's own) until ``stop``, then releases the Lease."""
+    thread's own) until ``stop``, then releases the Lease. ``claims``: the shard's namespace
+    claims, renewed on this thread on the election's cadence while the elector leads."""
 
-    def __init__(self, build: Callable[[], Awaitable[Elector]]) -> None:
+    def __init__(
+        self, build: Callable[[], Awaitable[Elector]], claims: ClaimKeeper | None = None
+    ) -> None:
         self._build = build
+        self.claims = claims
         self._elector: Elector | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -77,6 +82,8 @@ class ElectionThread:
         self._elector = elector
         self._ready.set()
         tasks = [asyncio.create_task(elector.run()), asyncio.create_task(elector.watch_deadline())]
+        if self.claims is not None:
+            tasks.append(asyncio.create_task(self.claims.run(elector)))
         try:
             await self._stopping.wait()
         finally:

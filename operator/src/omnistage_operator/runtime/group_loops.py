@@ -60,6 +60,12 @@ class GroupLoops:
         for namespace, group in list(self._loops):
             self.kick(namespace, group, "leading")
 
+    def kick_namespace(self, namespace: str, cause: str) -> None:
+        """Ask for a round of every group seen so far in ``namespace``."""
+        for ns, group in list(self._loops):
+            if ns == namespace:
+                self.kick(ns, group, cause)
+
     def kick(self, namespace: str, group: str, cause: str = "event") -> None:
         """Ask for a round of the group (coalesced with one in progress); ``cause`` counts
         the round under what asked for it first (``omnistage_round_kicks_total``)."""

@@ -37,7 +37,12 @@ import kopf
 from omnistage_operator.api.labels import GROUP_LABEL, MANAGED_BY_LABEL, MANAGER
 from omnistage_operator.api.pipelines import PIPELINE_PLURAL, pipeline_keys
 from omnistage_operator.api.spec import GROUP, PLURAL, VERSION
-from omnistage_operator.decisions.leadership import Leadership, SoleWriter
+from omnistage_operator.decisions.leadership import (
+    AllNamespaces,
+    Leadership,
+    NamespaceClaims,
+    SoleWriter,
+)
 from omnistage_operator.k8s.kube import Kube
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.views import GroupViews, group_of, pod_keys, stage_keys
@@ -69,13 +74,20 @@ class _State:
     runner: GroupRunner | None = None
     resync: Resync | None = None
     leadership: Leadership = SoleWriter()
+    claims: NamespaceClaims = AllNamespaces()
     led_epoch: int | None = None  # the epoch this replica last acquired the Lease with
 
 
-def configure(settings: Settings, leadership: Leadership | None = None) -> None:
-    """Give the handlers their settings and leadership (call before kopf starts)."""
+def configure(
+    settings: Settings,
+    leadership: Leadership | None = None,
+    claims: NamespaceClaims | None = None,
+) -> None:
+    """Give the handlers their settings, leadership and the shard's namespace claims (call
+    before kopf starts)."""
     _State.settings = settings
     _State.leadership = leadership or SoleWriter()
+    _State.claims = claims or AllNamespaces()
     _State.led_epoch = None
 
 
@@ -94,6 +106,18 @@ def on_acquired(epoch: int) -> None:
     _State.led_epoch = epoch
     log.info("leading with epoch %d: a round for every group", epoch)
     runner.kick_all()
+
+
+def on_claim_changed(namespace: str) -> None:
+    """The shard's claim of ``namespace`` turned held, or another shard's holder was found:
+    a round for every group seen there (it runs, or writes why it waits)."""
+    if _State.runner is not None:
+        _State.runner.kick_namespace(namespace, "claim")
+
+
+def _ours(namespace: str) -> bool:
+    """This replica leads and its shard holds the namespace's claim."""
+    return _State.leadership.leading() and _State.claims.held(namespace)
 
 
 def _kick(namespace: str | None, group: str | None, cause: str = "event") -> None:
@@ -151,7 +175,7 @@ async def pipeline_event(
             groups.add(group_of(found))
     for group in groups:
         _kick(ns, group)
-    if not groups and _State.leadership.leading():
+    if not groups and _ours(ns):
         plain = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
         await runner.pipeline_status.after_round(ns, [plain], {}, None, now=time.time())
 
@@ -178,7 +202,7 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     views = GroupViews(
         kwargs["omnistages_by_group"], kwargs["worker_pods"], kwargs["omnipipelines_by_stage"]
     )
-    _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership, views)
+    _State.runner = GroupRunner(await Kube.connect(), ours, _State.leadership, views, _State.claims)
     if not KOPF_PEERING:
         _State.resync = Resync(views.groups, _State.runner.resync, RESYNC_S)
         _State.resync.start()
@@ -254,10 +278,12 @@ async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: 
     forgets the stage (and its group, when it was the last: ``group_forget``)."""
     runner = _runner()
     DIFFBASE.forget(str(body["metadata"].get("uid")))  # kopf sees it as deleting from here on
-    if not _State.leadership.leading():
+    if not _ours(namespace or "default"):
         runner.forget(namespace or "default", name)
         _kick(namespace, group_of(body))
-        raise kopf.TemporaryError("not the leader: the leading replica cleans up", delay=1)
+        raise kopf.TemporaryError(
+            "not the leader, or another shard holds the namespace: its leader cleans up", delay=1
+        )
     await runner.cleanup_stage(body)
     _kick(namespace, group_of(body))
 

@@ -27,7 +27,13 @@ from omnistage_operator.decisions.facts import AckFacts
 from omnistage_operator.decisions.handover import FenceFailed, RoundOutcome, RoundPolicy
 from omnistage_operator.decisions.handover.rounds import run_round
 from omnistage_operator.decisions.handover.sleep_tasks import SleepTracker
-from omnistage_operator.decisions.leadership import Leadership, LeadershipLost, SoleWriter
+from omnistage_operator.decisions.leadership import (
+    AllNamespaces,
+    Leadership,
+    LeadershipLost,
+    NamespaceClaims,
+    SoleWriter,
+)
 from omnistage_operator.decisions.peaks import StagePeaks
 from omnistage_operator.decisions.pods import TERMINAL_PHASES, CrashBackoff
 from omnistage_operator.decisions.readings import KeptReadings
@@ -53,6 +59,7 @@ from omnistage_operator.k8s.views import GroupViews, group_of
 from omnistage_operator.k8s.worker_channels import WorkerChannels
 from omnistage_operator.k8s.worker_client import WorkerClient
 from omnistage_operator.runtime import stage_metrics
+from omnistage_operator.runtime.claim_gate import ClaimGate
 from omnistage_operator.runtime.demand_watch import DemandWatcher
 from omnistage_operator.runtime.group_forget import Forgetting
 from omnistage_operator.runtime.group_loops import GroupLoops, _Loop
@@ -78,7 +85,7 @@ _BUSY = frozenset(
 )
 
 
-class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupClaims):
+class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupClaims, ClaimGate):
     """Serialized hand-over loops per group, plus what must survive between rounds."""
 
     def __init__(
@@ -87,14 +94,19 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         settings: Settings,
         leadership: Leadership | None = None,
         views: GroupViews | None = None,
+        claims: NamespaceClaims | None = None,
     ) -> None:
         """``leadership``: who may order workers (``SoleWriter`` without election); a round
         runs only while it leads, and every order carries its epoch. ``views``: the groups'
-        stages and pods as the watches saw them (kopf's indexes)."""
+        stages and pods as the watches saw them (kopf's indexes). ``claims``: the namespaces
+        this shard holds (``AllNamespaces`` without election); a round runs only in those."""
         self.kube = kube
         self.views = views if views is not None else GroupViews({}, {})
         self.settings = settings
         self.leadership: Leadership = leadership if leadership is not None else SoleWriter()
+        self.claims: NamespaceClaims = claims if claims is not None else AllNamespaces()
+        self.claim_waits: dict[StageKey, str] = {}  # the other shard's holder, as told
+        self.claim_epochs: dict[str, int] = {}
         self.policy = RoundPolicy(
             ack_retries=settings.ack_retries,
             backoff_s=settings.retry_backoff_s,
@@ -159,9 +171,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         # What every worker pod is built with: a change of either replaces the pods.
         self.pod_profile = PodProfile(settings.log_format, self.credentials.pod_flags())
         # OnDemand stages: one demand stream per worker, each change kicks the group.
-        self.demand = DemandWatcher(
-            lambda ns, g: self.kick(ns, g, "demand"), lambda: self.leadership.epoch
-        )
+        self.demand = DemandWatcher(lambda ns, g: self.kick(ns, g, "demand"), self.epoch_for)
         self.pipeline_status = PipelineStatus(kube, self.emit)
         self.count_entries()
         ca = settings.worker_tls_ca
@@ -171,6 +181,14 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
                 self._ca = f.read()
 
     # -- plumbing --------------------------------------------------------------------------
+
+    def may_order(self, namespace: str) -> bool:
+        """This operator leads and its shard holds the namespace's claim."""
+        return self.leadership.leading() and self.claims.held(namespace)
+
+    def epoch_for(self, namespace: str) -> int:
+        """The epoch orders carry in ``namespace`` (the shard's, above it the claim's)."""
+        return self.claims.epoch(namespace, self.leadership.epoch)
 
     def new_id(self) -> str:
         """A hand-over id unique to this process and time."""
@@ -291,11 +309,14 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
     async def round(self, namespace: str, group: str) -> bool:
         """One round; True when something is still in progress (poll again soon).
 
-        Runs only while this operator leads; leadership lost in the middle ends the round
+        Runs only while this operator leads and its shard holds the namespace's claim
+        (``claim_gate``); leadership (or the claim) lost in the middle ends the round
         (``LeadershipLost`` from the port) with nothing more ordered or published: the new
         leader's first round reads every worker's real state."""
         if not self.leadership.leading():
             log.debug("group %s/%s: not leading, no round", namespace, group)
+            return False
+        if not await self.claim_gate(namespace, group):  # another shard's namespace
             return False
         requests = metrics.ROUND_API_REQUESTS.labels(namespace, group)
         objects = metrics.ROUND_API_OBJECTS.labels(namespace, group)
@@ -341,7 +362,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
                 "group %s/%s hand-over %s: slept %s, woke %s in %.3fs",
                 namespace, group, outcome.handover_id,
                 [s.order.stage for s in outcome.sleeps], list(outcome.wakes), took,
-                extra=_handover_fields(namespace, group, outcome, self.leadership.epoch),
+                extra=_handover_fields(namespace, group, outcome, self.epoch_for(namespace)),
             )  # fmt: skip
         if _orders(outcome.decision):
             self.demand.round_ordered(namespace, group)
@@ -355,7 +376,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         waits = [*port.held_back.values(), *port.wake_held.values()]
         if waits:
             self._retry_in[(namespace, group)] = min(waits)
-        if not self.leadership.leading():  # lost while the round ran: the new leader writes
+        if not self.may_order(namespace):  # lost while the round ran: the new leader writes
             log.warning("group %s/%s: leadership lost; status not written", namespace, group)
             return False
         await self.publish(port, outcome)

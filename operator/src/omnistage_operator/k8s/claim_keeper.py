@@ -1,0 +1,233 @@
+"""Namespace claims between shards: the I/O (``ClaimKeeper``), on the election's thread.
+
+Every retry period, while this replica leads its shard, the keeper writes the claim of every
+namespace the shard serves (``decisions.namespace_claims``: a Lease ``omnistage-namespace-claim``
+in that namespace naming the shard and its leader): a held claim is renewed by a JSON patch
+conditional on its holder and transition count (no read first, as the election's renewals), a
+claim not held is read and then created, taken back (this shard's, written by another of its
+replicas) or taken over (free, or expired on this replica's clock), each conditional on what was
+read. So a shard adds one request per served namespace per retry period, whatever the number of
+groups, and rounds read the outcome from memory (``held``, ``claimant``).
+
+The namespaces come from ``--namespace`` (literal names, claimed from the start) and from the
+rounds (``want``: in cluster-wide mode a namespace is claimed once a group of it has a round);
+a claim, once wanted, is kept while the process runs. ``on_change(namespace)`` is called on this
+thread whenever the claim turns held or another shard's holder is seen (the caller hands it to
+the operator's loop, which kicks that namespace's groups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from omnistage_operator.decisions.election import (
+    Action,
+    Observation,
+    Tenure,
+    Timing,
+    observe,
+    parse_record,
+    renew_spec,
+)
+from omnistage_operator.decisions.namespace_claims import (
+    ClaimState,
+    claim_holder,
+    claim_write,
+    decide_claim,
+    holds,
+    order_epoch,
+)
+from omnistage_operator.k8s import metrics
+from omnistage_operator.k8s.lease_store import LeaseStore
+
+__all__ = ["ClaimKeeper", "Leader"]
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a namespace name, not a pattern
+
+
+class Leader(Protocol):
+    """The shard's elector as the keeper sees it."""
+
+    identity: str
+
+    def leading(self) -> bool:
+        """True while this replica leads its shard."""
+        ...
+
+
+class ClaimKeeper:
+    """Claims the shard's namespaces while its replica leads; ``held``/``claimant`` for rounds."""
+
+    def __init__(
+        self,
+        timing: Timing,
+        namespaces: Iterable[str] = (),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[str], None] | None = None,
+    ) -> None:
+        """``namespaces``: claimed from the start (literal names; patterns are skipped: their
+        namespaces are claimed as their groups' rounds ``want`` them)."""
+        self.shard = ""
+        self.timing = timing
+        self._store_for: Callable[[str], LeaseStore] | None = None
+        self._stores: dict[str, LeaseStore] = {}
+        self._clock = clock
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._wanted: set[str] = set()
+        self._states: dict[str, ClaimState] = {}
+        self._claimants: dict[str, str] = {}  # namespace -> the other shard's holder seen
+        self._in_flight: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        for namespace in namespaces:
+            if _NAME.match(namespace):
+                self.want(namespace)
+
+    def bind(self, shard: str, store_for: Callable[[str], LeaseStore]) -> None:
+        """The shard's name (``<lease namespace>/<lease name>``) and its claims' stores (made
+        on the election's thread, with its API client); nothing is claimed before."""
+        self.shard = shard
+        self._store_for = store_for
+
+    # -- what rounds read (any thread) -------------------------------------------------------
+
+    def want(self, namespace: str) -> None:
+        """Claim ``namespace`` from the next retry period on (idempotent, cheap)."""
+        if namespace in self._wanted:
+            return
+        with self._lock:
+            self._wanted.add(namespace)
+        metrics.NAMESPACE_CLAIM_HELD.labels(namespace).set_function(
+            lambda: 1.0 if self.held(namespace) else 0.0
+        )
+
+    def held(self, namespace: str) -> bool:
+        """This shard holds the namespace's claim (written within the renew deadline)."""
+        return holds(self._states.get(namespace), self._clock(), self.timing)
+
+    def claimant(self, namespace: str) -> str | None:
+        """The other shard's holder this shard last found on the claim (None: none)."""
+        return self._claimants.get(namespace)
+
+    def epoch(self, namespace: str, shard_epoch: int) -> int:
+        """The epoch orders carry in ``namespace``: the shard's, above it the claim's
+        transitions (``order_epoch``; only meaningful while the claim is held)."""
+        state = self._states.get(namespace)
+        held = state.tenure.epoch if state is not None and state.tenure is not None else 1
+        return order_epoch(held, shard_epoch)
+
+    # -- the loop (the election's thread) ----------------------------------------------------
+
+    async def run(self, leader: Leader) -> None:
+        """Every retry period until cancelled: while ``leader`` leads, write each wanted
+        namespace's claim (a namespace whose last write is still in flight is skipped). A
+        replica that starts leading claims within a tenth of a second, not a retry period."""
+        try:
+            while True:
+                if leader.leading() and self._store_for is not None:
+                    self.tick(leader.identity)
+                    await asyncio.sleep(self.timing.retry_period_s)
+                else:
+                    await asyncio.sleep(min(0.1, self.timing.retry_period_s / 4))
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+
+    def tick(self, leader: str) -> list[asyncio.Task[None]]:
+        """Start one write (or read and write) of every wanted namespace's claim."""
+        with self._lock:
+            wanted = sorted(self._wanted - self._in_flight)
+        started = []
+        for namespace in wanted:
+            self._in_flight.add(namespace)
+            task = asyncio.create_task(self._claim(namespace, claim_holder(self.shard, leader)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            started.append(task)
+        return started
+
+    async def _claim(self, namespace: str, holder: str) -> None:
+        before = self.held(namespace), self._claimants.get(namespace)
+        try:
+            await asyncio.wait_for(self._step(namespace, holder), self.timing.renew_deadline_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an API error or a timeout: the claim lapses by itself
+            log.warning("namespace claim %s: %r (held: %s)", namespace, exc, self.held(namespace))
+        finally:
+            self._in_flight.discard(namespace)
+        after = self.held(namespace), self._claimants.get(namespace)
+        if after != before:
+            self._changed(namespace, before[1], after)
+
+    def _changed(self, namespace: str, was: str | None, now: tuple[bool, str | None]) -> None:
+        held, claimant = now
+        if was is not None and was != claimant:
+            metrics.NAMESPACE_CLAIMED_BY.labels(namespace, was).set(0)
+        if claimant is not None:
+            metrics.NAMESPACE_CLAIMED_BY.labels(namespace, claimant).set(1)
+            log.warning("namespace %s is claimed by another shard: %s", namespace, claimant)
+        if held:
+            log.info("namespace %s claimed by shard %s", namespace, self.shard)
+        if self._on_change is not None and (held or claimant is not None):
+            self._on_change(namespace)
+
+    def _store(self, namespace: str) -> LeaseStore:
+        store = self._stores.get(namespace)
+        if store is None:
+            assert self._store_for is not None
+            store = self._stores[namespace] = self._store_for(namespace)
+        return store
+
+    async def _step(self, namespace: str, holder: str) -> None:
+        state = self._states.get(namespace, ClaimState())
+        store = self._store(namespace)
+        tenure = state.tenure
+        if tenure is not None:  # renew without reading, conditional on holder and transitions
+            spec = renew_spec(holder, datetime.now(UTC), self.timing)
+            sent = self._clock()
+            written = await store.renew(holder, tenure.epoch, spec)
+            if written is not None:
+                self._wrote(namespace, written, tenure.epoch, sent)
+                return
+            log.warning("namespace claim %s no longer ours: reading it again", namespace)
+            state = ClaimState(state.obs, None)
+            self._states[namespace] = state
+        raw = await store.get()
+        obs = observe(state.obs, parse_record(raw) if raw else None, self._clock())
+        action = decide_claim(self.shard, obs, self._clock(), self.timing)
+        if action is Action.WAIT:
+            assert obs is not None
+            self._states[namespace] = ClaimState(obs, None)
+            self._claimants[namespace] = obs.record.holder
+            return
+        spec, transitions = claim_write(action, holder, obs, datetime.now(UTC), self.timing)
+        sent = self._clock()
+        if action is Action.CREATE:
+            written = await store.create(spec)
+        else:
+            assert obs is not None
+            written = await store.patch(obs.record.resource_version, spec)
+        if written is None:  # another writer came first: read again next period
+            self._states[namespace] = ClaimState(obs, None)
+            return
+        self._wrote(namespace, written, transitions, sent)
+
+    def _wrote(self, namespace: str, written: dict[str, Any], epoch: int, sent: float) -> None:
+        prev = self._states.get(namespace, ClaimState())
+        obs: Observation | None = observe(prev.obs, parse_record(written), self._clock())
+        renewed = sent
+        if prev.tenure is not None and prev.tenure.epoch == epoch:
+            renewed = max(sent, prev.tenure.renewed_at)  # a late answer never moves it back
+        self._states[namespace] = ClaimState(obs, Tenure(epoch, renewed))
+        self._claimants.pop(namespace, None)
