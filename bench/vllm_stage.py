@@ -12,9 +12,10 @@ prompt token ids and vLLM runs with ``skip_tokenizer_init``) and a smaller torch
 local tokenizer, then starts the torch worker asleep and the vLLM worker Active (its memory:
 ``--vllm-fraction`` of the device), and records: the cold start, level-1 and level-2 sleep/wake
 cycles through the worker's ACKs (worker-side seconds, NVML figures of the engine's process
-tree, residual bound; ``--l1-rested-cycles`` more level-1 cycles asleep ``--rest-s`` first), the device's NVML used memory after each sleep as an outside observer
-sees it, Generate refused while asleep, token ids identical after every wake, 1 -> 2 refused
-while asleep, and a hand-over vLLM -> torch -> vLLM on the one GPU.
+tree, residual bound; ``--l1-rested-cycles`` more level-1 cycles asleep ``--rest-s``
+first), the device's NVML used memory after each sleep as an outside observer sees it,
+Generate refused while asleep, token ids identical after every wake, 1 -> 2 refused while
+asleep, and a hand-over vLLM -> torch -> vLLM on the one GPU.
 
 ``--smoke`` runs the same code on CPU at a tiny size with the STAND-IN engine (tests/fakevllm)
 on a simulated GPU (tests/fakegpu), to test the script itself.
