@@ -167,6 +167,33 @@ async def test_a_standby_of_the_same_shard_keeps_the_claim() -> None:
     assert not other.held("team-a") and other.claimant("team-a") == claim_holder(A, "op-1_2")
 
 
+async def test_a_released_claim_is_taken_at_once_above_the_old_epochs() -> None:
+    stores, clock = {"team-a": MemoryLeases()}, Clock()
+    a = _keeper(A, stores, clock, [], "team-a")
+    b = _keeper(B, stores, clock, [], "team-a")
+    await _tick(a, "op-a")
+    await _tick(b, "op-b")
+    assert a.held("team-a") and b.claimant("team-a") == claim_holder(A, "op-a")
+    await a.release()  # a stops: it holds nothing from here on, the holder is cleared
+    assert not a.held("team-a")
+    assert stores["team-a"].obj is not None
+    assert stores["team-a"].obj["spec"].get("holderIdentity") is None  # merge patch: removed
+    clock.t += T.retry_period_s  # far below the lease duration: no expiry wait
+    await _tick(b, "op-b")
+    assert b.held("team-a") and b.epoch("team-a", 1) > a.epoch("team-a", 9)
+    await a.release()  # nothing held: nothing written
+    assert stores["team-a"].obj["spec"]["holderIdentity"] == claim_holder(B, "op-b")
+
+
+async def test_a_release_that_cannot_reach_the_api_leaves_the_claim_to_expire() -> None:
+    stores, clock = {"team-a": MemoryLeases()}, Clock()
+    a = _keeper(A, stores, clock, [], "team-a")
+    await _tick(a, "op-a")
+    stores["team-a"].cut = True
+    await asyncio.wait_for(a.release(), 5)  # bounded by half the renew deadline
+    assert not a.held("team-a")
+
+
 async def test_patterns_are_not_claimed_until_a_round_wants_their_namespace() -> None:
     stores, clock = {"team-a": MemoryLeases(), "team-x1": MemoryLeases()}, Clock()
     keeper = _keeper(A, stores, clock, [], "team-a", "team-x*", "!kube-system")

@@ -34,6 +34,7 @@ from omnistage_operator.decisions.election import (
     Timing,
     observe,
     parse_record,
+    release_patch,
     renew_spec,
 )
 from omnistage_operator.decisions.namespace_claims import (
@@ -142,6 +143,27 @@ class ClaimKeeper:
         finally:
             for task in list(self._tasks):
                 task.cancel()
+
+    async def release(self) -> None:
+        """Shutdown: stop holding every claim now, then clear each one's holder (conditional on
+        the version this shard last wrote) so another shard may take it at its next try, as
+        the election's own Lease is released. The transitions stay: a later holder's orders
+        still rank above this shard's. Best effort: a claim not released expires."""
+        held = {ns: st.obs for ns, st in self._states.items() if st.tenure is not None and st.obs}
+        for namespace, obs in held.items():
+            self._states[namespace] = ClaimState(obs, None)
+
+        async def clear(namespace: str, version: str) -> None:
+            patch = self._store(namespace).patch(version, release_patch(datetime.now(UTC)))
+            try:
+                done = await asyncio.wait_for(patch, self.timing.renew_deadline_s / 2)
+            except Exception as exc:  # an API error or a timeout: the claim expires instead
+                log.warning("namespace claim %s not released: %r", namespace, exc)
+                return
+            if done is not None:
+                log.info("namespace claim %s released by shard %s", namespace, self.shard)
+
+        await asyncio.gather(*(clear(ns, o.record.resource_version) for ns, o in held.items()))
 
     def tick(self, leader: str) -> list[asyncio.Task[None]]:
         """Start one write (or read and write) of every wanted namespace's claim."""

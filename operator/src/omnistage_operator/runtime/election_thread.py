@@ -90,6 +90,8 @@ class ElectionThread:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.claims is not None:  # the shard's rounds stopped with its leading
+                await self.claims.release()
             await elector.release()
 
     async def stop(self, timeout_s: float = 10.0) -> None:
