@@ -4,8 +4,8 @@ namespace's claim keeps the memory promise (one shard orders its workers).
 Shard x serves namespace x; shard y serves y and x. x's claim (Lease ``omnistage-namespace-claim``
 in x) is shard x's, so shard y's rounds in x wait, naming shard x (``status.namespaceClaim``, a
 ``NamespaceClaimed`` Event, ``omnistage_namespace_claimed_by_other_shard``), while shard x hands
-over there and shard y hands over in y. Once shard x is stopped and its claim has expired, shard
-y takes the claim and hands over in x.
+over there and shard y hands over in y. Once shard x is stopped (it releases its claim), shard y
+takes the claim and hands over in x.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_overlapping_shards_order_a_namespace_one_at_a_time(
     first = x.worker_status("g0-b")  # the epoch shard x's orders carried: its own (claimed once)
     assert first is not None and 1 <= first.epoch < 2**32, first
 
-    # shard x stops (its claim is not renewed): once it expired, shard y takes x over
+    # shard x stops (SIGTERM: it clears its claim's holder on its way out): shard y takes x over
     op_x.stop()
     wait_for("shard y claims x", lambda: _claim_holder(x).startswith(shard_y + "#"), 60)
     x.patch_state("g0-b", "Asleep")
