@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from omnistage_operator.decisions.namespace_claims import CLAIM_NAME
 from tests.cluster.controlplane import ControlPlane
 from tests.e2e.helm_access import TOKEN_SECRET, access_check, denied_requests, lease_rules
 from tests.e2e.test_helm_support import (
@@ -123,9 +124,23 @@ def test_operator_may_elect_a_leader_in_its_namespace_only(
         ("get another lease", {**lease, **ns, "verb": "get", "name": "other"}),
         ("delete the lease", {**lease, **ns, "verb": "delete", "name": release.fullname}),
         ("update the lease", {**lease, **ns, "verb": "update", "name": release.fullname}),
+        # in the stages' namespaces only the namespace claim (create cannot name a Lease)
         (
-            "leases elsewhere",
-            {**lease, "namespace": cluster_install.stages, "verb": "create"},
+            "patch another lease where stages live",
+            {
+                **lease,
+                "namespace": cluster_install.stages,
+                "verb": "patch",
+                "name": release.fullname,
+            },
+        ),
+        (
+            "delete the namespace claim",
+            {**lease, "namespace": cluster_install.stages, "verb": "delete", "name": CLAIM_NAME},
+        ),
+        (
+            "list leases where stages live",
+            {**lease, "namespace": cluster_install.stages, "verb": "list"},
         ),
         (
             "kube-system leases",
@@ -134,6 +149,10 @@ def test_operator_may_elect_a_leader_in_its_namespace_only(
     ]
     ok = access_reviews(control_plane, release.user, [c for _, c in denied])
     assert [label for (label, _), a in zip(denied, ok, strict=True) if a] == []
+    claim = {**lease, "namespace": cluster_install.stages, "name": CLAIM_NAME}
+    verbs = ("create", "get", "patch")
+    claims = access_reviews(control_plane, release.user, [{**claim, "verb": v} for v in verbs])
+    assert all(claims), dict(zip(verbs, claims, strict=True))
 
 
 def test_operator_is_denied_everything_else(
