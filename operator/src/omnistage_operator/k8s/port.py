@@ -63,10 +63,11 @@ log = logging.getLogger(__name__)
 # than a usual wake (0.9 s for the 16.6 GiB model on the GPU host; a status PATCH of an OmniStage
 # costs the API server 7-15 ms of CPU): a usual hand-over writes each stage's status once.
 WAKING_STATUS_AFTER_S = 1.0
-# In a storm (the runner's ``storming``) a wake's time is mostly its answer waiting for the
-# operator's loop: in a 1000-stage hand-over storm on the GPU host's cores 355 of 500 wakes
-# passed 1 s and their Waking writes were a quarter of the storm's status writes, the API
-# server's CPU being what the storm waits on. There only a wake this long shows Waking.
+# In a storm (the runner's ``storming``) a wake's time is mostly queueing: in a 1000-stage
+# hand-over storm on the GPU host's cores (scale_1000_opcores_shards1.json) 355 of 500 wakes,
+# each 0.1 s on its simulated worker, passed 1 s, and their Waking writes were a quarter of the
+# storm's status writes, each also CPU of the operator, whose CPU bounded that storm. There
+# only a wake this long shows Waking.
 WAKING_STATUS_IN_STORM_S = 5.0
 
 
