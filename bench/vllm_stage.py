@@ -174,6 +174,8 @@ def run(a: argparse.Namespace) -> Json:
     work: Path = a.workdir
     work.mkdir(parents=True, exist_ok=True)
     report: Json = {"command": " ".join(sys.argv), "smoke": a.smoke, "machine": machine(a.smoke)}
+    # the worker's and engine's switches in effect (OMNISTAGE_VLLM_MAP_PIECES=0, ...)
+    report["omnistage_env"] = {k: v for k, v in os.environ.items() if k.startswith("OMNISTAGE_")}
     limit_size = 64 * MiB if a.smoke else 4 * GiB
     report["build"] = run_child(["build", str(work), "smoke" if a.smoke else "full",
                                  str(a.torch_layers)], 3600)  # fmt: skip

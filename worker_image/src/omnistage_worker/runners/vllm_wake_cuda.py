@@ -26,6 +26,12 @@ and its wake run vLLM's own methods (logged).
 
 ``OMNISTAGE_VLLM_WAKE_ORDER`` in the engine's environment picks the wake's order of maps and
 copies (``overlap``, the default; ``map_first``; ``kv_after``: see ``vllm_wake_plan.WAKE_ORDERS``).
+
+Allocations larger than a piece are mapped again in pieces at a wake (:mod:`.vllm_pieces`):
+the module's ``create_and_map`` / ``unmap_and_release``, which vLLM's own sleep and wake call too,
+are replaced by ones that map and release those in pieces, and the allocator's free callback
+maps such an allocation back as vLLM did before its C extension frees it.
+``OMNISTAGE_VLLM_MAP_PIECES=0`` in the engine's environment leaves every mapping to vLLM.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import logging
 import os
 from typing import Any
 
+from omnistage_worker.runners.vllm_pieces import PieceDriver, PieceMaps
 from omnistage_worker.runners.vllm_wake import (
     WAKE_ORDER_ENV,
     FastCuMem,
@@ -46,6 +53,8 @@ from omnistage_worker.runners.vllm_wake import (
 
 log = logging.getLogger("vllm.omnistage.wake")
 
+MAP_PIECES_ENV = "OMNISTAGE_VLLM_MAP_PIECES"
+"""Set to ``0`` in the engine's environment: vLLM maps every allocation as one piece."""
 CUDA_MEMCPY_DEFAULT = 4
 CUDA_STREAM_NON_BLOCKING = 0x01
 
@@ -69,6 +78,84 @@ class _PinnedBuffer:
 
         release_in_background(self._buffer)
         self.nbytes = 0
+
+
+class _DeviceDriver:
+    """:class:`omnistage_worker.engine.vmm.VmmDriver` of one device, each call made with that
+    device's context current (as vLLM's extension makes sure of before its own calls)."""
+
+    def __init__(self, device: int) -> None:
+        import torch
+
+        from omnistage_worker.engine.vmm import VmmDriver
+
+        self._torch = torch
+        self._device = device
+        with torch.cuda.device(device):
+            self._driver = VmmDriver(device)
+        self.granularity = self._driver.granularity
+
+    def map_new(self, ptr: int, nbytes: int) -> int:
+        with self._torch.cuda.device(self._device):
+            return self._driver.map_new(ptr, nbytes)
+
+    def unmap_release(self, ptr: int, nbytes: int, handle: int) -> None:
+        with self._torch.cuda.device(self._device):
+            self._driver.unmap_release(ptr, nbytes, handle)
+
+
+def device_driver(device: int) -> PieceDriver:
+    """The driver calls :class:`PieceMaps` makes on ``device``."""
+    return _DeviceDriver(device)
+
+
+def piece_maps() -> PieceMaps | None:
+    """The process's piece maps (None: :data:`MAP_PIECES_ENV` is ``0``)."""
+    if os.environ.get(MAP_PIECES_ENV, "") == "0":
+        return None
+    from omnistage_worker.engine.vmm import piece_bytes
+
+    return PieceMaps(device_driver, piece_bytes())
+
+
+def route_through_pieces(cumem: Any, pieces: PieceMaps) -> str | None:
+    """Replace ``cumem``'s ``create_and_map`` / ``unmap_and_release`` with ones that map the
+    allocations ``pieces`` takes in pieces, and wrap the allocator's free callback so such an
+    allocation is one mapping again before vLLM's C extension frees it; None when done, else
+    why not (the allocator already handed its free callback to the extension)."""
+    cls = cumem.CuMemAllocator
+    instance = getattr(cls, "instance", None)
+    if instance is not None and getattr(instance, "allocator_and_pools", None):
+        return "vLLM's allocator gave its free callback to its extension before the patch"
+    vllm_create = getattr(cumem, "create_and_map", None)
+    vllm_release = getattr(cumem, "unmap_and_release", None)
+    vllm_free = getattr(cls, "_python_free_callback", None)
+    if vllm_create is None or vllm_release is None or vllm_free is None:
+        return "vLLM's cumem module has no create_and_map, unmap_and_release or free callback"
+
+    def create_and_map(handle: Any) -> None:
+        device, size, ptr = int(handle[0]), int(handle[1]), int(handle[2])
+        if pieces.takes(size):
+            pieces.map(device, ptr, size)
+        else:
+            vllm_create(handle)
+
+    def unmap_and_release(handle: Any) -> None:
+        if pieces.holds(int(handle[2])):
+            pieces.release(int(handle[2]))
+        else:
+            vllm_release(handle)
+
+    def python_free_callback(self: Any, ptr: int) -> Any:
+        handle = vllm_free(self, ptr)
+        pieces.restore(int(handle[2]), lambda: vllm_create(handle))
+        return handle
+
+    cumem.create_and_map, cumem.unmap_and_release = create_and_map, unmap_and_release
+    cls._python_free_callback = python_free_callback
+    if instance is not None:  # its bound callback, not handed to the extension yet
+        instance.python_free_callback = instance._python_free_callback
+    return None
 
 
 class CudaOps:
@@ -186,6 +273,10 @@ def install() -> str | None:
         return f"vLLM's cumem allocator cannot be imported ({type(exc).__name__}: {exc})"
     if not getattr(cumem, "cumem_available", False):
         return "vLLM's cumem allocator is not available on this platform"
+    pieces = piece_maps()
+    why_not = route_through_pieces(cumem, pieces) if pieces is not None else MAP_PIECES_ENV + "=0"
+    if why_not is not None:
+        log.info("vLLM maps every allocation whole: %s", why_not)
     patch = _Patch(cumem)
     cls = cumem.CuMemAllocator
 
