@@ -254,3 +254,40 @@ async def test_a_claim_taken_again_forgets_what_this_shard_wrote_and_read_there(
     assert await runner.claim_gate(ns, "g")
     assert (ns, "s1") not in runner.published and (ns, "g") not in runner.kept
     assert ("elsewhere", "s9") in runner.published and ("elsewhere", "g") in runner.kept
+
+
+async def test_a_wait_the_api_did_not_take_is_written_at_the_next_round() -> None:
+    ns = "gate-unwritten"
+    shards, api = Shards(ns), Api()
+    runner = _runner(api, shards.b, _stage(ns, "s1"))
+    await shards.tick(shards.a, "op-a")
+    await shards.tick(shards.b, "op-b")
+    api.refusing = 1
+    assert not await runner.claim_gate(ns, "g")
+    assert api.patches == []
+    api.refusing = 0
+    assert not await runner.claim_gate(ns, "g")
+    assert [(name, claim["holder"]) for name, claim in api.patches] == [
+        ("s1", claim_holder(A, "op-a"))
+    ]
+    await _until("its Event", lambda: len(api.events) == 1)  # with the write that went through
+
+
+async def test_a_clear_the_api_did_not_take_is_tried_again_at_the_next_round() -> None:
+    """The watch has not shown the wait (its status as the round sees it has none): only what
+    this shard remembers telling the stage says it is there."""
+    ns = "gate-uncleared"
+    shards, api = Shards(ns), Api()
+    runner = _runner(api, shards.b, _stage(ns, "s1"))
+    await shards.tick(shards.a, "op-a")
+    await shards.tick(shards.b, "op-b")
+    assert not await runner.claim_gate(ns, "g")
+    await shards.b_takes_over()
+    api.patches.clear()
+    api.refusing = 1
+    assert await runner.claim_gate(ns, "g")  # the round runs; the wait is still there
+    api.refusing = 0
+    assert await runner.claim_gate(ns, "g")
+    assert api.patches == [("s1", None)]
+    assert await runner.claim_gate(ns, "g")
+    assert api.patches == [("s1", None)]  # cleared once
