@@ -1,11 +1,13 @@
 """Two shards whose namespace lists overlap, on the real API server with simulated workers: the
 namespace's claim keeps the memory promise (one shard orders its workers).
 
-Shard x serves namespace x; shard y serves y and x. x's claim (Lease ``omnistage-namespace-claim``
-in x) is shard x's, so shard y's rounds in x wait, naming shard x (``status.namespaceClaim``, a
-``NamespaceClaimed`` Event, ``omnistage_namespace_claimed_by_other_shard``), while shard x hands
-over there and shard y hands over in y. Once shard x is stopped (it releases its claim), shard y
-takes the claim and hands over in x.
+Shard x serves namespace x; shard y serves y and, by a pattern, x. x's claim (Lease
+``omnistage-namespace-claim`` in x) is shard x's, so shard y's rounds in x wait, naming shard x
+(``status.namespaceClaim``, a ``NamespaceClaimed`` Event,
+``omnistage_namespace_claimed_by_other_shard``), while shard x hands over there and shard y hands
+over in y. Once shard x is stopped (it releases its claim), shard y takes the claim and hands over
+in x. Once x's stages are deleted, shard y (which claimed x because its rounds asked, not by
+name) drops x's claim a lease duration later.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def overlap(
     x, y = (Cluster(cp, cp.create_namespace(f"claim-{k}")) for k in "xy")
     op_x = NamedOperator(cp, x.namespace, tmp_path / "opx", "shard-x-op")
     op_y = NamedOperator(cp, y.namespace, tmp_path / "opy", "shard-y-op")
-    op_y.extra += ["--namespace", x.namespace]  # overlaps shard x's list
+    op_y.extra += ["--namespace", x.namespace[:-1] + "?"]  # a pattern: overlaps shard x's list
     try:
         yield x, y, op_x, op_y, model, nodes.node_names[0]
     finally:
@@ -151,3 +153,11 @@ def test_overlapping_shards_order_a_namespace_one_at_a_time(
     assert taken is not None and taken.epoch >= 2**32 + 1, taken
     for name in ("g0-a", "g0-b"):  # shard y cleared the wait it wrote
         wait_for(f"{name}: wait cleared", partial(_cleared, x, name), 30)
+
+    # x's stages go: shard y drops x's claim (cleared, as on shutdown) and its series
+    x.cp.kubectl("delete", "omnistage", "g0-a", "g0-b", "-n", x.namespace, "--timeout=60s")
+    held = f'omnistage_namespace_claim_held{{namespace="{x.namespace}"}}'
+    assert held in op_y.metrics()
+    wait_for("shard y drops x's claim", lambda: _claim_holder(x) == "", 60)
+    assert held not in op_y.metrics()
+    assert f"namespace {x.namespace} has no group left: its claim dropped" in op_y.tail(400)

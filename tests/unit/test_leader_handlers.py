@@ -9,8 +9,13 @@ from typing import Any
 import kopf
 import pytest
 
+from omnistage_operator.decisions.election import Timing
+from omnistage_operator.decisions.leadership import NamespaceClaims
+from omnistage_operator.k8s.claim_keeper import ClaimKeeper
 from omnistage_operator.k8s.settings import Settings
+from omnistage_operator.k8s.views import GroupViews
 from omnistage_operator.runtime import handlers
+from omnistage_operator.runtime.runner import GroupRunner
 
 
 class Switch:
@@ -25,12 +30,34 @@ class Switch:
 
 
 class RecordingRunner:
-    """Records what the handlers asked of the runner (the runner itself is tested elsewhere)."""
+    """Records what the handlers asked of the runner (the runner itself is tested elsewhere).
+    Whether it may order in a namespace is the real ``GroupRunner.may_order``, over the
+    leadership and claims the handlers were configured with (``handlers.startup`` builds the
+    runner with them); ``asked``: the namespaces it was asked about."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.published: dict[Any, Any] = {("ns", "x"): {"state": "Active"}}
         self.kept: dict[Any, Any] = {("ns", "g"): "readings of epoch 2"}
+        self.asked: list[str] = []
+        self.views = GroupViews({}, {})
+        self.pipeline_status = self
+
+    @property
+    def leadership(self) -> Any:
+        return handlers._State.leadership
+
+    @property
+    def claims(self) -> NamespaceClaims:
+        return handlers._State.claims
+
+    def may_order(self, namespace: str) -> bool:
+        self.asked.append(namespace)
+        return GroupRunner.may_order(self, namespace)  # type: ignore[arg-type]
+
+    async def after_round(self, namespace: str, pipelines: list[Any], *_: Any, **__: Any) -> None:
+        """``pipeline_status.after_round``: a pipeline's status written."""
+        self.calls.append(("pipeline_status", pipelines[0]["metadata"]["name"]))
 
     def kick(self, namespace: str, group: str, cause: str = "event") -> None:
         self.calls.append(("kick", (namespace, group)))
@@ -77,10 +104,15 @@ def runner() -> Iterator[RecordingRunner]:
     handlers.configure(Settings())
 
 
-def _configure(leading: bool) -> Switch:
+def _configure(leading: bool, claims: NamespaceClaims | None = None) -> Switch:
     switch = Switch(leading)
-    handlers.configure(Settings(retry_period_s=0.01), switch)
+    handlers.configure(Settings(retry_period_s=0.01), switch, claims)
     return switch
+
+
+def _claimed_elsewhere() -> ClaimKeeper:
+    """The shard's claims, ``ns``'s not held (not written yet, or another shard's)."""
+    return ClaimKeeper(Timing(lease_duration_s=3, renew_deadline_s=2, retry_period_s=0.5), ["ns"])
 
 
 async def _update() -> None:
@@ -148,6 +180,35 @@ async def test_standby_keeps_the_finalizer_for_the_leader(runner: RecordingRunne
     _configure(leading=True)
     await H.stage_deleted(body=BODY, namespace="ns", name="x")
     assert runner.ops() == ["forget", "kick", "cleanup", "kick"]
+    assert runner.asked == ["ns", "ns"]  # the runner's rule decides
+
+
+async def test_a_leader_whose_shard_does_not_hold_the_namespace_keeps_the_finalizer(
+    runner: RecordingRunner,
+) -> None:
+    _configure(leading=True, claims=_claimed_elsewhere())
+    with pytest.raises(kopf.TemporaryError, match="another shard holds the namespace"):
+        await H.stage_deleted(body=BODY, namespace="ns", name="x")
+    assert runner.ops() == ["forget", "kick"] and runner.asked == ["ns"]
+
+
+PIPELINE: dict[str, Any] = {
+    "metadata": {"name": "p", "namespace": "ns"},
+    "spec": {"stages": [{"name": "not-there"}]},
+}
+
+
+@pytest.mark.parametrize(
+    ("leading", "claimed_elsewhere", "writes"),
+    [(True, False, True), (False, False, False), (True, True, False)],
+)
+async def test_a_pipeline_with_no_stage_here_is_written_by_the_namespaces_shard_leader(
+    runner: RecordingRunner, leading: bool, claimed_elsewhere: bool, writes: bool
+) -> None:
+    _configure(leading, _claimed_elsewhere() if claimed_elsewhere else None)
+    await H.pipeline_event(type="ADDED", body=PIPELINE, namespace="ns")
+    assert runner.ops() == (["pipeline_status"] if writes else [])
+    assert runner.asked == ["ns"]
 
 
 async def test_acquiring_kicks_every_group_and_forgets_what_was_published(

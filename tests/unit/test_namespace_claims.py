@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 from datetime import UTC, datetime
 
+from prometheus_client import REGISTRY
+
 from omnistage_operator.decisions.election import Action, LeaseRecord, Observation, Tenure, Timing
 from omnistage_operator.decisions.namespace_claims import (
     ClaimState,
+    claim_dropped,
     claim_holder,
     claim_write,
     decide_claim,
@@ -90,6 +93,12 @@ def test_wait_message_names_the_other_shard_and_its_leader() -> None:
     msg = wait_message("team-a", B, claim_holder(A, "op-0_ab"))
     assert "claimed by shard ns-a/omnistage-operator (leader op-0_ab)" in msg
     assert "shard ns-b/omnistage-operator orders no worker here" in msg
+
+
+def test_a_claim_is_dropped_a_lease_duration_after_its_namespace_lost_its_last_group() -> None:
+    assert not claim_dropped(None, 1e9, T)  # a group is there (or never left)
+    assert not claim_dropped(100.0, 100.0 + T.lease_duration_s - 0.01, T)
+    assert claim_dropped(100.0, 100.0 + T.lease_duration_s, T)
 
 
 # -- the keeper -------------------------------------------------------------------------------
@@ -217,3 +226,97 @@ async def test_an_unreachable_api_lets_the_claim_lapse() -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _held_series(namespace: str) -> float | None:
+    return REGISTRY.get_sample_value("omnistage_namespace_claim_held", {"namespace": namespace})
+
+
+def _claimed_by_series(namespace: str, holder: str) -> float | None:
+    labels = {"namespace": namespace, "holder": holder}
+    return REGISTRY.get_sample_value("omnistage_namespace_claimed_by_other_shard", labels)
+
+
+async def test_a_namespace_without_group_for_a_lease_duration_is_released_and_forgotten() -> None:
+    ns = "drop-held"
+    stores, clock = {ns: MemoryLeases()}, Clock()
+    a = _keeper(A, stores, clock, [])  # cluster-wide: no list
+    b = _keeper(B, stores, clock, [])
+    a.want(ns)  # a round of its first group asked
+    await _tick(a, "op-a")
+    assert a.held(ns) and _held_series(ns) == 1.0
+    a.vacated(ns)  # its last group was dropped
+    left_at = clock.t
+    while clock.t + T.retry_period_s < left_at + T.lease_duration_s:
+        clock.t += T.retry_period_s
+        await _tick(a, "op-a")
+        assert a.held(ns)  # kept (and renewed) for a lease duration
+    clock.t = left_at + T.lease_duration_s
+    renewals = len(stores[ns].writes)
+    await _tick(a, "op-a")
+    assert not a.held(ns) and _held_series(ns) is None
+    claim = stores[ns].obj
+    assert claim is not None and claim["spec"].get("holderIdentity") is None
+    assert stores[ns].writes[renewals:] == [("patch", "None")]  # cleared, as on shutdown
+    await _tick(a, "op-a")
+    assert len(stores[ns].writes) == renewals + 1  # forgotten: nothing more written
+    b.want(ns)  # another shard whose round asks takes it at once
+    await _tick(b, "op-b")
+    assert b.held(ns) and b.epoch(ns, 1) > a.epoch(ns, 1)
+
+    a.want(ns)  # a group appears again: claimed again, its series back
+    await _tick(a, "op-a")
+    assert not a.held(ns) and a.claimant(ns) == claim_holder(B, "op-b")
+    assert _held_series(ns) == 0.0 and _claimed_by_series(ns, claim_holder(B, "op-b")) == 1.0
+
+
+async def test_a_group_back_within_the_lease_duration_keeps_the_claim() -> None:
+    ns = "drop-back"
+    stores, clock = {ns: MemoryLeases()}, Clock()
+    a = _keeper(A, stores, clock, [])
+    a.want(ns)
+    await _tick(a, "op-a")
+    a.vacated(ns)
+    clock.t += T.lease_duration_s - T.retry_period_s
+    await _tick(a, "op-a")
+    a.want(ns)  # a new group's round
+    clock.t += T.retry_period_s
+    for _ in range(4):
+        await _tick(a, "op-a")
+        clock.t += T.retry_period_s
+        assert a.held(ns)
+    assert [verb for verb, _ in stores[ns].writes] == ["create"] + ["renew"] * 5
+
+
+async def test_a_namespace_of_the_list_is_kept_without_groups() -> None:
+    ns = "drop-listed"
+    stores, clock = {ns: MemoryLeases()}, Clock()
+    a = _keeper(A, stores, clock, [], ns)
+    await _tick(a, "op-a")
+    a.vacated(ns)
+    clock.t += T.lease_duration_s
+    await _tick(a, "op-a")
+    assert a.held(ns) and _held_series(ns) == 1.0
+
+
+async def test_a_namespace_another_shard_holds_is_forgotten_without_a_write() -> None:
+    ns = "drop-other"
+    stores, clock = {ns: MemoryLeases()}, Clock()
+    a = _keeper(A, stores, clock, [], ns)
+    b = _keeper(B, stores, clock, [])
+    await _tick(a, "op-a1")
+    b.want(ns)
+    await _tick(b, "op-b")
+    assert _claimed_by_series(ns, claim_holder(A, "op-a1")) == 1.0
+    clock.t += T.retry_period_s
+    await _tick(a, "op-a2")  # A's next leader: one series, the new holder's
+    await _tick(b, "op-b")
+    assert _claimed_by_series(ns, claim_holder(A, "op-a1")) is None
+    assert _claimed_by_series(ns, claim_holder(A, "op-a2")) == 1.0
+    b.vacated(ns)
+    clock.t += T.lease_duration_s
+    writes = list(stores[ns].writes)
+    await _tick(a, "op-a2")
+    await _tick(b, "op-b")
+    assert stores[ns].writes == [*writes, ("renew", claim_holder(A, "op-a2"))]  # A's only
+    assert b.claimant(ns) is None and _claimed_by_series(ns, claim_holder(A, "op-a2")) is None

@@ -15,16 +15,20 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 
+from omnistage_operator.decisions.election import Timing
 from omnistage_operator.decisions.handover.sleep_tasks import SleepTracker
+from omnistage_operator.decisions.leadership import NamespaceClaims
 from omnistage_operator.decisions.readings import KeptReadings
 from omnistage_operator.decisions.retention import GROUP_MAPS, PROCESS_MAPS, STAGE_MAPS, left, live
 from omnistage_operator.k8s import metrics
+from omnistage_operator.k8s.claim_keeper import ClaimKeeper
 from omnistage_operator.k8s.port import KubeGroupPort
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.views import GroupViews
 from omnistage_operator.runtime import stage_metrics
 from omnistage_operator.runtime.pipeline_status import PIPELINE_SWAPS, PipelineStatus, _Counts
 from omnistage_operator.runtime.runner import GroupRunner
+from tests.unit.test_leader_elector import Clock, MemoryLeases
 
 Body = dict[str, Any]
 
@@ -72,8 +76,9 @@ class Runner(GroupRunner):
     """Rounds that list the group from the views and leave what a real round leaves; the
     next round waits while ``gate`` is clear."""
 
-    def __init__(self, index: Index) -> None:
-        super().__init__(_NoKube(), Settings(), views=GroupViews(index, {}))  # type: ignore[arg-type]
+    def __init__(self, index: Index, claims: NamespaceClaims | None = None) -> None:
+        views = GroupViews(index, {})
+        super().__init__(_NoKube(), Settings(), views=views, claims=claims)  # type: ignore[arg-type]
         self.gate = asyncio.Event()
         self.gate.set()
         self.rounds = 0
@@ -251,6 +256,49 @@ async def test_a_gone_group_s_sleeps_in_flight_are_cancelled_with_it() -> None:
     assert ("ns", "g") not in runner._loops and ("ns", "g") not in runner._sleeps
     await asyncio.sleep(0.01)
     assert task.cancelled() and reopened[0].closed and runner.entries("channel") == 0
+
+
+async def test_the_namespace_s_claim_is_let_go_once_its_last_group_is() -> None:
+    """Cluster-wide, the shard claimed ``ns`` when a round asked: with its last group dropped,
+    the claim goes a lease duration later (``ClaimKeeper.vacated``), not with another group."""
+    timing, clock, lease = Timing(3, 2, 0.5), Clock(), MemoryLeases()
+    keeper = ClaimKeeper(timing, clock=clock)
+    keeper.bind("op-ns/omnistage-operator", lambda _: lease)
+    index = Index()
+    index.put(_body("a", "1", "g"))
+    index.put(_body("b", "2", "h"))
+    runner = Runner(index, keeper)
+
+    async def retry_period() -> None:
+        clock.t += timing.retry_period_s
+        await asyncio.gather(*keeper.tick("op-0"))
+
+    for group in ("g", "h"):
+        runner.kick("ns", group)  # claim_pending: the round asked for the namespace
+    await runner.idle()
+    await retry_period()
+    for group in ("g", "h"):
+        runner.kick("ns", group)
+    await runner.idle()
+    assert keeper.held("ns") and runner.rounds == 2 and "ns" in runner.claim_epochs
+    index.drop("a")  # g goes; h is left
+    runner.kick("ns", "g")
+    await runner.idle()
+    assert ("ns", "g") not in runner._loops
+    for _ in range(int(timing.lease_duration_s / timing.retry_period_s) + 1):
+        await retry_period()
+    assert keeper.held("ns")
+    index.drop("b")  # the last group goes
+    runner.kick("ns", "h")
+    await runner.idle()
+    assert "ns" not in runner.claim_epochs
+    left_at = clock.t
+    for _ in range(20):
+        await retry_period()
+        if not keeper.held("ns"):
+            break
+    assert not keeper.held("ns") and clock.t - left_at >= timing.lease_duration_s
+    assert lease.obj is not None and lease.obj["spec"].get("holderIdentity") is None
 
 
 def test_a_deleted_pipeline_s_counters_and_series_go() -> None:

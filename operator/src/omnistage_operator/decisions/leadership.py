@@ -62,6 +62,11 @@ class NamespaceClaims(Protocol):
         """Another shard's holder found on the namespace's claim (None: none seen)."""
         ...
 
+    def vacated(self, namespace: str) -> None:
+        """No group of ``namespace`` is left: its claim (when a round asked for it) is dropped
+        a lease duration from now, unless a round wants it again meanwhile."""
+        ...
+
     def epoch(self, namespace: str, shard_epoch: int) -> int:
         """The epoch orders carry in ``namespace`` (``namespace_claims.order_epoch``)."""
         ...
@@ -82,6 +87,9 @@ class AllNamespaces:
     def claimant(self, namespace: str) -> str | None:
         """Never another shard."""
         return None
+
+    def vacated(self, namespace: str) -> None:
+        """Nothing to drop."""
 
     def epoch(self, namespace: str, shard_epoch: int) -> int:
         """The operator's own epoch."""

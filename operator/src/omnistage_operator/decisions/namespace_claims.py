@@ -26,6 +26,12 @@ on the election's cadence, and asks this module what to do. The rules are the el
   whose Lease counts fewer transitions than the other's), and a shard that lost the claim is
   refused by workers that obeyed the new one. The first claim of a namespace (transitions 1)
   leaves the shard's epoch as it is.
+- A claim taken because a round asked for its namespace (cluster-wide, or a ``--namespace``
+  pattern), not a literal name of the shard's list, is dropped once the namespace has had no
+  group for a lease duration (``claim_dropped``): its holder is cleared as on shutdown, so
+  another shard may take it at once, and the shard forgets it; a group that appears again
+  claims it again. A group deleted and re-created within that time keeps the claim (and the
+  epochs it carried).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from omnistage_operator.decisions.election import (
 __all__ = [
     "CLAIM_NAME",
     "ClaimState",
+    "claim_dropped",
     "claim_holder",
     "claim_write",
     "decide_claim",
@@ -105,6 +112,12 @@ def claim_write(
 def holds(state: ClaimState | None, now: float, timing: Timing) -> bool:
     """This shard holds the claim: written by it within the renew deadline."""
     return state is not None and leading(state.tenure, now, timing)
+
+
+def claim_dropped(vacated_at: float | None, now: float, timing: Timing) -> bool:
+    """Drop the claim of a namespace that has had no group since ``vacated_at`` (None: it has
+    one, or was never left) once that is a lease duration ago."""
+    return vacated_at is not None and now - vacated_at >= timing.lease_duration_s
 
 
 def order_epoch(claim_transitions: int, shard_epoch: int) -> int:

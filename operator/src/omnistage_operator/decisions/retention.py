@@ -25,7 +25,7 @@ STAGE_MAPS = (
 GROUP_MAPS = ("_loops", "_retry_in", "kept", "_sleeps", "_members")
 # ... keyed otherwise: the group claims' cache ("namespace/claim", dropped with the group),
 # namespaces with the token Secret, Events being posted, the epoch last ordered with per
-# namespace (one entry per namespace the shard served, as the namespace claims themselves).
+# namespace (dropped with the namespace's last group, as the claim a round asked for is).
 PROCESS_MAPS = ("_claims", "_claim_errors", "_secrets", "_tasks", "claim_epochs")
 
 

@@ -9,11 +9,16 @@ replicas) or taken over (free, or expired on this replica's clock), each conditi
 read. So a shard adds one request per served namespace per retry period, whatever the number of
 groups, and rounds read the outcome from memory (``held``, ``claimant``).
 
-The namespaces come from ``--namespace`` (literal names, claimed from the start) and from the
-rounds (``want``: in cluster-wide mode a namespace is claimed once a group of it has a round);
-a claim, once wanted, is kept while the process runs. ``on_change(namespace)`` is called on this
-thread whenever the claim turns held or another shard's holder is seen (the caller hands it to
-the operator's loop, which kicks that namespace's groups).
+The namespaces come from ``--namespace`` (literal names, claimed from the start and kept while
+the process runs) and from the rounds (``want``: in cluster-wide mode, or under a pattern, a
+namespace is claimed once a group of it has a round). A namespace the rounds asked for that has
+had no group for a lease duration (``vacated`` by the runner when its last group is dropped;
+``decisions.namespace_claims.claim_dropped``) is dropped at the next retry period: its holder
+cleared as on shutdown (conditional on this shard's last write), its state and series
+(``omnistage_namespace_claim_held``, ``omnistage_namespace_claimed_by_other_shard``) forgotten;
+a round that wants it again claims it again. ``on_change(namespace)`` is called on this thread
+whenever the claim turns held or another shard's holder is seen (the caller hands it to the
+operator's loop, which kicks that namespace's groups).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -39,6 +44,7 @@ from omnistage_operator.decisions.election import (
 )
 from omnistage_operator.decisions.namespace_claims import (
     ClaimState,
+    claim_dropped,
     claim_holder,
     claim_write,
     decide_claim,
@@ -86,12 +92,15 @@ class ClaimKeeper:
         self._on_change = on_change
         self._lock = threading.Lock()
         self._wanted: set[str] = set()
+        self._listed: set[str] = set()  # literal names of the list: never dropped
+        self._vacated: dict[str, float] = {}  # namespace -> when its last group was dropped
         self._states: dict[str, ClaimState] = {}
         self._claimants: dict[str, str] = {}  # namespace -> the other shard's holder seen
         self._in_flight: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         for namespace in namespaces:
             if _NAME.match(namespace):
+                self._listed.add(namespace)
                 self.want(namespace)
 
     def bind(self, shard: str, store_for: Callable[[str], LeaseStore]) -> None:
@@ -103,14 +112,25 @@ class ClaimKeeper:
     # -- what rounds read (any thread) -------------------------------------------------------
 
     def want(self, namespace: str) -> None:
-        """Claim ``namespace`` from the next retry period on (idempotent, cheap)."""
-        if namespace in self._wanted:
+        """Claim ``namespace`` from the next retry period on (idempotent, cheap); a claim
+        ``vacated`` but not dropped yet is kept."""
+        if namespace in self._wanted and namespace not in self._vacated:
             return
-        with self._lock:
+        with self._lock:  # its series with it: a drop on the other thread removes both
+            self._vacated.pop(namespace, None)
+            if namespace in self._wanted:
+                return
             self._wanted.add(namespace)
-        metrics.NAMESPACE_CLAIM_HELD.labels(namespace).set_function(
-            lambda: 1.0 if self.held(namespace) else 0.0
-        )
+            metrics.NAMESPACE_CLAIM_HELD.labels(namespace).set_function(
+                lambda: 1.0 if self.held(namespace) else 0.0
+            )
+
+    def vacated(self, namespace: str) -> None:
+        """No group of ``namespace`` is left: drop its claim a lease duration from now unless
+        a round ``want``s it again (a literal name of the list is kept)."""
+        with self._lock:
+            if namespace in self._wanted and namespace not in self._listed:
+                self._vacated.setdefault(namespace, self._clock())
 
     def held(self, namespace: str) -> bool:
         """This shard holds the namespace's claim (written within the renew deadline)."""
@@ -152,31 +172,62 @@ class ClaimKeeper:
         held = {ns: st.obs for ns, st in self._states.items() if st.tenure is not None and st.obs}
         for namespace, obs in held.items():
             self._states[namespace] = ClaimState(obs, None)
+        await asyncio.gather(
+            *(self._clear(ns, self._store(ns), o.record.resource_version) for ns, o in held.items())
+        )
 
-        async def clear(namespace: str, version: str) -> None:
-            patch = self._store(namespace).patch(version, release_patch(datetime.now(UTC)))
-            try:
-                done = await asyncio.wait_for(patch, self.timing.renew_deadline_s / 2)
-            except Exception as exc:  # an API error or a timeout: the claim expires instead
-                log.warning("namespace claim %s not released: %r", namespace, exc)
-                return
-            if done is not None:
-                log.info("namespace claim %s released by shard %s", namespace, self.shard)
-
-        await asyncio.gather(*(clear(ns, o.record.resource_version) for ns, o in held.items()))
+    async def _clear(self, namespace: str, store: LeaseStore, version: str) -> None:
+        """Clear the claim's holder, conditional on ``version`` (this shard's last write)."""
+        patch = store.patch(version, release_patch(datetime.now(UTC)))
+        try:
+            done = await asyncio.wait_for(patch, self.timing.renew_deadline_s / 2)
+        except Exception as exc:  # an API error or a timeout: the claim expires instead
+            log.warning("namespace claim %s not released: %r", namespace, exc)
+            return
+        if done is not None:
+            log.info("namespace claim %s released by shard %s", namespace, self.shard)
 
     def tick(self, leader: str) -> list[asyncio.Task[None]]:
-        """Start one write (or read and write) of every wanted namespace's claim."""
+        """Drop the claims of namespaces left without a group for a lease duration, then start
+        one write (or read and write) of every wanted namespace's claim."""
+        now = self._clock()
         with self._lock:
+            dropped = [
+                (ns, *self._forget(ns))
+                for ns, since in list(self._vacated.items())
+                if ns not in self._in_flight and claim_dropped(since, now, self.timing)
+            ]
             wanted = sorted(self._wanted - self._in_flight)
         started = []
-        for namespace in wanted:
-            self._in_flight.add(namespace)
-            task = asyncio.create_task(self._claim(namespace, claim_holder(self.shard, leader)))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            started.append(task)
+        for namespace, state, store in dropped:
+            log.info("namespace %s has no group left: its claim dropped", namespace)
+            if state is not None and state.tenure is not None and state.obs and store:
+                version = state.obs.record.resource_version
+                started.append(self._start(namespace, self._clear(namespace, store, version)))
+        holder = claim_holder(self.shard, leader)
+        started += [self._start(ns, self._claim(ns, holder)) for ns in wanted]
         return started
+
+    def _forget(self, namespace: str) -> tuple[ClaimState | None, LeaseStore | None]:
+        """Forget a dropped namespace's claim (under the lock): not wanted, not held, its
+        series removed; its state and store, to clear the holder with."""
+        self._wanted.discard(namespace)
+        del self._vacated[namespace]
+        state = self._states.pop(namespace, None)
+        claimant = self._claimants.pop(namespace, None)
+        metrics.NAMESPACE_CLAIM_HELD.remove(namespace)
+        if claimant is not None:
+            metrics.NAMESPACE_CLAIMED_BY.remove(namespace, claimant)
+        return state, self._stores.pop(namespace, None)
+
+    def _start(self, namespace: str, write: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run one write of the namespace's claim (no other starts until it ended)."""
+        self._in_flight.add(namespace)
+        task = asyncio.create_task(write)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._in_flight.discard(namespace))
+        return task
 
     async def _claim(self, namespace: str, holder: str) -> None:
         before = self.held(namespace), self._claimants.get(namespace)
@@ -186,16 +237,14 @@ class ClaimKeeper:
             raise
         except Exception as exc:  # an API error or a timeout: the claim lapses by itself
             log.warning("namespace claim %s: %r (held: %s)", namespace, exc, self.held(namespace))
-        finally:
-            self._in_flight.discard(namespace)
         after = self.held(namespace), self._claimants.get(namespace)
         if after != before:
             self._changed(namespace, before[1], after)
 
     def _changed(self, namespace: str, was: str | None, now: tuple[bool, str | None]) -> None:
         held, claimant = now
-        if was is not None and was != claimant:
-            metrics.NAMESPACE_CLAIMED_BY.labels(namespace, was).set(0)
+        if was is not None and was != claimant:  # one series per namespace at most
+            metrics.NAMESPACE_CLAIMED_BY.remove(namespace, was)
         if claimant is not None:
             metrics.NAMESPACE_CLAIMED_BY.labels(namespace, claimant).set(1)
             log.warning("namespace %s is claimed by another shard: %s", namespace, claimant)

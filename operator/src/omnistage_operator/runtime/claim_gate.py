@@ -12,6 +12,7 @@ Before a round orders anything, the gate asks the shard's claims (read from memo
   stage and holder, the stage's ``status.namespaceClaim`` says so (reason
   ``NamespaceClaimed``, the other shard, the message), with a Warning Event per stage and a log
   line; every round skipped counts in ``omnistage_rounds_total{outcome="namespace_claimed"}``.
+  A write the API refused (and its Event) is tried again at the next round, as is a clear.
   The keeper kicks the namespace's groups once the claim is this shard's.
 - not held, and no other shard's holder seen (not written yet, or this shard's claim lapsed):
   no round (``outcome="claim_pending"``); the keeper kicks the groups once it holds it.
@@ -85,8 +86,6 @@ class ClaimGate:
             return False
         message = wait_message(namespace, claims.shard, holder)
         log.warning("group %s/%s waits: %s", namespace, group, message)
-        for body in bodies:
-            self.claim_waits[(namespace, body["metadata"]["name"])] = holder
         wait = {
             "reason": CLAIM_REASON,
             "shard": claims.shard,
@@ -94,9 +93,11 @@ class ClaimGate:
             "holder": holder,
             "message": message,
         }
-        await asyncio.gather(*(self._write(namespace, b, wait) for b in bodies))
-        for body in bodies:
-            self.emit(body, CLAIM_REASON, message, warning=True)
+        written = await asyncio.gather(*(self._write(namespace, b, wait) for b in bodies))
+        for body, done in zip(bodies, written, strict=True):
+            if done:  # one the API refused is told at the next round
+                self.claim_waits[(namespace, body["metadata"]["name"])] = holder
+                self.emit(body, CLAIM_REASON, message, warning=True)
         return False
 
     def _forget_other_shards(self, namespace: str) -> None:
@@ -112,21 +113,30 @@ class ClaimGate:
 
     async def _clear_waits(self, namespace: str, group: str, shard: str) -> None:
         """Clear ``status.namespaceClaim`` where this shard wrote it (an in-memory look at the
-        group's stages; a write only where one is found)."""
+        group's stages; a write only where one is found). What this shard told a stage is
+        forgotten once the clear is written: one the API refused is tried again next round,
+        even before the watch shows the wait."""
         stale = []
         for body in self.views.stages(namespace, group):
-            told = self.claim_waits.pop((namespace, body["metadata"]["name"]), None)
+            told = (namespace, body["metadata"]["name"]) in self.claim_waits
             wait = (body.get("status") or {}).get("namespaceClaim") or {}
-            if told is not None or wait.get("shard") == shard:
+            if told or wait.get("shard") == shard:
                 stale.append(body)
-        await asyncio.gather(*(self._write(namespace, b, None) for b in stale))
+        cleared = await asyncio.gather(*(self._write(namespace, b, None) for b in stale))
+        for body, done in zip(stale, cleared, strict=True):
+            if done:
+                self.claim_waits.pop((namespace, body["metadata"]["name"]), None)
 
     async def _write(
         self, namespace: str, body: Mapping[str, Any], wait: Mapping[str, Any] | None
-    ) -> None:
+    ) -> bool:
+        """Write (or clear) the stage's ``status.namespaceClaim``; False when the API refused
+        (a stage gone counts as written: nothing is left to tell)."""
         name = body["metadata"]["name"]
         patch = {"status": {"namespaceClaim": dict(wait) if wait is not None else None}}
         try:
             await self.kube.merge_patch(OMNISTAGE, namespace, name, patch, status=True)
         except KubeError as exc:
             log.warning("status.namespaceClaim of %s/%s not written: %s", namespace, name, exc)
+            return False
+        return True

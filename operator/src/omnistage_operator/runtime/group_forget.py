@@ -13,7 +13,9 @@ ever did (issue 24).
   of the group is left but ones being deleted (``live``), never during a round; its follow-up
   and the sleeps still running in the background (orders to deleted stages, whose pods the
   delete handler removes) are cancelled. A kick afterwards (a re-created group) starts from
-  nothing.
+  nothing. With the namespace's last group dropped, the epoch last ordered with there goes too,
+  and the shard's claims are told (``NamespaceClaims.vacated``: a claim a round asked for is
+  dropped a lease duration later, unless a group comes back).
 
 Which attributes are per stage and per group, and the two rules, are pure
 (``decisions.retention``); the operator exports the entry counts (``omnistage_runner_entries``).
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from omnistage_operator.decisions.handover.sleep_tasks import SleepTracker
+from omnistage_operator.decisions.leadership import NamespaceClaims
 from omnistage_operator.decisions.retention import GROUP_MAPS, STAGE_MAPS, left, live
 from omnistage_operator.k8s import metrics
 from omnistage_operator.k8s.builders import claim_name
@@ -50,6 +53,8 @@ class Forgetting:
     """Forgetting half of ``GroupRunner`` (the attributes below are the runner's)."""
 
     views: GroupViews
+    claims: NamespaceClaims
+    claim_epochs: dict[str, int]
     channels: WorkerChannels[WorkerClient]
     demand: DemandWatcher
     _loops: dict[GroupKey, _Loop]
@@ -128,6 +133,9 @@ class Forgetting:
             "group %s/%s: no stage left, forgotten (sleeps cancelled: %s)",
             namespace, group, sorted(sleeps) or "none",
         )  # fmt: skip
+        if not any(ns == namespace for ns, _ in [*self._loops, *self.views.groups()]):
+            self.claim_epochs.pop(namespace, None)
+            self.claims.vacated(namespace)
 
     def count_entries(self) -> None:
         """Export the entry counts (``omnistage_runner_entries``, read at each scrape: lengths

@@ -115,11 +115,6 @@ def on_claim_changed(namespace: str) -> None:
         _State.runner.kick_namespace(namespace, "claim")
 
 
-def _ours(namespace: str) -> bool:
-    """This replica leads and its shard holds the namespace's claim."""
-    return _State.leadership.leading() and _State.claims.held(namespace)
-
-
 def _kick(namespace: str | None, group: str | None, cause: str = "event") -> None:
     """Kick the group's loop (``cause``: what asked, ``GroupLoops.kick``); a standby's loop
     runs no round but remembers the group."""
@@ -175,7 +170,7 @@ async def pipeline_event(
             groups.add(group_of(found))
     for group in groups:
         _kick(ns, group)
-    if not groups and _ours(ns):
+    if not groups and runner.may_order(ns):
         plain = {k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec", "status")}
         await runner.pipeline_status.after_round(ns, [plain], {}, None, now=time.time())
 
@@ -278,7 +273,7 @@ async def stage_deleted(body: kopf.Body, namespace: str | None, name: str, **_: 
     forgets the stage (and its group, when it was the last: ``group_forget``)."""
     runner = _runner()
     DIFFBASE.forget(str(body["metadata"].get("uid")))  # kopf sees it as deleting from here on
-    if not _ours(namespace or "default"):
+    if not runner.may_order(namespace or "default"):
         runner.forget(namespace or "default", name)
         _kick(namespace, group_of(body))
         raise kopf.TemporaryError(
