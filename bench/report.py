@@ -358,7 +358,10 @@ def render() -> str:
     vllm = _load("vllm_stage_h200_fastwake.json")  # the current path (vllm_stage.json: the first)
     if vllm:
         lines += vllm_section(
-            vllm, _load("vllm_stage_h200_forkserver.json"), _load("vllm_stage_h200_spawn.json")
+            vllm,
+            _load("vllm_stage_h200_forkserver.json"),
+            _load("vllm_stage_h200_spawn.json"),
+            (_load("vllm_stage_h200_pieces.json"), _load("vllm_stage_h200_whole.json")),
         )
     serving = _load("serving.json")
     if serving:

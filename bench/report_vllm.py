@@ -35,10 +35,31 @@ def _vllm_restart_row(forkserver: dict[str, Any] | None, spawn: dict[str, Any] |
     ]
 
 
+def _vllm_pieces_rows(pieces: dict[str, Any] | None, whole: dict[str, Any] | None) -> list[str]:
+    """The KV cache mapped in pieces at a wake against mapped whole (two runs of one call)."""
+    if not pieces or not whole:
+        return []
+    p, w = pieces["summary"], whole["summary"]
+    day = pieces["machine"]["date"][:10]
+    return [
+        f"| L1 wake after 3 s asleep, KV cache mapped in pieces / whole ({day}, one call) | "
+        f"{p['l1_rested_wake_seconds_median']:.3f} s ({p['l1_rested_wake_ratio_to_h2d']:.0%} of "
+        f"H2D) / {w['l1_rested_wake_seconds_median']:.3f} s "
+        f"({w['l1_rested_wake_ratio_to_h2d']:.0%}) |",
+        f"| L1 wake right after its sleep, in pieces / whole (same runs) | "
+        f"{p['l1_wake_seconds_median']:.3f} s ({p['l1_wake_ratio_to_h2d']:.0%} of H2D) / "
+        f"{w['l1_wake_seconds_median']:.3f} s ({w['l1_wake_ratio_to_h2d']:.0%}) |",
+        f"| hand-over torch -> vLLM, in pieces / whole (same runs) | "
+        f"{p['handover_torch_to_vllm_seconds']:.2f} s / "
+        f"{w['handover_torch_to_vllm_seconds']:.2f} s |",
+    ]
+
+
 def vllm_section(
     data: dict[str, Any],
     forkserver: dict[str, Any] | None = None,
     spawn: dict[str, Any] | None = None,
+    pieces: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
 ) -> list[str]:
     """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits;
     the restarts' cold starts from the fork-server run and its spawned twin, where given."""
@@ -59,6 +80,7 @@ def vllm_section(
         f"({s['l1_sleep_ratio_to_d2h']:.0%} of D2H) / {s['l1_wake_seconds_median']:.2f} s "
         f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",
         *_vllm_engine_row(s),
+        *_vllm_pieces_rows(*pieces),
         f"| L2 sleep / wake (reload from disk) | {s['l2_sleep_seconds_median']:.2f} s / "
         f"{s['l2_wake_seconds_median']:.2f} s |",
         f"| residual after sleep (ACK, bound) | {s['l1_max_residual_bytes'] / MiB:.0f} MiB "
