@@ -95,16 +95,44 @@ __all__ = ["LocalNodes"]
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
+def octets_with_sockets(tcp_tables: Sequence[str]) -> set[int]:
+    """Second octets of the 127.x.y.z addresses TCP sockets are bound to, from the text of
+    ``/proc/net/tcp`` (the address in hex, in the host's byte order: little-endian here)."""
+    octets: set[int] = set()
+    for table in tcp_tables:
+        for line in table.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 2 or ":" not in fields[1]:
+                continue
+            address = fields[1].split(":", 1)[0]
+            if len(address) == 8 and address.upper().endswith("7F"):
+                octets.add(int(address[4:6], 16))
+    return octets
+
+
+def _bound_octets() -> set[int]:
+    try:
+        return octets_with_sockets([Path("/proc/net/tcp").read_text()])
+    except OSError:
+        return set()
+
+
 def reserve_ip_octet(first: int = 10, count: int = 1) -> tuple[int, list[IO[bytes]]]:
     """Reserve ``count`` consecutive second octets for pod IPs, unique among localnodes here.
 
     Several test sessions may run at once on one machine; each LocalNodes holds an exclusive
     lock on ``<tmp>/omnistage-localnode-ip/<octet>.lock`` while it runs (released by the OS if
-    the process dies), so no two hand out the same 127.x.y.z. (250 nodes per octet.)
+    the process dies), so no two hand out the same 127.x.y.z. (250 nodes per octet.) An octet
+    with a TCP socket still bound to one of its addresses is passed over even when its lock is
+    free: a pod's process that outlived its localnode keeps its port, and the next pod given
+    that IP could not bind it.
     """
     lock_dir = Path(tempfile.gettempdir()) / "omnistage-localnode-ip"
     lock_dir.mkdir(exist_ok=True)
+    bound = _bound_octets()
     for octet in range(first, 256 - count):
+        if bound & set(range(octet, octet + count)):
+            continue
         held: list[IO[bytes]] = []
         for o in range(octet, octet + count):
             fh = (lock_dir / f"{o}.lock").open("wb")
