@@ -128,6 +128,7 @@ def vllm(report: Json) -> Json:
         "cold_start_first_s": s["cold_start_seconds"],
         "weights_gib": s["weights_gib"],
         "l1_wake_seconds_median": s.get("l1_wake_seconds_median"),
+        "l1_rested_wake_ratio_to_h2d": s.get("l1_rested_wake_ratio_to_h2d"),
         "l1_sleep_ratio_to_d2h": s.get("l1_sleep_ratio_to_d2h"),
         "l2_wake_seconds_median": s.get("l2_wake_seconds_median"),
         "all_acks_ok": s["all_acks_ok"],
