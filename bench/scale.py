@@ -34,6 +34,18 @@ Lease (bench/scale_shards.py; each storm's ``by_shard``). ``--operator-cpus``,
 
     python3 bench/scale.py --bundle /tmp/gb --identity admin --sizes 1000 --replicas 1 \
         --shards 2 --operator-cpus 0-1 --control-plane-cpus 0-1 --harness-cpus 2-15
+
+What a hand-over costs the operator as the stages grow (issue 24): ``--storms`` (ondemand and
+handover always; ``leader_kill`` adds the later two), ``--idle-s S`` (an ``idle`` window before
+the storms and ``idle_after`` after the hand-over storm: the operator's CPU with no storm),
+``--settle`` (each window starts once the operator's writes have stopped, and reports
+``with_tail``: its figures until they stop again, the Events and follow-up rounds left when the
+storm converged; bench/scale_quiet.py), ``--storm-groups K`` (the hand-over storm over the first
+K groups, then ``handover_rest`` over the others: two storm sizes among as many stages) and
+``--profile-dir DIR`` (py-spy, raw, over the operator in each window):
+
+    .venv/bin/python bench/scale.py --sizes 1000 --replicas 1 --storms ondemand,handover \
+        --idle-s 30 --settle --storm-groups 100
 """
 
 from __future__ import annotations
@@ -74,10 +86,12 @@ def _bundle(argv: list[str]) -> dict[str, Any] | None:
 
 BUNDLE = _bundle(sys.argv[1:]) if __name__ == "__main__" else None
 
+from bench.proc_account import Profile  # noqa: E402
 from bench.scale_operators import NamedOperator  # noqa: E402
 from bench.scale_pinning import Pinning, PinningError  # noqa: E402
 from bench.scale_pinning import apply as pin  # noqa: E402
 from bench.scale_probe import Probe, etcd_db_bytes  # noqa: E402
+from bench.scale_quiet import quiet, writes  # noqa: E402
 from bench.scale_report import write_svg  # noqa: E402
 from bench.scale_shards import (  # noqa: E402
     per_shard,
@@ -106,6 +120,8 @@ NO_PINNING = Pinning()
 GPUS_PER_NODE = 8
 WEIGHTS = 50 * GiB  # two stages of a group never fit one 80 GiB GPU together
 STORMS = ("ondemand", "handover", "leader_kill", "unresponsive")
+# A window's figures until the operator is quiet again (``--settle``).
+WITH_TAIL = ("operator_cpu_s", "rounds", "rounds_by_cause", "apiserver_requests", "cpu_s")
 # The controller-manager without its Endpoints and EndpointSlice controllers: localnode's pods
 # have loopback IPs, which both refuse (HTTP 422), and each retried every stage's Service for
 # minutes: a third of the API server's requests in a 200-stage storm, a harness cost a real
@@ -116,7 +132,8 @@ CONTROLLERS = "*,-endpoint,-endpointslice,-endpointslicemirroring"
 async def _storms(
     cp: ControlPlane, nodes: LocalNodes, namespaces: list[str], *, groups: int,
     shard_ops: list[list[NamedOperator]], model_dir: Path, transfer_s: float,
-    storms: frozenset[str] = frozenset(STORMS),
+    storms: frozenset[str] = frozenset(STORMS), idle_s: float = 0.0,
+    profile_dir: Path | None = None, settle: bool = False, storm_groups: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     api = Api(load_kubeconfig(cp.kubeconfig))
     fleet = Fleet(api, namespaces, groups)
@@ -152,17 +169,36 @@ async def _storms(
         storm_numbers: dict[str, int] = {}
 
         async def measured(label: str, storm: Awaitable[dict[str, Any]]) -> None:
+            if settle:  # the last window's tail is done: this one starts clean
+                await quiet(lambda: writes(cp))
+            spy = profiled(ops, profile_dir, label)
             before, t = probe.snapshot(), time.monotonic()
             result = await storm
             storm_numbers[label] = fleet.storm
             result.update(Probe.delta(before, probe.snapshot(), time.monotonic() - t))
+            if settle:  # the storm's work left when it converged: Events, follow-up rounds
+                tail_s = await quiet(lambda: writes(cp))
+                whole = Probe.delta(before, probe.snapshot(), time.monotonic() - t)
+                result["with_tail"] = {"tail_s": tail_s, "seconds": round(time.monotonic() - t, 1),
+                                       **{k: whole[k] for k in WITH_TAIL}}  # fmt: skip
+            if spy is not None:
+                result["profile"] = spy.stop()
             out[label] = result
             if len(shard_ops) > 1:
                 per_shard(result, namespaces, shard_ops)
             print(f"[scale] {label}: {json.dumps(result)}", flush=True)
 
+        if idle_s > 0:  # no storm: what the operator spends on its own (resync, watches)
+            await measured("idle", idle(idle_s))
         await measured("ondemand", ondemand_storm(fleet, api, names))
-        await measured("handover", patch_storm(fleet, "a", "b", names, within_s=600))
+        first = names[:storm_groups] if storm_groups else names
+        await measured("handover", patch_storm(fleet, "a", "b", first, within_s=600))
+        if len(first) < len(names):  # the other groups' storm: as many stages, fewer groups
+            await measured(
+                "handover_rest", patch_storm(fleet, "a", "b", names[len(first) :], within_s=600)
+            )
+        if idle_s > 0:
+            await measured("idle_after", idle(idle_s))
         if "leader_kill" in storms:  # with shards: the first shard's leader is killed
             await later_storms(fleet, shard_ops[0], cp, nodes, measured=measured, out=out)
         # each storm's stage writes as the watch saw them, its tail until the next one included
@@ -176,11 +212,30 @@ async def _storms(
     return out
 
 
+async def idle(seconds: float) -> dict[str, Any]:
+    """An idle window: no request and no patch from the bench for ``seconds``."""
+    await asyncio.sleep(seconds)
+    return {"idle_s": seconds}
+
+
+def profiled(ops: list[NamedOperator], folder: Path | None, label: str) -> Profile | None:
+    """``py-spy record`` over the first live operator into ``folder/<label>.raw`` (None: no
+    folder, or no py-spy beside this Python)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    live = [op for op in ops if op.alive and op.proc is not None]
+    if folder is None or not spy.exists() or not live:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    return Profile(str(spy), live[0].proc.pid, folder / f"{label}.raw", rate=50)  # type: ignore[union-attr]
+
+
 def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
              transfer_s: float = 0.1, storms: frozenset[str] = frozenset(STORMS),
              as_chart: bool = True, nice: int = 0, shards: int = 1,
              pinning: Pinning = NO_PINNING, binaries: Binaries | None = None,
-             controller_manager: bool = True) -> dict[str, Any]:  # fmt: skip
+             controller_manager: bool = True, idle_s: float = 0.0,
+             profile_dir: Path | None = None, settle: bool = False,
+             storm_groups: int = 0) -> dict[str, Any]:  # fmt: skip
     """One size with ``replicas`` operators per shard on a fresh control plane: the storms'
     figures.
 
@@ -218,6 +273,8 @@ def run_size(stages: int, replicas: int, work: Path, *, sim_hosts: int = 10,
                     _storms(
                         cp, nodes, namespaces, groups=groups, shard_ops=shard_ops,
                         model_dir=model_dir, transfer_s=transfer_s, storms=storms,
+                        idle_s=idle_s, profile_dir=profile_dir, settle=settle,
+                        storm_groups=storm_groups,
                     )
                 )  # fmt: skip
             finally:
@@ -283,6 +340,24 @@ def main() -> int:
                    help="a bench.gpu_bundle folder: unpack it into --work and use its binaries "
                    "(the controller-manager only if it holds one)")  # fmt: skip
     p.add_argument("--work", type=Path, default=WORK, help="where --bundle is unpacked")
+    p.add_argument("--storms", default=",".join(STORMS),
+                   help="storms to run (ondemand and handover always run; leader_kill: the "
+                   "later two, handover_again/leader_kill and unresponsive)")  # fmt: skip
+    p.add_argument("--idle-s", type=float, default=0.0,
+                   help="an idle window of this many seconds before the storms and after the "
+                   "hand-over storm (the operator's CPU without a storm)")  # fmt: skip
+    p.add_argument("--storm-groups", type=int, default=0,
+                   help="the hand-over storm over this many groups only, then one over the "
+                   "others (handover_rest): storms of two sizes among as many stages")  # fmt: skip
+    p.add_argument("--settle", action="store_true",
+                   help="each window starts once the operator is quiet, and each reports "
+                   "with_tail: its figures until the operator is quiet again")  # fmt: skip
+    p.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="py-spy (raw) over the operator in every window, one file each",
+    )
     args = p.parse_args()
     try:
         pinning = Pinning.parse(args.operator_cpus, args.control_plane_cpus, args.harness_cpus)
@@ -306,7 +381,12 @@ def main() -> int:
                                  as_chart=args.identity == "chart",
                                  nice=args.control_plane_nice, shards=args.shards,
                                  pinning=pinning, binaries=binaries,
-                                 controller_manager=controller_manager))  # fmt: skip
+                                 controller_manager=controller_manager,
+                                 storms=frozenset(args.storms.split(",")),
+                                 idle_s=args.idle_s, settle=args.settle,
+                                 storm_groups=args.storm_groups,
+                                 profile_dir=args.profile_dir
+                                 and args.profile_dir / f"{size}-{replicas}"))  # fmt: skip
             args.out.write_text(json.dumps({"partial": True, "runs": runs}, indent=1) + "\n")
     result = {
         "benchmark": "scale",
