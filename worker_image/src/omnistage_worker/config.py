@@ -303,11 +303,12 @@ def _check_vllm(config: WorkerConfig) -> None:
             "--device",
             "with --backend vllm use cuda (vLLM takes its GPUs from CUDA_VISIBLE_DEVICES)",
         )
-    if config.initial_state == "asleep":
+    if config.initial_state == "asleep" and config.sleep_level != 2:
         raise ConfigError(
-            "--initial-state",
-            "asleep is not supported with --backend vllm: vLLM takes device memory "
-            "while it loads, so it cannot start without touching the GPU",
+            "--sleep-level",
+            f"{config.sleep_level} with --initial-state asleep and --backend vllm: such a stage "
+            "starts pre-warmed at level 2 (vLLM imported, nothing on the device or host; its "
+            "engine starts at the first wake), give --sleep-level 2",
         )
     if config.vllm.tensor_parallel_size != config.gpus:
         raise ConfigError(

@@ -393,6 +393,9 @@ class SleepWake(AckedTransitions):
             except Exception as exc:
                 return await self._wake_failed(controller, asleep_level, exc, allocation, outcome)
             worker.active_footprint = worker.peak_active = after.used
+            baseline = worker.runner.residual_baseline()  # a pre-warmed engine's, once started
+            if baseline is not None:
+                worker.baseline = baseline
             await worker.set_state(types_pb2.WORKER_STATE_ACTIVE, 0)
             return self._finish(outcome(after, bytes_moved=stats.bytes_moved, noop=stats.noop))
 

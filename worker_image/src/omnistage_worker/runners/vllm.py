@@ -54,8 +54,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +61,11 @@ from omnistage.worker.v1 import inference_service_pb2, types_pb2
 from omnistage_worker.config import WorkerConfig
 from omnistage_worker.memory import EngineTreeProbe, MemoryProbe
 from omnistage_worker.runners.base import ChunkSink, ModelRunner, SleepController
+from omnistage_worker.runners.vllm_controller import (
+    ENGINE_CALL_TIMEOUT_S,
+    Started,
+    VllmController,
+)
 from omnistage_worker.runners.vllm_requests import response_of, sampling_kwargs
 from omnistage_worker.runners.vllm_serve import (
     LoopBridge,
@@ -76,18 +79,6 @@ from omnistage_worker.runners.vllm_serve import (
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-#: Bound on one engine call made from the transition lane (sleep, wake, reload).
-ENGINE_CALL_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class VllmStats:
-    """Figures of a vLLM transition: ``bytes_moved`` is the weights' size when they were copied
-    (level 1) or reloaded (level-2 wake); vLLM itself reports no bytes."""
-
-    bytes_moved: int
-    seconds: float
-    noop: bool
 
 
 def prompt_token_ids(prompt: str, vocab_size: int) -> list[int]:
@@ -107,104 +98,6 @@ def vocab_size(model_dir: Path) -> int:
 def has_tokenizer(model_dir: Path) -> bool:
     """Whether the model directory carries a tokenizer vLLM can load."""
     return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
-
-
-class VllmController:
-    """Sleeps and wakes vLLM's async engine (``enable_sleep_mode``) from the transition lane.
-
-    ``flat_bytes``: what a wake takes on the device (weights and KV cache), measured at start;
-    an accounted device refuses a wake ahead of time when it does not fit. ``keeps_host_copy``:
-    the engine runs the fast sleep/wake (:mod:`.vllm_wake`), whose host copy of the weights
-    stays page-locked from a level-1 sleep until a level-2 sleep (it counts in
-    :meth:`host_bytes` while awake too).
-    """
-
-    def __init__(
-        self,
-        engine: Any,
-        bridge: LoopBridge,
-        weights_bytes: int,
-        wake_bytes: int = 0,
-        *,
-        lifespan: contextlib.AbstractAsyncContextManager[Any] | None = None,
-        keeps_host_copy: bool = False,
-    ) -> None:
-        self._engine = engine
-        self._bridge = bridge
-        self._lifespan = lifespan
-        self._level = 0
-        self._weights_bytes = weights_bytes
-        self.flat_bytes = wake_bytes or weights_bytes
-        self._keeps_host_copy = keeps_host_copy
-        self._host_kept = keeps_host_copy  # the start's calibration slept at level 1
-
-    @property
-    def level(self) -> int:
-        return self._level
-
-    @property
-    def weights_bytes(self) -> int:
-        return self._weights_bytes
-
-    def _run(self, call: Callable[[], Any]) -> Any:
-        return self._bridge.call(call(), ENGINE_CALL_TIMEOUT_S)
-
-    def activate(self) -> VllmStats:
-        return VllmStats(0, 0.0, True)  # vLLM loads onto the device when it is built
-
-    def start_asleep(self, level: int) -> VllmStats:
-        raise RuntimeError("vLLM cannot start asleep (it takes device memory while it loads)")
-
-    def sleep(self, level: int) -> VllmStats:
-        if level <= self._level:
-            return VllmStats(0, 0.0, True)
-        if self._level != 0:
-            # vLLM has no 1 -> 2 step that does not first take the device memory back.
-            raise RuntimeError("vLLM cannot go from level 1 to level 2 without waking")
-        started = time.monotonic()
-        # The worker drained its requests first; nothing is left for the engine to abort.
-        self._run(lambda: self._engine.sleep(level))
-        self._level = level
-        self._host_kept = self._keeps_host_copy and level == 1
-        moved = self._weights_bytes if level == 1 else 0
-        return VllmStats(moved, time.monotonic() - started, False)
-
-    def wake(self) -> VllmStats:
-        if self._level == 0:
-            return VllmStats(0, 0.0, True)
-        started = time.monotonic()
-        engine = self._engine
-        try:
-            if self._level == 2:
-                self._run(lambda: engine.wake_up(tags=["weights"]))
-                self._run(lambda: engine.collective_rpc("reload_weights"))
-                self._run(lambda: engine.wake_up(tags=["kv_cache"]))
-                self._run(engine.reset_prefix_cache)
-            else:
-                self._run(engine.wake_up)
-        except Exception:
-            # Part of the memory may be mapped again: give it back before reporting.
-            log.warning("vLLM wake from level %d failed; back to sleep", self._level)
-            level = self._level
-            with contextlib.suppress(Exception):
-                self._run(lambda: engine.sleep(level))
-            raise
-        self._level = 0
-        return VllmStats(self._weights_bytes, time.monotonic() - started, False)
-
-    def close(self) -> None:
-        """End the app's lifespan, stop the engine core (its memory goes with it)."""
-        if self._lifespan is not None:
-            lifespan, self._lifespan = self._lifespan, None
-            with contextlib.suppress(Exception):
-                self._bridge.call(lifespan.__aexit__(None, None, None), ENGINE_CALL_TIMEOUT_S)
-        self._engine.shutdown()
-
-    def device_bytes(self) -> int:
-        return 0  # the engine's memory is measured on the device, never accounted here
-
-    def host_bytes(self) -> int:
-        return self._weights_bytes if self._level == 1 or self._host_kept else 0
 
 
 class VllmRunner(ModelRunner):
@@ -255,6 +148,28 @@ class VllmRunner(ModelRunner):
         # vLLM forks its engine core by default; this process runs gRPC threads, which must
         # not be forked: spawn it (the worker's entry points are import-safe).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        self.vocab_size = vocab_size(self.model_dir)
+        if self.config.initial_state == "asleep":
+            self._prewarm()
+        else:
+            self._start_engine()
+
+    def _prewarm(self) -> None:
+        """Import vLLM and check the flags without starting the engine: the stage holds no
+        device memory (nor host copy: level 2), and its first wake starts the engine with
+        the imports done (here, and in the engine core's fork server)."""
+        started = time.monotonic()
+        device = min(self._probe().read().devices, key=lambda d: d.total)
+        parse_serve_args(self.serve_argv(device.total, device.total))
+        self.fields = request_fields()
+        log.info(
+            "vLLM imported in %.2fs; its engine starts at the first wake (pre-warmed: no "
+            "device memory held until then)",
+            time.monotonic() - started,
+        )
+
+    def _start_engine(self) -> Started:
+        """Start vLLM's engine and its app, then calibrate; a failure stops what started."""
         probe = self._probe()
         device = min(probe.read().devices, key=lambda d: d.free)
         tree = probe if isinstance(probe, EngineTreeProbe) else None
@@ -264,13 +179,39 @@ class VllmRunner(ModelRunner):
         log.info("starting vLLM's engine: vllm serve %s", " ".join(argv))
         self.serve_args = parse_serve_args(argv)
         self.engine = start_engine(self.serve_args)
-        if tree is not None:
-            tree.adopt_engine(listed)
-        self.vocab_size = vocab_size(self.model_dir)
-        self.fields = request_fields()
-        self.app, self._lifespan = self.bridge.call(build_openai_app(self.engine, self.serve_args))
-        log.info("vLLM loaded %s in %.2fs", self.model_dir, time.monotonic() - started)
-        self._calibrate(probe)
+        try:
+            if tree is not None:
+                tree.adopt_engine(listed)
+            self.fields = request_fields()
+            self.app, self._lifespan = self.bridge.call(
+                build_openai_app(self.engine, self.serve_args)
+            )
+            log.info("vLLM loaded %s in %.2fs", self.model_dir, time.monotonic() - started)
+            self._calibrate(probe)
+        except BaseException:
+            self._stop_engine()
+            raise
+        return Started(self.engine, self._lifespan, self._wake_bytes)
+
+    def _stop_engine(self) -> None:
+        """After a failed start: the app's lifespan ended, the engine core stopped."""
+        engine, lifespan = self.engine, self._lifespan
+        self.engine = self.app = self._lifespan = None
+        if lifespan is not None:
+            with contextlib.suppress(Exception):
+                self.bridge.call(lifespan.__aexit__(None, None, None), ENGINE_CALL_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            engine.shutdown()
+
+    def _planned_bytes(self) -> int:
+        """What a pre-warmed engine will take per the flags (0: the free memory decides)."""
+        args = self.config.vllm
+        if args.memory_bytes is not None:
+            return args.memory_bytes
+        if args.gpu_memory_utilization is not None:
+            total = sum(d.total for d in self._probe().read().devices)
+            return int(args.gpu_memory_utilization * total)
+        return 0
 
     def _calibrate(self, probe: MemoryProbe) -> None:
         """Measure once what the engine holds asleep (context, CUDA graphs, NCCL): a level-1
@@ -318,9 +259,10 @@ class VllmRunner(ModelRunner):
             self.engine,
             self.bridge,
             weights,
-            self._wake_bytes,
+            self._wake_bytes if self.engine is not None else self._planned_bytes(),
             lifespan=self._lifespan,
             keeps_host_copy=self.config.vllm.fast_wake,
+            start=self._start_engine,
         )
 
     def validate(self, request: inference_service_pb2.GenerateRequest) -> None:

@@ -163,7 +163,12 @@ class VllmFront:
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         app = self._app()
         if app is None:
-            message = "worker is loading the model"
+            message = (
+                "worker is loading the model"
+                if self.worker.state == types_pb2.WORKER_STATE_LOADING
+                else "vLLM's engine has not started: this pre-warmed stage starts it at its "
+                "first wake"
+            )
             body = openai_api.error_body(message, "server_error", None, None)
             await JSONResponse(body, status_code=503)(scope, receive, send)
             return
