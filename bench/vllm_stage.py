@@ -41,6 +41,7 @@ import grpc  # noqa: E402
 
 from bench.reporting import emit  # noqa: E402
 from bench.vllm_stage_models import child_build  # noqa: E402
+from bench.vllm_stage_prewarm import prewarm_summary, prewarmed_start  # noqa: E402
 from bench.vllm_stage_workers import (  # noqa: E402
     Outside,
     PhaseLog,
@@ -237,6 +238,14 @@ def run(a: argparse.Namespace) -> Json:
                 "cold_start_seconds": time.time() - llm.spawned_at,
                 "compile_cache_before": before, "tokens_identical": tokens == reference,
             })  # fmt: skip
+        for n in range(a.prewarmed):  # the pod pre-warmed asleep, its engine started by a wake
+            llm.stop()
+            llm = None
+            log = work / f"vllm_prewarmed{n + 1}.log"
+            llm, figures = prewarmed_start(
+                args, env, log, outside, prompt=PROMPT, tokens=a.tokens, reference=reference
+            )
+            report.setdefault("prewarmed", []).append(figures)
     finally:
         if llm is not None:
             llm.stop()
@@ -275,6 +284,7 @@ def summarize(r: Json) -> Json:
     weights = r["build"]["vllm"]["bytes"]
     lim = r["limits"]
     out: Json = {"weights_gib": weights / GiB, "cold_start_seconds": r["cold_start_seconds"]}
+    out.update(prewarm_summary(r.get("prewarmed", [])))
     restarts = r.get("restarts", [])
     if restarts:  # a restart's caches are the first start's: the cold start a stage's volume gives
         out["cold_start_caches_kept_seconds"] = _median([x["cold_start_seconds"] for x in restarts])
@@ -409,6 +419,12 @@ def main() -> None:
         type=int,
         default=1,
         help="start the vLLM stage again this many times at the end, its compile caches kept",
+    )
+    parser.add_argument(
+        "--prewarmed",
+        type=int,
+        default=0,
+        help="then start it this many times pre-warmed (asleep at level 2) and wake it",
     )
     parser.add_argument(
         "--cache-dir",

@@ -157,3 +157,14 @@ def test_overlapping_transitions_count_once_in_the_workers_share() -> None:
     run = _load("gpu_e2e_overlapped_h200.json")["runs"][0]
     summed = run["sleep"]["durationSeconds"] + run["wake"]["durationSeconds"]
     assert run["worker_s"] == workers_s(run["sleep"], run["wake"]) < summed
+
+
+def test_a_prewarmed_vllm_start_gives_the_cold_start_with_the_pods_own_beside_it() -> None:
+    report = _load("vllm_stage.json")
+    first = report["summary"]["cold_start_seconds"]
+    report["summary"]["cold_start_caches_kept_seconds"] = first / 4
+    report["summary"]["prewarmed_wake_to_first_token_seconds"] = first / 8
+    figures = speed_figures.vllm(report)
+    assert figures["vllm_cold_start_s"] == first / 8
+    assert figures["cold_start_basis"] == "pre-warmed pod, wake -> first token"
+    assert figures["cold_start_spawn_s"] == first / 4

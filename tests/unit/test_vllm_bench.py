@@ -32,7 +32,7 @@ def test_smoke_run_renders_a_readme_section(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "bench" / "vllm_stage.py"), "--smoke",
          "--workdir", str(tmp_path / "w"), "--out", str(out), "--l1-cycles", "1",
-         "--l2-cycles", "1", "--l1-rested-cycles", "1", "--rest-s", "0.2"],
+         "--l2-cycles", "1", "--l1-rested-cycles", "1", "--rest-s", "0.2", "--prewarmed", "1"],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     data = json.loads(out.read_text())
@@ -41,6 +41,11 @@ def test_smoke_run_renders_a_readme_section(tmp_path: Path) -> None:
     assert s["all_refused_while_asleep"] and s["residual_within_bound"]
     assert s["restart_tokens_identical"] and s["cold_start_caches_kept_seconds"] > 0
     assert len(data["restarts"]) == 1  # the stage started again, its compile caches kept
+    (pre,) = data["prewarmed"]  # then pre-warmed: nothing held asleep, its wake starts it
+    assert pre["asleep_level"] == 2 and pre["worker_used_bytes_asleep"] == 0
+    assert s["prewarmed_held_bytes_max"] <= 0 and s["prewarmed_all_acks_ok"]
+    assert s["prewarmed_tokens_identical"] and 0 < pre["wake_seconds"]
+    assert pre["wake_seconds"] <= s["prewarmed_wake_to_first_token_seconds"]
     rested = [c for c in data["cycles"] if c["rest_s"]]
     assert [(c["level"], c["rest_s"]) for c in rested] == [(1, 0.2)]
     assert s["l1_rested_rest_s"] == 0.2 and s["l1_rested_wake_ratio_to_h2d"] > 0
