@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from omnistage_worker.memory import NvmlProbe
-from omnistage_worker.runners.vllm import VllmController
+from omnistage_worker.runners.vllm_controller import VllmController
 from omnistage_worker.runners.vllm_serve import LoopBridge
 
 

@@ -27,7 +27,7 @@ import pytest
 
 from omnistage.worker.v1 import types_pb2
 from omnistage_worker.config import DeviceSpec, VllmArgs
-from omnistage_worker.runners.vllm import VllmController
+from omnistage_worker.runners.vllm_controller import VllmController
 from omnistage_worker.runners.vllm_serve import LoopBridge, parse_serve_args, start_engine
 from tests.fakegpu import model
 from tests.fakegpu.device import FakeGpu
