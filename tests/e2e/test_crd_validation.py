@@ -131,7 +131,8 @@ def test_vllm_engine_args_are_accepted_and_reach_the_worker(
     stage = parse_stage(stored)
     pod = build_worker_pod(stage, initial_state=DesiredState.ASLEEP, owner=owner_reference(stored))
     args = pod["spec"]["containers"][0]["args"]
-    assert args[args.index("--initial-state") + 1] == "active"  # vLLM starts once admitted
+    assert args[args.index("--initial-state") + 1] == "asleep"  # pre-warmed, no engine yet
+    assert args[args.index("--sleep-level") + 1] == "2"
     assert args[args.index("--vllm-tensor-parallel-size") + 1] == "2"
     assert args[args.index("--vllm-gpu-memory-utilization") + 1] == "0.3"
     assert args[args.index("--vllm-max-num-seqs") + 1] == "128"

@@ -1,16 +1,16 @@
-"""A vLLM stage and a torch stage hand over both ways, end to end (issue 9).
+"""A vLLM stage and a torch stage hand over both ways, end to end (issues 9 and 23).
 
 Real API server, localnode, the real operator and workers; the vLLM stage runs the STAND-IN
 engine (``tests/fakevllm``, put on the stage's PYTHONPATH: CI has no vLLM), whose engine core
-is a child process holding real memory on the simulated GPU. The vLLM stage takes its memory
-while it starts, so its pod must not exist until it is admitted and the torch stage's sleep is
-ACKed; the two stages' weights are never on the device together.
+is a child process holding real memory on the simulated GPU. The vLLM stage's pod starts asleep
+before it is asked, pre-warmed at level 2 (vLLM imported, no engine, nothing on the device); its
+first wake, sent only once the torch stage's sleep is ACKed, starts the engine; the two stages'
+weights are never on the device together.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,31 +52,39 @@ def test_vllm_and_torch_stages_hand_over_both_ways(
 ) -> None:  # fmt: skip
     llm_dir = build_standin_model(tmp_path / "llm", weights=200_000)
     cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu.node, state="Active"))
-    cluster.apply(vllm_manifest(llm_dir, gpu.node))
     wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
+    before = gpu.snapshot()
+    cluster.apply(vllm_manifest(llm_dir, gpu.node))
 
-    # Not asked: no pod (vLLM would take its memory while starting), and status says why.
-    wait_for(
-        "llm says it starts when admitted",
-        lambda: _condition(cluster, "llm", "Ready").get("reason") == "StartsWhenAdmitted",
-        60,
-    )
-    assert cluster.pod("llm") is None
+    # Not asked: its pod runs pre-warmed, asleep at level 2, with nothing on the device.
+    wait_for("llm Asleep (pre-warmed)", lambda: cluster.state("llm") == "Asleep", 180)
+    pod = cluster.pod("llm")
+    assert pod is not None
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--initial-state") + 1] == "asleep"
+    assert args[args.index("--sleep-level") + 1] == "2"  # whatever spec.sleepLevel (1) says
+    assert args[args.index("--vllm-memory-bytes") + 1] == str(LLM_REQUEST)
+    asleep = _condition(cluster, "llm", "Asleep")
+    assert asleep["status"] == "True" and "level 2" in asleep["message"], asleep
+    snap = gpu.snapshot()
+    assert set(snap.procs) == set(before.procs), "the pre-warmed vLLM stage holds device memory"
+    assert snap.used_total == before.used_total
+    llm = cluster.status("llm")
+    assert llm.get("lastAck") is None, llm  # no order to reach the spec's level 1 (it cannot)
+    uid = pod["metadata"]["uid"]
 
     with MemoryWatch(gpu) as watch:
-        # torch -> vLLM: the torch stage sleeps (ACK), then the vLLM pod starts Active.
+        # torch -> vLLM: the torch stage sleeps (ACK), then the running vLLM pod is woken.
         cluster.patch_state("llm", "Active")
         wait_for("llm Active", lambda: cluster.state("llm") == "Active", 240)
         ar = cluster.status("ar")
         assert ar["state"] == "Waiting" and ar["waitingFor"] == ["llm"]
         assert ar["lastAck"]["op"] == "sleep" and ar["lastAck"]["ok"] is True
         pod = cluster.pod("llm")
-        assert pod is not None
-        args = pod["spec"]["containers"][0]["args"]
-        assert args[args.index("--initial-state") + 1] == "active"
-        assert args[args.index("--vllm-memory-bytes") + 1] == str(LLM_REQUEST)
+        assert pod is not None and pod["metadata"]["uid"] == uid  # a wake, not a new pod
+        ack = cluster.status("llm")["lastAck"]
+        assert (ack["op"], ack["ok"]) == ("wake", True)
         first = list(_generate(cluster, "llm").text.token_ids)
-        uid = pod["metadata"]["uid"]
 
         # vLLM -> torch: the vLLM stage sleeps; what it keeps is what its engine holds asleep.
         cluster.patch_state("llm", "Asleep")
@@ -107,9 +115,10 @@ def test_a_vllm_stage_that_cannot_start_backs_off_and_its_group_hands_over(
     cluster: Cluster, operator: OperatorProcess, tiny_models: dict[str, Path], gpu: Gpu,
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    """The stand-in engine refuses to start (its budget leaves no room for a KV cache): each
-    failed start counts into the stage's crash back-off (10 s, then 20 s before the next pod),
-    with the engine's reason in status; the torch stage of the group is woken meanwhile."""
+    """The stand-in engine refuses to start at the first wake (its budget leaves no room for a
+    KV cache): the worker stops what started and stays asleep at level 2 in the same pod; each
+    failed wake counts into the stage's wake back-off (1, 2, 4 ... s), with the engine's reason
+    in status; the torch stage of the group is woken meanwhile."""
     llm_dir = build_standin_model(tmp_path / "llm", weights=200_000)
     cluster.apply(stage_manifest("ar", "ar", tiny_models, gpu.node, state="Active"))
     wait_for("ar Active", lambda: cluster.state("ar") == "Active", 180)
@@ -118,36 +127,34 @@ def test_a_vllm_stage_that_cannot_start_backs_off_and_its_group_hands_over(
     bad["spec"]["vllm"]["gpuMemoryUtilization"] = 0.1  # under its weights: no KV cache
     cluster.apply(bad)
 
-    starts: dict[str, float] = {}  # pod uid -> when first seen
+    def attempts() -> int:
+        return int((cluster.status("llm").get("wakeBackoff") or {}).get("attempts", 0))
 
-    def restarts(n: int) -> bool:
-        pod = cluster.pod("llm")
-        if pod is not None:
-            starts.setdefault(pod["metadata"]["uid"], time.monotonic())
-        return int((cluster.status("llm").get("backoff") or {}).get("restarts", 0)) >= n
-
-    wait_for("llm's first failed start counted", lambda: restarts(1), 240)
-    backoff = cluster.status("llm")["backoff"]
-    assert "No available memory for the cache blocks" in backoff["message"]
+    wait_for("llm's first failed wake counted", lambda: attempts() >= 1, 240)
+    ready = _condition(cluster, "llm", "Ready")
+    assert "No available memory for the cache blocks" in ready["message"], ready
+    pod = cluster.pod("llm")
+    assert pod is not None
+    uid = pod["metadata"]["uid"]
     # While it backs off, the torch stage has the GPU again and the failure is on llm alone.
     wait_for("ar Active again", lambda: cluster.state("ar") == "Active", 60)
-    ready = _condition(cluster, "llm", "Ready")
-    assert ready["reason"] == "WorkerExited" and "cache blocks" in ready["message"]
-    wait_for("llm's second failed start counted", lambda: restarts(2), 120)
-    wait_for("llm's third pod", lambda: restarts(2) and len(starts) >= 3, 120)
-    times = sorted(starts.values())
-    assert times[1] - times[0] >= 9 and times[2] - times[1] >= 19  # 10 s, then 20 s
-    cluster.reasons_include("llm", {"WorkerExited"})
+    wait_for("llm's third failed wake counted", lambda: attempts() >= 3, 120)
+    cluster.reasons_include("llm", {"WakeFailed"})
+    pod = cluster.pod("llm")
+    assert pod is not None and pod["metadata"]["uid"] == uid  # the same pod: no restarts
+    llm = cluster.status("llm")
+    assert llm.get("backoff") is None and llm["state"] in ("Asleep", "Waiting", "Waking"), llm
+    snap = gpu.snapshot()
+    assert sum(1 for p in snap.procs.values() if p.weights > 0) <= 1  # ar's, if any
 
-    # The engine argument fixed (a new pod spec): no waiting out the back-off, it starts now.
-    wait_for("llm's third failed start counted", lambda: restarts(3), 120)
-    until = cluster.status("llm")["backoff"]["until"]
-    fixed = time.monotonic()
+    # The engine argument fixed (a new pod spec): its pod is replaced and woken, no waiting
+    # out the back-off.
     cluster.cp.kubectl(
         "patch", "omnistage", "llm", "-n", cluster.namespace, "--type=merge",
         "-p", '{"spec":{"vllm":{"gpuMemoryUtilization":null}}}',
     )  # fmt: skip
-    wait_for("llm Active", lambda: cluster.state("llm") == "Active", 120)
-    assert time.monotonic() - fixed < 40  # the third back-off alone is 40 s
-    assert cluster.status("llm").get("backoff") is None, until
-    cluster.reasons_include("llm", {"BackoffReset"})
+    wait_for("llm Active", lambda: cluster.state("llm") == "Active", 180)
+    assert cluster.status("llm").get("wakeBackoff") is None
+    pod = cluster.pod("llm")
+    assert pod is not None and pod["metadata"]["uid"] != uid
+    cluster.reasons_include("llm", {"PodReplaced", "Woken"})

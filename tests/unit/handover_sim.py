@@ -131,7 +131,7 @@ class SimPort:
     async def probe(self, stage: str) -> StageFacts:
         return (await self.observe()).facts[stage]
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
+    async def start(self, stage: str) -> None:
         w = self.world
         wk = w.workers[stage]
         assert not wk.pod, f"start of {stage} whose pod exists"

@@ -148,7 +148,7 @@ class Group:
         facts = {"a": painter(tuple(sorted(self.a_asleep))), "b": b}
         return GroupObservation(intents(self.want), facts, memory(self.used()))
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
+    async def start(self, stage: str) -> None:
         raise AssertionError("no pod is started")
 
     async def probe(self, stage: str) -> StageFacts:

@@ -83,7 +83,7 @@ class ScriptedPort:
             return StageFacts(self.probe_phase, inflight_requests=self.a_inflight)
         return facts
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
+    async def start(self, stage: str) -> None:
         self.calls.append(("start", stage, ""))
 
     async def sleep(

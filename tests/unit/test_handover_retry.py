@@ -33,7 +33,7 @@ class StartingWorkerPort:
         facts = {"a": a, "b": StageFacts(self.b, level=1)}
         return GroupObservation(intents, facts, GroupMemory(16, 16 - used))
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
+    async def start(self, stage: str) -> None:
         raise AssertionError("no pod is created here")
 
     async def probe(self, stage: str) -> StageFacts:

@@ -103,7 +103,7 @@ class ProcessPort:
         )
         return GroupObservation(dict(self.intents), facts, mem)
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
+    async def start(self, stage: str) -> None:
         runner, backend, model = {
             "ar": ("ar", "transformers", self.models["ar"]),
             "sd": ("diffusion", "diffusers", self.models["sd"]),

@@ -195,7 +195,7 @@ class KeptPort:
     async def probe(self, stage: str) -> StageFacts:
         raise AssertionError("no probe here")
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
+    async def start(self, stage: str) -> None:
         raise AssertionError("no pod is created here")
 
     async def fence(self, stage: str, reason: str) -> None:

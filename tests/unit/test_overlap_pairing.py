@@ -98,8 +98,8 @@ def test_no_pairing_when_the_freed_memory_would_not_let_the_arbiter_wake() -> No
 
 def test_vllm_stages_and_busy_sleepers_go_the_serial_way() -> None:
     obs = _handover()
-    vllm = replace(obs.intents["y"], starts_active=True)
-    assert _pair(replace(obs, intents={**obs.intents, "y": vllm})) is None
+    vllm = replace(obs.facts["y"], claim_limits=False)  # a vLLM worker reports none
+    assert _pair(replace(obs, facts={**obs.facts, "y": vllm})) is None
     busy = replace(obs.facts["x"], inflight_requests=2)
     assert _pair(replace(obs, facts={**obs.facts, "x": busy})) is None
     no_context = replace(obs.facts["x"], context_bytes=None)

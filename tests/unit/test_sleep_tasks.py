@@ -74,7 +74,7 @@ class DrainPort:
     async def probe(self, stage: str) -> StageFacts:
         return (await self.observe()).facts[stage]
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
+    async def start(self, stage: str) -> None:
         raise AssertionError("no pod is created here")
 
     async def sleep(

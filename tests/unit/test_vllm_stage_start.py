@@ -1,17 +1,17 @@
-"""vLLM stages start only once admitted and covered by the measured free memory (issue 9), and
-one stage's error never blocks the other stages of its group.
+"""A vLLM stage's pod starts asleep, pre-warmed at level 2 (issue 23): nothing on the device until
+its first wake starts the engine, so it is charged what its engine will take before it ever
+ran, and that wake goes through the gate like any other; a failed first wake backs off and the
+group hands over meanwhile. One stage's error never blocks the other stages of its group.
 
 ``GroupSim`` is a port over a simulated group on one device: a stage holds its bytes while
-Active or starting Active, nothing while asleep or absent. It checks the promise at every
-Active start and wake: the measured free memory covers the stage.
+Active, nothing while asleep or absent. It checks the promise at every wake: the measured free
+memory covers the stage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
-from omnistage_operator.api import conditions as cond
 from omnistage_operator.decisions.arbiter import (
     BlockReason,
     DeviceMemory,
@@ -24,18 +24,25 @@ from omnistage_operator.decisions.arbiter.plan import plan
 from omnistage_operator.decisions.facts import AckFacts
 from omnistage_operator.decisions.handover import GroupObservation, RoundOutcome, RoundPolicy
 from omnistage_operator.decisions.handover.rounds import run_round
-from omnistage_operator.decisions.status import Phase, StageObservation, build_status
+from omnistage_operator.decisions.wake_backoff import (
+    FIRST_S,
+    MAX_S,
+    WakeBackoff,
+    failure_message,
+)
 
 GI = 1 << 30
 TOTAL = 16 * GI
 POLICY = RoundPolicy(ack_retries=2, backoff_s=0.01)
+ENGINE_FAILS = "No available memory for the cache blocks"
 
 
 @dataclass
 class Stage:
     intent: StageIntent
     phase: WorkerPhase
-    holds: int  # bytes while Active (or starting Active)
+    holds: int  # bytes while Active
+    level: int = 1
 
 
 @dataclass
@@ -43,20 +50,17 @@ class GroupSim:
     stages: dict[str, Stage]
     calls: list[tuple[str, str]] = field(default_factory=list)
     broken_start: set[str] = field(default_factory=set)
+    engine_fails: set[str] = field(default_factory=set)  # its engine cannot start
 
     def _free(self) -> int:
-        held = sum(
-            s.holds
-            for s in self.stages.values()
-            if s.phase in (WorkerPhase.ACTIVE, WorkerPhase.LOADING)
-        )
+        held = sum(s.holds for s in self.stages.values() if s.phase is WorkerPhase.ACTIVE)
         return TOTAL - held
 
     async def observe(self) -> GroupObservation:
         facts = {
             n: StageFacts(
                 s.phase,
-                level=1 if s.phase is WorkerPhase.ASLEEP else None,
+                level=s.level if s.phase is WorkerPhase.ASLEEP else None,
                 used_bytes=s.holds if s.phase is WorkerPhase.ACTIVE else 0,
                 device_uuids=("GPU-0",) if s.phase is not WorkerPhase.ABSENT else (),
             )
@@ -69,17 +73,13 @@ class GroupSim:
     async def probe(self, stage: str) -> StageFacts:
         return (await self.observe()).facts[stage]
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
-        self.calls.append(("start-active" if active else "start", stage))
+    async def start(self, stage: str) -> None:
+        self.calls.append(("start", stage))
         if stage in self.broken_start:
             raise RuntimeError(f"API refused the pod of {stage}")
         s = self.stages[stage]
-        if active:
-            assert self._free() >= s.holds, "started Active into memory another stage holds"
-            s.phase = WorkerPhase.LOADING  # the engine takes its memory while it starts
-        else:
-            assert not s.intent.starts_active, "a vLLM pod created asleep"
-            s.phase = WorkerPhase.ASLEEP
+        s.phase = WorkerPhase.ASLEEP  # pre-warmed: nothing on the device
+        s.level = 2
 
     async def sleep(
         self,
@@ -93,12 +93,16 @@ class GroupSim:
     ) -> AckFacts:
         self.calls.append(("sleep", stage))
         self.stages[stage].phase = WorkerPhase.ASLEEP
+        self.stages[stage].level = level
         return AckFacts(task_id, True, "sleep", WorkerPhase.ASLEEP, level=level)
 
     async def wake(self, stage: str, task_id: str) -> AckFacts:
         self.calls.append(("wake", stage))
         s = self.stages[stage]
         assert self._free() >= s.holds, "woken into memory another stage holds"
+        if stage in self.engine_fails:  # the worker stops what started: asleep at 2 again
+            error = f"wake from level 2 failed: {ENGINE_FAILS}"
+            return AckFacts(task_id, False, "wake", WorkerPhase.ASLEEP, level=2, error=error)
         s.phase = WorkerPhase.ACTIVE
         return AckFacts(task_id, True, "wake", WorkerPhase.ACTIVE)
 
@@ -111,98 +115,104 @@ class GroupSim:
 
 
 def _vllm(want: bool = True, at: float = 2.0, request: int | None = 10 * GI) -> StageIntent:
-    return StageIntent(
-        "llm", want, requested_active_at=at, vram_request=request, starts_active=True
-    )
+    return StageIntent("llm", want, requested_active_at=at, vram_request=request)
 
 
 def _torch(want: bool = True, at: float = 1.0) -> StageIntent:
     return StageIntent("dit", want, requested_active_at=at, vram_request=10 * GI)
 
 
+PREWARMED = StageFacts(WorkerPhase.ASLEEP, level=2, device_uuids=("GPU-0",))
+
+
 # -- the arbiter ---------------------------------------------------------------------------
 
 
-def test_absent_vllm_stage_is_started_only_when_admitted_and_free_covers_it() -> None:
+def test_a_prewarmed_vllm_stage_is_woken_only_when_free_covers_its_engine() -> None:
+    """Asleep at level 2 it holds nothing, yet its first wake starts an engine that takes its
+    request: the gate charges that, not what it holds now."""
     mem = GroupMemory(TOTAL, TOTAL, (DeviceMemory("GPU-0", TOTAL, TOTAL),))
-    absent = StageFacts(WorkerPhase.ABSENT)
-    d = plan({"llm": _vllm()}, {"llm": absent}, mem)
-    assert d.start == ("llm",) and d.wake == ()
+    d = plan({"llm": _vllm()}, {"llm": PREWARMED}, mem)
+    assert d.wake == ("llm",) and d.footprints["llm"] == 10 * GI
 
     low = GroupMemory(TOTAL, 6 * GI, (DeviceMemory("GPU-0", TOTAL, 6 * GI),))
-    d = plan({"llm": _vllm()}, {"llm": absent}, low)
-    assert d.start == ()
+    d = plan({"llm": _vllm()}, {"llm": PREWARMED}, low)
+    assert d.wake == ()
     assert d.waiting["llm"][0].reason is BlockReason.FREE_TOO_LOW
-
-    d = plan({"llm": _vllm(want=False)}, {"llm": absent}, mem)
-    assert d.start == () and d.admitted == ()
-
-
-def test_a_vllm_stage_alone_starts_without_measured_memory_but_not_beside_others() -> None:
-    """No worker has measured the device yet: alone, the engine's own start check is the gate
-    (else a group of vLLM stages could never start); beside a pod, no start on a guess."""
-    unknown = GroupMemory()
-    absent = StageFacts(WorkerPhase.ABSENT)
-    assert plan({"llm": _vllm()}, {"llm": absent}, unknown).start == ("llm",)
-    intents = {"llm": _vllm(), "dit": _torch(want=False)}
-    d = plan(intents, {"llm": absent, "dit": StageFacts(WorkerPhase.STARTING)}, unknown)
-    assert d.start == ()
-    assert d.waiting["llm"][0].reason is BlockReason.NOT_MEASURED
 
 
 def test_gpu_memory_utilization_is_a_floor_of_the_footprint() -> None:
     """Without vram.request, a vLLM stage's engine takes gpuMemoryUtilization of the device:
-    it is not started into less free memory than that (its worker would refuse to start)."""
-    intent = StageIntent("llm", True, starts_active=True, memory_share=0.5)
-    absent = StageFacts(WorkerPhase.ABSENT)
+    its first wake is not sent into less free memory than that (its engine would not start)."""
+    intent = StageIntent("llm", True, memory_share=0.5)
     low = GroupMemory(TOTAL, 6 * GI, (DeviceMemory("GPU-0", TOTAL, 6 * GI),))
-    d = plan({"llm": intent}, {"llm": absent}, low)
-    assert d.footprints["llm"] == 8 * GI and d.start == ()
+    d = plan({"llm": intent}, {"llm": PREWARMED}, low)
+    assert d.footprints["llm"] == 8 * GI and d.wake == ()
     assert d.waiting["llm"][0].reason is BlockReason.FREE_TOO_LOW
     enough = GroupMemory(TOTAL, 9 * GI, (DeviceMemory("GPU-0", TOTAL, 9 * GI),))
-    assert plan({"llm": intent}, {"llm": absent}, enough).start == ("llm",)
+    assert plan({"llm": intent}, {"llm": PREWARMED}, enough).wake == ("llm",)
 
 
-def test_holder_sleeps_before_the_vllm_stage_starts_and_its_start_blocks_other_wakes() -> None:
+def test_the_holder_sleeps_before_a_prewarmed_vllm_stage_wakes() -> None:
     mem = GroupMemory(TOTAL, 6 * GI, (DeviceMemory("GPU-0", TOTAL, 6 * GI),))
     intents = {"llm": _vllm(), "dit": _torch()}
     active = StageFacts(WorkerPhase.ACTIVE, used_bytes=10 * GI, device_uuids=("GPU-0",))
-    d = plan(intents, {"llm": StageFacts(WorkerPhase.ABSENT), "dit": active}, mem)
-    assert d.admitted == ("llm",) and [o.stage for o in d.sleep] == ["dit"] and d.start == ()
-
-    # While the vLLM engine loads, no other stage is woken (its memory is not measured yet).
-    small = StageIntent("tiny", True, requested_active_at=0.5, vram_request=GI)
-    intents = {"llm": _vllm(), "tiny": small}
-    facts = {
-        "llm": StageFacts(WorkerPhase.LOADING, used_bytes=2 * GI),
-        "tiny": StageFacts(WorkerPhase.ASLEEP, level=1),
-    }
-    full = GroupMemory(TOTAL, 14 * GI, (DeviceMemory("GPU-0", TOTAL, 14 * GI),))
-    d = plan(intents, facts, full)
-    assert set(d.admitted) == {"llm", "tiny"} and d.wake == ()
-    assert any(b.reason is BlockReason.PODS_STARTING for b in d.waiting["tiny"])
+    d = plan(intents, {"llm": PREWARMED, "dit": active}, mem)
+    assert d.admitted == ("llm",) and [o.stage for o in d.sleep] == ["dit"] and d.wake == ()
 
 
 # -- the round -----------------------------------------------------------------------------
 
 
 async def test_round_hands_over_from_a_torch_stage_to_a_vllm_stage_and_back() -> None:
+    """Its pod is created asleep before it is asked (nothing on the device); the hand-over to
+    it is a sleep of the torch stage, then a wake of the running vLLM pod."""
     sim = GroupSim(
         {
-            "llm": Stage(_vllm(), WorkerPhase.ABSENT, 10 * GI),
-            "dit": Stage(_torch(want=False), WorkerPhase.ACTIVE, 10 * GI),
+            "llm": Stage(_vllm(want=False), WorkerPhase.ABSENT, 10 * GI),
+            "dit": Stage(_torch(), WorkerPhase.ACTIVE, 10 * GI),
         }
     )
-    out = await run_round(sim, POLICY, lambda: "h1")
-    assert sim.calls == [("sleep", "dit"), ("start-active", "llm")]
-    assert out.started_active == ["llm"] and out.started == [] and not out.stage_errors
+    out = await run_round(sim, POLICY, lambda: "h0")
+    assert sim.calls == [("start", "llm")] and out.started == ["llm"]
+    assert sim.stages["llm"].level == 2 and sim._free() == TOTAL - 10 * GI
 
-    sim.stages["llm"].phase = WorkerPhase.ACTIVE  # the engine loaded
+    sim.stages["llm"].intent = _vllm(at=2.0)
+    sim.calls.clear()
+    await run_round(sim, POLICY, lambda: "h1")
+    assert sim.calls == [("sleep", "dit"), ("wake", "llm")]
+
     sim.stages["llm"].intent = _vllm(want=False)
     sim.stages["dit"].intent = _torch(at=3.0)
     sim.calls.clear()
     await run_round(sim, POLICY, lambda: "h2")
     assert sim.calls == [("sleep", "llm"), ("wake", "dit")]
+
+
+async def test_a_failed_first_wake_is_the_stages_own() -> None:
+    """The engine cannot start: the ACK is not ok with the engine's words, the worker is
+    asleep at level 2 again, and nothing else of the round is affected."""
+    sim = GroupSim({"llm": Stage(_vllm(), WorkerPhase.ASLEEP, 10 * GI, level=2)})
+    sim.engine_fails.add("llm")
+    out = await run_round(sim, POLICY, lambda: "h1")
+    assert ENGINE_FAILS in out.wake_errors["llm"] and not out.wakes["llm"].ok
+    assert "llm" not in out.wake_oom and not out.stage_errors
+    assert sim.stages["llm"].phase is WorkerPhase.ASLEEP
+
+
+def test_failed_wakes_back_off_doubling_up_to_the_cap() -> None:
+    """The kube side holds a stage's wakes while this back-off runs (``_hold_wakes``), so the
+    group's other stages are admitted meanwhile; a wake that goes through ends it."""
+    ack = AckFacts("h1-llm-wake", False, "wake", WorkerPhase.ASLEEP, level=2, error=ENGINE_FAILS)
+    backoff = WakeBackoff()
+    waits = []
+    for _ in range(8):
+        backoff = backoff.after_failure(100.0)
+        waits.append(backoff.left(100.0))
+    assert waits[:3] == [FIRST_S, 2 * FIRST_S, 4 * FIRST_S] and waits[-1] == MAX_S
+    assert backoff.needed_bytes == 0
+    message = failure_message(ack, WakeBackoff().after_failure(100.0), 100.0)
+    assert ENGINE_FAILS in message and "back asleep at level 2" in message
 
 
 async def test_one_stage_failing_to_start_does_not_block_the_group() -> None:
@@ -217,38 +227,3 @@ async def test_one_stage_failing_to_start_does_not_block_the_group() -> None:
     out = await run_round(sim, POLICY, lambda: "h1")
     assert "API refused the pod of a-broken" in out.stage_errors["a-broken"]
     assert ("wake", "dit") in sim.calls and out.wakes["dit"].ok
-
-
-async def test_vllm_start_error_is_reported_on_that_stage_only() -> None:
-    sim = GroupSim({"llm": Stage(_vllm(), WorkerPhase.ABSENT, 10 * GI)}, broken_start={"llm"})
-    out = await run_round(sim, POLICY, lambda: "h1")
-    assert out.started_active == [] and "start failed" in out.stage_errors["llm"]
-
-
-# -- status --------------------------------------------------------------------------------
-
-
-def test_status_of_a_vllm_stage_waiting_for_admission_says_why() -> None:
-    now = datetime(2026, 11, 23, tzinfo=UTC)
-    d = plan(
-        {"llm": _vllm()},
-        {"llm": StageFacts(WorkerPhase.ABSENT)},
-        GroupMemory(TOTAL, 6 * GI, (DeviceMemory("GPU-0", TOTAL, 6 * GI),)),
-    )
-    obs = StageObservation(
-        generation=1, wants_active=True, phase=WorkerPhase.ABSENT, admitted=True,
-        waiting=d.waiting["llm"], starts_when_admitted=True,
-    )  # fmt: skip
-    status = build_status(obs, None, now)
-    assert status["state"] == Phase.WAITING.value
-    ready = cond.get_condition(status["conditions"], cond.READY)
-    assert ready is not None and ready["reason"] == cond.Reason.STARTS_WHEN_ADMITTED
-    assert "measured free" in ready["message"]
-
-    failed = StageObservation(
-        generation=1, wants_active=True, phase=WorkerPhase.ABSENT,
-        stage_problem=(cond.Reason.STAGE_ERROR.value, "start failed: boom"),
-        starts_when_admitted=True,
-    )  # fmt: skip
-    ready = cond.get_condition(build_status(failed, None, now)["conditions"], cond.READY)
-    assert ready is not None and ready["reason"] == "StageError" and "boom" in ready["message"]

@@ -1,5 +1,5 @@
 """The worker's command line as the pod builder writes it: exact flags, the device, the epoch,
-OnDemand, vLLM always Active, and the real worker CLI accepts it."""
+OnDemand, vLLM pre-warmed asleep at level 2, and the real worker CLI accepts it."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 from omnistage_operator.api.spec import DesiredState
 from omnistage_operator.k8s.builders import (
     INITIAL_STATE_ANNOTATION,
+    SLEEP_LEVEL_ANNOTATION,
     build_worker_pod,
-    can_start_asleep,
 )
 from omnistage_operator.k8s.pod_hash import pod_spec_hash
-from omnistage_operator.k8s.worker_command import worker_args, worker_device
+from omnistage_operator.k8s.worker_command import start_level, worker_args, worker_device
 from tests.unit.stage_bodies import container, make
 
 
@@ -104,6 +104,7 @@ def test_worker_device_never_auto(device: str | None, gpus: int, expected: str) 
         {"runner": "Diffusion", "backend": "Diffusers", "sleepLevel": 2, "worker": {"port": 6000}},
         {"gpus": 0, "worker": {"dtype": "bfloat16"}},
         {"backend": "VLLM", "worker": {"device": "cuda"}},
+        {"backend": "VLLM", "worker": {"device": "cuda"}, "sleepLevel": 1},
     ],
 )
 def test_args_are_accepted_by_the_real_worker_cli(spec: dict[str, Any], tmp_path: Path) -> None:
@@ -113,7 +114,7 @@ def test_args_are_accepted_by_the_real_worker_cli(spec: dict[str, Any], tmp_path
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     stage, owner = make(**spec, model={"path": str(model_dir)})
-    state = DesiredState.ASLEEP if can_start_asleep(stage) else DesiredState.ACTIVE
+    state = DesiredState.ASLEEP
     pod = build_worker_pod(stage, initial_state=state, owner=owner)
     c = container(pod)
     env = {"POD_IP": "127.0.0.7"}
@@ -126,21 +127,33 @@ def test_args_are_accepted_by_the_real_worker_cli(spec: dict[str, Any], tmp_path
     assert (config.runner, config.backend) == (stage.runner.cli, stage.backend.cli)
     assert str(config.model) == stage.model.path
     assert (config.host, config.port) == ("127.0.0.7", stage.worker.port)
-    assert (config.initial_state, config.sleep_level) == (state.cli, stage.sleep_level)
+    level = start_level(stage, state)
+    assert (config.initial_state, config.sleep_level) == (state.cli, level)
     assert config.device.kind == ("cuda" if stage.gpus else "cpu")
     assert config.dtype == (stage.worker.dtype or "auto")
 
 
-def test_vllm_pod_always_starts_active() -> None:
-    """No raising builder: a vLLM pod is created only once admitted, so it starts Active."""
-    stage, owner = make(backend="VLLM")
-    assert not can_start_asleep(stage)
-    assert can_start_asleep(make()[0])
-    for state in DesiredState:
-        pod = build_worker_pod(stage, initial_state=state, owner=owner)
+@pytest.mark.parametrize("spec_level", [1, 2])
+def test_vllm_pod_starts_asleep_pre_warmed_at_level_2(spec_level: int) -> None:
+    """A vLLM pod is created asleep like any other; its worker starts pre-warmed (vLLM
+    imported, no engine) only at level 2, which it requires, whatever the spec's level or
+    an explicit ``sleep_level`` say. Started Active, it keeps the spec's level."""
+    stage, owner = make(backend="VLLM", sleepLevel=spec_level)
+    for given in (None, 1, 2):
+        pod = build_worker_pod(
+            stage, initial_state=DesiredState.ASLEEP, owner=owner, sleep_level=given
+        )
         args = container(pod)["args"]
-        assert args[args.index("--initial-state") + 1] == "active"
-        assert pod["metadata"]["annotations"][INITIAL_STATE_ANNOTATION] == "Active"
+        assert args[args.index("--initial-state") + 1] == "asleep"
+        assert args[args.index("--sleep-level") + 1] == "2"
+        assert pod["metadata"]["annotations"][INITIAL_STATE_ANNOTATION] == "Asleep"
+        assert pod["metadata"]["annotations"][SLEEP_LEVEL_ANNOTATION] == "2"
+    active = build_worker_pod(stage, initial_state=DesiredState.ACTIVE, owner=owner)
+    args = container(active)["args"]
+    assert args[args.index("--sleep-level") + 1] == str(spec_level)
+    torch, _ = make(sleepLevel=1)
+    assert start_level(torch, DesiredState.ASLEEP) == 1
+    assert start_level(torch, DesiredState.ASLEEP, 2) == 2
 
 
 def test_on_demand_worker_args_and_http_port() -> None:

@@ -17,7 +17,7 @@ Reasons (``Reason`` StrEnum; values are CamelCase, usable anywhere a ``str`` is)
     ``LOWER_PRIORITY``, ``SPEC_INVALID``, ``FAILED``, ``RESUMING``, ``SLEEP_REFUSED``,
     ``WAKE_REFUSED``, ``ACK_CONTRADICTED``, ``WORKER_FAILED``, ``FENCE_PENDING``,
     ``LARGER_THAN_DEVICE``, ``MEMORY_NOT_MEASURED``, ``DEVICE_MISMATCH``, ``DRAINING``,
-    ``PODS_STARTING``, ``STAGE_ERROR``, ``STARTS_WHEN_ADMITTED``, ``CLAIM_TOO_SMALL``,
+    ``PODS_STARTING``, ``STAGE_ERROR``, ``CLAIM_TOO_SMALL``,
     ``WAITING_FOR_STAGE``.
 Functions:
     ``set_condition(conditions, type, status, reason, message, observed_generation, now)
@@ -113,7 +113,6 @@ class Reason(StrEnum):
     DRAINING = "Draining"  # the sleep waits for in-flight requests (within the drain timeout)
     PODS_STARTING = "PodsStarting"
     STAGE_ERROR = "StageError"  # an unexpected error of this stage in a round (others go on)
-    STARTS_WHEN_ADMITTED = "StartsWhenAdmitted"  # vLLM: no pod until admitted and it fits
     WAITING_FOR_STAGE = "WaitingForStage"  # a stage of the group must sleep (or be fenced) first
 
 

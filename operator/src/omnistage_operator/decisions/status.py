@@ -109,8 +109,6 @@ class StageObservation:
     component_problem: tuple[str, str] | None = None
     # An unexpected error of this stage in a round (start, sleep, wake): (reason, message).
     stage_problem: tuple[str, str] | None = None
-    # Its pod is created only once admitted (vLLM takes its memory while it starts).
-    starts_when_admitted: bool = False
     # Per device UUID, the most it was measured holding while Active (``peaks.StagePeaks``).
     peaks: Mapping[str, int] | None = None
     # Why its worker's last ok sleep ACK is not trusted (``StageFacts.ack_contradicted``).
@@ -167,8 +165,6 @@ def _state(o: StageObservation) -> Phase:
             return Phase.WAKING
         case WorkerPhase.ASLEEP:
             return Phase.WAITING if o.wants_active and o.waiting else Phase.ASLEEP
-        case WorkerPhase.ABSENT if o.starts_when_admitted and o.wants_active and o.waiting:
-            return Phase.WAITING
         case _:
             return Phase.PENDING  # no pod yet, or its worker has not answered yet
 
@@ -335,16 +331,6 @@ def _ready(o: StageObservation, state: Phase) -> _Verdict:
         reason, message = o.stage_problem
     elif o.wake_problem is not None and not ready:
         reason, message = o.wake_problem
-    elif o.starts_when_admitted and o.phase is WorkerPhase.ABSENT:
-        reason = cond.Reason.STARTS_WHEN_ADMITTED
-        message = (
-            "vLLM takes its memory while it starts: its pod is created once the stage is "
-            "admitted and the group's measured free memory covers its footprint"
-        )
-        if not o.wants_active:
-            message += " (spec.state is Asleep)"
-        elif o.waiting:
-            message += "; waiting: " + "; ".join(b.message for b in o.waiting)
     return ready, reason, message
 
 

@@ -1,4 +1,5 @@
-"""Back-off after a wake that ran out of device memory (pure logic, no I/O).
+"""Back-off after a wake that ran out of device memory, or that its worker failed (pure logic,
+no I/O).
 
 A wake the gate let through can still run out of memory during its copy: another tenant took
 the room between the operator's measurement and the copy. The worker goes back to sleep and
@@ -7,6 +8,12 @@ so the gate waits until the measured free memory covers it) and, in case the roo
 goes, does not ask again before a back-off that doubles with each such wake in a row: 1, 2,
 4, ... 30 s. A wake that goes through ends it. The back-off is kept in ``status.wakeBackoff``
 (``to_status``) and read back by a restarted operator (``from_status``).
+
+A wake the worker failed for another reason (its ACK not ok; a pre-warmed vLLM stage's first
+wake starts its engine, which may refuse its flags or find no room for its KV cache) backs off
+the same way (``after_failure``, ``failure_message``): the worker is back asleep, asking again
+at once would fail again, and meanwhile the group's other stages are admitted. A new pod (the
+spec changed) ends it.
 """
 
 from __future__ import annotations
@@ -18,7 +25,15 @@ from typing import Any
 from omnistage_operator.decisions.facts import AckFacts
 from omnistage_operator.decisions.status import format_timestamp, parse_timestamp
 
-__all__ = ["FIRST_S", "MAX_S", "WakeBackoff", "from_status", "oom_message", "to_status"]
+__all__ = [
+    "FIRST_S",
+    "MAX_S",
+    "WakeBackoff",
+    "failure_message",
+    "from_status",
+    "oom_message",
+    "to_status",
+]
 
 FIRST_S = 1.0
 MAX_S = 30.0
@@ -38,6 +53,10 @@ class WakeBackoff:
         count = self.count + 1
         return WakeBackoff(count, now + min(MAX_S, FIRST_S * 2 ** (count - 1)), needed_bytes)
 
+    def after_failure(self, now: float) -> WakeBackoff:
+        """One more wake failed (not out of memory) at ``now``."""
+        return self.after_oom(now, 0)
+
     def left(self, now: float) -> float:
         """Seconds until a wake may be sent again (0: now)."""
         return max(0.0, self.until - now)
@@ -55,6 +74,15 @@ def oom_message(ack: AckFacts, charged: int, backoff: WakeBackoff, now: float) -
         f"than the {ack.free_after_bytes} free{where}; back asleep at level {ack.level}; "
         f"charged {charged} bytes from now on; no wake for {backoff.left(now):.0f}s and until "
         "the measured free memory covers it"
+    )
+
+
+def failure_message(ack: AckFacts, backoff: WakeBackoff, now: float) -> str:
+    """The condition's words on a wake its worker failed, with the back-off."""
+    error = ack.error or "wake ACK not ok"
+    return (
+        f"wake {ack.task_id} failed: {error}; back asleep at level {ack.level}; no wake for "
+        f"{backoff.left(now):.0f}s ({backoff.count} in a row)"
     )
 
 

@@ -22,10 +22,10 @@ Builders:
     ``build_worker_pod(stage, *, initial_state, owner, claim_name=<pod_claim_name(stage)>,
     token_secret_name=TOKEN_SECRET_NAME, sleep_level=None, epoch=0, profile=DEFAULT_PROFILE)
     -> dict`` (``profile``: the operator's log format, passed as ``OMNISTAGE_LOG_FORMAT`` unless
-    the stage's env sets it, and credentials, both in the pod's spec hash; a stage that cannot
-    start asleep, see ``can_start_asleep(stage)``: false for VLLM, whose worker refuses
-    ``--initial-state asleep``, always starts Active: the operator creates its pod only once
-    the stage is admitted and the measured free memory covers it)
+    the stage's env sets it, and credentials, both in the pod's spec hash; a VLLM stage
+    started asleep starts pre-warmed at level 2 whatever ``sleep_level`` or the spec says,
+    see ``worker_command.start_level``: vLLM imported, no engine, nothing on the device until
+    its first wake starts the engine)
     ``build_service(stage, *, owner) -> dict``
     ``build_group_claim(namespace, group, gpus, device_class=DEFAULT_DEVICE_CLASS) -> dict``
 
@@ -57,7 +57,6 @@ from omnistage_operator.api.spec import (
     API_VERSION,
     KIND,
     TOKEN_MOUNT_DIR,
-    Backend,
     DesiredState,
     PlacementMode,
     StageSpec,
@@ -65,7 +64,7 @@ from omnistage_operator.api.spec import (
 from omnistage_operator.api.worker_tls import HEALTH_PORT_NAME, probe_port, tls_volume
 from omnistage_operator.k8s.pod_hash import DEFAULT_PROFILE, PodProfile, pod_spec_hash
 from omnistage_operator.k8s.token_secret import TOKEN_SECRET_KEY, TOKEN_SECRET_NAME
-from omnistage_operator.k8s.worker_command import worker_args
+from omnistage_operator.k8s.worker_command import start_level, worker_args
 
 __all__ = [
     "CONTAINER_NAME",
@@ -86,7 +85,6 @@ __all__ = [
     "build_group_claim",
     "build_service",
     "build_worker_pod",
-    "can_start_asleep",
     "claim_name",
     "owner_reference",
     "pod_claim_name",
@@ -154,12 +152,6 @@ def owner_reference(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def can_start_asleep(stage: StageSpec) -> bool:
-    """Whether the stage's worker can start asleep without touching the GPU (not vLLM: it
-    allocates device memory while loading, so its pod may only start once admitted)."""
-    return stage.backend is not Backend.VLLM
-
-
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": field_path}}}
 
@@ -206,12 +198,11 @@ def build_worker_pod(
     ``initial_state`` is what the worker starts as (the arbiter decides: Asleep when others
     hold the group's memory). ``owner`` is an ``owner_reference``. ``claim_name`` defaults to
     ``pod_claim_name(stage)``; pass ``None`` for no DRA claim. ``sleep_level`` overrides the
-    spec's level for an asleep start. ``epoch``: the creating leader's epoch (``--epoch``); it
-    is not part of ``pod_spec_hash``, so a new leader does not replace running pods.
+    spec's level for an asleep start (not a VLLM stage's: 2, ``start_level``). ``epoch``: the
+    creating leader's epoch (``--epoch``); it is not part of ``pod_spec_hash``, so a new leader
+    does not replace running pods.
     ``profile``: the operator's settings every worker pod is built with (in the hash).
     """
-    if not can_start_asleep(stage):
-        initial_state = DesiredState.ACTIVE  # its pod exists only once admitted (arbiter)
     claim = pod_claim_name(stage) if claim_name == _NOT_GIVEN else claim_name
     if stage.placement.mode is PlacementMode.EXPLICIT and claim is not None:
         raise ValueError("a stage with Explicit placement does not use a DRA claim")
@@ -219,7 +210,7 @@ def build_worker_pod(
     container = _worker_container(
         stage, initial_state, sleep_level, claim, mounts, epoch=epoch, profile=profile
     )
-    level = stage.sleep_level if sleep_level is None else sleep_level
+    level = start_level(stage, initial_state, sleep_level)
     spec = _pod_spec(stage, container, volumes, claim)
     apply_pod_extras(stage.template.extras, spec, container)
     if stage.model.source is not None:  # fetch the model before anything else runs

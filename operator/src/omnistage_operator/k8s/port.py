@@ -200,9 +200,9 @@ class KubeGroupPort(OrdersPort):
 
     # -- acting ----------------------------------------------------------------------------
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
-        """Create the stage's token Secret, group claim, Pod (asleep, or Active when ``active``:
-        a stage that cannot start asleep, admitted by the arbiter) and Service."""
+    async def start(self, stage: str) -> None:
+        """Create the stage's token Secret, group claim, Pod (asleep; a vLLM stage's pre-warmed
+        at level 2, its engine started by its first wake) and Service."""
         spec, body = self.specs[stage], self.bodies[stage]
         if body["metadata"].get("deletionTimestamp"):
             raise StageDeleting(stage)
@@ -218,7 +218,7 @@ class KubeGroupPort(OrdersPort):
             manifest = build_group_claim(self.ns, self.group, gpus, self.r.settings.device_class)
             await self.r.kube.create(CLAIMS, self.ns, manifest)
         owner = owner_reference(body)
-        state = DesiredState.ACTIVE if active else DesiredState.ASLEEP
+        state = DesiredState.ASLEEP
         pod = self.r.credentials.adapt(build_worker_pod(
             spec, initial_state=state, owner=owner, claim_name=claim,
             epoch=self.r.epoch_for(self.ns), profile=self.r.pod_profile,

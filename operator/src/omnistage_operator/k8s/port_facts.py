@@ -15,7 +15,7 @@ from typing import Any
 
 from omnistage_operator.api.conditions import Reason
 from omnistage_operator.api.labels import GROUP_LABEL
-from omnistage_operator.api.spec import DesiredState, StageSpec
+from omnistage_operator.api.spec import Backend, DesiredState, StageSpec
 from omnistage_operator.decisions.arbiter import StageFacts, StageIntent, WorkerPhase
 from omnistage_operator.decisions.facts import WorkerReport
 from omnistage_operator.decisions.handover import (
@@ -33,7 +33,7 @@ from omnistage_operator.decisions.pods import (
 )
 from omnistage_operator.decisions.remembered import adopt_status
 from omnistage_operator.decisions.status import parse_timestamp, persisted_facts
-from omnistage_operator.k8s.builders import INITIAL_STATE_ANNOTATION, can_start_asleep
+from omnistage_operator.k8s.builders import INITIAL_STATE_ANNOTATION
 from omnistage_operator.k8s.port_listing import ListingPort, _built_from
 
 __all__ = ["FactsPort", "deepen_level", "loading_asleep"]
@@ -54,13 +54,15 @@ class FactsPort(ListingPort):
         """The arbiter's view of a spec. A stage whose worker has not loaded yet (no pod, pod
         starting, worker loading) does not ask for memory yet: it could not be woken anyway,
         and a worker that never loads (a wrong model path) must not put the group's healthy
-        stages to sleep. Its ask time is kept, so it takes its turn once loaded."""
+        stages to sleep. Its ask time is kept, so it takes its turn once loaded.
+
+        A vLLM stage is charged what its engine will take (``memory_share``: its
+        gpuMemoryUtilization of each device; and its ``vram_request``) from the start, also
+        while pre-warmed asleep with nothing on the device: its first wake starts the engine."""
         deleting = bool(body["metadata"].get("deletionTimestamp"))
         want = spec.wants_active and not deleting
-        starts_active = not can_start_asleep(spec)
-        # A stage that starts Active (vLLM) asks while absent (its pod starts once admitted)
-        # and keeps its admission while its engine starts and loads.
-        ready = fact.phase not in _NOT_LOADED or starts_active
+        ready = fact.phase not in _NOT_LOADED
+        vllm = spec.backend is Backend.VLLM
         key = (self.ns, spec.name)
         if self.r.spec_active.get(key) and not spec.wants_active:
             self.r.asleep_asked[key] = time.time()  # patched Asleep: now, not when idle
@@ -84,8 +86,7 @@ class FactsPort(ListingPort):
             gpus=spec.gpus,
             drain_timeout_s=float(spec.drain_timeout_s),
             asleep_components=self._asleep_components(spec, fact),
-            starts_active=starts_active,
-            memory_share=spec.vllm.gpu_memory_utilization if starts_active else None,
+            memory_share=spec.vllm.gpu_memory_utilization if vllm else None,
         )
 
     def _sleep_level(self, spec: StageSpec, fact: StageFacts) -> int:
@@ -204,9 +205,10 @@ class FactsPort(ListingPort):
         return out
 
     def _hold_wakes(self, intents: Mapping[str, StageIntent]) -> dict[str, StageIntent]:
-        """A stage whose last wake ran out of device memory does not ask for memory again
-        before its back-off ends (then the gate waits for measured free memory that covers its
-        learned need); an Active one keeps its admission."""
+        """A stage whose last wake ran out of device memory, or failed (a vLLM engine that could
+        not start), does not ask for memory again before its back-off ends (then, after an
+        OOM, the gate waits for measured free memory that covers its learned need); an Active
+        one keeps its admission."""
         now = time.time()
         held = dict(intents)
         self.wake_held.clear()
@@ -286,7 +288,7 @@ def loading_asleep(fact: StageFacts, pod: Mapping[str, Any] | None) -> StageFact
     """The arbiter's view of a worker still loading in a pod created asleep: it loads into
     host memory and holds only its context on the device, like a pod whose worker is not
     reached yet (``STARTING``: charged a context), so it does not hold up every wake of its
-    group for its whole load (issue 19). A pod created Active (vLLM) stays ``LOADING``."""
+    group for its whole load (issue 19). A pod created Active stays ``LOADING``."""
     if fact.phase is not WorkerPhase.LOADING or pod is None:
         return fact
     created = (pod["metadata"].get("annotations") or {}).get(INITIAL_STATE_ANNOTATION)

@@ -115,10 +115,12 @@ class ListingPort:
         body = self.bodies[stage]
         self._ensure_leading(f"replacement of {meta['name']}")
         self.r.emit(body, "PodOutdated", f"pod {meta['name']} predates the spec; replacing it")
-        # What was learned about the old pod (its need, its crashes) is about the old spec.
+        # What was learned about the old pod (its need, its crashes, its failed wakes) is
+        # about the old spec.
         self.r.learned[(self.ns, stage)] = 0
         self.r.peaks[(self.ns, stage)] = StagePeaks()  # the new spec's pod is measured anew
         self.r.backoffs.pop((self.ns, stage), None)
+        self.r.wake_backoffs.pop((self.ns, stage), None)
         await self._delete_confirmed(pod, f"outdated pod {meta['name']} not confirmed gone")
         self.r.emit(body, "PodReplaced", f"outdated pod {meta['name']} deleted and confirmed gone")
 

@@ -3,6 +3,8 @@
 Public API (stable):
     ``worker_args(stage, *, initial_state, sleep_level=None, epoch=0) -> list[str]`` (always
     with ``--device``: see ``worker_device(stage) -> "cpu" | "cuda"``)
+    ``start_level(stage, initial_state, sleep_level=None) -> int``: the ``--sleep-level`` a
+    pod starts with (a VLLM stage started asleep: always 2, pre-warmed).
     ``vllm_args(stage) -> list[str]``: the ``--vllm-*`` worker flags of a VLLM stage.
 """
 
@@ -13,7 +15,7 @@ from omnistage_operator.api.spec import Backend, DesiredState, StageSpec, Worker
 from omnistage_operator.api.worker_tls import tls_args
 from omnistage_operator.k8s.token_secret import TOKEN_FILE
 
-__all__ = ["vllm_args", "worker_args", "worker_device"]
+__all__ = ["start_level", "vllm_args", "worker_args", "worker_device"]
 
 
 def worker_device(stage: StageSpec) -> str:
@@ -26,6 +28,18 @@ def worker_device(stage: StageSpec) -> str:
     return device.value
 
 
+def start_level(
+    stage: StageSpec, initial_state: DesiredState, sleep_level: int | None = None
+) -> int:
+    """The level the worker starts with: ``sleep_level``, else the spec's. A VLLM stage started
+    asleep is pre-warmed at level 2 whatever the spec says: its worker imports vLLM and starts
+    no engine (nothing on the device or host) until its first wake, and refuses any other
+    level asleep. After that wake it sleeps at the spec's level."""
+    if stage.backend is Backend.VLLM and DesiredState(initial_state) is DesiredState.ASLEEP:
+        return 2
+    return stage.sleep_level if sleep_level is None else sleep_level
+
+
 def worker_args(
     stage: StageSpec,
     *,
@@ -36,7 +50,7 @@ def worker_args(
     """The worker's command-line arguments, in the contract's order. ``epoch``: the leadership
     epoch of the operator that makes the pod (``--epoch``; the worker refuses older orders, and
     epoch 0, from its start)."""
-    level = stage.sleep_level if sleep_level is None else sleep_level
+    level = start_level(stage, initial_state, sleep_level)
     if level not in (1, 2):
         raise ValueError(f"sleep level must be 1 or 2, got {level}")
     args = [

@@ -42,7 +42,6 @@ from omnistage_operator.decisions.status import (
 from omnistage_operator.decisions.wake_backoff import WakeBackoff
 from omnistage_operator.decisions.wake_backoff import to_status as wake_backoff_status
 from omnistage_operator.k8s import metrics
-from omnistage_operator.k8s.builders import can_start_asleep
 from omnistage_operator.k8s.kube import OMNISTAGE, Kube, KubeError
 from omnistage_operator.runtime import stage_metrics
 from omnistage_worker.quantities import format_bytes
@@ -159,11 +158,6 @@ class StatusPublisher:
             body = port.bodies.get(name)
             if body is not None:
                 self.emit(body, "PodCreated", "worker pod created asleep")
-        for name in outcome.started_active:
-            body = port.bodies.get(name)
-            if body is not None:
-                msg = "worker pod created Active (admitted; measured free memory covers it)"
-                self.emit(body, "PodCreated", msg)
         for name, err in outcome.stage_errors.items():
             body = port.bodies.get(name)
             if body is not None:
@@ -277,7 +271,6 @@ class StatusPublisher:
                 ),
                 component_problem=self.component_problems.get(key),
                 stage_problem=self.stage_problems.get(key),
-                starts_when_admitted=not can_start_asleep(spec),
                 peaks=peaks_to_status(self.peaks.get(key)),
                 ack_contradicted=fact.ack_contradicted,
             )

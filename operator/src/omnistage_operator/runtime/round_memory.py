@@ -1,7 +1,7 @@
 """What a hand-over round taught beyond the round (``RoundMemory``, mixed into
 ``runner.GroupRunner``): learned needs, the workers' own words on a sleep or wake that did not go
 through (until one does), refused deepenings and component sleeps, and the back-off after a wake
-that ran out of device memory.
+that ran out of device memory or that its worker failed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from omnistage_operator.api import conditions as cond
 from omnistage_operator.decisions.handover import RoundOutcome
 from omnistage_operator.decisions.wake_backoff import REASON as WAKE_OOM
-from omnistage_operator.decisions.wake_backoff import WakeBackoff, oom_message
+from omnistage_operator.decisions.wake_backoff import WakeBackoff, failure_message, oom_message
 from omnistage_operator.k8s.port import KubeGroupPort
 
 __all__ = ["RoundMemory"]
@@ -58,7 +58,7 @@ class RoundMemory:
                 self.wake_problems.pop((namespace, name), None)
                 if name in outcome.component_wakes:
                     self.component_problems.pop((namespace, name), None)
-        for name in outcome.started + outcome.started_active:
+        for name in outcome.started:
             self.stage_problems.pop((namespace, name), None)
         for name, err in outcome.stage_errors.items():
             self.stage_problems[(namespace, name)] = (cond.Reason.STAGE_ERROR.value, err)
@@ -72,7 +72,9 @@ class RoundMemory:
 
     def _note_wake_oom(self, port: KubeGroupPort, outcome: RoundOutcome) -> None:
         """Wakes that ran out of device memory: back off (doubling), say so with the figures
-        (the stage's Ready condition and an Event); a wake that went through ends it."""
+        (the stage's Ready condition and an Event); a wake that went through ends it. A wake
+        whose worker failed it otherwise (back asleep, ACK not ok: a vLLM engine that cannot
+        start) backs off the same way (its Event is the round's ``WakeFailed``)."""
         now = time.time()
         for name, ack in outcome.wakes.items():
             if ack.ok:
@@ -86,3 +88,12 @@ class RoundMemory:
             log.warning("%s/%s: %s", port.ns, name, message)
             if name in port.bodies:
                 self.emit(port.bodies[name], WAKE_OOM, message, warning=True)
+        for name, ack in outcome.wakes.items():
+            if ack.ok or name in outcome.wake_oom or name in outcome.component_wakes:
+                continue
+            key = (port.ns, name)
+            backoff = self.wake_backoffs.get(key, WakeBackoff()).after_failure(now)
+            self.wake_backoffs[key] = backoff
+            message = failure_message(ack, backoff, now)
+            self.wake_problems[key] = (cond.Reason.ACK_FAILED.value, message)
+            log.warning("%s/%s: %s", port.ns, name, message)

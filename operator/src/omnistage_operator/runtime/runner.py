@@ -387,7 +387,6 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
             or bool(outcome.wake_errors)
             or any(not s.ok and not s.fenced for s in outcome.sleeps)
             or bool(outcome.stage_errors)
-            or bool(outcome.started_active)
         )
 
     async def cleanup_stage(self, body: Mapping[str, Any]) -> None:
@@ -421,8 +420,7 @@ def _orders(decision: Decision | None) -> bool:
     if decision is None:
         return False
     return bool(
-        decision.sleep or decision.wake or decision.fence or decision.start
-        or decision.component_wakes
+        decision.sleep or decision.wake or decision.fence or decision.component_wakes
     )  # fmt: skip
 
 

@@ -57,7 +57,6 @@ class WorkerPhase(StrEnum):
 
 _IN_PROGRESS = frozenset({WorkerPhase.LOADING, WorkerPhase.WAKING})
 _TRANSITIONS = _IN_PROGRESS | {WorkerPhase.SLEEPING}
-_ENGINE_STARTING = frozenset({WorkerPhase.STARTING, WorkerPhase.LOADING})
 
 
 @dataclass(frozen=True)
@@ -73,9 +72,6 @@ class StageIntent:
     gpus: int = 1  # 0: a CPU stage (host RAM only)
     drain_timeout_s: float | None = None  # spec's drain timeout; None: the worker's own
     asleep_components: frozenset[str] = frozenset()  # kept asleep while Active
-    # Its worker cannot start asleep (vLLM: the engine takes its memory while it starts): its
-    # pod is created Active, only once admitted and the gate passes (``Decision.start``).
-    starts_active: bool = False
     # vLLM's gpuMemoryUtilization: the share of each device's total its engine takes (a floor
     # for its footprint once the capacity is measured).
     memory_share: float | None = None
@@ -215,7 +211,6 @@ class Decision:
     fence: tuple[FenceOrder, ...] = ()
     component_wakes: tuple[str, ...] = ()  # Active stages whose asleep components wake
     components_waiting: Mapping[str, tuple[Blocker, ...]] = field(default_factory=dict)
-    start: tuple[str, ...] = ()  # absent ``starts_active`` stages whose pods start Active now
 
     @property
     def holder_sleeps(self) -> frozenset[str]:

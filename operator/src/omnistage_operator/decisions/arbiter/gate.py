@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from omnistage_operator.decisions.arbiter import (
-    _ENGINE_STARTING,
     Blocker,
     BlockReason,
     FenceOrder,
@@ -76,11 +75,6 @@ def _common_blockers(
     for name in sorted(started):
         msg = f"pod of {name} started in this round; its context is not measured yet"
         common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
-    for name in sorted(intents):
-        engine_starting = facts[name].phase in _ENGINE_STARTING and name not in started
-        if intents[name].starts_active and engine_starting:
-            msg = f"{name} is starting its engine Active; its memory is not measured yet"
-            common.append(Blocker(BlockReason.PODS_STARTING, msg, name))
     fence_of = {f.stage: f for f in fences}
     for name in sorted(intents):
         fact = facts[name]

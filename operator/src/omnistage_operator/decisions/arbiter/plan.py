@@ -44,13 +44,10 @@ Rules (the operator's promise rests on them):
   leave and pass the wake gate, it never sends another stage to sleep, and while it does not
   fit the stage waits (``Decision.components_waiting``). Names the worker does not report are
   not ordered (``UnknownComponents``).
-- Stages that cannot start asleep (``StageIntent.starts_active``: vLLM takes its memory while
-  its engine starts) get no pod until they are admitted and pass the same gate as a wake (their
-  footprint, or the whole device when it is unknown); then the decision starts them
-  (``Decision.start``) Active. With no other stage of the group on the device (all absent), the
-  free memory need not be measured: the worker refuses to start an engine the device's free
-  memory does not cover (and so does vLLM). While such a stage is starting or loading, no other
-  stage of the group is woken or started (its memory is not measured yet).
+- A vLLM stage starts asleep like any other (pre-warmed at level 2: vLLM imported, no engine,
+  nothing on the device); its first wake starts its engine, so it is charged what the engine
+  will take (``StageIntent.memory_share`` of each device's capacity, or its ``vram_request``)
+  before it ever ran, and that wake passes the same gate as any other.
 - Stages with ``gpus: 0`` in a group whose workers report GPUs hold host RAM only: they are
   admitted without charge and neither gate nor are gated by the GPU's memory.
 - Per device: a stage holds, on each of ITS devices (the ones its worker reports; unknown:
@@ -154,7 +151,6 @@ def plan(
         component_wakes.append(name)
         gate.take(grows, on)
     wakes: list[str] = []
-    starts: list[str] = []
     for name in admitted:
         fact = facts[name]
         if (
@@ -162,8 +158,7 @@ def plan(
             or fact.phase in _IN_PROGRESS
         ):
             continue  # holds its admitted share already (or is on its way to it)
-        start = intents[name].starts_active and fact.phase is WorkerPhase.ABSENT
-        if fact.phase is not WorkerPhase.ASLEEP and not start:
+        if fact.phase is not WorkerPhase.ASLEEP:
             waiting[name].append(
                 Blocker(BlockReason.SELF_BUSY, f"own worker is {fact.phase.value}")
             )
@@ -173,14 +168,12 @@ def plan(
             continue
         devices = stage_devices(fact, memory)
         blockers = blockers_for(common, name, devices, facts, memory)
-        alone = start and all(facts[n].phase is WorkerPhase.ABSENT for n in intents if n != name)
-        if not blockers and not (alone and gate.free_left is None):
-            # (alone: nothing of the group on the device; the engine's own start check gates)
+        if not blockers:
             blockers = gate.blockers(name, needs[name], devices)
         if blockers:
             waiting[name].extend(blockers)
             continue
-        (starts if start else wakes).append(name)
+        wakes.append(name)
         gate.take(needs[name], devices)
     return Decision(
         admitted=tuple(admitted),
@@ -191,5 +184,4 @@ def plan(
         fence=tuple(fences),
         component_wakes=tuple(component_wakes),
         components_waiting={k: tuple(v) for k, v in parts.waiting.items() if v},
-        start=tuple(starts),
     )

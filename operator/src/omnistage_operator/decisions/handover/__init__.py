@@ -121,10 +121,9 @@ class GroupPort(Protocol):
         readings, marked ``kept``)."""
         ...
 
-    async def start(self, stage: str, *, active: bool = False) -> None:
-        """Create the stage's children; the worker pod starts asleep, or Active when
-        ``active`` (a stage that cannot start asleep, admitted and let through the gate).
-        Raises :class:`StageDeleting` for a stage being deleted."""
+    async def start(self, stage: str) -> None:
+        """Create the stage's children; the worker pod starts asleep (a vLLM stage's
+        pre-warmed at level 2). Raises :class:`StageDeleting` for a stage being deleted."""
         ...
 
     async def probe(self, stage: str) -> StageFacts:
@@ -299,7 +298,6 @@ class RoundOutcome:
     learned_needs: dict[str, int] = field(default_factory=dict)
     wake_oom: dict[str, AckFacts] = field(default_factory=dict)  # wakes out of device memory
     component_wakes: set[str] = field(default_factory=set)  # wakes of asleep components
-    started_active: list[str] = field(default_factory=list)  # pods created Active (vLLM)
     stage_errors: dict[str, str] = field(default_factory=dict)  # unexpected, per stage
     fence_pending: set[str] = field(default_factory=set)
     fence_confirmed: set[str] = field(default_factory=set)

@@ -18,10 +18,9 @@ the worker holds asleep.
 - :func:`pair_wake` (pure) decides whether a round's sleep may carry a wake: the arbiter itself,
   asked with the sleeper already asleep (its context left on the device), must wake exactly one
   stage on the same single device and order nothing else. Only a whole-model sleep with no
-  request in flight, of a stage that can start asleep (not vLLM), is overlapped, and only when
-  both workers say they can take part (``GetStatus.claim_limits``: an older worker, or one
-  whose engine does not take memory piece by piece, does not); everything else goes the serial
-  way.
+  request in flight is overlapped, and only when both workers say they can take part
+  (``GetStatus.claim_limits``: an older worker, a vLLM one, or one whose engine does not take
+  memory piece by piece, does not); everything else goes the serial way.
 - :func:`sleep_beside_wake` runs it against a port that can (:class:`OverlapPort`). When the
   streamed sleep does not end in an ok ACK, the wake gets no further raise (its worker gives up
   after its claim wait and goes back to sleep) and the sleep goes on the ordinary way, under the
@@ -111,7 +110,6 @@ def pair_wake(
     if (
         x is None
         or intent is None
-        or intent.starts_active
         or not order.releases_memory
         or order.components
         or order.inflight_requests
@@ -138,13 +136,12 @@ def pair_wake(
         ),
         margin_bytes=policy.margin_bytes,
     )
-    if then.sleep or then.fence or then.start or then.component_wakes or len(then.wake) != 1:
+    if then.sleep or then.fence or then.component_wakes or len(then.wake) != 1:
         return None
     name = then.wake[0]
     y = obs.facts[name]
     if (
-        obs.intents[name].starts_active
-        or obs.intents[name].asleep_components
+        obs.intents[name].asleep_components
         or y.phase is not WorkerPhase.ASLEEP
         or not y.claim_limits
         or y.device_uuids != x.device_uuids

@@ -8,10 +8,9 @@ a simulated fleet in the property tests. One round:
    first plan from the group's kept readings (``GroupObservation.kept``, ``readings``) goes on
    only when it puts every Active stage to sleep whole and orders nothing else, else the round
    reads every worker and plans again;
-2. create the pods of stages that have none and can start asleep (a wake goes through the gate;
-   no wake in a round that started pods, their contexts are not measured yet); a stage that
-   cannot start asleep (vLLM) is started Active in step 4, once the arbiter admits it and its
-   footprint passes the wake gate (``Decision.start``);
+2. create the pods of stages that have none, asleep (a wake goes through the gate; no wake in a
+   round that started pods, their contexts are not measured yet; a vLLM stage's pod is
+   pre-warmed at level 2 and its engine starts at its first wake);
 3. send every sleep order and every fence order concurrently. A sleep's ACK deadline is its
    drain timeout (when requests are in flight) plus the transition allowance; a sleep whose
    worker is still draining (Sleeping with requests in flight) is waited for up to that bound,
@@ -100,17 +99,17 @@ def oom_need(ack: AckFacts) -> int:
     return ack.used_after_bytes + ack.free_after_bytes + ack.needed_bytes
 
 
-async def _start(port: GroupPort, name: str, out: RoundOutcome, *, active: bool) -> bool:
+async def _start(port: GroupPort, name: str, out: RoundOutcome) -> bool:
     """Create one stage's pod; an error is that stage's (recorded), not the round's. A stage
     being deleted gets nothing: no pod, no PodCreated Event, no status of a started stage."""
     try:
-        await port.start(name, active=active)
+        await port.start(name)
     except StageDeleting:
         return False
     except Exception as exc:  # isolated per stage, reported on its resource
         out.stage_errors[name] = _failure(name, "start", exc)
         return False
-    (out.started_active if active else out.started).append(name)
+    out.started.append(name)
     return True
 
 
@@ -145,7 +144,7 @@ def _sleeps_only(obs: GroupObservation, decision: Decision) -> bool:
     """The plan puts every Active stage to sleep whole, every other stage is asleep, and it
     orders nothing else (no fence, no pod to create, no component order): what a round may
     send from kept readings."""
-    if not decision.sleep or decision.fence or decision.start or decision.component_wakes:
+    if not decision.sleep or decision.fence or decision.component_wakes:
         return False
     ordered = {o.stage for o in decision.sleep}
     for o in decision.sleep:
@@ -195,8 +194,8 @@ async def run_round(
         absent = obs.facts.get(name, StageFacts(WorkerPhase.ABSENT)).phase is WorkerPhase.ABSENT
         # no pod on a claim that cannot hold it: its worker could not see its devices
         fits = claim_too_small(intent, obs.memory) is None
-        if absent and not intent.starts_active and fits:
-            await _start(port, name, out, active=False)
+        if absent and fits:
+            await _start(port, name, out)
     started = frozenset(out.started)
     if started:
         decision = _plan(obs, tracker.handover(), policy, started)
@@ -251,7 +250,7 @@ async def run_round(
         tracker.close_if_idle()
 
     try:
-        if decision.wake or decision.start or decision.component_wakes:
+        if decision.wake or decision.component_wakes:
             await _wake_allowed(port, policy, new_id, tracker, decision=decision, out=out)
             obs = _remember(await port.observe(), out)
             decision = _plan(obs, handover, policy, started)
@@ -273,11 +272,9 @@ async def _wake_allowed(
     decision: Decision,
     out: RoundOutcome,
 ) -> None:
-    """Step 4's wakes (and starts Active) of what the arbiter allows; results into ``out``."""
+    """Step 4's wakes of what the arbiter allows; results into ``out``."""
     hid = out.handover_id or new_id()
     out.handover_id = hid
-    for name in decision.start:
-        await _start(port, name, out, active=True)
     for name in decision.component_wakes + decision.wake:
         if name in tracker.running:
             continue  # its own sleep's ACK is not in yet: never woken on a guess
