@@ -362,6 +362,7 @@ def render() -> str:
             _load("vllm_stage_h200_forkserver.json"),
             _load("vllm_stage_h200_spawn.json"),
             (_load("vllm_stage_h200_pieces.json"), _load("vllm_stage_h200_whole.json")),
+            _load("vllm_stage_h200_prewarm.json"),
         )
     serving = _load("serving.json")
     if serving:

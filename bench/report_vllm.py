@@ -55,11 +55,31 @@ def _vllm_pieces_rows(pieces: dict[str, Any] | None, whole: dict[str, Any] | Non
     ]
 
 
+def _vllm_prewarm_rows(prewarm: dict[str, Any] | None) -> list[str]:
+    """A pre-warmed pod (asleep at level 2, vLLM imported) woken: its start as the operator
+    gives it, against the pod's own start with caches kept in the same run."""
+    if not prewarm or "prewarmed_wake_to_first_token_seconds" not in prewarm["summary"]:
+        return []
+    s, runs = prewarm["summary"], prewarm["prewarmed"]
+    day = prewarm["machine"]["date"][:10]
+    return [
+        f"| pre-warmed pod woken: WakeUp -> first token / its ACK ({day}, {len(runs)} starts, "
+        f"upper median) | {s['prewarmed_wake_to_first_token_seconds']:.1f} s / "
+        f"{s['prewarmed_wake_seconds']:.1f} s |",
+        f"| pre-warmed pod: spawn -> asleep (imports, before it is asked); device memory it "
+        f"holds | {s['prewarmed_spawn_to_asleep_seconds']:.1f} s; "
+        f"{max(0, s['prewarmed_held_bytes_max']) / MiB:.0f} MiB (NVML, outside) |",
+        f"| the pod's own start, caches kept (same run) | "
+        f"{s['cold_start_caches_kept_seconds']:.1f} s |",
+    ]
+
+
 def vllm_section(
     data: dict[str, Any],
     forkserver: dict[str, Any] | None = None,
     spawn: dict[str, Any] | None = None,
     pieces: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
+    prewarm: dict[str, Any] | None = None,
 ) -> list[str]:
     """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits;
     the restarts' cold starts from the fork-server run and its spawned twin, where given."""
@@ -76,6 +96,7 @@ def vllm_section(
         "|---|---|",
         f"| cold start (spawn to first token) | {s['cold_start_seconds']:.1f} s |",
         *_vllm_restart_row(forkserver, spawn),
+        *_vllm_prewarm_rows(prewarm),
         f"| L1 sleep / wake | {s['l1_sleep_seconds_median']:.2f} s "
         f"({s['l1_sleep_ratio_to_d2h']:.0%} of D2H) / {s['l1_wake_seconds_median']:.2f} s "
         f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",

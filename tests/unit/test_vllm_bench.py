@@ -44,7 +44,7 @@ def test_smoke_run_renders_a_readme_section(tmp_path: Path) -> None:
     (pre,) = data["prewarmed"]  # then pre-warmed: nothing held asleep, its wake starts it
     assert pre["asleep_level"] == 2 and pre["worker_used_bytes_asleep"] == 0
     assert s["prewarmed_held_bytes_max"] <= 0 and s["prewarmed_all_acks_ok"]
-    assert s["prewarmed_tokens_identical"] and 0 < pre["wake_seconds"]
+    assert s["prewarmed_tokens_identical"] and pre["wake_seconds"] > 0
     assert pre["wake_seconds"] <= s["prewarmed_wake_to_first_token_seconds"]
     rested = [c for c in data["cycles"] if c["rest_s"]]
     assert [(c["level"], c["rest_s"]) for c in rested] == [(1, 0.2)]
