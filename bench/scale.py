@@ -87,6 +87,8 @@ def _bundle(argv: list[str]) -> dict[str, Any] | None:
 BUNDLE = _bundle(sys.argv[1:]) if __name__ == "__main__" else None
 
 from bench.proc_account import Profile  # noqa: E402
+from bench.scale_cprofile import CProfileWindow  # noqa: E402
+from bench.scale_cprofile import enable as enable_cprofile  # noqa: E402
 from bench.scale_operators import NamedOperator  # noqa: E402
 from bench.scale_pinning import Pinning, PinningError  # noqa: E402
 from bench.scale_pinning import apply as pin  # noqa: E402
@@ -218,11 +220,16 @@ async def idle(seconds: float) -> dict[str, Any]:
     return {"idle_s": seconds}
 
 
-def profiled(ops: list[NamedOperator], folder: Path | None, label: str) -> Profile | None:
+def profiled(
+    ops: list[NamedOperator], folder: Path | None, label: str
+) -> Profile | CProfileWindow | None:
     """``py-spy record`` over the first live operator into ``folder/<label>.raw`` (None: no
     folder, or no py-spy beside this Python)."""
     spy = Path(sys.executable).with_name("py-spy")
     live = [op for op in ops if op.alive and op.proc is not None]
+    cprofile = os.environ.get("OMNISTAGE_CPROFILE_DIR")
+    if cprofile and live:  # --cprofile-dir: the loop's own thread, not py-spy's samples
+        return CProfileWindow(live[0].proc.pid, Path(cprofile), label)  # type: ignore[union-attr]
     if folder is None or not spy.exists() or not live:
         return None
     folder.mkdir(parents=True, exist_ok=True)
@@ -358,7 +365,12 @@ def main() -> int:
         default=None,
         help="py-spy (raw) over the operator in every window, one file each",
     )
+    p.add_argument("--cprofile-dir", type=Path, default=None,
+                   help="cProfile over the operator's event loop in every window instead "
+                   "(bench/scale_cprofile.py), one file each")  # fmt: skip
     args = p.parse_args()
+    if args.cprofile_dir is not None:
+        enable_cprofile(args.cprofile_dir)
     try:
         pinning = Pinning.parse(args.operator_cpus, args.control_plane_cpus, args.harness_cpus)
     except PinningError as exc:
