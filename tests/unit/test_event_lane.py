@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from omnistage_operator.k8s.kube import _TALLY, tallied
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.runtime.event_lane import EventLane
 from omnistage_operator.runtime.runner import GroupRunner
@@ -137,7 +138,7 @@ async def test_a_held_event_goes_after_max_hold_however_busy() -> None:
     assert time.monotonic() - t0 >= 0.05
 
 
-async def test_a_failed_post_does_not_stop_the_next_and_context_is_the_putters() -> None:
+async def test_a_failed_post_does_not_stop_the_next_and_each_runs_in_its_context() -> None:
     lane = EventLane(lambda: True)
     marks: list[str] = []
 
@@ -147,8 +148,31 @@ async def test_a_failed_post_does_not_stop_the_next_and_context_is_the_putters()
     async def notes() -> None:
         marks.append(MARK.get())
 
+    token = MARK.set("round-7")  # the putter's context: not kept, unless given
     lane.put("a", fails)
-    token = MARK.set("round-7")
     lane.put("a", notes)
+    lane.put("a", notes, contextvars.copy_context())
     MARK.reset(token)
-    await _until(lambda: marks == ["round-7"])
+    await _until(lambda: marks == ["", "round-7"])
+
+
+async def test_a_held_event_is_counted_in_its_rounds_tally_and_keeps_nothing_else() -> None:
+    kube = Events()
+    runner = GroupRunner(kube, Settings())  # type: ignore[arg-type]
+    counted: list[int] = []
+
+    async def event(involved: Any, *, reason: str, message: str, warning: bool) -> None:
+        tally = _TALLY.get()
+        counted.append(tally.requests if tally is not None else -1)
+        assert MARK.get() == ""  # the round's other context variables stay behind
+
+    kube.event = event  # type: ignore[method-assign]
+    runner._in_round = 1  # a round runs: the Event is held
+    token = MARK.set("round-7")
+    with tallied() as tally:
+        tally.requests = 5
+        runner.emit(_body("a"), "Woken", "ACK h1")
+    MARK.reset(token)
+    runner._in_round = 0
+    runner.rounds_idle()
+    await _until(lambda: counted == [5])

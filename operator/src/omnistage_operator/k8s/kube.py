@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -54,6 +55,7 @@ __all__ = [
     "ResourceSlice",
     "Tally",
     "tallied",
+    "tally_context",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,14 @@ def tallied(sink: Callable[[int, int], None] | None = None) -> Iterator[Tally]:
         yield tally
     finally:
         _TALLY.reset(token)
+
+
+def tally_context() -> contextvars.Context:
+    """A context that carries only this one's ``Tally`` (for a request made later, on its
+    behalf: a held Event; nothing else of this context is kept alive by it)."""
+    out = contextvars.Context()
+    out.run(_TALLY.set, _TALLY.get())
+    return out
 
 
 class KubeError(Exception):

@@ -9,7 +9,8 @@ and one that waited ``max_hold_s`` goes out whatever runs (a loop that never fal
 silence them). The Events of one object go out one at a time in the order they were put
 (``key``: the involved object), so a reader of one stage's Events sees them in the order the
 rounds emitted them, and the aggregation of repeats (``event_series``) decides on them in that
-order. Each is posted in the context it was put from (its round's API tally counts it).
+order. Each is posted in the context it was put with (``kube.tally_context``: its round's API
+tally counts it; nothing else of the round's context is kept while it waits).
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ class EventLane:
         """Posts held or in flight."""
         return sum(len(q) for q in self._queues.values())
 
-    def put(self, key: Hashable, post: Post) -> None:
-        """Hold ``post`` (an Event's request, not started) behind the earlier ones of ``key``."""
-        held = _Held(post, contextvars.copy_context(), self._clock())
+    def put(self, key: Hashable, post: Post, context: contextvars.Context | None = None) -> None:
+        """Hold ``post`` (an Event's request, not started) behind the earlier ones of ``key``;
+        it runs in ``context`` (an empty one when None: a held post keeps alive nothing of
+        its putter's context, where kopf keeps the raw event its handler was called for)."""
+        held = _Held(post, context if context is not None else contextvars.Context(), self._clock())
         queue = self._queues.get(key)
         if queue is None:
             self._queues[key] = deque([held])
@@ -71,7 +74,7 @@ class EventLane:
         else:
             queue.append(held)
         if len(self._workers) < self._concurrency and len(self._workers) < len(self._ready):
-            task = asyncio.create_task(self._work())
+            task = asyncio.create_task(self._work(), context=contextvars.Context())
             self._workers.add(task)
             task.add_done_callback(self._workers.discard)
 

@@ -45,7 +45,7 @@ from omnistage_operator.decisions.wake_backoff import WakeBackoff
 from omnistage_operator.decisions.wake_backoff import to_status as wake_backoff_status
 from omnistage_operator.k8s import metrics
 from omnistage_operator.k8s.builders import can_start_asleep
-from omnistage_operator.k8s.kube import OMNISTAGE, Kube, KubeError
+from omnistage_operator.k8s.kube import OMNISTAGE, Kube, KubeError, tally_context
 from omnistage_operator.runtime import stage_metrics
 from omnistage_operator.runtime.event_lane import EventLane
 from omnistage_worker.quantities import format_bytes
@@ -122,7 +122,7 @@ class StatusPublisher:
         post = functools.partial(
             self.kube.event, body, reason=reason, message=message, warning=warning
         )
-        self.event_lane.put((meta.get("namespace"), meta["name"]), post)
+        self.event_lane.put((meta.get("namespace"), meta["name"]), post, tally_context())
 
     def rounds_idle(self) -> None:
         """No round runs now: the Events held may go (``GroupLoops``' hook)."""
