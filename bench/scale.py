@@ -123,7 +123,14 @@ GPUS_PER_NODE = 8
 WEIGHTS = 50 * GiB  # two stages of a group never fit one 80 GiB GPU together
 STORMS = ("ondemand", "handover", "leader_kill", "unresponsive")
 # A window's figures until the operator is quiet again (``--settle``).
-WITH_TAIL = ("operator_cpu_s", "rounds", "rounds_by_cause", "apiserver_requests", "cpu_s")
+WITH_TAIL = (
+    "operator_cpu_s",
+    "operator_scrape_cpu_s",
+    "rounds",
+    "rounds_by_cause",
+    "apiserver_requests",
+    "cpu_s",
+)
 # The controller-manager without its Endpoints and EndpointSlice controllers: localnode's pods
 # have loopback IPs, which both refuse (HTTP 422), and each retried every stage's Service for
 # minutes: a third of the API server's requests in a 200-stage storm, a harness cost a real
@@ -177,10 +184,12 @@ async def _storms(
             before, t = probe.snapshot(), time.monotonic()
             result = await storm
             storm_numbers[label] = fleet.storm
-            result.update(Probe.delta(before, probe.snapshot(), time.monotonic() - t))
+            mid = probe.snapshot()
+            result.update(Probe.delta(before, mid, time.monotonic() - t))
             if settle:  # the storm's work left when it converged: Events, follow-up rounds
                 tail_s = await quiet(lambda: writes(cp))
                 whole = Probe.delta(before, probe.snapshot(), time.monotonic() - t)
+                whole["operator_scrape_cpu_s"] += round(sum(mid["scrape_cpu"].values()), 2)
                 result["with_tail"] = {"tail_s": tail_s, "seconds": round(time.monotonic() - t, 1),
                                        **{k: whole[k] for k in WITH_TAIL}}  # fmt: skip
             if spy is not None:
