@@ -41,8 +41,9 @@ the storms and ``idle_after`` after the hand-over storm: the operator's CPU with
 ``--settle`` (each window starts once the operator's writes have stopped, and reports
 ``with_tail``: its figures until they stop again, the Events and follow-up rounds left when the
 storm converged; bench/scale_quiet.py), ``--storm-groups K`` (the hand-over storm over the first
-K groups, then ``handover_rest`` over the others: two storm sizes among as many stages) and
-``--profile-dir DIR`` (py-spy, raw, over the operator in each window):
+K groups, then ``handover_rest`` over the others: two storm sizes among as many stages),
+``--profile-dir DIR`` (py-spy, raw, over the operator in each window) and ``--cprofile-dir DIR``
+(cProfile over the operator's event-loop thread instead, bench/scale_cprofile.py):
 
     .venv/bin/python bench/scale.py --sizes 1000 --replicas 1 --storms ondemand,handover \
         --idle-s 30 --settle --storm-groups 100
