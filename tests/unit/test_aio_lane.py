@@ -141,3 +141,16 @@ async def test_no_connection_goes_through_kr8s() -> None:
     assert api.requests == [("GET", "omnistages/s")]
     assert kube.lane is not None
     await kube.lane.close()
+
+
+async def test_closing_the_kube_closes_its_lane() -> None:
+    server = Server((200, b"{}"))
+    async with server as url:
+        kube, _ = _kube(url)
+        lane = kube.lane
+        assert lane is not None
+        await kube.get(OMNISTAGE, "ns", "s")
+        session = lane._session
+        assert session is not None and not session.closed
+        await kube.close()
+        assert kube.lane is None and session.closed

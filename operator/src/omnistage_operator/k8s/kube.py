@@ -151,6 +151,11 @@ class Kube:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
+    async def close(self) -> None:
+        """Close the aiohttp lane (kr8s's client is kr8s's)."""
+        self.set_lane(None)
+        await asyncio.gather(*self._closing)
+
     @classmethod
     async def connect(cls) -> Kube:
         """Connect with the in-cluster service account or $KUBECONFIG."""
