@@ -41,8 +41,9 @@ the storms and ``idle_after`` after the hand-over storm: the operator's CPU with
 ``--settle`` (each window starts once the operator's writes have stopped, and reports
 ``with_tail``: its figures until they stop again, the Events and follow-up rounds left when the
 storm converged; bench/scale_quiet.py), ``--storm-groups K`` (the hand-over storm over the first
-K groups, then ``handover_rest`` over the others: two storm sizes among as many stages) and
-``--profile-dir DIR`` (py-spy, raw, over the operator in each window):
+K groups, then ``handover_rest`` over the others: two storm sizes among as many stages),
+``--profile-dir DIR`` (py-spy, raw, over the operator in each window) and ``--cprofile-dir DIR``
+(cProfile over the operator's event-loop thread instead, bench/scale_cprofile.py):
 
     .venv/bin/python bench/scale.py --sizes 1000 --replicas 1 --storms ondemand,handover \
         --idle-s 30 --settle --storm-groups 100
@@ -87,6 +88,8 @@ def _bundle(argv: list[str]) -> dict[str, Any] | None:
 BUNDLE = _bundle(sys.argv[1:]) if __name__ == "__main__" else None
 
 from bench.proc_account import Profile  # noqa: E402
+from bench.scale_cprofile import CProfileWindow  # noqa: E402
+from bench.scale_cprofile import enable as enable_cprofile  # noqa: E402
 from bench.scale_operators import NamedOperator  # noqa: E402
 from bench.scale_pinning import Pinning, PinningError  # noqa: E402
 from bench.scale_pinning import apply as pin  # noqa: E402
@@ -121,7 +124,14 @@ GPUS_PER_NODE = 8
 WEIGHTS = 50 * GiB  # two stages of a group never fit one 80 GiB GPU together
 STORMS = ("ondemand", "handover", "leader_kill", "unresponsive")
 # A window's figures until the operator is quiet again (``--settle``).
-WITH_TAIL = ("operator_cpu_s", "rounds", "rounds_by_cause", "apiserver_requests", "cpu_s")
+WITH_TAIL = (
+    "operator_cpu_s",
+    "operator_scrape_cpu_s",
+    "rounds",
+    "rounds_by_cause",
+    "apiserver_requests",
+    "cpu_s",
+)
 # The controller-manager without its Endpoints and EndpointSlice controllers: localnode's pods
 # have loopback IPs, which both refuse (HTTP 422), and each retried every stage's Service for
 # minutes: a third of the API server's requests in a 200-stage storm, a harness cost a real
@@ -175,10 +185,12 @@ async def _storms(
             before, t = probe.snapshot(), time.monotonic()
             result = await storm
             storm_numbers[label] = fleet.storm
-            result.update(Probe.delta(before, probe.snapshot(), time.monotonic() - t))
+            mid = probe.snapshot()
+            result.update(Probe.delta(before, mid, time.monotonic() - t))
             if settle:  # the storm's work left when it converged: Events, follow-up rounds
                 tail_s = await quiet(lambda: writes(cp))
                 whole = Probe.delta(before, probe.snapshot(), time.monotonic() - t)
+                whole["operator_scrape_cpu_s"] += round(sum(mid["scrape_cpu"].values()), 2)
                 result["with_tail"] = {"tail_s": tail_s, "seconds": round(time.monotonic() - t, 1),
                                        **{k: whole[k] for k in WITH_TAIL}}  # fmt: skip
             if spy is not None:
@@ -218,11 +230,16 @@ async def idle(seconds: float) -> dict[str, Any]:
     return {"idle_s": seconds}
 
 
-def profiled(ops: list[NamedOperator], folder: Path | None, label: str) -> Profile | None:
+def profiled(
+    ops: list[NamedOperator], folder: Path | None, label: str
+) -> Profile | CProfileWindow | None:
     """``py-spy record`` over the first live operator into ``folder/<label>.raw`` (None: no
     folder, or no py-spy beside this Python)."""
     spy = Path(sys.executable).with_name("py-spy")
     live = [op for op in ops if op.alive and op.proc is not None]
+    cprofile = os.environ.get("OMNISTAGE_CPROFILE_DIR")
+    if cprofile and live:  # --cprofile-dir: the loop's own thread, not py-spy's samples
+        return CProfileWindow(live[0].proc.pid, Path(cprofile), label)  # type: ignore[union-attr]
     if folder is None or not spy.exists() or not live:
         return None
     folder.mkdir(parents=True, exist_ok=True)
@@ -358,7 +375,12 @@ def main() -> int:
         default=None,
         help="py-spy (raw) over the operator in every window, one file each",
     )
+    p.add_argument("--cprofile-dir", type=Path, default=None,
+                   help="cProfile over the operator's event loop in every window instead "
+                   "(bench/scale_cprofile.py), one file each")  # fmt: skip
     args = p.parse_args()
+    if args.cprofile_dir is not None:
+        enable_cprofile(args.cprofile_dir)
     try:
         pinning = Pinning.parse(args.operator_cpus, args.control_plane_cpus, args.harness_cpus)
     except PinningError as exc:

@@ -91,19 +91,31 @@ async def test_a_storm_of_events_neither_floods_the_pool_nor_delays_a_read(
 async def test_connections_are_kept_for_every_slot_and_across_a_pause(
     control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Both ways a request goes: the aiohttp lane ``Kube.connect`` builds (``aio_lane``), and
+    kr8s's client (without the lane, or when the lane cannot answer)."""
     monkeypatch.setenv("KUBECONFIG", str(control_plane.kubeconfig))
     kube = await Kube.connect()
+    lane = kube.lane
+    assert lane is not None
     watch = PoolWatch(pool_of(kube))
 
     async def burst() -> None:
         reads = [kube.get(kr8s.asyncio.objects.Namespace, "", "default") for _ in range(64)]
         assert all(r is not None for r in await asyncio.gather(*reads))
 
-    await burst()
-    first = watch.opened
-    assert 0 < first <= API_CONCURRENCY
-    await burst()  # before: kr8s's client kept 20 and opened (and TLS-shook) the rest again
-    assert watch.opened == first
-    await asyncio.sleep(6)  # longer than httpx's default keep-alive expiry (5 s)
-    await burst()
-    assert watch.opened == first
+    def through_lane() -> int:
+        return lane.opened
+
+    def through_kr8s() -> int:
+        return watch.opened
+
+    for opened in (through_lane, through_kr8s):
+        await burst()
+        first = opened()
+        assert 0 < first <= API_CONCURRENCY
+        await burst()  # before: kr8s's client kept 20 and opened (and TLS-shook) the rest again
+        assert opened() == first
+        await asyncio.sleep(6)  # longer than httpx's default keep-alive expiry (5 s)
+        await burst()
+        assert opened() == first
+        kube.set_lane(None)  # then the same through kr8s's client

@@ -167,6 +167,7 @@ class FakeConnection(httpcore.AsyncConnectionInterface):
     def __init__(self, ident: str, origin: httpcore.Origin, state: str, expired: bool) -> None:
         self.ident, self.origin, self.state, self.expired = ident, origin, state, expired
         self.looks = 0
+        self.expiry_looks = 0
 
     def _look(self) -> None:
         self.looks += 1
@@ -181,6 +182,7 @@ class FakeConnection(httpcore.AsyncConnectionInterface):
 
     def has_expired(self) -> bool:
         self._look()
+        self.expiry_looks += 1
         return self.expired
 
     def is_idle(self) -> bool:
@@ -283,3 +285,44 @@ async def test_the_transports_pool_looks_at_each_connection_once() -> None:
     theirs._requests = [AsyncPoolRequest(httpcore.Request("GET", "https://api:6443/x"))]
     theirs._assign_requests_to_connections()
     assert sum(c.looks for c in theirs._connections) > 32 * 32  # type: ignore[attr-defined]
+
+
+def _swept_pool(connections: list[FakeConnection]) -> http_pool._Pool:
+    """A transport's pool of ``connections`` right after a sweep (the next is not due)."""
+    limits = httpx.Limits(max_connections=32, max_keepalive_connections=32, keepalive_expiry=60)
+    pool = http_pool.transport(False, limits)._pool
+    assert isinstance(pool, http_pool._Pool)
+    pool._connections = list(connections)
+    pool._requests = []
+    pool._assign_requests_to_connections()  # the first pass sweeps
+    pool._requests = [AsyncPoolRequest(httpcore.Request("GET", "https://api:6443/x"))]
+    return pool
+
+
+async def test_between_sweeps_only_the_connection_taken_is_asked_whether_it_expired() -> None:
+    """A request's start or end asks one connection ``has_expired`` (a ``poll`` each, for an
+    idle one), not all 32, until the next sweep (``SWEEP_S``)."""
+    origin = httpcore.URL("https://api:6443/").origin
+    conns = [FakeConnection(f"c{i}", origin, "idle", False) for i in range(32)]
+    pool = _swept_pool(conns)
+    assert [c.expiry_looks for c in conns] == [1] * 32  # the sweep asked each once
+    assert pool._assign_requests_to_connections() == []
+    assert pool._requests[0].connection is conns[0]
+    assert [c.expiry_looks for c in conns] == [2] + [1] * 31
+    pool._swept_at -= http_pool._Pool.SWEEP_S  # a sweep is due again: every one is asked
+    pool._requests = [AsyncPoolRequest(httpcore.Request("GET", "https://api:6443/x"))]
+    pool._assign_requests_to_connections()
+    assert [c.expiry_looks for c in conns] == [3] + [2] * 31
+
+
+async def test_between_sweeps_no_request_goes_out_on_an_expired_connection() -> None:
+    """A connection that expired after the sweep (the server closed it while idle) is closed
+    when a request would take it, and the request takes the next one."""
+    origin = httpcore.URL("https://api:6443/").origin
+    conns = [FakeConnection(f"c{i}", origin, "idle", False) for i in range(3)]
+    pool = _swept_pool(conns)
+    conns[0].expired = True
+    closing = pool._assign_requests_to_connections()
+    assert [_name(c) for c in closing] == ["c0"]
+    assert pool._requests[0].connection is conns[1]
+    assert [_name(c) for c in pool._connections] == ["c1", "c2"]

@@ -34,6 +34,8 @@ OPERATOR_IO = {
     # reach outside the process: the API server, workers, files, the environment, metrics
     "omnistage_operator.k8s.kube",
     "omnistage_operator.k8s.http_pool",
+    "omnistage_operator.k8s.aio_lane",
+    "omnistage_operator.k8s.api_session",
     "omnistage_operator.k8s.claim_slices",
     "omnistage_operator.k8s.leader",
     "omnistage_operator.k8s.lease_store",

@@ -24,9 +24,9 @@ STAGE_MAPS = (
 # ... keyed by (namespace, group).
 GROUP_MAPS = ("_loops", "_retry_in", "kept", "_sleeps", "_members")
 # ... keyed otherwise: the group claims' cache ("namespace/claim", dropped with the group),
-# namespaces with the token Secret, Events being posted, the epoch last ordered with per
+# namespaces with the token Secret, the epoch last ordered with per
 # namespace (dropped with the namespace's last group, as the claim a round asked for is).
-PROCESS_MAPS = ("_claims", "_claim_errors", "_secrets", "_tasks", "claim_epochs")
+PROCESS_MAPS = ("_claims", "_claim_errors", "_secrets", "claim_epochs")
 
 
 def live(bodies: Iterable[Mapping[str, Any]]) -> bool:

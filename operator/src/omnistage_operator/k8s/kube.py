@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
@@ -22,16 +22,26 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
 import kr8s
 import kr8s.asyncio
 from kr8s.asyncio.objects import APIObject, Event, Pod, Secret, Service, new_class
 
 from omnistage_operator.decisions.event_series import EventSeries
-from omnistage_operator.k8s import http_pool, metrics
+from omnistage_operator.k8s import aio_lane, metrics
+from omnistage_operator.k8s.api_session import (
+    API_CONCURRENCY,
+    EVENT_CONCURRENCY,
+    KEEP_CONNECTIONS,
+    KEEP_IDLE_S,
+    keep_connections,
+)
 
 __all__ = [
+    "API_CONCURRENCY",
     "CLAIMS",
+    "EVENT_CONCURRENCY",
+    "KEEP_CONNECTIONS",
+    "KEEP_IDLE_S",
     "OMNISTAGE",
     "PODS",
     "RESOURCE_SLICES",
@@ -45,6 +55,7 @@ __all__ = [
     "ResourceSlice",
     "Tally",
     "tallied",
+    "tally_context",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,66 +115,20 @@ def tallied(sink: Callable[[int, int], None] | None = None) -> Iterator[Tally]:
         _TALLY.reset(token)
 
 
+def tally_context() -> contextvars.Context:
+    """A context that carries only this one's ``Tally`` (for a request made later, on its
+    behalf: a held Event; nothing else of this context is kept alive by it)."""
+    out = contextvars.Context()
+    out.run(_TALLY.set, _TALLY.get())
+    return out
+
+
 class KubeError(Exception):
     """An API call failed with a status other than the ones the caller handles."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
-
-
-# Requests in flight to the API server at once, and connections kept open for them (as many).
-# httpcore's pool scans every connection for every queued request each time a request starts or
-# ends: with a storm's hundreds of requests queued in it (a round's and its Events') that scan
-# was half the operator's CPU (py-spy over a 200-stage hand-over storm). Requests beyond the
-# limit wait on a semaphore instead, which costs nothing per waiter. kr8s builds its httpx client
-# with httpx's default (20 kept alive): every connection beyond that would be closed after its
-# request, and the next burst pay a new TLS handshake for each. They are kept across the pauses
-# between storms too (httpx closes a connection idle for 5 s by default).
-API_CONCURRENCY = 32
-KEEP_CONNECTIONS = API_CONCURRENCY
-KEEP_IDLE_S = 300.0
-# Event posts (and their aggregation patches) in flight at once: Events are best effort and come
-# in bursts (several per hand-over), so they take few of the request slots; a round's reads and
-# status writes never queue behind a storm's Events.
-EVENT_CONCURRENCY = 4
-# The environment's proxy variables httpx honours (then its own transports are kept).
-_PROXY_VARS = tuple(
-    v for name in ("http", "https", "all") for v in (f"{name}_proxy", f"{name.upper()}_PROXY")
-)
-
-
-async def keep_connections(api: Any) -> None:
-    """Make ``api`` (a kr8s Api) build its httpx client with ``KEEP_CONNECTIONS`` kept alive
-    for ``KEEP_IDLE_S``, now (kr8s built one with httpx's defaults for its version check) and
-    whenever it rebuilds it (kr8s does on a 401/403 re-authentication)."""
-    build = api._create_session
-
-    async def create_session() -> None:
-        await build()
-        old = api._session
-        verify = await api.auth.ssl_context()
-        limits = httpx.Limits(
-            max_connections=KEEP_CONNECTIONS,
-            max_keepalive_connections=KEEP_CONNECTIONS,
-            keepalive_expiry=KEEP_IDLE_S,
-        )
-        # through a proxy (kubeconfig's or the environment's), httpx's own transports
-        direct = not api.auth.proxy and not any(os.environ.get(v) for v in _PROXY_VARS)
-        api._session = httpx.AsyncClient(
-            base_url=old.base_url,
-            headers=old.headers,
-            verify=verify,
-            timeout=old.timeout,
-            follow_redirects=True,
-            proxy=api.auth.proxy,
-            limits=limits,
-            transport=http_pool.transport(verify, limits) if direct else None,
-        )
-        await old.aclose()
-
-    api._create_session = create_session
-    await create_session()
 
 
 class Kube:
@@ -175,13 +140,29 @@ class Kube:
         self.events = events if events is not None else EventSeries()
         self._slots = asyncio.Semaphore(API_CONCURRENCY)
         self._event_slots = asyncio.Semaphore(EVENT_CONCURRENCY)
+        self.lane: aio_lane.AioLane | None = None  # ``connect``'s: requests over aiohttp
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def set_lane(self, lane: aio_lane.AioLane | None) -> None:
+        """Send requests through ``lane`` from now on (the one before is closed)."""
+        old, self.lane = self.lane, lane
+        if old is not None:
+            task = asyncio.create_task(old.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """Close the aiohttp lane (kr8s's client is kr8s's)."""
+        self.set_lane(None)
+        await asyncio.gather(*self._closing)
 
     @classmethod
     async def connect(cls) -> Kube:
         """Connect with the in-cluster service account or $KUBECONFIG."""
         api = await kr8s.asyncio.api()
-        await keep_connections(api)
-        return cls(api)
+        kube = cls(api)
+        await keep_connections(api, kube.set_lane)
+        return kube
 
     async def _call(
         self,
@@ -196,41 +177,59 @@ class Kube:
         answer: bool = True,
         **request: Any,
     ) -> dict[str, Any] | None:
-        """One request through kr8s's client (at most ``API_CONCURRENCY`` at once); the object
+        """One request (at most ``API_CONCURRENCY`` at once, ``_send``); the object
         the API answered with as plain JSON (None on a status in ``absent``; ``{}`` when the
         caller wants no ``answer``: it is read, not decoded).
 
         The answer is not wrapped in a kr8s object: turning each answer into a ``Box`` and back
         cost more CPU than the rest of a hand-over (py-spy over ``bench/operator_switch.py``)."""
-        message = ""
         queued = time.monotonic()
-        try:
-            async with self._slots:
-                sent = time.monotonic()
-                lane = "event" if kind is Event else "request"
-                metrics.API_WAIT_SECONDS.labels(lane).observe(sent - queued)
-                try:
-                    async with self.api.call_api(
-                        method,
-                        version=kind.version,
-                        url=url,
-                        namespace=namespace if kind.namespaced else None,
-                        **request,
-                    ) as resp:
-                        body: dict[str, Any] = resp.json() if answer and resp.content else {}
-                finally:
-                    metrics.API_REQUEST_SECONDS.labels(method).observe(time.monotonic() - sent)
-        except kr8s.ServerError as exc:
-            code = exc.response.status_code if exc.response is not None else 0
-            status: Mapping[str, Any] = exc.status if isinstance(exc.status, Mapping) else {}
-            message = str(status.get("message", exc))
-        else:
-            self._count(body, read=read)
+        async with self._slots:
+            sent = time.monotonic()
+            lane = "event" if kind is Event else "request"
+            metrics.API_WAIT_SECONDS.labels(lane).observe(sent - queued)
+            try:
+                code, body, message = await self._send(
+                    kind, method, url, namespace=namespace, answer=answer, request=request
+                )
+            finally:
+                metrics.API_REQUEST_SECONDS.labels(method).observe(time.monotonic() - sent)
+        self._count(body, read=read)
+        if body is not None:
             return body
-        self._count(None, read=read)
         if code in absent:
             return None
         raise KubeError(f"{what}: HTTP {code}: {message}", code)
+
+    async def _send(
+        self, kind: Kind, method: str, url: str, *, namespace: str | None, answer: bool,
+        request: dict[str, Any],
+    ) -> tuple[int, dict[str, Any] | None, str]:  # fmt: skip
+        """(status, the answer: None on an error status, the error's message): through the
+        aiohttp lane when there is one (``aio_lane``), else (or when it cannot answer: a
+        connection error, credentials refused) through kr8s's client, which re-authenticates."""
+        ns = namespace if kind.namespaced else None
+        if self.lane is not None:
+            path = self.api._construct_url(kind.version, namespace=ns, url=url)
+            try:
+                code, raw = await self.lane.request(
+                    method, path, read=answer, **aio_lane.lane_args(request)
+                )
+            except aio_lane.LaneFailed as exc:
+                log.debug("%s %s through kr8s: %s", method, path, exc)
+            else:
+                if code >= 400:
+                    return code, None, aio_lane.error_message(raw)
+                return code, json.loads(raw) if answer and raw else {}, ""
+        try:
+            async with self.api.call_api(
+                method, version=kind.version, url=url, namespace=ns, **request
+            ) as resp:
+                return resp.status_code, resp.json() if answer and resp.content else {}, ""
+        except kr8s.ServerError as exc:
+            code = exc.response.status_code if exc.response is not None else 0
+            status: Mapping[str, Any] = exc.status if isinstance(exc.status, Mapping) else {}
+            return code, None, str(status.get("message", exc))
 
     @staticmethod
     def _count(body: Any, *, read: bool = False) -> None:

@@ -124,6 +124,9 @@ class GroupLoops:
             if target <= loop.ended and not done.done():
                 done.set_result(None)
 
+    def rounds_idle(self) -> None:
+        """A round ended and none runs now (overridden by the runner)."""
+
     def loop_ended(self, namespace: str, group: str, loop: _Loop) -> None:
         """The group's loop ended with no kick pending (a follow-up may be; overridden by the
         runner)."""
@@ -152,6 +155,8 @@ class GroupLoops:
             finally:
                 self._in_round -= 1
                 self._ended(loop)
+                if not self._in_round:
+                    self.rounds_idle()
             retry = self._retry_in.pop((namespace, group), None)
             if busy:
                 self._followup(namespace, group, loop, loop.backoff_s, "busy")

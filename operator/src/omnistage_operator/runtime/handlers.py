@@ -206,11 +206,12 @@ async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
-    """Stop the resync loop, close worker channels."""
+    """Stop the resync loop, close worker channels and the API lane."""
     if _State.resync is not None:
         await _State.resync.stop()
     if _State.runner is not None:
         await _State.runner.close()
+        await _State.runner.kube.close()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

@@ -9,14 +9,16 @@ whenever a condition takes a reason a user must hear about.
 
 The Events of a round's status are posted after its status writes (the checkpoint's after the
 round's last publish): on a single event loop, posting them first would put them ahead of the
-status writes and the wake on the hand-over's path. A state change the round's own Event on the
-stage names (Slept, Woken, Waiting) is told in that Event, not in a ``StateChanged`` of its own
-(``state_events``).
+status writes and the wake on the hand-over's path. They then wait in ``event_lane`` until no
+round runs (a storm's Events after its hand-overs), in order per stage, none dropped. A state
+change the round's own Event on the stage names (Slept, Woken, Waiting) is told in that Event,
+not in a ``StateChanged`` of its own (``state_events``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Coroutine, Mapping
@@ -42,8 +44,9 @@ from omnistage_operator.decisions.status import (
 from omnistage_operator.decisions.wake_backoff import WakeBackoff
 from omnistage_operator.decisions.wake_backoff import to_status as wake_backoff_status
 from omnistage_operator.k8s import metrics
-from omnistage_operator.k8s.kube import OMNISTAGE, Kube, KubeError
+from omnistage_operator.k8s.kube import OMNISTAGE, Kube, KubeError, tally_context
 from omnistage_operator.runtime import stage_metrics
+from omnistage_operator.runtime.event_lane import EventLane
 from omnistage_worker.quantities import format_bytes
 
 if TYPE_CHECKING:
@@ -94,7 +97,7 @@ class StatusPublisher:
     wake_problems: dict[StageKey, tuple[str, str]]
     component_problems: dict[StageKey, tuple[str, str]]
     stage_problems: dict[StageKey, tuple[str, str]]
-    _tasks: set[asyncio.Task[Any]]
+    event_lane: EventLane
     demand: DemandWatcher
 
     def emit(
@@ -112,11 +115,17 @@ class StatusPublisher:
         self._post(body, reason, message, warning)
 
     def _post(self, body: Mapping[str, Any], reason: str, message: str, warning: bool) -> None:
-        task = asyncio.create_task(
-            self.kube.event(body, reason=reason, message=message, warning=warning)
+        """Hand the Event to the low-priority lane (``event_lane``): posted once no round
+        runs, in order per stage."""
+        meta = body["metadata"]
+        post = functools.partial(
+            self.kube.event, body, reason=reason, message=message, warning=warning
         )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.event_lane.put((meta.get("namespace"), meta["name"]), post, tally_context())
+
+    def rounds_idle(self) -> None:
+        """No round runs now: the Events held may go (``GroupLoops``' hook)."""
+        self.event_lane.wake()
 
     def _events(self, port: RoundView, outcome: RoundOutcome) -> None:
         for s in outcome.sleeps:

@@ -13,7 +13,6 @@ group claim (``group_claims``), status and Events (``publisher``).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
@@ -43,6 +42,7 @@ from omnistage_operator.k8s.builders import claim_name, service_name
 from omnistage_operator.k8s.group_claims import GroupClaims
 from omnistage_operator.k8s.kube import (
     CLAIMS,
+    EVENT_CONCURRENCY,
     OMNISTAGE,
     PODS,
     SECRETS,
@@ -61,6 +61,7 @@ from omnistage_operator.k8s.worker_client import WorkerClient
 from omnistage_operator.runtime import stage_metrics
 from omnistage_operator.runtime.claim_gate import ClaimGate
 from omnistage_operator.runtime.demand_watch import DemandWatcher
+from omnistage_operator.runtime.event_lane import EventLane
 from omnistage_operator.runtime.group_forget import Forgetting
 from omnistage_operator.runtime.group_loops import GroupLoops, _Loop
 from omnistage_operator.runtime.pipeline_status import PipelineStatus, after_group_round
@@ -164,7 +165,8 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         # one per stage, closed when its pod is replaced or the stage deleted
         self.channels: WorkerChannels[WorkerClient] = WorkerChannels()
         self._secrets: set[str] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        # Events wait for a moment no round runs (``event_lane``), a few in flight at once.
+        self.event_lane = EventLane(lambda: self._in_round == 0, concurrency=EVENT_CONCURRENCY)
         self._ids = itertools.count(1)
         self.credentials = settings.worker_credentials()
         self._token = self.credentials.shared
@@ -299,6 +301,7 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
             tracker.cancel()
         await self.demand.close()
         await self.channels.close()
+        await self.event_lane.close()
 
     # -- loops -----------------------------------------------------------------------------
 
