@@ -15,14 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
-import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +27,13 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.http_pool_cpu import KEPT, PATCH, _client, _serve  # noqa: E402
-from bench.reporting import code_version, emit  # noqa: E402
+from bench.http_pool_cpu import (  # noqa: E402
+    KEPT,
+    PATCH,
+    _client,
+    emit_cpu_report,
+    run_against_local_server,
+)
 from omnistage_operator.k8s.aio_lane import AioLane  # noqa: E402
 
 PATH = "/apis/omnistage.io/v1alpha1/namespaces/x/omnistages/s/status"
@@ -86,34 +87,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    port = multiprocessing.Value("i", 0)
-    server = multiprocessing.Process(target=_serve, args=(port,), daemon=True)
-    server.start()
-    try:
-        deadline = time.monotonic() + 30
-        while port.value == 0:
-            if time.monotonic() > deadline or not server.is_alive():
-                raise RuntimeError("the local HTTP server did not start")
-            time.sleep(0.02)
-        load = os.getloadavg()[0]
-        result = asyncio.run(_measure(port.value, args.requests, args.rounds))
-    finally:
-        server.terminate()
-        server.join(5)
-    emit(
-        {
-            "bench": "aio_lane_cpu",
-            "command": " ".join(sys.argv),
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "code": code_version(REPO),
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-            "aiohttp": aiohttp.__version__,
-            "load_avg_at_start": round(load, 2),
-            **vars(args) | {"out": str(args.out) if args.out else None},
-            **result,
-        },
-        args.out,
-    )
+    measured = run_against_local_server(lambda port: _measure(port, args.requests, args.rounds))
+    emit_cpu_report("aio_lane_cpu", args, {"aiohttp": aiohttp.__version__}, measured)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    measured = run_against_local_server(
+        lambda port: _measure(port, args.calls, args.requests, args.rounds)
+    )
+    emit_cpu_report("http_pool_cpu", args, {"httpcore": httpcore.__version__}, measured)
+
+
+def run_against_local_server(
+    measure: Callable[[int], Coroutine[Any, Any, dict[str, Any]]],
+) -> tuple[float, dict[str, Any]]:
+    """Start the local HTTP/1.1 server in a process of its own, run ``measure(port)`` against
+    it; the load average at the start and what it measured."""
     port = multiprocessing.Value("i", 0)
     server = multiprocessing.Process(target=_serve, args=(port,), daemon=True)
     server.start()
@@ -174,18 +186,27 @@ def main() -> None:
                 raise RuntimeError("the local HTTP server did not start")
             time.sleep(0.02)
         load = os.getloadavg()[0]
-        result = asyncio.run(_measure(port.value, args.calls, args.requests, args.rounds))
+        return load, asyncio.run(measure(port.value))
     finally:
         server.terminate()
         server.join(5)
+
+
+def emit_cpu_report(
+    bench: str, args: argparse.Namespace, versions: dict[str, str],
+    measured: tuple[float, dict[str, Any]],
+) -> None:  # fmt: skip
+    """The report of a client-CPU bench: its command, date, code, machine, the library
+    versions, the load at its start, its flags and what it measured."""
+    load, result = measured
     emit(
         {
-            "bench": "http_pool_cpu",
+            "bench": bench,
             "command": " ".join(sys.argv),
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "code": code_version(REPO),
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-            "httpcore": httpcore.__version__,
+            **versions,
             "load_avg_at_start": round(load, 2),
             **vars(args) | {"out": str(args.out) if args.out else None},
             **result,
