@@ -176,3 +176,33 @@ async def test_a_held_event_is_counted_in_its_rounds_tally_and_keeps_nothing_els
     runner._in_round = 0
     runner.rounds_idle()
     await _until(lambda: counted == [5])
+
+
+async def test_closing_posts_what_is_held_while_a_round_still_runs() -> None:
+    """The operator ending (a rolling update, a lost Lease) posts the held Events first, in
+    order per stage, instead of dropping them; a post that hangs past ``flush_s`` is the only
+    one lost."""
+    lane = EventLane(lambda: False, concurrency=2)  # a round runs the whole time
+    posted: list[str] = []
+    hang = asyncio.Event()
+
+    def post(name: str, wait: asyncio.Event | None = None) -> Callable[[], Any]:
+        async def run() -> None:
+            if wait is not None:
+                await wait.wait()
+            posted.append(name)
+
+        return run
+
+    for name in ("a1", "a2", "b1"):
+        lane.put(name[0], post(name))
+    await _turns()
+    assert posted == []  # held: a round runs
+    await lane.close(flush_s=5.0)
+    assert sorted(posted) == ["a1", "a2", "b1"] and posted.index("a1") < posted.index("a2")
+
+    stuck = EventLane(lambda: False)
+    stuck.put("c", post("c1", hang))
+    began = time.monotonic()
+    await stuck.close(flush_s=0.2)
+    assert time.monotonic() - began < 5 and "c1" not in posted and len(stuck) == 0

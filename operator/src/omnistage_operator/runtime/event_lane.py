@@ -57,6 +57,7 @@ class EventLane:
         self._ready: deque[Hashable] = deque()  # keys with posts held and none in flight
         self._workers: set[asyncio.Task[None]] = set()
         self._freed = asyncio.Event()  # set by ``wake`` (a round ended with none left running)
+        self._closing = False  # ``close``: post what is held without waiting for an idle loop
 
     def __len__(self) -> int:
         """Posts held or in flight."""
@@ -83,11 +84,19 @@ class EventLane:
         if self._queues and self._idle():
             self._freed.set()
 
-    async def close(self) -> None:
-        """Stop posting; what is held is dropped (the process is ending)."""
+    async def close(self, flush_s: float = 5.0) -> None:
+        """The process is ending: what is held goes out now, rounds or not, for at most
+        ``flush_s``; what is left then is dropped (a warning says how many)."""
+        self._closing = True
+        self._freed.set()
+        if self._workers:
+            await asyncio.wait(list(self._workers), timeout=flush_s)
+        left = len(self)
         for task in list(self._workers):
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
+        if left:
+            log.warning("%d Events not posted: the operator is ending", left)
         self._queues.clear()
         self._ready.clear()
 
@@ -111,8 +120,9 @@ class EventLane:
             del self._queues[key]
 
     async def _turn(self, at: float) -> None:
-        """Wait until a post put at ``at`` may go: no round runs, or it waited its most."""
-        while not self._idle():
+        """Wait until a post put at ``at`` may go: no round runs, or it waited its most (or
+        the lane is closing)."""
+        while not self._closing and not self._idle():
             left = at + self._max_hold_s - self._clock()
             if left <= 0:
                 return
