@@ -65,6 +65,7 @@ from omnistage_worker.runners.vllm_controller import (
     ENGINE_CALL_TIMEOUT_S,
     Started,
     VllmController,
+    end_lifespan,
 )
 from omnistage_worker.runners.vllm_requests import response_of, sampling_kwargs
 from omnistage_worker.runners.vllm_serve import (
@@ -197,9 +198,7 @@ class VllmRunner(ModelRunner):
         """After a failed start: the app's lifespan ended, the engine core stopped."""
         engine, lifespan = self.engine, self._lifespan
         self.engine = self.app = self._lifespan = None
-        if lifespan is not None:
-            with contextlib.suppress(Exception):
-                self.bridge.call(lifespan.__aexit__(None, None, None), ENGINE_CALL_TIMEOUT_S)
+        end_lifespan(self.bridge, lifespan)
         with contextlib.suppress(Exception):
             engine.shutdown()
 

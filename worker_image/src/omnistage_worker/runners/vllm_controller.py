@@ -19,6 +19,16 @@ log = logging.getLogger(__name__)
 ENGINE_CALL_TIMEOUT_S = 600.0
 
 
+def end_lifespan(
+    bridge: LoopBridge, lifespan: contextlib.AbstractAsyncContextManager[Any] | None
+) -> None:
+    """End vLLM's app's lifespan (if any) on the worker's loop; an error there is not the
+    stop's (the engine core is stopped after it either way)."""
+    if lifespan is not None:
+        with contextlib.suppress(Exception):
+            bridge.call(lifespan.__aexit__(None, None, None), ENGINE_CALL_TIMEOUT_S)
+
+
 @dataclass(frozen=True)
 class Started:
     """An engine started by the runner: the client, its app's lifespan, and what a wake takes
@@ -70,11 +80,6 @@ class VllmController:
         self._keeps_host_copy = keeps_host_copy
         # the start's calibration slept at level 1 (a pre-warmed engine has not started yet)
         self._host_kept = keeps_host_copy and engine is not None
-
-    @property
-    def started(self) -> bool:
-        """Whether the engine runs (a pre-warmed stage's starts at its first wake)."""
-        return self._engine is not None
 
     @property
     def level(self) -> int:
@@ -150,10 +155,8 @@ class VllmController:
         """End the app's lifespan, stop the engine core (its memory goes with it)."""
         if self._engine is None:
             return
-        if self._lifespan is not None:
-            lifespan, self._lifespan = self._lifespan, None
-            with contextlib.suppress(Exception):
-                self._bridge.call(lifespan.__aexit__(None, None, None), ENGINE_CALL_TIMEOUT_S)
+        lifespan, self._lifespan = self._lifespan, None
+        end_lifespan(self._bridge, lifespan)
         self._engine.shutdown()
 
     def device_bytes(self) -> int:
