@@ -23,6 +23,29 @@ def die_with_parent(argv: Sequence[str]) -> list[str]:
     return [setpriv, "--pdeathsig", "KILL", "--", *argv] if setpriv else list(argv)
 
 
+def wait_tied(pid: int, timeout: float = 10.0) -> None:
+    """Return once ``pid`` (started through ``die_with_parent``) runs its own program.
+
+    setpriv arms PR_SET_PDEATHSIG only when it runs, after ``Popen`` has returned: a parent
+    that dies in between leaves the child running, re-parented. Once the child has exec'd
+    past setpriv the signal is armed (or the child is gone, also fine).
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return
+    real = os.path.realpath(setpriv)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            return  # exited, or a zombie: nothing to tie
+        if exe != real:
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} still in setpriv after {timeout:.0f} s")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket() as s:
@@ -96,6 +119,7 @@ class ManagedProcess:
             start_new_session=True,
             env=env,
         )
+        wait_tied(self.proc.pid)
 
     def died(self) -> str | None:
         """A message if the process has exited, with the tail of its log."""

@@ -30,7 +30,7 @@ from omnistage_operator.decisions.handover import WorkerUnavailable
 from omnistage_operator.k8s.worker_client import WorkerClient
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.localnode import LocalNodes
-from tests.cluster.procs import die_with_parent, tail_log, terminate
+from tests.cluster.procs import die_with_parent, tail_log, terminate, wait_tied
 from tests.worker.tiny_models import build_causal_lm, build_diffusion_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,6 +142,7 @@ class OperatorProcess:
             self.proc = subprocess.Popen(
                 die_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, env=env
             )
+        wait_tied(self.proc.pid)
 
     def _healthy(self) -> bool:
         assert self.proc is not None
