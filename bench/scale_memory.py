@@ -4,8 +4,9 @@ For each size (stages; two per group, as bench/scale.py builds them, no storms):
 plane, localnode with simulated worker hosts and the real operator run with tracemalloc on (a
 ``sitecustomize`` put on its ``PYTHONPATH`` dumps a snapshot on SIGUSR2). Once every group has
 one stage Active and the other Asleep, and the operator's RSS has settled, a snapshot is taken.
-Reported per size: RSS, traced bytes and the top allocation sites; between the first two sizes,
-bytes per stage by site. Writes JSON under bench/results/.
+Reported per size: RSS, traced bytes and the top allocation sites, and where the rest is
+(``heap``: glibc's main arena in use and free, RSS by kind of mapping, what ``malloc_trim``
+then gives back, objects by type); between the first two sizes, bytes per stage by site. Writes JSON under bench/results/.
 
     .venv/bin/python bench/scale_memory.py --sizes 200,400 [--out bench/results/scale_memory.json]
     .venv/bin/python bench/scale_memory.py --sizes 200 --compare BEFORE.snapshot AFTER.snapshot
@@ -46,9 +47,43 @@ from tests.e2e.conftest import OPERATOR, WAKE_MARGIN, wait_for  # noqa: E402
 
 GiB = 1024**3
 HOOK = """\
-import os, signal, tracemalloc
+import collections, ctypes, gc, json, os, signal, tracemalloc
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+def _heap():
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    types = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+    return {"malloc_in_use": info.uordblks, "malloc_free": info.fordblks,
+            "malloc_mmapped": info.hblkhd, "malloc_arena": info.arena,
+            "gc_objects": sum(types.values()), "gc_types": dict(types.most_common(30)),
+            "rss_by_kind": _rss_by_kind(), "rss_trimmed": _trimmed(libc)}
+def _rss():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _trimmed(libc):
+    before = _rss()
+    libc.malloc_trim(0)
+    return before - _rss()
+def _rss_by_kind():
+    kinds, kind = collections.Counter(), "anon"
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                path = head[5] if len(head) > 5 else ""
+                kind = "heap" if path == "[heap]" else "anon" if not path else (
+                    "stack" if path.startswith("[stack") else "file")
+            elif head and head[0] == "Rss:":
+                kinds[kind] += int(head[1]) * 1024
+    return dict(kinds)
 def _dump(signum, frame):
-    tracemalloc.take_snapshot().dump(os.environ["OMNISTAGE_TRACEMALLOC_OUT"])
+    out = os.environ["OMNISTAGE_TRACEMALLOC_OUT"]
+    with open(out + ".heap.json", "w") as fh:
+        json.dump(_heap(), fh)
+    tracemalloc.take_snapshot().dump(out)
 if os.environ.get("OMNISTAGE_TRACEMALLOC_OUT"):
     tracemalloc.start(int(os.environ.get("OMNISTAGE_TRACEMALLOC_DEPTH", "1")))
     signal.signal(signal.SIGUSR2, _dump)
@@ -179,9 +214,10 @@ def measure(stages: int, work: Path, sim_hosts: int, depth: int) -> tuple[dict[s
                 op.stop()
     stats = snap.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
     traced = sum(s.size for s in stats.statistics("filename"))
+    heap = json.loads(Path(f"{snap_path}.heap.json").read_text())
     row = {"stages": stages, "groups": groups, "nodes": node_count,
            "settle_s": round(settled_s, 1), "rss_mib": round(rss / 2**20, 1),
-           "traced_mib": round(traced / 2**20, 1)}  # fmt: skip
+           "traced_mib": round(traced / 2**20, 1), "heap": heap}  # fmt: skip
     return row, stats
 
 

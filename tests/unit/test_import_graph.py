@@ -35,6 +35,7 @@ OPERATOR_IO = {
     "omnistage_operator.k8s.kube",
     "omnistage_operator.k8s.http_pool",
     "omnistage_operator.k8s.aio_lane",
+    "omnistage_operator.k8s.kopf_session",
     "omnistage_operator.k8s.api_session",
     "omnistage_operator.k8s.claim_slices",
     "omnistage_operator.k8s.leader",

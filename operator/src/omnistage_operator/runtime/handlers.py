@@ -46,7 +46,7 @@ from omnistage_operator.decisions.leadership import (
 from omnistage_operator.k8s.kube import Kube
 from omnistage_operator.k8s.settings import Settings
 from omnistage_operator.k8s.views import GroupViews, group_of, pod_keys, stage_keys
-from omnistage_operator.runtime import login  # noqa: F401  (registers kopf's login handlers)
+from omnistage_operator.runtime import login  # registers kopf's login handlers
 from omnistage_operator.runtime.diffbase import MemoryDiffBaseStorage
 from omnistage_operator.runtime.resync import Resync
 from omnistage_operator.runtime.runner import GroupRunner
@@ -86,6 +86,7 @@ def configure(
     """Give the handlers their settings, leadership and the shard's namespace claims (call
     before kopf starts)."""
     _State.settings = settings
+    login.configure(settings.namespaces)
     _State.leadership = leadership or SoleWriter()
     _State.claims = claims or AllNamespaces()
     _State.led_epoch = None
