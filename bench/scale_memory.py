@@ -6,7 +6,8 @@ plane, localnode with simulated worker hosts and the real operator run with trac
 one stage Active and the other Asleep, and the operator's RSS has settled, a snapshot is taken.
 Reported per size: RSS, traced bytes and the top allocation sites, and where the rest is
 (``heap``: glibc's main arena in use and free, RSS by kind of mapping, what ``malloc_trim``
-then gives back, objects by type); between the first two sizes, bytes per stage by site. Writes JSON under bench/results/.
+then gives back, objects by type); between the first two sizes, bytes per stage by site.
+Writes JSON under bench/results/
 
     .venv/bin/python bench/scale_memory.py --sizes 200,400 [--out bench/results/scale_memory.json]
     .venv/bin/python bench/scale_memory.py --sizes 200 --compare BEFORE.snapshot AFTER.snapshot
