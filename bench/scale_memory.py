@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.scale import GPUS_PER_NODE, WEIGHTS  # noqa: E402
 from bench.scale_operators import NamedOperator  # noqa: E402
-from bench.scale_storms import Fleet, generate, pod_targets, stage  # noqa: E402
+from bench.scale_storms import Fleet, generate, patch_storm, pod_targets, stage  # noqa: E402
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.kubeconfig import load_kubeconfig  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
@@ -91,7 +92,12 @@ if os.environ.get("OMNISTAGE_TRACEMALLOC_OUT"):
 """
 
 
-async def _settle(cp: ControlPlane, nodes: LocalNodes, ns: str, groups: int, model: Path) -> None:
+async def _settle(
+    cp: ControlPlane, nodes: LocalNodes, ns: str, groups: int, model: Path,
+    *, storms: int = 0, taken: Callable[[str], Awaitable[None]] | None = None,
+) -> None:  # fmt: skip
+    """Create the stages, wake every group's ``a``; then ``storms`` hand-over storms (every
+    group at once, ``b`` and ``a`` in turn), ``taken(label)`` after each."""
     api = Api(load_kubeconfig(cp.kubeconfig))
     fleet = Fleet(api, ns, groups)
     env = {"OMNISTAGE_SIM_WEIGHTS": str(WEIGHTS), "OMNISTAGE_SIM_TRANSFER_S": "0.1"}
@@ -114,6 +120,11 @@ async def _settle(cp: ControlPlane, nodes: LocalNodes, ns: str, groups: int, mod
         targets = await pod_targets(api, ns)
         await asyncio.gather(*(_served(targets[f"{g}-a"]) for g in fleet.groups))
         await fleet.settle("a", "b", fleet.groups, 300)
+        for n in range(storms):
+            if taken is not None:
+                await taken(f"storm{n}")
+            gainer, loser = ("b", "a") if n % 2 == 0 else ("a", "b")
+            await patch_storm(fleet, gainer, loser, fleet.groups, within_s=300)
     finally:
         await fleet.stop_watch()
         await api.close()
@@ -173,8 +184,26 @@ def _start(op: NamedOperator, within_s: float = 600) -> None:
         raise
 
 
-def measure(stages: int, work: Path, sim_hosts: int, depth: int) -> tuple[dict[str, Any], Any]:
-    """One size: RSS, traced bytes and the snapshot's statistics by line."""
+def _point(pid: int, snap_path: Path, label: str) -> tuple[dict[str, Any], Any]:
+    """The settled RSS, then a snapshot (its files removed once read): a row and its stats."""
+    rss = _rss_settled(pid)
+    snap = _snapshot(pid, snap_path)
+    heap_path = Path(f"{snap_path}.heap.json")
+    heap = json.loads(heap_path.read_text())
+    snap_path.unlink()
+    heap_path.unlink()
+    stats = snap.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+    traced = sum(s.size for s in stats.statistics("filename"))
+    row = {"label": label, "rss_mib": round(rss / 2**20, 1), "traced_mib": round(traced / 2**20, 1),
+           "heap": heap}  # fmt: skip
+    return row, stats
+
+
+def measure(
+    stages: int, work: Path, sim_hosts: int, depth: int, *, storms: int = 0, top: int = 25
+) -> tuple[dict[str, Any], Any]:
+    """One size: RSS, traced bytes and the snapshot's statistics by line; with ``storms``, the
+    same before each hand-over storm and what grew from the second to the end."""
     groups = stages // 2
     node_count = max(1, math.ceil(groups / 2))
     model = work / "model"
@@ -183,6 +212,8 @@ def measure(stages: int, work: Path, sim_hosts: int, depth: int) -> tuple[dict[s
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(HOOK)
     snap_path = work / "operator.snapshot"
+    points: list[dict[str, Any]] = []
+    kept: dict[str, Any] = {}
     with ControlPlane() as cp:
         cp.kubectl("apply", "--server-side", "-f", str(ROOT / "crds/omnistages.omnistage.io.yaml"))
         cp.wait_crd_established("omnistages.omnistage.io")
@@ -204,21 +235,38 @@ def measure(stages: int, work: Path, sim_hosts: int, depth: int) -> tuple[dict[s
             finally:
                 os.environ.clear()
                 os.environ.update(saved)
+            assert op.proc is not None
+            pid = op.proc.pid
+
+            async def taken(label: str) -> None:
+                row, stats = await asyncio.to_thread(_point, pid, snap_path, label)
+                print(json.dumps({k: v for k, v in row.items() if k != "heap"}), flush=True)
+                points.append(row)
+                kept[label] = stats
+
             try:
                 t0 = time.monotonic()
-                asyncio.run(_settle(cp, nodes, ns, groups, model))
+                asyncio.run(_settle(cp, nodes, ns, groups, model, storms=storms, taken=taken))
                 settled_s = time.monotonic() - t0
-                assert op.proc is not None
-                rss = _rss_settled(op.proc.pid)
-                snap = _snapshot(op.proc.pid, snap_path)
+                end, stats = _point(pid, snap_path, "end")
             finally:
                 op.stop()
-    stats = snap.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
-    traced = sum(s.size for s in stats.statistics("filename"))
-    heap = json.loads(Path(f"{snap_path}.heap.json").read_text())
     row = {"stages": stages, "groups": groups, "nodes": node_count,
-           "settle_s": round(settled_s, 1), "rss_mib": round(rss / 2**20, 1),
-           "traced_mib": round(traced / 2**20, 1), "heap": heap}  # fmt: skip
+           "settle_s": round(settled_s, 1), "rss_mib": end["rss_mib"],
+           "traced_mib": end["traced_mib"], "heap": end["heap"]}  # fmt: skip
+    if storms >= 2:
+        first = points[1]  # after one storm: what a storm first allocates is there already
+        row["storms"] = storms
+        row["points"] = [*points, end]
+        row["growth_per_storm"] = {
+            "storms": storms - 1,
+            "rss_mib": round((end["rss_mib"] - first["rss_mib"]) / (storms - 1), 2),
+            "traced_mib": round((end["traced_mib"] - first["traced_mib"]) / (storms - 1), 2),
+            "by_site_bytes": {
+                _site(d): round(d.size_diff / (storms - 1))
+                for d in stats.compare_to(kept["storm1"], "lineno")[:top]
+            },
+        }
     return row, stats
 
 
@@ -262,6 +310,8 @@ def main() -> int:
     p.add_argument("--sim-hosts", type=int, default=10)
     p.add_argument("--depth", type=int, default=1, help="tracemalloc frames per allocation")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--storms", type=int, default=0,
+                   help="hand-over storms after settling, a snapshot before each")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_memory.json")
     p.add_argument(
         "--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
@@ -274,7 +324,9 @@ def main() -> int:
     for size in [int(s) for s in args.sizes.split(",")]:
         work = Path(tempfile.mkdtemp(prefix=f"scale-mem-{size}-"))
         print(f"[scale-memory] {size} stages in {work}", flush=True)
-        row, stats = measure(size, work, args.sim_hosts, args.depth)
+        row, stats = measure(
+            size, work, args.sim_hosts, args.depth, storms=args.storms, top=args.top
+        )
         row["top"] = {
             _site(s): s.size for s in stats.statistics("lineno")[: args.top]
         }  # fmt: skip

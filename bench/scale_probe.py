@@ -244,6 +244,7 @@ class Probe:
             "operator_gc_cpu_s": {g: round(v, 2) for g, v in sorted(summed("gc_cpu").items())},
             "operator_gc_collections": {g: int(v) for g, v in sorted(summed("gc_n").items())},
             "operator_rss_mib": round(max(after["rss"].values(), default=0) / 2**20, 1),
+            "operator_rss_mib_total": round(sum(after["rss"].values()) / 2**20, 1),
             **api_times(
                 {n: before["metrics"][n] for n in names}, {n: after["metrics"][n] for n in names}
             ),
