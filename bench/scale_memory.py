@@ -29,6 +29,7 @@ import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench.scale import GPUS_PER_NODE, WEIGHTS  # noqa: E402
 from bench.scale_operators import NamedOperator  # noqa: E402
-from bench.scale_storms import Fleet, generate, patch_storm, pod_targets, stage  # noqa: E402
+from bench.scale_storms import (  # noqa: E402
+    Fleet,
+    bounded,
+    generate,
+    patch_storm,
+    pod_targets,
+    stage,
+)
 from tests.cluster.controlplane import ControlPlane  # noqa: E402
 from tests.cluster.kubeconfig import load_kubeconfig  # noqa: E402
 from tests.cluster.localnode import LocalNodes  # noqa: E402
@@ -61,7 +69,9 @@ def _heap():
     return {"malloc_in_use": info.uordblks, "malloc_free": info.fordblks,
             "malloc_mmapped": info.hblkhd, "malloc_arena": info.arena,
             "gc_objects": sum(types.values()), "gc_types": dict(types.most_common(30)),
-            "rss_by_kind": _rss_by_kind(), "rss_trimmed": _trimmed(libc)}
+            "rss_by_kind": _rss_by_kind(), "rss_trimmed": _trimmed(libc),
+            "held_by": {t: _chains(t) for t in
+                        os.environ.get("OMNISTAGE_HELD_BY", "").split(",") if t}}
 def _rss():
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -81,6 +91,26 @@ def _rss_by_kind():
             elif head and head[0] == "Rss:":
                 kinds[kind] += int(head[1]) * 1024
     return dict(kinds)
+def _chains(type_name, samples=3, depth=6):
+    # a few live objects of type_name: what holds them, depth referrers up
+    found = [o for o in gc.get_objects() if type(o).__name__ == type_name][-samples:]
+    out = []
+    for obj in found:
+        chain, node, ignore = [], obj, {id(found)}
+        for _ in range(depth):
+            refs = gc.get_referrers(node)
+            ignore.add(id(refs))
+            holders = [r for r in refs if id(r) not in ignore and type(r).__name__ != "frame"]
+            if not holders:
+                break
+            node = holders[0]
+            ignore.add(id(node))
+            what = type(node).__qualname__
+            if isinstance(node, dict):
+                what += "{" + ",".join(sorted(map(str, node))[:6]) + "}"
+            chain.append(what)
+        out.append(chain)
+    return out
 def _dump(signum, frame):
     out = os.environ["OMNISTAGE_TRACEMALLOC_OUT"]
     with open(out + ".heap.json", "w") as fh:
@@ -125,6 +155,10 @@ async def _settle(
                 await taken(f"storm{n}")
             gainer, loser = ("b", "a") if n % 2 == 0 else ("a", "b")
             await patch_storm(fleet, gainer, loser, fleet.groups, within_s=300)
+            # the loser withdraws its wish (it lost), so its next Active is a new ask
+            await bounded(
+                [partial(fleet.patch_state, f"{g}-{loser}", "Asleep") for g in fleet.groups]
+            )
     finally:
         await fleet.stop_watch()
         await api.close()
@@ -184,8 +218,12 @@ def _start(op: NamedOperator, within_s: float = 600) -> None:
         raise
 
 
-def _point(pid: int, snap_path: Path, label: str) -> tuple[dict[str, Any], Any]:
-    """The settled RSS, then a snapshot (its files removed once read): a row and its stats."""
+def _point(
+    pid: int, snap_path: Path, label: str, quiet_s: float = 0.0
+) -> tuple[dict[str, Any], Any]:
+    """After ``quiet_s`` without requests, the settled RSS, then a snapshot (its files removed
+    once read): a row and its stats."""
+    time.sleep(quiet_s)
     rss = _rss_settled(pid)
     snap = _snapshot(pid, snap_path)
     heap_path = Path(f"{snap_path}.heap.json")
@@ -200,7 +238,14 @@ def _point(pid: int, snap_path: Path, label: str) -> tuple[dict[str, Any], Any]:
 
 
 def measure(
-    stages: int, work: Path, sim_hosts: int, depth: int, *, storms: int = 0, top: int = 25
+    stages: int,
+    work: Path,
+    sim_hosts: int,
+    depth: int,
+    *,
+    storms: int = 0,
+    top: int = 25,
+    quiet_s: float = 0.0,
 ) -> tuple[dict[str, Any], Any]:
     """One size: RSS, traced bytes and the snapshot's statistics by line; with ``storms``, the
     same before each hand-over storm and what grew from the second to the end."""
@@ -239,7 +284,7 @@ def measure(
             pid = op.proc.pid
 
             async def taken(label: str) -> None:
-                row, stats = await asyncio.to_thread(_point, pid, snap_path, label)
+                row, stats = await asyncio.to_thread(_point, pid, snap_path, label, quiet_s)
                 print(json.dumps({k: v for k, v in row.items() if k != "heap"}), flush=True)
                 points.append(row)
                 kept[label] = stats
@@ -248,7 +293,7 @@ def measure(
                 t0 = time.monotonic()
                 asyncio.run(_settle(cp, nodes, ns, groups, model, storms=storms, taken=taken))
                 settled_s = time.monotonic() - t0
-                end, stats = _point(pid, snap_path, "end")
+                end, stats = _point(pid, snap_path, "end", quiet_s)
             finally:
                 op.stop()
     row = {"stages": stages, "groups": groups, "nodes": node_count,
@@ -264,20 +309,31 @@ def measure(
             "traced_mib": round((end["traced_mib"] - first["traced_mib"]) / (storms - 1), 2),
             "by_site_bytes": {
                 _site(d): round(d.size_diff / (storms - 1))
-                for d in stats.compare_to(kept["storm1"], "lineno")[:top]
+                for d in stats.compare_to(kept["storm1"], "traceback" if depth > 1 else "lineno")[
+                    :top
+                ]
             },
         }
     return row, stats
 
 
-def _site(stat: Any) -> str:
-    frame = stat.traceback[0]
+def _frame(frame: Any) -> str:
     name = frame.filename
     for marker in ("site-packages/", "/src/", "/lib/python3"):
         if marker in name:
             name = name.split(marker, 1)[1]
             break
     return f"{name}:{frame.lineno}"
+
+
+def _key_type(depth: int) -> str:
+    """Snapshots compared by allocation line, or by whole traceback when traced deeper."""
+    return "traceback" if depth > 1 else "lineno"
+
+
+def _site(stat: Any) -> str:
+    """Where ``stat`` was allocated; with deeper tracebacks, the callers after `` < ``."""
+    return " < ".join(_frame(f) for f in reversed(list(stat.traceback)[-4:]))
 
 
 def _load(path: Path) -> tracemalloc.Snapshot:
@@ -310,8 +366,14 @@ def main() -> int:
     p.add_argument("--sim-hosts", type=int, default=10)
     p.add_argument("--depth", type=int, default=1, help="tracemalloc frames per allocation")
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--storms", type=int, default=0,
-                   help="hand-over storms after settling, a snapshot before each")  # fmt: skip
+    p.add_argument(
+        "--storms",
+        type=int,
+        default=0,
+        help="hand-over storms after settling, a snapshot before each",
+    )
+    p.add_argument("--quiet-s", type=float, default=0.0,
+                   help="seconds without requests before each snapshot")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale_memory.json")
     p.add_argument(
         "--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
@@ -325,7 +387,13 @@ def main() -> int:
         work = Path(tempfile.mkdtemp(prefix=f"scale-mem-{size}-"))
         print(f"[scale-memory] {size} stages in {work}", flush=True)
         row, stats = measure(
-            size, work, args.sim_hosts, args.depth, storms=args.storms, top=args.top
+            size,
+            work,
+            args.sim_hosts,
+            args.depth,
+            storms=args.storms,
+            top=args.top,
+            quiet_s=args.quiet_s,
         )
         row["top"] = {
             _site(s): s.size for s in stats.statistics("lineno")[: args.top]
