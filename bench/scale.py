@@ -323,7 +323,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "storm_overhead_p99_s": max(s["overhead_s"]["p99"] for s in storms),
         "storm_converge_s": max(s["converge_s"] for s in storms),
         "operator_rss_mib": max(s["operator_rss_mib"] for s in storms),
-        "operator_rss_mib_total": max(s.get("operator_rss_mib_total", 0.0) for s in storms),
+        "operator_rss_mib_total": max(s["operator_rss_mib_total"] for s in storms),
         "shards": biggest.get("shards", 1),
         **({"handover_by_shard": shards_summary(biggest)} if biggest.get("shards", 1) > 1 else {}),
     }

@@ -7,7 +7,7 @@ one stage Active and the other Asleep, and the operator's RSS has settled, a sna
 Reported per size: RSS, traced bytes and the top allocation sites, and where the rest is
 (``heap``: glibc's main arena in use and free, RSS by kind of mapping, what ``malloc_trim``
 then gives back, objects by type); between the first two sizes, bytes per stage by site.
-Writes JSON under bench/results/
+Writes JSON under bench/results/.
 
     .venv/bin/python bench/scale_memory.py --sizes 200,400 [--out bench/results/scale_memory.json]
     .venv/bin/python bench/scale_memory.py --sizes 200 --compare BEFORE.snapshot AFTER.snapshot
@@ -230,8 +230,8 @@ def _point(
     heap = json.loads(heap_path.read_text())
     snap_path.unlink()
     heap_path.unlink()
-    stats = snap.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
-    traced = sum(s.size for s in stats.statistics("filename"))
+    stats = _own(snap)
+    traced = _traced_bytes(stats)
     row = {"label": label, "rss_mib": round(rss / 2**20, 1), "traced_mib": round(traced / 2**20, 1),
            "heap": heap}  # fmt: skip
     return row, stats
@@ -309,9 +309,7 @@ def measure(
             "traced_mib": round((end["traced_mib"] - first["traced_mib"]) / (storms - 1), 2),
             "by_site_bytes": {
                 _site(d): round(d.size_diff / (storms - 1))
-                for d in stats.compare_to(kept["storm1"], "traceback" if depth > 1 else "lineno")[
-                    :top
-                ]
+                for d in stats.compare_to(kept["storm1"], _key_type(depth))[:top]
             },
         }
     return row, stats
@@ -336,16 +334,24 @@ def _site(stat: Any) -> str:
     return " < ".join(_frame(f) for f in reversed(list(stat.traceback)[-4:]))
 
 
-def _load(path: Path) -> tracemalloc.Snapshot:
-    snap = tracemalloc.Snapshot.load(str(path))
+def _own(snap: tracemalloc.Snapshot) -> tracemalloc.Snapshot:
+    """The operator's allocations, without tracemalloc's own."""
     return snap.filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+
+
+def _traced_bytes(snap: tracemalloc.Snapshot) -> int:
+    return sum(s.size for s in snap.statistics("filename"))
+
+
+def _load(path: Path) -> tracemalloc.Snapshot:
+    return _own(tracemalloc.Snapshot.load(str(path)))
 
 
 def compare(before: Path, after: Path, *, stages: int, top: int, out: Path) -> int:
     """Bytes per stage by site between two snapshots of one size (before and after a change)."""
     old, new = _load(before), _load(after)
     diff = new.compare_to(old, "lineno")
-    traced = [sum(s.size for s in snap.statistics("filename")) for snap in (old, new)]
+    traced = [_traced_bytes(snap) for snap in (old, new)]
     result = {
         "benchmark": "scale_memory_compare",
         "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]),
