@@ -25,6 +25,17 @@ ROWS = (
 )
 
 
+def _floor_basis(vllm: dict[str, Any]) -> str | None:
+    """The vLLM wake's floor (the same wake without vLLM, same run), where it was measured."""
+    if "l1_wake_floor_of_h2d" not in vllm:
+        return None
+    return (
+        f"right after its sleep; the same wake without vLLM {vllm['l1_wake_floor_of_h2d']:.2f} "
+        f"(rested: {vllm['l1_rested_wake_ratio_to_h2d']:.2f}, its floor "
+        f"{vllm['l1_rested_wake_floor_of_h2d']:.2f})"
+    )
+
+
 def speed_section(data: dict[str, Any]) -> list[str]:
     """One row per figure of the summary: now, goal, met, and which part measured it."""
     s = data["summary"]
@@ -34,6 +45,9 @@ def speed_section(data: dict[str, Any]) -> list[str]:
             figures.get(s.get("source", {}).get("operator_p50_ms", "handover")) or {}
         ).get("operator_basis"),
         "vllm_cold_start_s": (figures.get("vllm") or {}).get("cold_start_basis"),
+        "vllm_l1_wake_of_h2d": _floor_basis(
+            figures.get(s.get("source", {}).get("vllm_l1_wake_of_h2d", "vllm")) or {}
+        ),
     }
     lines = [
         "",

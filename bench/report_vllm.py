@@ -74,12 +74,31 @@ def _vllm_prewarm_rows(prewarm: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _vllm_floor_rows(floor: dict[str, Any] | None) -> list[str]:
+    """The level-1 wakes against the same wake without vLLM (bench/vllm_wake_floor.py), the
+    floor's own share of H2D beside it: what on this layout no order of the driver's calls beat."""
+    if not floor or "l1_wake_floor_seconds" not in floor["summary"]:
+        return []
+    s, day = floor["summary"], floor["machine"]["date"][:10]
+    rows = []
+    for when, key in (("right after its sleep", "l1_"), ("after 3 s asleep", "l1_rested_")):
+        rows.append(
+            f"| L1 wake {when}: ACK / its floor without vLLM ({day}, same run) | "
+            f"{s[key + 'wake_seconds_median']:.3f} s / {s[key + 'wake_floor_seconds']:.3f} s "
+            f"(at {s[key + 'wake_of_floor']:.0%} of the floor's speed; the floor "
+            f"{s[key + 'wake_floor_of_h2d']:.0%} of H2D) |"
+        )
+    return rows
+
+
 def vllm_section(
     data: dict[str, Any],
     forkserver: dict[str, Any] | None = None,
     spawn: dict[str, Any] | None = None,
     pieces: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
     prewarm: dict[str, Any] | None = None,
+    *,
+    floor: dict[str, Any] | None = None,
 ) -> list[str]:
     """A vLLM stage on the GPU host (bench/vllm_stage.py): the worker's ACKs and the limits;
     the restarts' cold starts from the fork-server run and its spawned twin, where given."""
@@ -102,6 +121,7 @@ def vllm_section(
         f"({s['l1_wake_ratio_to_h2d']:.0%} of H2D) |",
         *_vllm_engine_row(s),
         *_vllm_pieces_rows(*pieces),
+        *_vllm_floor_rows(floor),
         f"| L2 sleep / wake (reload from disk) | {s['l2_sleep_seconds_median']:.2f} s / "
         f"{s['l2_wake_seconds_median']:.2f} s |",
         f"| residual after sleep (ACK, bound) | {s['l1_max_residual_bytes'] / MiB:.0f} MiB "

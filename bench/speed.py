@@ -1,7 +1,7 @@
 """Issue 23's figures in one JSON: each part runs an existing bench, with the limits it measures.
 
     python bench/speed.py --work /tmp/speed --out $OUT/speed.json [--bundle .gpubundle]
-        [--parts handover,coldstart,vllm,multi_gpu,operator,overlap]
+        [--parts handover,coldstart,vllm,vllm_wake,multi_gpu,operator,overlap]
 
 The parts, each run by calling its bench's ``main`` in a fresh child process (so no part's CUDA
 context, environment or imports reach the next one), its report kept as ``--work/parts/NAME.json``:
@@ -12,7 +12,10 @@ context, environment or imports reach the next one), its report kept as ``--work
   run), and the operator's share of each hand-over;
 - ``coldstart`` (a GPU): ``bench/coldstart.py``, process spawn to the first token;
 - ``vllm`` (a GPU and vLLM importable): ``bench/vllm_stage.py``, level-1 wake against H2D and
-  the cold start of a vLLM stage;
+  against the same wake's floor without vLLM (``bench/vllm_wake_floor.py``), and the cold start
+  of a vLLM stage;
+- ``vllm_wake`` (asked for, as ``vllm``): the same bench's level-1 wakes alone (no level 2, no
+  restart); where it ran, its wake figures come before ``vllm``'s;
 - ``multi_gpu`` (two GPUs): ``bench/multi_gpu.py``, each device's wake against its limit when
   both copy at once;
 - ``operator`` (any machine): ``bench/operator_switch.py``, the operator's share of a hand-over
@@ -70,13 +73,12 @@ class Machine:
 
     def cannot(self, part: str) -> str | None:
         """Why ``part`` cannot run here, or None."""
-        if part in ("handover", "handover_serial", "coldstart", "vllm", "overlap") and (
-            not self.gpus
-        ):
+        gpu_parts = ("handover", "handover_serial", "coldstart", "vllm", "vllm_wake", "overlap")
+        if part in gpu_parts and not self.gpus:
             return "no GPU on this machine (NVML sees none)"
         if part in ("handover", "handover_serial") and self.bundle is None:
             return "needs --bundle (python -m bench.gpu_bundle: the control plane's binaries)"
-        if part == "vllm" and not self.vllm:
+        if part in ("vllm", "vllm_wake") and not self.vllm:
             return "vLLM is not importable here (source bench/vllm_host_setup.sh first)"
         if part == "multi_gpu" and len(self.gpus) < 2:
             return f"needs 2 GPUs of one host, NVML sees {len(self.gpus)}"
@@ -121,6 +123,12 @@ def _vllm_argv(a: argparse.Namespace, out: Path) -> list[str]:
     return ["--workdir", str(a.work / "vllm"), "--out", str(out)]
 
 
+def _vllm_wake_argv(a: argparse.Namespace, out: Path) -> list[str]:
+    """The level-1 wakes alone, right after a sleep and rested, with their floor."""
+    return [*_vllm_argv(a, out), "--l1-cycles", "3", "--l2-cycles", "0",
+            "--l1-rested-cycles", "3", "--restarts", "0"]  # fmt: skip
+
+
 def _multi_gpu_argv(a: argparse.Namespace, out: Path) -> list[str]:
     return ["--work", str(a.work / "multi_gpu"), "--out", str(out)]
 
@@ -137,6 +145,7 @@ PARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], list[str]]]] = 
     "handover": ("gpu_e2e", _handover_argv),
     "coldstart": ("coldstart", _coldstart_argv),
     "vllm": ("vllm_stage", _vllm_argv),
+    "vllm_wake": ("vllm_stage", _vllm_wake_argv),
     "multi_gpu": ("multi_gpu", _multi_gpu_argv),
     "operator": ("operator_switch", _operator_argv),
     "overlap": ("overlap", _overlap_argv),
@@ -144,10 +153,15 @@ PARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], list[str]]]] = 
 }
 
 
+OPTIONAL = ("operator", "vllm_wake")
+"""Parts run only when asked: ``vllm``'s report has the same wakes (``vllm_wake`` gives them
+apart, for a report of its own under ``--reuse``)."""
+
+
 def default_parts(machine: Machine) -> list[str]:
     """Every part this machine can run; the local control plane's operator figure only where
     the GPU hand-over cannot give the operator's share."""
-    parts = [p for p in PARTS if p != "operator" and machine.cannot(p) is None]
+    parts = [p for p in PARTS if p not in OPTIONAL and machine.cannot(p) is None]
     return parts if "handover" in parts else [*parts, "operator"]
 
 
@@ -156,7 +170,7 @@ def child_env(part: str, original_path: str) -> dict[str, str]:
     bundle's packages (its staging was run that way)."""
     env = dict(os.environ)
     current = env.get("PYTHONPATH", "")
-    if part == "vllm" and original_path:
+    if part in ("vllm", "vllm_wake") and original_path:
         current = os.pathsep.join([original_path, current])
     env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in SRC_PATHS), str(ROOT), current])
     env["PYTHONUNBUFFERED"] = "1"

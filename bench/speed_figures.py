@@ -135,9 +135,38 @@ def vllm(report: Json) -> Json:
         "weights_gib": s["weights_gib"],
         "l1_wake_seconds_median": s.get("l1_wake_seconds_median"),
         "l1_rested_wake_ratio_to_h2d": s.get("l1_rested_wake_ratio_to_h2d"),
+        **wake_floor(s),
         "l1_sleep_ratio_to_d2h": s.get("l1_sleep_ratio_to_d2h"),
         "l2_wake_seconds_median": s.get("l2_wake_seconds_median"),
         "all_acks_ok": s["all_acks_ok"],
+        "limits": {k: lim[k] for k in ("h2d_pinned_gbps", "d2h_pinned_gbps") if k in lim},
+    }
+
+
+FLOOR_KEYS = (
+    "l1_wake_floor_seconds", "l1_wake_floor_of_h2d", "l1_wake_of_floor",
+    "l1_rested_wake_floor_seconds", "l1_rested_wake_floor_of_h2d", "l1_rested_wake_of_floor",
+    "l1_rested_wake_engine_of_floor",
+)  # fmt: skip
+"""``bench/vllm_wake_floor.py``'s figures in a vLLM report's summary (absent before 2026-11-30)."""
+
+
+def wake_floor(s: Json) -> Json:
+    """The level-1 wakes against their floor without vLLM, where the report measured it."""
+    return {k: s[k] for k in FLOOR_KEYS if k in s}
+
+
+def vllm_wake(report: Json) -> Json:
+    """``bench/vllm_stage.py`` run for its level-1 wakes alone (speed's ``vllm_wake`` part):
+    right after the sleep against H2D (issue 23's key), rested, and both against their floor."""
+    s, lim = report["summary"], report["limits"]
+    return {
+        "vllm_l1_wake_of_h2d": s["l1_wake_ratio_to_h2d"],
+        "l1_wake_seconds_median": s["l1_wake_seconds_median"],
+        "l1_rested_wake_ratio_to_h2d": s.get("l1_rested_wake_ratio_to_h2d"),
+        **wake_floor(s),
+        "all_acks_ok": s["all_acks_ok"],
+        "all_tokens_identical": s["all_tokens_identical"],
         "limits": {k: lim[k] for k in ("h2d_pinned_gbps", "d2h_pinned_gbps") if k in lim},
     }
 
@@ -185,7 +214,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "serial_patch_to_active_over_serial_bound": ("handover_serial",),
     "operator_p50_ms": ("handover", "operator"),
     "cold_start_first_token_s": ("coldstart",),
-    "vllm_l1_wake_of_h2d": ("vllm",),
+    "vllm_l1_wake_of_h2d": ("vllm_wake", "vllm"),
     "vllm_cold_start_s": ("vllm",),
     "multi_gpu_wake_of_limit": ("multi_gpu",),
 }
@@ -222,6 +251,7 @@ FIGURES = {
     "operator": operator,
     "coldstart": coldstart,
     "vllm": vllm,
+    "vllm_wake": vllm_wake,
     "multi_gpu": multi_gpu,
     "overlap": overlap,
     "handover_serial": handover_serial,

@@ -39,8 +39,9 @@ for extra in ("worker_image/src", "protos/gen/python", "."):
 
 import grpc  # noqa: E402
 
+from bench import vllm_wake_floor  # noqa: E402
 from bench.reporting import emit  # noqa: E402
-from bench.vllm_stage_models import child_build  # noqa: E402
+from bench.vllm_stage_models import LLM_CONFIG, child_build  # noqa: E402
 from bench.vllm_stage_prewarm import prewarm_summary, prewarmed_start  # noqa: E402
 from bench.vllm_stage_workers import (  # noqa: E402
     Outside,
@@ -250,6 +251,8 @@ def run(a: argparse.Namespace) -> Json:
         if llm is not None:
             llm.stop()
         tw.stop()
+    if not a.smoke:  # the same wake's floor without vLLM, on the device it has given back
+        report["wake_floor"] = vllm_wake_floor.measure(report, LLM_CONFIG, a.rest_s, work)
     report["summary"] = summarize(report)
     return report
 
@@ -309,6 +312,7 @@ def summarize(r: Json) -> Json:
             out["l1_wake_ratio_to_h2d"] = out["l1_wake_gbps"] / lim["h2d_pinned_gbps"]
             out.update(engine_phases(rows, lim))
     out.update(rested(r, weights, lim))
+    out.update(vllm_wake_floor.summary(r, out))
     h = r["handover"]
     out["handover_vllm_to_torch_seconds"] = h["vllm_to_torch_seconds"]
     out["handover_torch_to_vllm_seconds"] = h["torch_to_vllm_seconds"]
