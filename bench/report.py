@@ -363,7 +363,7 @@ def render() -> str:
             _load("vllm_stage_h200_spawn.json"),
             (_load("vllm_stage_h200_pieces.json"), _load("vllm_stage_h200_whole.json")),
             _load("vllm_stage_h200_prewarm.json"),
-            floor=_load("vllm_stage_h200_floor.json"),
+            floor=_load("vllm_stage_h200_handovers.json"),
         )
     serving = _load("serving.json")
     if serving:

@@ -25,15 +25,21 @@ ROWS = (
 )
 
 
-def _floor_basis(vllm: dict[str, Any]) -> str | None:
-    """The vLLM wake's floor (the same wake without vLLM, same run), where it was measured."""
-    if "l1_wake_floor_of_h2d" not in vllm:
+def _wake_basis(vllm: dict[str, Any]) -> str | None:
+    """Which vLLM wake the key holds, and the others beside it against their floor without
+    vLLM (same run), where they were measured."""
+    if "l1_wake_basis" not in vllm:
         return None
-    return (
-        f"right after its sleep; the same wake without vLLM {vllm['l1_wake_floor_of_h2d']:.2f} "
-        f"(rested: {vllm['l1_rested_wake_ratio_to_h2d']:.2f}, its floor "
-        f"{vllm['l1_rested_wake_floor_of_h2d']:.2f})"
-    )
+    basis = str(vllm["l1_wake_basis"])
+    if "l1_wake_floor_of_h2d" in vllm:
+        right_after = vllm.get("l1_right_after_sleep_wake_ratio_to_h2d")
+        if right_after is not None:
+            basis += f"; right after its own sleep {right_after:.2f}"
+        basis += (
+            f" (that wake without vLLM {vllm['l1_wake_floor_of_h2d']:.2f}), after 3 s asleep "
+            f"{vllm['l1_rested_wake_ratio_to_h2d']:.2f} ({vllm['l1_rested_wake_floor_of_h2d']:.2f})"
+        )
+    return basis
 
 
 def speed_section(data: dict[str, Any]) -> list[str]:
@@ -45,7 +51,7 @@ def speed_section(data: dict[str, Any]) -> list[str]:
             figures.get(s.get("source", {}).get("operator_p50_ms", "handover")) or {}
         ).get("operator_basis"),
         "vllm_cold_start_s": (figures.get("vllm") or {}).get("cold_start_basis"),
-        "vllm_l1_wake_of_h2d": _floor_basis(
+        "vllm_l1_wake_of_h2d": _wake_basis(
             figures.get(s.get("source", {}).get("vllm_l1_wake_of_h2d", "vllm")) or {}
         ),
     }

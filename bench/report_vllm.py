@@ -76,7 +76,8 @@ def _vllm_prewarm_rows(prewarm: dict[str, Any] | None) -> list[str]:
 
 def _vllm_floor_rows(floor: dict[str, Any] | None) -> list[str]:
     """The level-1 wakes against the same wake without vLLM (bench/vllm_wake_floor.py), the
-    floor's own share of H2D beside it: what on this layout no order of the driver's calls beat."""
+    floor's own share of H2D beside it (what on this layout no order of the driver's calls beat),
+    and the wake in hand-overs where the run made several."""
     if not floor or "l1_wake_floor_seconds" not in floor["summary"]:
         return []
     s, day = floor["summary"], floor["machine"]["date"][:10]
@@ -87,6 +88,12 @@ def _vllm_floor_rows(floor: dict[str, Any] | None) -> list[str]:
             f"{s[key + 'wake_seconds_median']:.3f} s / {s[key + 'wake_floor_seconds']:.3f} s "
             f"(at {s[key + 'wake_of_floor']:.0%} of the floor's speed; the floor "
             f"{s[key + 'wake_floor_of_h2d']:.0%} of H2D) |"
+        )
+    if "l1_handover_wake_seconds_median" in s:
+        rows.append(
+            f"| L1 wake in a hand-over, after the torch stage's sleep (median of "
+            f"{s['handovers']}) | {s['l1_handover_wake_seconds_median']:.3f} s "
+            f"({s['l1_handover_wake_ratio_to_h2d']:.0%} of H2D) |"
         )
     return rows
 

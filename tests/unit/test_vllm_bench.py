@@ -57,7 +57,7 @@ def test_smoke_run_renders_a_readme_section(tmp_path: Path) -> None:
 def test_phase_lines_are_read_from_the_worker_log_and_summarised(tmp_path: Path) -> None:
     """The fast sleep/wake's log lines (issue 23), as vLLM's logger writes them, reach the
     bench's cycles whole (a line being written is left for the next take) and its summary."""
-    from bench.vllm_stage import engine_phases
+    from bench.vllm_stage_summary import engine_phases
     from bench.vllm_stage_workers import PhaseLog
     from omnistage_worker.runners.vllm_wake import MARKER
 

@@ -217,6 +217,37 @@ def test_vllms_sleep_wake_and_free_go_through_the_pieces(monkeypatch: pytest.Mon
     assert va.maps == {} and va.used == 0
 
 
+@pytest.mark.parametrize("map_all", ["", "0"])
+def test_every_allocation_is_mapped_here_and_freed_as_vllm_expects(
+    monkeypatch: pytest.MonkeyPatch, map_all: str
+) -> None:
+    va = FakeVa(capacity=1 << 30)
+    cumem = fake_cumem(monkeypatch, va)
+    monkeypatch.setenv(vllm_wake_cuda.MAP_ALL_ENV, map_all)
+    assert vllm_wake_cuda.install() is None
+    alloc = cumem.CuMemAllocator()
+    kv = alloc.malloc(42 * MiB, "kv_cache")
+    weights = alloc.malloc(6 * MiB, "weights")
+    alloc.sleep()
+    ours: list[tuple[int, int]] = []
+    map_new = va.map_new
+
+    def spied(ptr: int, nbytes: int) -> int:
+        ours.append((ptr, nbytes))
+        return map_new(ptr, nbytes)
+
+    monkeypatch.setattr(va, "map_new", spied)
+    alloc.wake_up()
+    # the small allocation too goes through the driver calls here, as one piece, unless the
+    # switch leaves it to vLLM; the large one in pieces either way
+    small_here = map_all != "0"
+    assert ((weights, 6 * MiB) in ours) is small_here and len(ours) == 6 + small_here
+    assert va.maps[weights][0] == 6 * MiB and va.used == 48 * MiB
+    alloc.free(weights)  # mapped back whole for vLLM's C free path: one unmap, one release
+    alloc.free(kv)
+    assert va.maps == {} and va.used == 0
+
+
 def test_without_pieces_vllm_maps_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     va = FakeVa(capacity=1 << 30)
     cumem = fake_cumem(monkeypatch, va)

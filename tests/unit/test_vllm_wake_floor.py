@@ -14,6 +14,7 @@ import pytest
 
 from bench import speed_figures, vllm_wake_floor
 from bench.vllm_stage_models import LLM_CONFIG
+from bench.vllm_stage_summary import summarize
 from bench.vllm_wake_probe import weight_sizes
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -102,3 +103,27 @@ def test_the_wake_part_gives_issue_23s_key_before_the_full_vllm_part() -> None:
     assert wake["l1_wake_of_floor"] == _floor_run()["summary"]["l1_wake_of_floor"]
     alone = speed_figures.summary({"vllm": full}, {})
     assert alone["source"]["vllm_l1_wake_of_h2d"] == "vllm"
+
+
+def test_the_hand_overs_give_the_wake_the_operator_orders() -> None:
+    report = json.loads((RESULTS / "vllm_stage_h200_handovers.json").read_text())
+    hs = report["handovers"]
+    assert len(hs) == report["summary"]["handovers"] == 7 and report["handover"] == hs[0]
+    wake_s = statistics.median(h["vllm_wake"]["worker_seconds"] for h in hs)
+    weights, h2d = report["build"]["vllm"]["bytes"], report["limits"]["h2d_pinned_gbps"]
+    # the committed summary is what the summary module gives from the report
+    assert summarize(report) == report["summary"]
+    s = report["summary"]
+    assert s["l1_handover_wake_seconds_median"] == wake_s
+    assert s["l1_handover_wake_ratio_to_h2d"] == pytest.approx(weights / wake_s / 1e9 / h2d)
+    figures = speed_figures.vllm_wake(report)
+    assert figures["vllm_l1_wake_of_h2d"] == s["l1_handover_wake_ratio_to_h2d"]
+    assert figures["l1_wake_basis"].startswith("in a hand-over")
+    assert figures["l1_right_after_sleep_wake_ratio_to_h2d"] == s["l1_wake_ratio_to_h2d"]
+    # a report of one hand-over (before 2026-11-30) keeps the wake right after the sleep
+    older = speed_figures.vllm_wake(_floor_run())
+    assert older["l1_wake_basis"] == "right after its sleep"
+    # one failed ACK in any hand-over is seen
+    broken = copy.deepcopy(report)
+    broken["handovers"][3]["torch_sleep"]["ok"] = False
+    assert summarize(broken)["all_acks_ok"] is False
