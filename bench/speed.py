@@ -15,7 +15,7 @@ context, environment or imports reach the next one), its report kept as ``--work
   against the same wake's floor without vLLM (``bench/vllm_wake_floor.py``), and the cold start
   of a vLLM stage;
 - ``vllm_wake`` (asked for, as ``vllm``): the same bench's level-1 wakes alone (no level 2, no
-  restart); where it ran, its wake figures come before ``vllm``'s;
+  restart), and seven hand-overs; where it ran, its wake figures come before ``vllm``'s;
 - ``multi_gpu`` (two GPUs): ``bench/multi_gpu.py``, each device's wake against its limit when
   both copy at once;
 - ``operator`` (any machine): ``bench/operator_switch.py``, the operator's share of a hand-over
@@ -124,9 +124,9 @@ def _vllm_argv(a: argparse.Namespace, out: Path) -> list[str]:
 
 
 def _vllm_wake_argv(a: argparse.Namespace, out: Path) -> list[str]:
-    """The level-1 wakes alone, right after a sleep and rested, with their floor."""
+    """The level-1 wakes alone, right after a sleep, rested and in hand-overs, with their floor."""
     return [*_vllm_argv(a, out), "--l1-cycles", "3", "--l2-cycles", "0",
-            "--l1-rested-cycles", "3", "--restarts", "0"]  # fmt: skip
+            "--l1-rested-cycles", "3", "--restarts", "0", "--handovers", "7"]  # fmt: skip
 
 
 def _multi_gpu_argv(a: argparse.Namespace, out: Path) -> list[str]:

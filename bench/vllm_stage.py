@@ -15,7 +15,10 @@ cycles through the worker's ACKs (worker-side seconds, NVML figures of the engin
 tree, residual bound; ``--l1-rested-cycles`` more level-1 cycles asleep ``--rest-s``
 first), the device's NVML used memory after each sleep as an outside observer sees it,
 Generate refused while asleep, token ids identical after every wake, 1 -> 2 refused while
-asleep, and a hand-over vLLM -> torch -> vLLM on the one GPU.
+asleep, and ``--handovers`` hand-overs vLLM -> torch -> vLLM on the one GPU (the vLLM stage's
+wake as the operator orders it). On a GPU it ends, once the stage has stopped, by timing the
+same level-1 wake without vLLM over the layout the stage's sleep logged
+(``bench/vllm_wake_floor.py``): each wake against its floor.
 
 ``--smoke`` runs the same code on CPU at a tiny size with the STAND-IN engine (tests/fakevllm)
 on a simulated GPU (tests/fakegpu), to test the script itself.
