@@ -10,7 +10,11 @@ while B copies its own from the host, piece by piece behind A, in two modes:
   (``cuMemCreate``): what the worker does today;
 - ``handoff``: A's pieces are made exportable (a POSIX file descriptor each); once a piece is
   copied A unmaps it, releases its own handle and sends the descriptor (``SCM_RIGHTS``); B
-  imports it and maps the same physical memory: nothing is freed, so nothing is cleaned.
+  imports it and maps the same physical memory: nothing is freed, so nothing is cleaned;
+- ``free_kernel`` (asked for with ``--modes``): as ``free``, B's copies made by a kernel that
+  reads the pinned host buffer through its unified address instead of by the copy engine, which
+  the driver's cleaning shares (``bench/results/vllm_stage.md``: right after a release such a
+  copy lost less than the copy engine's, 51 GB/s at best alone).
 
 Per run: seconds from the start to B's last copy done, against the serial bound (bytes / D2H +
 bytes / H2D, both measured alone in this run by A and B), and NVML's per-process figures of
@@ -166,6 +170,7 @@ def role_b(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
     count = size // piece
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     host.fill_(9)
+    host_dev = view(host.data_ptr(), size)  # the same host bytes as a CUDA tensor (unified)
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     tmp = torch.empty(size, dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()
@@ -193,9 +198,12 @@ def role_b(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
                     sock.recv(1)
                     handle = ex.driver.map_new(base + k * piece, piece)
                 handles.append(handle)
-                view(base + k * piece, piece).copy_(
-                    host[k * piece : (k + 1) * piece], non_blocking=True
-                )
+                dst = view(base + k * piece, piece)
+                if mode == "free_kernel":  # the loads cross the bus; no copy engine
+                    src = host_dev[k * piece : (k + 1) * piece].view(torch.int64)
+                    torch.bitwise_or(src, 0, out=dst.view(torch.int64))
+                else:
+                    dst.copy_(host[k * piece : (k + 1) * piece], non_blocking=True)
         stream.synchronize()
         seconds = time.perf_counter() - t0
         check = bool(view(base, size)[:: 1 << 20].eq(9).all().item())
@@ -216,13 +224,18 @@ def main() -> int:
     p.add_argument("--gib", type=float, default=16.0)
     p.add_argument("--piece-mib", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--modes", default="free,handoff", help="free, handoff, free_kernel")
     p.add_argument("--out", type=Path)
     p.add_argument("--role", choices=("a", "b"))
     p.add_argument("--fd", type=int)
     a = p.parse_args()
     piece = a.piece_mib * MIB
     size = int(a.gib * GIB) // piece * piece
-    modes = ["free", "handoff"] * a.runs
+    names = a.modes.split(",")
+    unknown = set(names) - {"free", "handoff", "free_kernel"}
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}")
+    modes = names * a.runs
     if a.role:
         sock = socket.socket(fileno=a.fd)
         result = (role_a if a.role == "a" else role_b)(sock, size, piece, modes)
@@ -233,7 +246,7 @@ def main() -> int:
     for role, end in (("a", sa), ("b", sb)):
         cmd = [sys.executable, "-m", "bench.handoff_probe", "--role", role]
         cmd += ["--fd", str(end.fileno()), "--gib", str(a.gib)]
-        cmd += ["--piece-mib", str(a.piece_mib), "--runs", str(a.runs)]
+        cmd += ["--piece-mib", str(a.piece_mib), "--runs", str(a.runs), "--modes", a.modes]
         children.append(
             subprocess.Popen(cmd, pass_fds=(end.fileno(),), stdout=subprocess.PIPE, text=True)
         )
@@ -267,7 +280,7 @@ def main() -> int:
         "serial_bound_s": bound,
         "runs": runs,
     }
-    for mode in ("free", "handoff"):
+    for mode in names:
         seconds = sorted(r["seconds"] for r in runs if r["mode"] == mode)
         report[f"{mode}_median_of_serial_bound"] = seconds[len(seconds) // 2] / bound
     emit(report, a.out)
