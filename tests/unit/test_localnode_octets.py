@@ -1,12 +1,21 @@
 """localnode's pod IP blocks: an octet whose addresses still have a bound TCP socket (a pod's
-process that outlived its localnode) is not handed out again, though its lock is free."""
+process that outlived its localnode) is not handed out again, though its lock is free; a pod's
+process left behind is killed before its block is given back."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.cluster.localnode import octets_with_sockets, reserve_ip_octet
+from tests.cluster.localnode import (
+    end_pod_processes,
+    octets_with_sockets,
+    pod_processes,
+    reserve_ip_octet,
+)
 
 
 def test_proc_net_tcp_addresses_are_read_by_their_second_octet() -> None:
@@ -38,3 +47,25 @@ def test_an_octet_with_a_bound_socket_is_passed_over() -> None:
     for lock in locks:
         lock.close()
     assert after == octet
+
+
+def test_a_pod_process_left_behind_is_killed_before_its_block_is_given_back() -> None:
+    """A pod's process that outlived its localnode (or that it was starting as it stopped)
+    would bind a podIP that the block's next owner hands out again."""
+    octet, locks = reserve_ip_octet(first=200)
+    other, other_locks = reserve_ip_octet(first=octet + 1)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    ours = subprocess.Popen([*sleeper, "--host", f"127.{octet}.0.2"])
+    theirs = subprocess.Popen([*sleeper, f"--host=127.{other}.0.2"])
+    try:
+        assert ours.pid in pod_processes([octet]) and theirs.pid not in pod_processes([octet])
+        assert end_pod_processes([octet]) == [ours.pid]
+        assert ours.wait(timeout=5) == -signal.SIGKILL
+        assert theirs.poll() is None  # another block's pod is left alone
+        assert end_pod_processes([octet]) == []
+    finally:
+        for proc in (ours, theirs):
+            proc.kill()
+            proc.wait()
+        for lock in [*locks, *other_locks]:
+            lock.close()

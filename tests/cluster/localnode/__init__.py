@@ -68,10 +68,12 @@ What a pod gets (see ``runtime``):
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -149,6 +151,53 @@ def reserve_ip_octet(first: int = 10, count: int = 1) -> tuple[int, list[IO[byte
     raise RuntimeError(f"no {count} free pod IP block(s) left in {lock_dir}")
 
 
+def pod_processes(octets: Sequence[int], proc: Path = Path("/proc")) -> list[int]:
+    """Pids of the processes whose command line names an address of these pod IP blocks
+    (``127.<octet>.``): the pods' servers are given their podIP to bind (``--host``)."""
+    prefixes = tuple(f"127.{o}.".encode() for o in octets)
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if any(p in arg for arg in args for p in prefixes):
+            found.append(int(entry.name))
+    return found
+
+
+def end_pod_processes(octets: Sequence[int], timeout: float = 10.0) -> list[int]:
+    """Kill what is left of the pods of these IP blocks (a pod process that outlived its
+    localnode, or one it was starting as it stopped, would bind a podIP the block's next owner
+    hands out) and wait until they are gone; the pids killed."""
+    pids = pod_processes(octets)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+            os.kill(pid, signal.SIGKILL)
+    wait_for(
+        f"pod processes of 127.{'/'.join(map(str, octets))}.* gone",
+        lambda: not set(pods_alive(pids)),
+        timeout,
+        interval=0.05,
+    )
+    return pids
+
+
+def pods_alive(pids: Sequence[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie counts as gone: it holds no socket)."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
 class LocalNodes:
     """Context manager running localnode for ``nodes`` fake GPU nodes on a cluster."""
 
@@ -176,8 +225,9 @@ class LocalNodes:
         """
         self.kubeconfig = kubeconfig
         self._octet_locks: list[IO[bytes]] = []
+        self._octet_count = octets_needed(0, nodes)
         if ip_octet is None:
-            ip_octet, self._octet_locks = reserve_ip_octet(count=octets_needed(0, nodes))
+            ip_octet, self._octet_locks = reserve_ip_octet(count=self._octet_count)
         self.ip_octet = ip_octet
         self.node_names = [f"{name_prefix}{i}" for i in range(nodes)]
         self.gpus = gpus
@@ -253,6 +303,11 @@ class LocalNodes:
         if self._proc is not None:
             self._proc.stop(grace=20.0)
             self._proc = None
+        if self._octet_locks:  # the block is ours: nothing of its pods outlives it
+            octets = list(range(self.ip_octet, self.ip_octet + self._octet_count))
+            left = end_pod_processes(octets)
+            if left:
+                print(f"[localnode] killed {len(left)} pod process(es) left behind", flush=True)
         for fh in self._octet_locks:
             fh.close()
         self._octet_locks = []
