@@ -178,7 +178,7 @@ def end_pod_processes(octets: Sequence[int], timeout: float = 10.0) -> list[int]
             os.kill(pid, signal.SIGKILL)
     wait_for(
         f"pod processes of 127.{'/'.join(map(str, octets))}.* gone",
-        lambda: not set(pods_alive(pids)),
+        lambda: not pods_alive(pids),
         timeout,
         interval=0.05,
     )
