@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -51,6 +52,7 @@ from bench.overlap_relay import overlapped, room_check, serial  # noqa: E402
 from bench.reporting import emit  # noqa: E402
 from bench.worker_grpc import INFERENCE, SLEEP, Worker, generate, start_worker  # noqa: E402
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2  # noqa: E402
+from omnistage_worker.engine.handoff import HANDOFF_DIR_ENV  # noqa: E402
 from omnistage_worker.engine.vmm import piece_bytes  # noqa: E402
 
 Json = dict[str, Any]
@@ -188,6 +190,10 @@ def run(args: argparse.Namespace) -> Json:
             ["build", str(models[name]), str(args.gib), str(seed), "1" if smoke else "0"], 1800
         )
     extra = ["--cpu-threads=1"] if smoke else []
+    if args.handoff:  # the workers inherit the environment
+        (work / "handoff").mkdir(parents=True, exist_ok=True)
+        os.environ[HANDOFF_DIR_ENV] = str(work / "handoff")
+    report["handoff"] = args.handoff
     log("starting stage a (active) and stage b (asleep at level 1)")
     a = start_worker(
         models["a"], device, ["--initial-state=active", *extra], work / "a.log", INFERENCE
@@ -227,6 +233,7 @@ def run(args: argparse.Namespace) -> Json:
     if not smoke:
         samples, _ = read_samples(work / "sampler.txt")
         report["sampler"] = room_check(samples, (a.proc.pid, b.proc.pid), room)
+    report["handoff_logs"] = handoff_counts([work / "a.log", work / "b.log"])
     report["summary"] = summarize(report)
     return report
 
@@ -245,7 +252,7 @@ def handovers(
         result = (
             serial(out, inc)
             if mode == "serial"
-            else overlapped(out, inc, int(args.margin_mib * MiB))
+            else overlapped(out, inc, int(args.margin_mib * MiB), handoff=args.handoff)
         )
         result["to"] = asleep
         if i % args.tokens_every == 0 or i == len(plan) - 1:
@@ -260,6 +267,24 @@ def handovers(
             log(f"{i} {mode} -> {asleep}: {result['seconds']:.4f} s")
         awake = asleep
     return done
+
+
+HANDED = re.compile(r"hand-off \S+: (\d+) pieces \((\d+) bytes\) (handed over|taken over), (\d+)")
+
+
+def handoff_counts(logs: list[Path]) -> Json:
+    """The workers' hand-off lines summed: pieces and bytes handed over by the sleeps (and
+    freed instead), taken over by the wakes (and freed unused)."""
+    out = dict.fromkeys(("sent_pieces", "sent_bytes", "unsent_pieces", "taken_pieces",
+                         "taken_bytes", "dropped_pieces"), 0)  # fmt: skip
+    for path in logs:
+        for found in HANDED.finditer(path.read_text(errors="replace") if path.exists() else ""):
+            pieces, nbytes, what, other = found.groups()
+            side, left = ("sent", "unsent") if what == "handed over" else ("taken", "dropped")
+            out[f"{side}_pieces"] += int(pieces)
+            out[f"{side}_bytes"] += int(nbytes)
+            out[f"{left}_pieces"] += int(other)
+    return out
 
 
 def summarize(report: Json) -> Json:
@@ -290,6 +315,9 @@ def summarize(report: Json) -> Json:
     if "sampler" in report:
         out["within_room"] = report["sampler"]["within_room"]
         out["samples_over_room"] = report["sampler"]["samples_over_room"]
+        out["device_samples_over_room"] = report["sampler"].get("device_samples_over_room")
+    out["handoff"] = report.get("handoff", False)
+    out["handoff_taken_bytes"] = report.get("handoff_logs", {}).get("taken_bytes", 0)
     return out
 
 
@@ -325,6 +353,12 @@ def main() -> None:
     parser.add_argument("--tokens-every", type=int, default=1)
     parser.add_argument("--sample-ms", type=float, default=2.0)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, no limits")
+    parser.add_argument(
+        "--handoff",
+        action="store_true",
+        help="overlapped hand-overs hand the device pieces over (both workers get a hand-off "
+        "directory under --work)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.gib = 0.0

@@ -33,18 +33,24 @@ def serial(out: Worker, inc: Worker) -> Json:
     return {"mode": "serial", "seconds": time.perf_counter() - t0, "sleep": slept, "wake": woke}
 
 
-def overlapped(out: Worker, inc: Worker, margin: int) -> Json:
+def overlapped(out: Worker, inc: Worker, margin: int, *, handoff: bool = False) -> Json:
     """Sleep ``out`` and wake ``inc`` at once, the wake's limit raised by each measured release
-    (see the module's docstring)."""
+    (see the module's docstring); with ``handoff``, over a hand-off channel named after the
+    wake (both workers need a hand-off directory, the same one)."""
     status = inc.sleep.GetStatus(sleep_service_pb2.GetStatusRequest(), timeout=30)
     base = status.used_bytes + max(0, status.free_bytes - margin)
     wake_id = str(uuid.uuid4())
+    channel = wake_id if handoff else ""
     t0 = time.perf_counter()
     wake = inc.sleep.WakeUp.future(
-        sleep_service_pb2.WakeUpRequest(task_id=wake_id, claim_limit_bytes=base), timeout=300
+        sleep_service_pb2.WakeUpRequest(
+            task_id=wake_id, claim_limit_bytes=base, handoff_channel=channel
+        ),
+        timeout=300,
     )
     request = sleep_service_pb2.SleepStreamRequest(
-        sleep=sleep_service_pb2.SleepRequest(task_id=str(uuid.uuid4()), level=LEVEL1)
+        sleep=sleep_service_pb2.SleepRequest(task_id=str(uuid.uuid4()), level=LEVEL1),
+        handoff_channel=channel,
     )
     raises: list[tuple[float, int]] = []
     released = 0
@@ -70,6 +76,7 @@ def overlapped(out: Worker, inc: Worker, margin: int) -> Json:
     assert sleep_ack is not None
     return {
         "mode": "overlapped",
+        "handoff": handoff,
         "seconds": t2 - t0,
         "first_limit_bytes": base,
         "limit_raises": len(raises),
@@ -81,13 +88,24 @@ def overlapped(out: Worker, inc: Worker, margin: int) -> Json:
 
 def room_check(samples: Sequence[Sample], pids: Iterable[int], room: int) -> Json:
     """The most the two stages (``pids``) held together in any sample of
-    ``gpu_e2e_children.child_sampler``, against the room they share."""
+    ``gpu_e2e_children.child_sampler``, against the room they share; and the same with the
+    device's memory charged to no process counted as theirs beyond what it was in the first
+    sample (a piece handed over is charged to no one between the two processes' handles; one
+    freed may stay used while the driver cleans it), the ``device_`` figures."""
+    pids = list(pids)
     together = [stage_bytes(s, pids) for s in samples]
     over = [t for t in together if t > room]
+    uncharged = [s.used - sum(s.procs.values()) for s in samples]
+    first = uncharged[0] if uncharged else 0
+    device = [t + u - first for t, u in zip(together, uncharged, strict=True)]
     return {
         "samples": len(samples),
         "room_bytes": room,
         "peak_together_bytes": max(together, default=0),
         "samples_over_room": len(over),
         "within_room": not over,
+        "device_peak_bytes": max(device, default=0),
+        "device_samples_over_room": sum(d > room for d in device),
+        "device_uncharged_first_bytes": first,
+        "device_uncharged_peak_bytes": max(uncharged, default=0),
     }

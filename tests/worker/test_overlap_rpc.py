@@ -10,6 +10,7 @@ overlap itself is tested in ``tests/unit/test_overlapped_wake.py`` and measured 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import grpc
 import pytest
 
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
+from omnistage_worker.engine.handoff import HANDOFF_DIR_ENV, Sender
 from tests.fakegpu.device import FakeGpu
 from tests.fakegpu.model import Device, GiB
 from tests.worker.conftest import StartWorker, WorkerHandle, new_task_id, rpc_error, wait_for
@@ -54,10 +56,11 @@ async def gated_wake(worker: WorkerHandle, limit: int) -> tuple[str, asyncio.Fut
 
 
 async def stream_sleep(
-    worker: WorkerHandle, **fields: object
+    worker: WorkerHandle, handoff_channel: str = "", **fields: object
 ) -> list[sleep_service_pb2.SleepStreamResponse]:
     request = sleep_service_pb2.SleepStreamRequest(
-        sleep=sleep_service_pb2.SleepRequest(**fields)  # type: ignore[arg-type]
+        sleep=sleep_service_pb2.SleepRequest(**fields),  # type: ignore[arg-type]
+        handoff_channel=handoff_channel,
     )
     return [m async for m in worker.sleep_stub.SleepStream(request, metadata=worker.metadata)]
 
@@ -213,3 +216,57 @@ async def test_a_stream_begun_while_a_request_runs_gives_no_room_beside(
 
 async def _inflight(worker: WorkerHandle) -> bool:
     return (await worker.status()).inflight_requests > 0
+
+
+async def test_a_handoff_channel_lives_for_its_wake_and_is_refused_where_it_cannot(
+    lm_worker: WorkerHandle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The channel is opened by the wake that names it and closed with it; a piece sent to it
+    that the wake does not take (on the CPU the flat buffer is claimed whole, no piece) is
+    freed before the wake makes its own memory, and whatever is named wrong is refused."""
+    monkeypatch.delenv(HANDOFF_DIR_ENV, raising=False)
+    assert not (await lm_worker.status()).handoff
+    err = await rpc_error(stream_sleep(lm_worker, task_id="s", level=1, handoff_channel="c"))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details().startswith("handoff_channel: the worker has no hand-off directory")
+    assert (await lm_worker.status()).state == ACTIVE  # refused before anything changed
+
+    monkeypatch.setenv(HANDOFF_DIR_ENV, str(tmp_path))
+    assert (await lm_worker.status()).handoff
+    assert (await lm_worker.sleep(1)).ok
+    for limit, channel, why in (
+        (0, "c", "handoff_channel: only for a wake under a claim limit"),
+        (1, "../x", "handoff_channel: '../x' is not"),
+    ):
+        request = sleep_service_pb2.WakeUpRequest(
+            task_id=new_task_id(), claim_limit_bytes=limit, handoff_channel=channel
+        )
+        err = await rpc_error(lm_worker.sleep_stub.WakeUp(request, metadata=lm_worker.metadata))
+        assert err.code() == INVALID and err.details().startswith(why)
+
+    task_id = new_task_id()
+    waking = asyncio.ensure_future(
+        lm_worker.sleep_stub.WakeUp(
+            sleep_service_pb2.WakeUpRequest(
+                task_id=task_id, claim_limit_bytes=1, handoff_channel="wake-c"
+            ),
+            metadata=lm_worker.metadata,
+        )
+    )
+    socket_path = tmp_path / "wake-c.sock"
+
+    async def listening() -> bool:
+        return socket_path.exists() and (await raise_limit(lm_worker, task_id, 1)).running
+
+    await wait_for(listening, what="the wake to listen on its channel under its limit")
+    sender = Sender(socket_path)
+    read_end, piece = os.pipe()  # a piece: it lives while any descriptor of it is open
+    assert sender.send(piece, 4096)
+    os.close(piece)
+    assert (await raise_limit(lm_worker, task_id, 1 << 40)).running
+    assert (await waking).ack.ok
+    assert os.read(read_end, 1) == b"", "the unused piece was freed (its last reference closed)"
+    os.close(read_end)
+    assert not socket_path.exists()
+    assert not sender.send(os.dup(0), 4096)  # the channel closed with its wake
+    sender.close()

@@ -41,6 +41,7 @@ from omnistage_worker.control.transitions import (
     require_epoch,
 )
 from omnistage_worker.engine import activity
+from omnistage_worker.engine.claims import HandedPieces
 from omnistage_worker.memory import MemoryProbe, Reading
 from omnistage_worker.metrics import WorkerMetrics
 from omnistage_worker.runners.base import (
@@ -227,10 +228,17 @@ class Worker:
         """
         return await self._sleep_wake.sleep(task_id, level, epoch, drain_timeout, components)
 
-    async def wake(self, task_id: str, epoch: int = 0, claim_limit: int = 0) -> types_pb2.Ack:
+    async def wake(
+        self,
+        task_id: str,
+        epoch: int = 0,
+        claim_limit: int = 0,
+        handed: HandedPieces | None = None,
+    ) -> types_pb2.Ack:
         """Wake up; the Ack of this task id (replayed when seen before). ``claim_limit``: an
-        overlapped wake under that limit (``control/overlap.py``)."""
-        return await self._sleep_wake.wake(task_id, epoch, claim_limit)
+        overlapped wake under that limit, taking the pieces ``handed`` over where it can
+        (``control/overlap.py``)."""
+        return await self._sleep_wake.wake(task_id, epoch, claim_limit, handed)
 
     def raise_claim_limit(
         self, task_id: str, limit: int, epoch: int = 0

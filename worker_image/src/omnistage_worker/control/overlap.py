@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,9 +25,11 @@ from omnistage.worker.v1 import sleep_service_pb2, types_pb2
 from omnistage_worker.control.component_sleep import asleep_components
 from omnistage_worker.control.transitions import Refused
 from omnistage_worker.control.worker_parts import WorkerParts, WorkerReadings
-from omnistage_worker.engine import claims
-from omnistage_worker.engine.claims import ClaimGate
+from omnistage_worker.engine import claims, handoff
+from omnistage_worker.engine.claims import ClaimGate, HandedPieces
 from omnistage_worker.memory import Reading
+
+log = logging.getLogger(__name__)
 
 
 def claim_limit_refusal(worker: WorkerReadings, before: Reading, *, active: bool) -> str:
@@ -42,6 +46,52 @@ def claim_limit_refusal(worker: WorkerReadings, before: Reading, *, active: bool
     return ""
 
 
+def _channel(name: str) -> Path:
+    """The socket of hand-off channel ``name``, or the request refused naming the field."""
+    try:
+        return handoff.channel_path(name)
+    except LookupError as exc:
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"handoff_channel: {exc}") from exc
+    except ValueError as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"handoff_channel: {exc}") from exc
+
+
+def handoff_sender(channel: str) -> handoff.Sender | None:
+    """The sender of a streamed sleep that hands its pieces over ``channel`` (None: empty)."""
+    return handoff.Sender(_channel(channel)) if channel else None
+
+
+@contextlib.contextmanager
+def handoff_receiving(channel: str, claim_limit: int) -> Iterator[handoff.Receiver | None]:
+    """A wake under ``claim_limit`` listens on ``channel`` in this block (None: empty)."""
+    if not channel:
+        yield None
+        return
+    if claim_limit <= 0:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "handoff_channel: only for a wake under a claim limit (claim_limit_bytes above 0)",
+        )
+    path = _channel(channel)
+    try:
+        receiver = handoff.Receiver(path)
+    except OSError as exc:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION, f"handoff_channel: cannot listen at {path}: {exc}"
+        ) from exc
+    try:
+        yield receiver
+    finally:
+        receiver.close()
+        log.info(
+            "hand-off %s: %d pieces (%d bytes) taken over, %d freed unused",
+            channel,
+            receiver.taken_pieces,
+            receiver.taken_bytes,
+            receiver.dropped_pieces,
+        )
+
+
 EARLY_RAISES_KEPT = 64
 """Raises for a task id whose wake has not begun yet (it may still wait for the worker's lock)
 are kept, this many at most, and the wake starts from the highest."""
@@ -55,15 +105,22 @@ class ClaimLimits:
         self._early: OrderedDict[str, int] = OrderedDict()
 
     def gate(
-        self, worker: WorkerParts, before: Reading, task_id: str, limit: int, *, active: bool
+        self,
+        worker: WorkerParts,
+        before: Reading,
+        task_id: str,
+        limit: int,
+        *,
+        active: bool,
+        handed: HandedPieces | None = None,
     ) -> ClaimGate:
-        """A gate for a wake under ``limit``, or a higher one raised before it began
-        (FAILED_PRECONDITION when the worker cannot wake under a limit; ``active``: it is
-        Active, the wake is of its asleep components)."""
+        """A gate for a wake under ``limit``, or a higher one raised before it began, taking
+        the pieces ``handed`` over where it can (FAILED_PRECONDITION when the worker cannot
+        wake under a limit; ``active``: it is Active, the wake is of its asleep components)."""
         why = claim_limit_refusal(worker, before, active=active)
         if why:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"claim_limit_bytes: {why}")
-        return ClaimGate(max(limit, self._early.pop(task_id, 0)), before.used)
+        return ClaimGate(max(limit, self._early.pop(task_id, 0)), before.used, handed=handed)
 
     @contextlib.contextmanager
     def running(self, task_id: str, gate: ClaimGate | None) -> Iterator[None]:

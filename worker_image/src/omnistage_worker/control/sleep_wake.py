@@ -43,6 +43,7 @@ from omnistage_worker.control.transitions import (
     residual_error,
 )
 from omnistage_worker.control.wake_capacity import capacity_shortfall
+from omnistage_worker.engine.claims import HandedPieces
 from omnistage_worker.memory import Reading
 from omnistage_worker.runners.base import SleepController, Stats
 
@@ -87,12 +88,18 @@ class SleepWake(AckedTransitions):
             lambda: self._sleep(task_id, level, epoch, drain_timeout),
         )
 
-    async def wake(self, task_id: str, epoch: int = 0, claim_limit: int = 0) -> types_pb2.Ack:
+    async def wake(
+        self,
+        task_id: str,
+        epoch: int = 0,
+        claim_limit: int = 0,
+        handed: HandedPieces | None = None,
+    ) -> types_pb2.Ack:
         """Wake up; the Ack of this task id (replayed when seen before). ``claim_limit`` above
         0: an overlapped wake, its device memory taken piece by piece under that limit, which
-        :meth:`raise_claim_limit` raises (:mod:`.overlap`)."""
+        :meth:`raise_claim_limit` raises (:mod:`.overlap`), from ``handed`` where it can."""
         return await self._once(
-            task_id, "wake-up", epoch, lambda: self._wake(task_id, epoch, claim_limit)
+            task_id, "wake-up", epoch, lambda: self._wake(task_id, epoch, claim_limit, handed)
         )
 
     def raise_claim_limit(
@@ -339,7 +346,9 @@ class SleepWake(AckedTransitions):
 
     # -- wake -----------------------------------------------------------------------------
 
-    async def _wake(self, task_id: str, epoch: int, claim_limit: int = 0) -> types_pb2.Ack:
+    async def _wake(
+        self, task_id: str, epoch: int, claim_limit: int = 0, handed: HandedPieces | None = None
+    ) -> types_pb2.Ack:
         worker = self.worker
         async with self._lock:
             check_epoch(epoch, worker.epoch)  # a newer leader may have been obeyed meanwhile
@@ -349,7 +358,9 @@ class SleepWake(AckedTransitions):
             gate = None
             if claim_limit and (plan is not Plan.NOOP or asleep_components(worker.controller)):
                 active = plan is Plan.NOOP  # a wake of the Active worker's asleep components
-                gate = self.claim_limits.gate(worker, before, task_id, claim_limit, active=active)
+                gate = self.claim_limits.gate(
+                    worker, before, task_id, claim_limit, active=active, handed=handed
+                )
             self._obey(epoch)
             peak = worker.peak_active  # the Ack reports the peak before this transition
 

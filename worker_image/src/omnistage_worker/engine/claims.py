@@ -20,6 +20,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 CLAIM_WAIT_S = 5.0
 """How long a claim waits without its limit rising before the wake gives up. An honest sleep
@@ -32,13 +33,29 @@ class ClaimTimeout(RuntimeError):
     """The limit stopped rising short of the claim (the caller went away, or never released)."""
 
 
+class HandedPieces(Protocol):
+    """Pieces the outgoing worker hands over (``engine.handoff.Receiver``)."""
+
+    def admitted(self, nbytes: int) -> int | None:
+        """After a claim of ``nbytes`` (0: not of a piece) is admitted: a handed-over piece of
+        that size, or None once every piece held has been freed."""
+
+
 class ClaimGate:
     """A wake's claim limit: the most device memory its process may hold, and what it holds by
-    its own count (its measured use at the start plus every piece claimed since)."""
+    its own count (its measured use at the start plus every piece claimed since); with
+    ``handed``, the pieces the outgoing worker hands over (see :meth:`claim`)."""
 
-    def __init__(self, limit: int, held: int, wait_s: float = CLAIM_WAIT_S) -> None:
+    def __init__(
+        self,
+        limit: int,
+        held: int,
+        wait_s: float = CLAIM_WAIT_S,
+        handed: HandedPieces | None = None,
+    ) -> None:
         if limit <= 0:
             raise ValueError(f"claim limit must be above 0, got {limit}")
+        self._handed = handed
         self._limit = limit
         self._claimed = held
         self._wait_s = wait_s
@@ -54,9 +71,12 @@ class ClaimGate:
     def claimed(self) -> int:
         return self._claimed
 
-    def claim(self, nbytes: int) -> None:
+    def claim(self, nbytes: int, *, piece: bool = False) -> int | None:
         """Count ``nbytes`` more as held, once they fit under the limit (waits for raises;
-        :class:`ClaimTimeout` when none comes in time, or the gate is cancelled)."""
+        :class:`ClaimTimeout` when none comes in time, or the gate is cancelled). For a
+        ``piece`` of device memory, the file descriptor of one of that size handed over when
+        there is one (the caller maps it and closes the descriptor instead of making memory);
+        otherwise None, with every handed-over piece not taken freed first."""
         with self._cond:
             started = time.monotonic()
             while self._claimed + nbytes > self._limit:
@@ -70,6 +90,9 @@ class ClaimGate:
                     )
                 self._cond.wait(left)
             self._claimed += nbytes
+        if self._handed is None:
+            return None
+        return self._handed.admitted(nbytes if piece else 0)
 
     def raise_limit(self, limit: int) -> None:
         """A higher limit (a lower one is refused: what was claimed cannot be taken back)."""

@@ -21,7 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
+from omnistage_worker.engine import handoff
 from omnistage_worker.engine.claims import ClaimGate
+from omnistage_worker.memory import uncharged
 
 PIECE_BYTES = 512 << 20
 """A released piece's cleaning (about 2.5 ms at 200 GB/s) is what may still overlap a wake."""
@@ -121,6 +123,9 @@ class AccessDesc(ctypes.Structure):
 OUT_OF_MEMORY = 2
 """``CUDA_ERROR_OUT_OF_MEMORY``."""
 
+POSIX_FD = 1
+"""``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``: a piece exported as a file descriptor."""
+
 
 class CudaError(RuntimeError):
     """A driver call failed; ``code`` is its CUresult (:data:`OUT_OF_MEMORY`: no room)."""
@@ -150,9 +155,15 @@ class VmmDriver:
     _lock = threading.Lock()
     _lib: Any = None
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, *, exportable: bool = False) -> None:
         self.lib = self._library()
-        self.prop = AllocationProp(type=1, location=Location(type=1, id=device))
+        self.exportable = exportable
+        """Memory it makes can be handed to another process (:meth:`export`)."""
+        self.prop = AllocationProp(
+            type=1,
+            requestedHandleTypes=POSIX_FD if exportable else 0,
+            location=Location(type=1, id=device),
+        )
         self.access = AccessDesc(location=Location(type=1, id=device), flags=3)
         granularity = ctypes.c_size_t()
         self.check(
@@ -187,6 +198,12 @@ class VmmDriver:
                     "cuMemSetAccess": [u64, size, ctypes.POINTER(AccessDesc), size],
                     "cuMemUnmap": [u64, size],
                     "cuMemRelease": [u64],
+                    "cuMemExportToShareableHandle": [ctypes.c_void_p, u64, ctypes.c_int, u64],
+                    "cuMemImportFromShareableHandle": [
+                        ctypes.POINTER(u64),
+                        ctypes.c_void_p,
+                        ctypes.c_int,
+                    ],
                 }
                 for name, args in signatures.items():
                     fn = getattr(lib, name)
@@ -245,6 +262,37 @@ class VmmDriver:
         self.check("cuMemUnmap", self.lib.cuMemUnmap(ptr, nbytes))
         self.check("cuMemRelease", self.lib.cuMemRelease(handle))
 
+    def export(self, handle: int) -> int:
+        """A file descriptor of ``handle``'s physical memory (the memory lives while it does)."""
+        fd = ctypes.c_int()
+        self.check(
+            "cuMemExportToShareableHandle",
+            self.lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, POSIX_FD, 0),
+        )
+        return fd.value
+
+    def map_imported(self, ptr: int, nbytes: int, fd: int) -> int:
+        """The physical memory of ``fd`` (another process's export) mapped at ``ptr`` and made
+        accessible; its handle here (``fd`` stays the caller's to close)."""
+        handle = ctypes.c_ulonglong()
+        self.check(
+            "cuMemImportFromShareableHandle",
+            self.lib.cuMemImportFromShareableHandle(
+                ctypes.byref(handle), ctypes.c_void_p(fd), POSIX_FD
+            ),
+        )
+        try:
+            self.map(ptr, nbytes, handle.value)
+        except CudaError:
+            self.lib.cuMemRelease(handle.value)
+            raise
+        try:
+            self.set_access(ptr, nbytes)
+        except CudaError:
+            self.unmap_release(ptr, nbytes, handle.value)
+            raise
+        return handle.value
+
 
 def piece_spans(nbytes: int, piece_bytes: int, granularity: int) -> list[tuple[int, int]]:
     """(offset, size) of each piece covering ``nbytes``: ``piece_bytes`` rounded up to the
@@ -290,11 +338,13 @@ class PieceBuffer:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self.nbytes = nbytes
-        self.driver = VmmDriver(index)
+        self.driver = VmmDriver(index, exportable=handoff.handoff_dir() is not None)
         self.spans = piece_spans(nbytes, piece_bytes, self.driver.granularity)
         self.reserved = sum(size for _, size in self.spans)
         self.base = self.driver.reserve(self.reserved)
         self.handles: dict[int, int] = {}
+        self.handed_fds: dict[int, int] = {}
+        """The descriptor of each piece mapped from another process's hand-over."""
         self.gate = gate
         self._mapped_end = 0
         """Every piece starting below this offset has been mapped (some maybe released since)."""
@@ -319,10 +369,9 @@ class PieceBuffer:
                     continue
                 if offset >= end:
                     return
-                if self.gate is not None:
-                    self.gate.claim(size)
+                handed = self.gate.claim(size, piece=True) if self.gate is not None else None
                 try:
-                    self.handles[k] = self.driver.map_new(self.base + offset, size)
+                    self.handles[k] = self._map(k, self.base + offset, size, handed)
                 except CudaError as error:
                     if error.code != OUT_OF_MEMORY:
                         raise
@@ -330,6 +379,21 @@ class PieceBuffer:
                     message = out_of_memory_message(self.device.index or 0, size, free, total)
                     raise OutOfMemoryError(message) from error
                 self._mapped_end = offset + size
+
+    def _map(self, k: int, ptr: int, size: int, handed: int | None) -> int:
+        """New memory mapped at ``ptr``, or the piece ``handed`` over, its descriptor kept as
+        piece ``k``'s (the driver exports no imported memory again: a later hand-over sends
+        this descriptor; a release closes it)."""
+        if handed is None:
+            return self.driver.map_new(ptr, size)
+        try:
+            handle = self.driver.map_imported(ptr, size, handed)
+        except BaseException:
+            os.close(handed)
+            raise
+        self.handed_fds[k] = handed
+        uncharged.KEPT.add(self.device.index or 0, size)
+        return handle
 
     def _map_all(self) -> None:
         """Map every piece; out of memory, give torch's cached blocks back and try once more
@@ -357,11 +421,35 @@ class PieceBuffer:
         return torch.as_tensor(_Interface(self.base, self.nbytes), device=self.device)
 
     def release(self, k: int) -> None:
-        """Give piece ``k`` back to the driver (its copies must be done)."""
+        """Give piece ``k`` back (its copies must be done): handed to the incoming worker of a
+        hand-over when its sleep has a sender that takes it (:mod:`.handoff`), else to the
+        driver. A piece is sent before this process lets go of it, so its measured use never
+        falls by a piece the incoming worker cannot find yet."""
         handle = self.handles.pop(k)
         offset, size = self.spans[k]
+        fd = self.handed_fds.pop(k, -1)
+        kept = fd >= 0
+        sender = handoff.current_sender() if self.driver.exportable else None
         with torch.cuda.device(self.device):  # the driver's calls need the device's context
-            self.driver.unmap_release(self.base + offset, size, handle)
+            try:
+                if sender is not None and fd < 0:
+                    fd = self._exported(handle)
+                if sender is not None and fd >= 0:  # in flight before the use falls
+                    sender.send(fd, size)
+                self.driver.unmap_release(self.base + offset, size, handle)
+            finally:
+                if fd >= 0:
+                    os.close(fd)  # not sent: the last reference, and the memory is freed
+                if kept:
+                    uncharged.KEPT.add(self.device.index or 0, -size)
+
+    def _exported(self, handle: int) -> int:
+        """A descriptor of ``handle``'s memory, or -1 when the driver gives none (the piece
+        is freed instead)."""
+        try:
+            return self.driver.export(handle)
+        except CudaError:
+            return -1
 
     def close(self) -> None:
         """Release every piece still held, then the address range."""

@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 
 from omnistage.worker.v1 import types_pb2
+from omnistage_worker.memory import uncharged
 from omnistage_worker.memory.base import DeviceReading, Reading
 
 log = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ class NvmlProbe:
             device=f"cuda:{self.torch_index}",
             index=self.index,
             uuid=self.uuid,
-            used=self._process_used(),
+            used=self._process_used() + uncharged.kept_bytes(self.torch_index),
             free=int(info.free),
             total=int(info.total),
         )

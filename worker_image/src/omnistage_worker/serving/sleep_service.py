@@ -9,13 +9,14 @@ from typing import Any
 import grpc
 
 from omnistage.worker.v1 import sleep_service_pb2, sleep_service_pb2_grpc, types_pb2
-from omnistage_worker.control.overlap import sleep_stream
+from omnistage_worker.control.overlap import handoff_receiving, handoff_sender, sleep_stream
 from omnistage_worker.control.transitions import (
     Refused,
     drain_timeout_from_proto,
     level_from_proto,
     require_task_id,
 )
+from omnistage_worker.engine import handoff
 from omnistage_worker.state import Worker
 
 Context = Any  # grpc.aio.ServicerContext (grpc ships no type stubs)
@@ -26,9 +27,10 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
 
     Refusals (no state change, task id not remembered): INVALID_ARGUMENT for a bad field
     (named first in the message: ``task_id``, ``level``, ``epoch``, ``drain_timeout``,
-    ``claim_limit_bytes``, ``sleep``);
+    ``claim_limit_bytes``, ``sleep``, ``handoff_channel``);
     FAILED_PRECONDITION for an order from an older epoch, a failed worker (its error in the
-    message), a level the model cannot sleep at, a claim limit the worker cannot wake under;
+    message), a level the model cannot sleep at, a claim limit the worker cannot wake under, a
+    hand-off channel without a hand-off directory;
     UNAVAILABLE while the model loads.
     """
 
@@ -69,11 +71,13 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
                     "sleep.components: a streamed sleep puts the whole model to sleep",
                 )
             order = self._sleep_order(request.sleep)
+            sender = handoff_sender(request.handoff_channel)
             room = self.worker.inflight == 0  # a draining request's activations may need it
-            async for message in sleep_stream(
-                self.worker.measure, lambda: asyncio.ensure_future(order()), room=room
-            ):
-                yield message
+            with handoff.sending(sender):
+                async for message in sleep_stream(
+                    self.worker.measure, lambda: asyncio.ensure_future(order()), room=room
+                ):
+                    yield message
         except Refused as exc:
             await context.abort(exc.code, exc.message)
 
@@ -87,7 +91,9 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"claim_limit_bytes: {request.claim_limit_bytes} is negative",
                 )
-            return await self.worker.wake(task_id, request.epoch, request.claim_limit_bytes)
+            limit = request.claim_limit_bytes
+            with handoff_receiving(request.handoff_channel, limit) as handed:
+                return await self.worker.wake(task_id, request.epoch, limit, handed)
 
         return sleep_service_pb2.WakeUpResponse(ack=await _ack(order, context))
 

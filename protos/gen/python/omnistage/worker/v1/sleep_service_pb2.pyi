@@ -103,6 +103,7 @@ class WakeUpRequest(_message.Message):
     TASK_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     CLAIM_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    HANDOFF_CHANNEL_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     """task_id identifies the transition; repeating it is idempotent. Required."""
     epoch: _builtins.int
@@ -115,16 +116,27 @@ class WakeUpRequest(_message.Message):
     Negative: INVALID_ARGUMENT. A worker that cannot wake piece by piece under a limit (vLLM,
     a stage on several devices, components asleep) refuses it with FAILED_PRECONDITION.
     """
+    handoff_channel: _builtins.str
+    """handoff_channel, with claim_limit_bytes above 0, opens a hand-off channel of this name in
+    the worker's hand-off directory for the wake's length: the device pieces the outgoing
+    worker's SleepStream hands over on it (SleepStreamRequest.handoff_channel) are mapped in
+    place of new memory, each still taken only once the limit admits it, and any piece it
+    cannot use is freed before new memory is made. Names are 1-64 letters, digits, '.', '_'
+    or '-', starting with a letter or digit (INVALID_ARGUMENT otherwise, or without a claim
+    limit); a worker without a hand-off directory refuses it with FAILED_PRECONDITION
+    (GetStatusResponse.handoff). Empty: new memory for every piece.
+    """
     def __init__(
         self,
         *,
         task_id: _builtins.str = ...,
         epoch: _builtins.int = ...,
         claim_limit_bytes: _builtins.int = ...,
+        handoff_channel: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_limit_bytes", b"claim_limit_bytes", "epoch", b"epoch", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_limit_bytes", b"claim_limit_bytes", "epoch", b"epoch", "handoff_channel", b"handoff_channel", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -161,6 +173,14 @@ class SleepStreamRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SLEEP_FIELD_NUMBER: _builtins.int
+    HANDOFF_CHANNEL_FIELD_NUMBER: _builtins.int
+    handoff_channel: _builtins.str
+    """handoff_channel names the incoming worker's hand-off channel (WakeUpRequest.handoff_channel):
+    each device piece, once copied to the host, is handed to it instead of freed; a piece it
+    cannot hand over (no listener yet, the channel closed or full) is freed as without one.
+    The MemoryReleased messages count a handed-over piece once it has left the process. A
+    worker without a hand-off directory refuses it with FAILED_PRECONDITION. Empty: freed.
+    """
     @_builtins.property
     def sleep(self) -> Global___SleepRequest:
         """sleep is the sleep asked for, as Sleep takes it (components must be empty: a streamed
@@ -171,10 +191,11 @@ class SleepStreamRequest(_message.Message):
         self,
         *,
         sleep: Global___SleepRequest | None = ...,
+        handoff_channel: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sleep", b"sleep"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sleep", b"sleep"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handoff_channel", b"handoff_channel", "sleep", b"sleep"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -384,6 +405,7 @@ class GetStatusResponse(_message.Message):
     COMPONENTS_FIELD_NUMBER: _builtins.int
     SEQUENTIAL_FIELD_NUMBER: _builtins.int
     CLAIM_LIMITS_FIELD_NUMBER: _builtins.int
+    HANDOFF_FIELD_NUMBER: _builtins.int
     state: _types_pb2.WorkerState.ValueType
     """state is the worker's state."""
     level: _types_pb2.SleepLevel.ValueType
@@ -428,6 +450,11 @@ class GetStatusResponse(_message.Message):
     for a worker that would refuse a limit (vLLM, several devices, an engine that does not
     take device memory piece by piece) and for one older than these RPCs: the operator hands
     its memory over the serial way.
+    """
+    handoff: _builtins.bool
+    """handoff is true when the worker has a hand-off directory: it opens and uses the channels
+    of WakeUpRequest.handoff_channel and SleepStreamRequest.handoff_channel. The operator names
+    one only when both workers of a hand-over say so (they share the directory on their node).
     """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.DeviceMemory]:
@@ -475,10 +502,11 @@ class GetStatusResponse(_message.Message):
         components: _abc.Iterable[_types_pb2.ComponentMemory] | None = ...,
         sequential: _builtins.bool = ...,
         claim_limits: _builtins.bool = ...,
+        handoff: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["drain_timeout", b"drain_timeout", "last_ack", b"last_ack", "worker", b"worker"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_footprint_bytes", b"active_footprint_bytes", "backend", b"backend", "claim_limits", b"claim_limits", "components", b"components", "context_bytes", b"context_bytes", "devices", b"devices", "drain_timeout", b"drain_timeout", "epoch", b"epoch", "error", b"error", "free_bytes", b"free_bytes", "inflight_requests", b"inflight_requests", "last_ack", b"last_ack", "level", b"level", "model", b"model", "peak_active_bytes", b"peak_active_bytes", "runner", b"runner", "sequential", b"sequential", "source", b"source", "state", b"state", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "weights_bytes", b"weights_bytes", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_footprint_bytes", b"active_footprint_bytes", "backend", b"backend", "claim_limits", b"claim_limits", "components", b"components", "context_bytes", b"context_bytes", "devices", b"devices", "drain_timeout", b"drain_timeout", "epoch", b"epoch", "error", b"error", "free_bytes", b"free_bytes", "handoff", b"handoff", "inflight_requests", b"inflight_requests", "last_ack", b"last_ack", "level", b"level", "model", b"model", "peak_active_bytes", b"peak_active_bytes", "runner", b"runner", "sequential", b"sequential", "source", b"source", "state", b"state", "total_bytes", b"total_bytes", "used_bytes", b"used_bytes", "weights_bytes", b"weights_bytes", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
