@@ -37,17 +37,20 @@ class OverlapSimPort(SimPort):
         self.sleep_acked = False
         self.peak = 0  # the most the device held at once (its reserve included)
         self.draining: dict[str, str] = {}  # stage -> the streamed sleep still draining
+        self.handoff = False  # the workers say they hand pieces over (GetStatus.handoff)
+        self.channels: list[tuple[str, str]] = []  # (call, hand-off channel) as ordered
 
     def _report(self, wk: SimWorker) -> WorkerReport:
         """As ``SimPort``'s, from a worker that says it can take part (``claim_limits``)."""
-        return replace(super()._report(wk), claim_limits=True)
+        return replace(super()._report(wk), claim_limits=True, handoff=self.handoff)
 
     async def sleep_stream(
-        self, stage: str, level: int, task_id: str, *, timeout_s: float
+        self, stage: str, level: int, task_id: str, *, timeout_s: float, handoff_channel: str = ""
     ) -> AsyncIterator[int | RoomBeside | AckFacts]:
         """Whole-model sleep, streamed: an honest one releases piece by piece, a liar reports
         the pieces and keeps them; every other outcome is the plain sleep's (one ACK, or its
         error)."""
+        self.channels.append(("sleep", handoff_channel))
         wk = self._check(stage)
         outcome = self.world.outcomes[0] if self.world.outcomes else "ok"
         if outcome not in ("ok", "lie", "drain") or wk.state is not WorkerPhase.ACTIVE:
@@ -115,9 +118,13 @@ class OverlapSimPort(SimPort):
             drain_s=1.5, replayed=True, finished_at=float(next(CLOCK)),
         )  # fmt: skip
 
-    async def wake_limited(self, stage: str, task_id: str, claim_limit_bytes: int) -> AckFacts:
-        """Take the weights piece by piece under the limit, each only if the device has it."""
+    async def wake_limited(
+        self, stage: str, task_id: str, claim_limit_bytes: int, handoff_channel: str = ""
+    ) -> AckFacts:
+        """Take the weights piece by piece under the limit, each only if the device has it (a
+        piece handed over is one the sleep released: the device's total is the same)."""
         self.calls.append(("wake", stage))
+        self.channels.append(("wake", handoff_channel))
         wk = self._check(stage)
         self.wake_began_before_ack = not self.sleep_acked
         self.limits[task_id] = max(claim_limit_bytes, self.limits.get(task_id, 0))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import re
 
+import pytest
+
 from tests.unit.test_chart_support import (
     CHART_DIR,
     FULLNAME,
@@ -93,7 +95,7 @@ def test_namespaced_scope_without_list_serves_the_release_namespace() -> None:
 
 def test_rendered_args_are_accepted_by_the_operator() -> None:
     """The chart's flags parse with the operator's own parser into the values given."""
-    from omnistage_operator.k8s.settings import parse_settings
+    from omnistage_operator.k8s.settings import SettingsError, parse_settings
 
     values = {
         "rbac": {"scope": "Namespaced"},
@@ -105,6 +107,7 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
             "ackRetries": 4,
             "roundWaitSeconds": 2,
             "overlappedHandover": False,
+            "handoffHostPath": "/var/lib/omnistage/handoff/",
         },
         "workerTLS": {"caSecret": "worker-ca"},
     }
@@ -122,9 +125,13 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
     assert settings.round_wait_s == 2.0
     assert not settings.overlapped_handover
     assert "--no-overlapped-handover" in operator_args(objs)
+    assert settings.handoff_host_path == "/var/lib/omnistage/handoff"
     standalone = parse_settings(operator_args(render()), environ={})
     assert standalone.peering is None, "standalone by default"
     assert standalone.overlapped_handover, "overlapped hand-overs by default"
+    assert standalone.handoff_host_path == "", "no hand-off directory by default"
+    with pytest.raises(SettingsError, match="--handoff-host-path: must be an absolute path"):
+        parse_settings(["--handoff-host-path=handoff"], environ={})
     assert parse_settings([], environ={}).overlapped_handover, "the operator's own default"
     serial = parse_settings([], environ={"OMNISTAGE_OVERLAPPED_HANDOVER": "false"})
     assert not serial.overlapped_handover

@@ -47,6 +47,7 @@ def test_unknown_keys_are_refused(values: Obj, named: str) -> None:
         ({"operator": {"sleepTimeoutSeconds": "60"}}, "/operator/sleepTimeoutSeconds"),
         ({"operator": {"roundWaitSeconds": 0}}, "/operator/roundWaitSeconds"),
         ({"operator": {"roundWaitSeconds": 601}}, "/operator/roundWaitSeconds"),
+        ({"operator": {"handoffHostPath": "relative/dir"}}, "/operator/handoffHostPath"),
         ({"watch": {"namespaces": ["Not_A_Namespace"]}}, "/watch/namespaces/0"),
         ({"networkPolicy": {"workerPorts": []}}, "/networkPolicy/workerPorts"),
         (

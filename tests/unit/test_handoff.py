@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,8 +59,16 @@ def send(sender: Sender, pieces: list[Piece], size: int) -> tuple[Piece, bool]:
 
 
 @pytest.fixture
-def channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(HANDOFF_DIR_ENV, str(tmp_path))
+def short_dir() -> Iterator[Path]:
+    """A directory short enough for a socket of any channel name (pytest's are too long)."""
+    path = Path(tempfile.mkdtemp(prefix="ho", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def channel(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(HANDOFF_DIR_ENV, str(short_dir))
     return channel_path("wake-1")
 
 
@@ -153,18 +163,20 @@ def test_a_full_channel_never_blocks_the_sleep(channel: Path, pieces: list[Piece
     sender.close()
 
 
-def test_channel_names_and_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_channel_names_and_directories(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(HANDOFF_DIR_ENV, raising=False)
     with pytest.raises(LookupError, match="OMNISTAGE_HANDOFF_DIR is unset"):
         channel_path("ok")
-    monkeypatch.setenv(HANDOFF_DIR_ENV, str(tmp_path))
-    assert channel_path("a.b_c-1") == tmp_path / "a.b_c-1.sock"
+    monkeypatch.setenv(HANDOFF_DIR_ENV, str(short_dir))
+    assert channel_path("a.b_c-1") == short_dir / "a.b_c-1.sock"
     for bad in ("", "../x", "a/b", ".hidden", "x" * 65):
         with pytest.raises(ValueError, match="not a channel name"):
             channel_path(bad)
-    monkeypatch.setenv(HANDOFF_DIR_ENV, str(tmp_path / ("d" * 100)))
-    with pytest.raises(ValueError, match="longer than a Unix socket"):
+    monkeypatch.setenv(HANDOFF_DIR_ENV, "/" + "d" * 37)  # "/<37>/<64>.sock": 108 bytes
+    with pytest.raises(LookupError, match="leaves no room for a channel's socket"):
         channel_path("x")
+    monkeypatch.setenv(HANDOFF_DIR_ENV, "/" + "d" * 36)
+    assert len(str(channel_path("x" * 64))) == 107
 
 
 def test_one_sender_at_a_time(channel: Path) -> None:

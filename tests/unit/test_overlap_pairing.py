@@ -90,6 +90,15 @@ def test_a_worker_that_cannot_take_part_goes_the_serial_way() -> None:
         assert _pair(replace(obs, facts=facts)) is None, name
 
 
+def test_pieces_are_handed_over_only_when_both_workers_can() -> None:
+    both = _handover(free=GI)
+    both = replace(both, facts={k: replace(f, handoff=True) for k, f in both.facts.items()})
+    assert _pair(both) == Pairing("y", CTX + GI - 64 * MI, handoff=True)
+    for name in ("x", "y"):
+        one = replace(both, facts={**both.facts, name: replace(both.facts[name], handoff=False)})
+        assert _pair(one) == Pairing("y", CTX + GI - 64 * MI), name
+
+
 def test_no_pairing_when_the_freed_memory_would_not_let_the_arbiter_wake() -> None:
     obs = _handover()
     big = replace(obs.intents["y"], vram_request=19 * GI)  # more than x's sleep gives

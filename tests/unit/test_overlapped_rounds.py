@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from omnistage_operator.decisions.arbiter import StageIntent, WorkerPhase
 from omnistage_operator.decisions.facts import AckFacts, RoomBeside
 from omnistage_operator.decisions.handover import GroupObservation, RoundOutcome, RoundPolicy
-from omnistage_operator.decisions.handover.overlap import OverlapPort
+from omnistage_operator.decisions.handover.overlap import OverlapPort, handoff_channel
 from omnistage_operator.decisions.handover.rounds import run_round
 from tests.unit.handover_sim import CONTEXT, RESERVE, UNIT, SimWorker
 from tests.unit.overlap_sim import OverlapSimPort
@@ -73,17 +74,24 @@ class KeptFirst(OverlapSimPort):
         return replace(obs, kept=True) if self.observed == 1 else obs
 
     def sleep_stream(
-        self, stage: str, level: int, task_id: str, *, timeout_s: float
+        self, stage: str, level: int, task_id: str, *, timeout_s: float, handoff_channel: str = ""
     ) -> AsyncIterator[int | RoomBeside | AckFacts]:
         self.observed_before_sleep = self.observed_before_sleep or self.observed
-        return super().sleep_stream(stage, level, task_id, timeout_s=timeout_s)
+        return super().sleep_stream(
+            stage, level, task_id, timeout_s=timeout_s, handoff_channel=handoff_channel
+        )
 
 
 def _round(
-    world: World, outcomes: list[str], port_type: type[OverlapSimPort] = OverlapSimPort
+    world: World,
+    outcomes: list[str],
+    port_type: type[OverlapSimPort] = OverlapSimPort,
+    *,
+    handoff: bool = False,
 ) -> tuple[RoundOutcome, OverlapSimPort]:
     world.outcomes = list(outcomes)
     port = port_type(world)
+    port.handoff = handoff
     assert isinstance(port, OverlapPort)
     policy = RoundPolicy(
         ack_retries=1, backoff_s=0.0, margin_bytes=MARGIN, transition_allowance_s=5.0,
@@ -101,6 +109,18 @@ def test_the_wake_runs_beside_the_sleep_within_the_device() -> None:
     assert out.wakes["y"].ok and [s.ok for s in out.sleeps] == [True]
     assert world.workers["y"].state is WorkerPhase.ACTIVE
     assert world.workers["x"].used == CONTEXT
+    assert port.peak <= world.capacity
+    assert sorted(port.channels) == [("sleep", ""), ("wake", "")]  # no hand-off directory
+
+
+def test_workers_that_hand_over_get_one_channel_named_after_the_wake() -> None:
+    world = _world()
+    out, port = _round(world, ["ok"], handoff=True)
+    assert out.wakes["y"].ok and [s.ok for s in out.sleeps] == [True]
+    (sleep, channel), (wake, same) = sorted(port.channels)
+    assert (sleep, wake) == ("sleep", "wake") and channel == same
+    assert channel == handoff_channel(out.wakes["y"].task_id)
+    assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", channel)  # a name a worker takes
     assert port.peak <= world.capacity
 
 

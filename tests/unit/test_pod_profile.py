@@ -72,3 +72,21 @@ def test_credential_mode_is_part_of_the_pod(tmp_path: Path) -> None:
     assert pod_spec_hash(stage, review) != pod_spec_hash(stage, shared)
     other = PodProfile(credential_args=("--operator-identity", sa, "--token-audience", "other"))
     assert pod_spec_hash(stage, other) != pod_spec_hash(stage, review)
+
+
+def test_a_handoff_host_path_gives_each_group_its_own_shared_directory() -> None:
+    profile = PodProfile(handoff_host_path="/var/lib/omnistage/handoff")
+    pod = build(profile)
+    stage, _ = make()
+    assert ("OMNISTAGE_HANDOFF_DIR", "/run/omnistage/handoff") in env_of(pod)
+    [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "handoff"]
+    assert volume["hostPath"] == {
+        "path": f"/var/lib/omnistage/handoff/{stage.namespace}/{stage.group}",
+        "type": "DirectoryOrCreate",
+    }
+    [mount] = [m for m in container(pod)["volumeMounts"] if m["name"] == "handoff"]
+    assert mount["mountPath"] == "/run/omnistage/handoff" and not mount.get("readOnly")
+    assert hash_of(pod) != hash_of(build())  # turning it on replaces the pods
+    plain = build()
+    assert "OMNISTAGE_HANDOFF_DIR" not in dict(env_of(plain))
+    assert all(v["name"] != "handoff" for v in plain["spec"]["volumes"])

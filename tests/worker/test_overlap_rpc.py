@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +221,7 @@ async def _inflight(worker: WorkerHandle) -> bool:
 
 
 async def test_a_handoff_channel_lives_for_its_wake_and_is_refused_where_it_cannot(
-    lm_worker: WorkerHandle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    lm_worker: WorkerHandle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The channel is opened by the wake that names it and closed with it; a piece sent to it
     that the wake does not take (on the CPU the flat buffer is claimed whole, no piece) is
@@ -231,6 +233,9 @@ async def test_a_handoff_channel_lives_for_its_wake_and_is_refused_where_it_cann
     assert err.details().startswith("handoff_channel: the worker has no hand-off directory")
     assert (await lm_worker.status()).state == ACTIVE  # refused before anything changed
 
+    monkeypatch.setenv(HANDOFF_DIR_ENV, "/" + "d" * 40)  # too long for the longest name's socket
+    assert not (await lm_worker.status()).handoff
+    tmp_path = Path(tempfile.mkdtemp(prefix="ho", dir="/tmp"))
     monkeypatch.setenv(HANDOFF_DIR_ENV, str(tmp_path))
     assert (await lm_worker.status()).handoff
     assert (await lm_worker.sleep(1)).ok
@@ -268,5 +273,8 @@ async def test_a_handoff_channel_lives_for_its_wake_and_is_refused_where_it_cann
     assert os.read(read_end, 1) == b"", "the unused piece was freed (its last reference closed)"
     os.close(read_end)
     assert not socket_path.exists()
-    assert not sender.send(os.dup(0), 4096)  # the channel closed with its wake
+    late = os.dup(0)
+    assert not sender.send(late, 4096)  # the channel closed with its wake
+    os.close(late)
     sender.close()
+    shutil.rmtree(tmp_path)

@@ -139,6 +139,7 @@ class WorkerReport:
     components: tuple[ComponentFacts, ...] = ()  # per pipeline component (empty: undivided)
     sequential: bool = False  # one component resident at a time, inside requests
     claim_limits: bool = False  # takes part in an overlapped hand-over (GetStatus.claim_limits)
+    handoff: bool = False  # hands device pieces over in one (GetStatus.handoff)
 
     @property
     def device_uuids(self) -> tuple[str, ...]:
@@ -189,6 +190,7 @@ class WorkerReport:
             device_weights={d.uuid: d.weights for d in self.devices if d.uuid and d.weights},
             device_held=dict(held or {}),
             claim_limits=self.claim_limits,
+            handoff=self.handoff,
         )
 
 
@@ -411,4 +413,5 @@ def report_from_proto(status: sleep_service_pb2.GetStatusResponse) -> WorkerRepo
         components=tuple(_component(c) for c in status.components),
         sequential=status.sequential,
         claim_limits=status.claim_limits,
+        handoff=status.handoff,
     )

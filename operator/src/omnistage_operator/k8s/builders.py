@@ -62,6 +62,11 @@ from omnistage_operator.api.spec import (
     StageSpec,
 )
 from omnistage_operator.api.worker_tls import HEALTH_PORT_NAME, probe_port, tls_volume
+from omnistage_operator.k8s.handoff_volume import (
+    HANDOFF_DIR_ENV,
+    HANDOFF_MOUNT_DIR,
+    handoff_volume,
+)
 from omnistage_operator.k8s.pod_hash import DEFAULT_PROFILE, PodProfile, pod_spec_hash
 from omnistage_operator.k8s.token_secret import TOKEN_SECRET_KEY, TOKEN_SECRET_NAME
 from omnistage_operator.k8s.worker_command import start_level, worker_args
@@ -169,6 +174,8 @@ def _worker_env(stage: StageSpec, profile: PodProfile) -> list[dict[str, Any]]:
     own = {var.get("name") for var in stage.template.env}
     if profile.log_format != DEFAULT_PROFILE.log_format and LOG_FORMAT_ENV not in own:
         env.append({"name": LOG_FORMAT_ENV, "value": profile.log_format})
+    if profile.handoff_host_path:
+        env.append({"name": HANDOFF_DIR_ENV, "value": HANDOFF_MOUNT_DIR})
     env += [copy.deepcopy(dict(var)) for var in stage.template.env]
     return env
 
@@ -207,6 +214,10 @@ def build_worker_pod(
     if stage.placement.mode is PlacementMode.EXPLICIT and claim is not None:
         raise ValueError("a stage with Explicit placement does not use a DRA claim")
     mounts, volumes = _pod_volumes(stage, token_secret_name)
+    handoff = handoff_volume(stage, profile.handoff_host_path)
+    if handoff is not None:
+        mounts.append(handoff[0])
+        volumes.append(handoff[1])
     container = _worker_container(
         stage, initial_state, sleep_level, claim, mounts, epoch=epoch, profile=profile
     )

@@ -36,6 +36,8 @@ class PodProfile:
     log_format: str = "text"  # the worker's --log-format (OMNISTAGE_LOG_FORMAT)
     # The worker flags of Kubernetes-issued credentials; empty: the shared token's Secret.
     credential_args: tuple[str, ...] = ()
+    # The node directory the group's hand-off directories are under (--handoff-host-path).
+    handoff_host_path: str = ""
 
 
 DEFAULT_PROFILE: Final = PodProfile()
@@ -89,7 +91,10 @@ def pod_spec_hash(stage: StageSpec, profile: PodProfile = DEFAULT_PROFILE) -> st
     if stage.worker.tls.enabled:  # (the same)
         payload["tls"] = [stage.worker.tls.secret_name, stage.worker.tls.health_port]
     if profile != DEFAULT_PROFILE:  # (the same)
-        payload["operator"] = [profile.log_format, list(profile.credential_args)]
+        settings: list[object] = [profile.log_format, list(profile.credential_args)]
+        if profile.handoff_host_path:  # (pods without it keep their hash)
+            settings.append(profile.handoff_host_path)
+        payload["operator"] = settings
     extras = hash_payload(tpl.extras)  # (the same)
     if extras is not None:
         payload["podExtras"] = extras

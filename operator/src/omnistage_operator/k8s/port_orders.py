@@ -62,7 +62,7 @@ class OrdersPort(FactsPort):
             metrics.BYTES_FREED.labels(self.ns, self.group).inc(ack.freed_bytes)
 
     async def sleep_stream(
-        self, stage: str, level: int, task_id: str, *, timeout_s: float
+        self, stage: str, level: int, task_id: str, *, timeout_s: float, handoff_channel: str = ""
     ) -> AsyncIterator[int | RoomBeside | AckFacts]:
         """SleepStream of the whole model: the room beside it measured before it began, the
         bytes it has released after each piece, then its ACK (kept for status as a Sleep's)."""
@@ -70,13 +70,21 @@ class OrdersPort(FactsPort):
         self._ensure_leading(f"SleepStream {task_id}")
         self._ordered.add(stage)
         t0 = time.monotonic()
-        stream = client.sleep_stream(level, task_id, timeout_s, epoch=self.r.epoch_for(self.ns))
+        stream = client.sleep_stream(
+            level,
+            task_id,
+            timeout_s,
+            epoch=self.r.epoch_for(self.ns),
+            handoff_channel=handoff_channel,
+        )
         async for event in stream:
             if isinstance(event, AckFacts):
                 self._counted("sleep", stage, task_id, event, time.monotonic() - t0)
             yield event
 
-    async def wake_limited(self, stage: str, task_id: str, claim_limit_bytes: int) -> AckFacts:
+    async def wake_limited(
+        self, stage: str, task_id: str, claim_limit_bytes: int, handoff_channel: str = ""
+    ) -> AckFacts:
         """WakeUp under a claim limit (an overlapped wake), with the contract's deadline."""
         client = self._client(stage)
         self._ensure_leading(f"WakeUp {task_id}")
@@ -89,6 +97,7 @@ class OrdersPort(FactsPort):
             self.r.settings.wake_timeout_s,
             epoch=self.r.epoch_for(self.ns),
             claim_limit_bytes=max(1, claim_limit_bytes),
+            handoff_channel=handoff_channel,
         )
         self._counted("wake", stage, task_id, ack, time.monotonic() - t0)
         return ack

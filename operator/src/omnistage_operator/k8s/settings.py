@@ -55,6 +55,10 @@ class Settings:
     # Overlapped hand-overs (handover.overlap), where both workers can take part (claim_limits);
     # on since 1000 of them held the room under the GPU host's outside sampler.
     overlapped_handover: bool = True
+    # A node directory under which each group's worker pods share one (hostPath): an overlapped
+    # hand-over between them then hands the device pieces over instead of freeing them. Empty:
+    # no hand-off (the pieces are freed and taken anew).
+    handoff_host_path: str = ""
     retry_backoff_s: float = 0.25
     # Leader election (leader.Elector); off: this process is the sole writer (epoch 0).
     leader_election: bool = True
@@ -182,6 +186,14 @@ def parse_settings(
         "--no-overlapped-handover: every wake waits for the sleep's ACK)",
     )
     p.add_argument(
+        "--handoff-host-path",
+        default=env.get("OMNISTAGE_HANDOFF_HOST_PATH", ""),
+        help="a node directory (absolute) under which each group's worker pods share a "
+        "hand-off directory (hostPath <path>/<namespace>/<group>): an overlapped hand-over "
+        "hands its device pieces from one worker to the other instead of freeing them; the "
+        "namespaces must allow hostPath volumes. Empty (default): no hand-off",
+    )
+    p.add_argument(
         "--log-format",
         choices=LOG_FORMATS,
         default=env.get("OMNISTAGE_LOG_FORMAT") or "text",
@@ -231,6 +243,10 @@ def parse_settings(
         if port > 65535:
             raise SettingsError(f"{flag}: must be at most 65535, got {value!r}")
         ports[flag] = port
+    if a.handoff_host_path and not a.handoff_host_path.startswith("/"):
+        raise SettingsError(
+            f"--handoff-host-path: must be an absolute path, got {a.handoff_host_path!r}"
+        )
     if a.worker_identity_token_file and a.worker_token_file:
         raise SettingsError(
             "--worker-identity-token-file: give it or --worker-token-file, not both"
@@ -254,6 +270,7 @@ def parse_settings(
         round_wait_s=_round_wait(a.round_wait),
         wake_margin_bytes=int(_positive(a.wake_margin_bytes, "--wake-margin-bytes", int)),
         overlapped_handover=bool(a.overlapped_handover),
+        handoff_host_path=a.handoff_host_path.rstrip("/") if a.handoff_host_path != "/" else "/",
         leader_election=bool(a.leader_election),
         lease_name=a.lease_name,
         lease_namespace=a.lease_namespace or None,

@@ -139,25 +139,43 @@ class WorkerClient:
         return ack_from_proto(resp.ack)
 
     async def wake(
-        self, task_id: str, timeout_s: float, *, epoch: int = 0, claim_limit_bytes: int = 0
+        self,
+        task_id: str,
+        timeout_s: float,
+        *,
+        epoch: int = 0,
+        claim_limit_bytes: int = 0,
+        handoff_channel: str = "",
     ) -> AckFacts:
         """WakeUp under ``task_id``, ordered by leadership ``epoch``; ``claim_limit_bytes``
         above 0: an overlapped wake, which holds at most that much device memory until
-        :meth:`raise_claim_limit` raises it."""
+        :meth:`raise_claim_limit` raises it, taking the pieces handed over on
+        ``handoff_channel`` where it can."""
         req = sleep_service_pb2.WakeUpRequest(
-            task_id=task_id, epoch=epoch, claim_limit_bytes=claim_limit_bytes
+            task_id=task_id,
+            epoch=epoch,
+            claim_limit_bytes=claim_limit_bytes,
+            handoff_channel=handoff_channel,
         )
         resp = await self._unary(f"WakeUp {task_id}", self._stub.WakeUp, req, timeout_s)
         return ack_from_proto(resp.ack)
 
     async def sleep_stream(
-        self, level: int, task_id: str, timeout_s: float, *, epoch: int = 0
+        self,
+        level: int,
+        task_id: str,
+        timeout_s: float,
+        *,
+        epoch: int = 0,
+        handoff_channel: str = "",
     ) -> AsyncIterator[int | RoomBeside | AckFacts]:
         """SleepStream of the whole model: the room beside it where the worker measured one
         before the sleep began (first), the bytes released so far (measured, rising) after each
-        piece the sleep gives back, then its ACK (the last item)."""
+        piece the sleep gives back, then its ACK (the last item); its pieces handed over on
+        ``handoff_channel`` (empty: freed)."""
         request = sleep_service_pb2.SleepStreamRequest(
-            sleep=_sleep_request(level, task_id, epoch, None, ())
+            sleep=_sleep_request(level, task_id, epoch, None, ()),
+            handoff_channel=handoff_channel,
         )
         call = self._stub.SleepStream(request, timeout=timeout_s, metadata=self._metadata)
         try:

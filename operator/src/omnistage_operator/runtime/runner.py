@@ -171,7 +171,9 @@ class GroupRunner(StatusPublisher, Forgetting, GroupLoops, RoundMemory, GroupCla
         self.credentials = settings.worker_credentials()
         self._token = self.credentials.shared
         # What every worker pod is built with: a change of either replaces the pods.
-        self.pod_profile = PodProfile(settings.log_format, self.credentials.pod_flags())
+        self.pod_profile = PodProfile(
+            settings.log_format, self.credentials.pod_flags(), settings.handoff_host_path
+        )
         # OnDemand stages: one demand stream per worker, each change kicks the group.
         self.demand = DemandWatcher(lambda ns, g: self.kick(ns, g, "demand"), self.epoch_for)
         self.pipeline_status = PipelineStatus(kube, self.emit)

@@ -8,7 +8,7 @@ from omnistage.worker.v1 import sleep_service_pb2
 from omnistage_worker.control.acks import device_figures, identity_proto, level_proto
 from omnistage_worker.control.component_sleep import component_memory
 from omnistage_worker.control.overlap import claim_limit_refusal
-from omnistage_worker.engine.handoff import handoff_dir
+from omnistage_worker.engine.handoff import handoff_refusal
 
 if TYPE_CHECKING:
     from omnistage_worker.control.worker_parts import WorkerReadings
@@ -56,7 +56,7 @@ def build_status(worker: WorkerReadings) -> sleep_service_pb2.GetStatusResponse:
         for figures, weights in zip(response.devices, planned_weights(worker), strict=False):
             figures.weights_bytes = weights
         response.claim_limits = not claim_limit_refusal(worker, reading, active=False)
-        response.handoff = handoff_dir() is not None
+        response.handoff = not handoff_refusal()
     response.drain_timeout.FromNanoseconds(int(config.drain_timeout_s * 1e9))
     if worker.last_ack is not None:
         response.last_ack.CopyFrom(worker.last_ack)

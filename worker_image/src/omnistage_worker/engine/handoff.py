@@ -55,21 +55,35 @@ def handoff_dir() -> Path | None:
     return Path(value) if value else None
 
 
+def handoff_refusal() -> str:
+    """Why this worker cannot open every channel a caller may name (unset, or a directory too
+    long for a socket of the longest name); empty when it can (``GetStatus.handoff``)."""
+    directory = handoff_dir()
+    if directory is None:
+        return f"the worker has no hand-off directory ({HANDOFF_DIR_ENV} is unset)"
+    longest = len(os.fsencode(directory)) + len("/.sock") + 64
+    if longest > SOCKET_PATH_MAX:
+        return (
+            f"the hand-off directory {directory} leaves no room for a channel's socket "
+            f"({longest} bytes with the longest name; a Unix socket takes {SOCKET_PATH_MAX})"
+        )
+    return ""
+
+
 def channel_path(name: str) -> Path:
     """The socket of channel ``name``: LookupError when the worker has no hand-off directory,
     ValueError for a name that cannot be one."""
-    directory = handoff_dir()
-    if directory is None:
-        raise LookupError(f"the worker has no hand-off directory ({HANDOFF_DIR_ENV} is unset)")
+    why = handoff_refusal()
+    if why:
+        raise LookupError(why)
     if not CHANNEL_NAME.fullmatch(name):
         raise ValueError(
             f"{name!r} is not a channel name (letters, digits, '.', '_', '-'; at most 64, "
             "starting with a letter or digit)"
         )
-    path = directory / f"{name}.sock"
-    if len(os.fsencode(path)) > SOCKET_PATH_MAX:
-        raise ValueError(f"{path} is longer than a Unix socket's {SOCKET_PATH_MAX} bytes")
-    return path
+    directory = handoff_dir()
+    assert directory is not None  # (handoff_refusal says so otherwise)
+    return directory / f"{name}.sock"
 
 
 class Sender:

@@ -119,6 +119,9 @@ class StageFacts:
     # The worker streams its sleep and wakes under a claim limit (an overlapped hand-over);
     # false for one that cannot or is older than those RPCs.
     claim_limits: bool = False
+    # The worker hands its device pieces over, and takes them, on a hand-off channel (it has a
+    # hand-off directory: GetStatus.handoff).
+    handoff: bool = False
 
     @property
     def asleep_components(self) -> frozenset[str]:

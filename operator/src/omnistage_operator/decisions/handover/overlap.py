@@ -20,7 +20,10 @@ the worker holds asleep.
   stage on the same single device and order nothing else. Only a whole-model sleep with no
   request in flight is overlapped, and only when both workers say they can take part
   (``GetStatus.claim_limits``: an older worker, a vLLM one, or one whose engine does not take
-  memory piece by piece, does not); everything else goes the serial way.
+  memory piece by piece, does not); everything else goes the serial way. When both also say
+  they hand pieces over (``GetStatus.handoff``: they share a hand-off directory on the node),
+  the sleep's pieces go to the wake on a channel named after it instead of being freed; each
+  is still taken only under the limit.
 - :func:`sleep_beside_wake` runs it against a port that can (:class:`OverlapPort`). When the
   streamed sleep does not end in an ok ACK, the wake gets no further raise (its worker gives up
   after its claim wait and goes back to sleep) and the sleep goes on the ordinary way, under the
@@ -30,6 +33,7 @@ the worker holds asleep.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -65,7 +69,7 @@ from omnistage_operator.decisions.handover import (
 from omnistage_operator.decisions.handover.orders import _sleep_or_fence, drain_bound
 from omnistage_operator.decisions.leadership import LeadershipLost
 
-__all__ = ["OverlapPort", "Pairing", "pair_wake", "sleep_beside_wake"]
+__all__ = ["OverlapPort", "Pairing", "handoff_channel", "pair_wake", "sleep_beside_wake"]
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +79,18 @@ class OverlapPort(Protocol):
     """What an overlapped hand-over needs of a port beside ``GroupPort``."""
 
     def sleep_stream(
-        self, stage: str, level: int, task_id: str, *, timeout_s: float
+        self, stage: str, level: int, task_id: str, *, timeout_s: float, handoff_channel: str = ""
     ) -> AsyncIterator[int | RoomBeside | AckFacts]:
         """SleepStream: the room beside the sleeper measured before it began (where its worker
-        sends one), the bytes released so far after each piece, then the ACK (last)."""
+        sends one), the bytes released so far after each piece, then the ACK (last); its
+        pieces handed over on ``handoff_channel`` (empty: freed)."""
         ...
 
-    async def wake_limited(self, stage: str, task_id: str, claim_limit_bytes: int) -> AckFacts:
-        """WakeUp under a claim limit (raises as ``GroupPort.wake`` does)."""
+    async def wake_limited(
+        self, stage: str, task_id: str, claim_limit_bytes: int, handoff_channel: str = ""
+    ) -> AckFacts:
+        """WakeUp under a claim limit (raises as ``GroupPort.wake`` does), taking the pieces
+        handed over on ``handoff_channel`` where it can."""
         ...
 
     async def raise_claim_limit(self, stage: str, task_id: str, claim_limit_bytes: int) -> None:
@@ -99,6 +107,9 @@ class Pairing:
     stage: str
     first_limit_bytes: int
     room_from_stream: bool = False
+    handoff: bool = False
+    """Both workers hand pieces over (``GetStatus.handoff``): the sleep's pieces go to the
+    wake on a channel named after it (:func:`handoff_channel`) instead of being freed."""
 
 
 def pair_wake(
@@ -147,12 +158,19 @@ def pair_wake(
         or y.device_uuids != x.device_uuids
     ):
         return None
+    handoff = x.handoff and y.handoff
     # Kept readings are a round old: the room beside the sleeper is then the sleeping worker's
     # own reading, taken before it releases anything (the stream's first report).
     if obs.kept:
-        return Pairing(name, y.used_bytes, room_from_stream=True)
+        return Pairing(name, y.used_bytes, room_from_stream=True, handoff=handoff)
     free = _free_on(obs.memory, x.device_uuids)
-    return Pairing(name, y.used_bytes + max(0, free - policy.margin_bytes))
+    return Pairing(name, y.used_bytes + max(0, free - policy.margin_bytes), handoff=handoff)
+
+
+def handoff_channel(wake_id: str) -> str:
+    """The hand-off channel of the wake ``wake_id``: a name a worker takes whatever the task
+    id holds (``WakeUpRequest.handoff_channel``), one per wake."""
+    return "w" + hashlib.sha256(wake_id.encode()).hexdigest()[:24]
 
 
 def _asleep(fact: StageFacts, level: int, context: int) -> StageFacts:
@@ -205,13 +223,15 @@ async def sleep_beside_wake(
 ) -> SleepResult:
     """Sleep ``order``'s stage streamed, with ``pairing``'s wake beside it (module docstring)."""
     began = time.monotonic()
+    channel = handoff_channel(wake_id) if pairing.handoff else ""
     wake = asyncio.ensure_future(
-        port.wake_limited(pairing.stage, wake_id, pairing.first_limit_bytes)
+        port.wake_limited(pairing.stage, wake_id, pairing.first_limit_bytes, channel)
     )
     wake.add_done_callback(_taken)  # its error is read even when nothing awaits it
     log.info(
-        "overlapped hand-over %s: %s sleeps while %s wakes (%s) under a %d-byte limit",
+        "overlapped hand-over %s: %s sleeps while %s wakes (%s) under a %d-byte limit%s",
         task_id, order.stage, pairing.stage, wake_id, pairing.first_limit_bytes,
+        f", pieces handed over on {channel}" if channel else "",
     )  # fmt: skip
     ack: AckFacts | None = None
     released = 0
@@ -220,7 +240,11 @@ async def sleep_beside_wake(
     bound = drain_bound(order, policy)
     try:  # a paired sleep had no request in flight by its readings (pair_wake)
         stream = port.sleep_stream(
-            order.stage, order.level, streamed, timeout_s=policy.transition_allowance_s
+            order.stage,
+            order.level,
+            streamed,
+            timeout_s=policy.transition_allowance_s,
+            handoff_channel=channel,
         )
         async for event in stream:
             if isinstance(event, AckFacts):
