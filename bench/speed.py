@@ -20,8 +20,9 @@ context, environment or imports reach the next one), its report kept as ``--work
   both copy at once;
 - ``operator`` (any machine): ``bench/operator_switch.py``, the operator's share of a hand-over
   on the local control plane; the default where ``handover`` cannot run;
-- ``overlap`` (a GPU): ``bench/overlap.py``, overlapped hand-overs between two workers against
-  the serial copy bound, an NVML sampler checking the room;
+- ``overlap`` (a GPU): ``bench/overlap.py --handoff``, overlapped hand-overs between two
+  workers (the pieces handed over) against the serial copy bound, an NVML sampler checking the
+  room;
 - ``handover_serial`` (a GPU, ``--bundle``): ``bench/gpu_e2e.py``, as ``handover`` with the
   operator's ``--no-overlapped-handover`` (every wake after the sleep's ACK).
 
@@ -138,7 +139,7 @@ def _operator_argv(a: argparse.Namespace, out: Path) -> list[str]:
 
 
 def _overlap_argv(a: argparse.Namespace, out: Path) -> list[str]:
-    return ["--work", str(a.work / "overlap"), "--out", str(out)]
+    return ["--work", str(a.work / "overlap"), "--out", str(out), "--handoff"]
 
 
 PARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], list[str]]]] = {

@@ -203,8 +203,11 @@ def multi_gpu(report: Json) -> Json:
 
 def overlap(report: Json) -> Json:
     """``bench/overlap.py``: overlapped hand-overs between two workers (the caller relaying
-    each measured release) against the serial copy bound, with the NVML sampler's room check."""
+    each measured release) against the serial copy bound, with the NVML sampler's room check
+    (per process, and the device's memory charged to none counted too); ``handoff``: the
+    pieces were handed from one worker to the other instead of freed."""
     s = report["summary"]
+    handoff = bool(s.get("handoff"))
     return {
         "overlapped_over_serial_bound": s["overlapped_over_serial_bound"],
         "overlapped_seconds_median": s["overlapped_seconds_median"],
@@ -215,8 +218,11 @@ def overlap(report: Json) -> Json:
         "all_acks_ok": s["all_acks_ok"],
         "all_tokens_identical": s["all_tokens_identical"],
         "samples_over_room": s["samples_over_room"],
+        "device_samples_over_room": s.get("device_samples_over_room"),
+        "handoff": handoff,
         "limits": report["limits"],
-        "basis": "worker level: bench/overlap.py relays; the operator does not order it yet",
+        "basis": "worker level: bench/overlap.py relays as the operator orders it"
+        + (", the pieces handed over (--handoff)" if handoff else ", the pieces freed"),
     }
 
 
