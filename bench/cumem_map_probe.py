@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.reporting import emit
-from omnistage_worker.engine.vmm import VmmDriver
+from omnistage_worker.engine.vmm_driver import VmmDriver
 
 GIB = 1 << 30
 

@@ -51,7 +51,7 @@ class Exporting:
     def __init__(self) -> None:
         import torch
 
-        from omnistage_worker.engine.vmm import VmmDriver
+        from omnistage_worker.engine.vmm_driver import VmmDriver
 
         torch.cuda.init()  # type: ignore[no-untyped-call]
         torch.empty(1, device="cuda:0")  # the context

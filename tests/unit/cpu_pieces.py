@@ -15,7 +15,8 @@ import threading
 import torch
 
 from omnistage_worker.engine.claims import ClaimGate
-from omnistage_worker.engine.vmm import OutOfMemoryError, out_of_memory_message, piece_spans
+from omnistage_worker.engine.vmm import piece_spans
+from omnistage_worker.engine.vmm_driver import OutOfMemoryError, out_of_memory_message
 
 PIECE = 4096
 GARBAGE = 0xA5

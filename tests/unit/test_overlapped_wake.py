@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 from omnistage_worker.engine import WeightEngine, claims, flat_weights
 from omnistage_worker.engine.claims import ClaimGate, ClaimTimeout
 from omnistage_worker.engine.pinning import Hold, held, pieces
-from omnistage_worker.engine.vmm import OutOfMemoryError
+from omnistage_worker.engine.vmm_driver import OutOfMemoryError
 from tests.unit.cpu_pieces import PIECE, CpuPieces, SimDevice
 from tests.unit.test_engine_sharded import logits, tiny_llama
 

@@ -23,13 +23,8 @@ from omnistage_worker.engine import WeightEngine, flat_weights, pinning
 from omnistage_worker.engine.claims import ClaimGate
 from omnistage_worker.engine.components import ComponentEngine
 from omnistage_worker.engine.pinning import Mark, marked, pieces
-from omnistage_worker.engine.vmm import (
-    CudaError,
-    OutOfMemoryError,
-    out_of_memory_message,
-    piece_ends,
-    piece_spans,
-)
+from omnistage_worker.engine.vmm import piece_ends, piece_spans
+from omnistage_worker.engine.vmm_driver import CudaError, OutOfMemoryError, out_of_memory_message
 from tests.unit.cpu_pieces import CpuPieces
 from tests.unit.test_engine_sharded import logits as logits_of
 from tests.unit.test_engine_sharded import tiny_llama

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from omnistage_worker.engine.vmm import OUT_OF_MEMORY, CudaError
+from omnistage_worker.engine.vmm_driver import OUT_OF_MEMORY, CudaError
 from omnistage_worker.runners import vllm_wake_cuda
 from omnistage_worker.runners.vllm_pieces import PieceMaps
 

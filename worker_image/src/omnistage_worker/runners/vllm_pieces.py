@@ -30,7 +30,7 @@ __all__ = ["PieceDriver", "PieceMaps"]
 
 
 class PieceDriver(Protocol):
-    """The driver's calls for one device (:class:`omnistage_worker.engine.vmm.VmmDriver`)."""
+    """The driver's calls for one device (:class:`omnistage_worker.engine.vmm_driver.VmmDriver`)."""
 
     granularity: int
 

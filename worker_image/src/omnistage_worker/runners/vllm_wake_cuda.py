@@ -89,13 +89,13 @@ class _PinnedBuffer:
 
 
 class _DeviceDriver:
-    """:class:`omnistage_worker.engine.vmm.VmmDriver` of one device, each call made with that
+    """:class:`omnistage_worker.engine.vmm_driver.VmmDriver` of one device, each call made with that
     device's context current (as vLLM's extension makes sure of before its own calls)."""
 
     def __init__(self, device: int) -> None:
         import torch
 
-        from omnistage_worker.engine.vmm import VmmDriver
+        from omnistage_worker.engine.vmm_driver import VmmDriver
 
         self._torch = torch
         self._device = device
