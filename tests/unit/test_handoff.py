@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -188,3 +189,27 @@ def test_one_sender_at_a_time(channel: Path) -> None:
         ):
             pass
     assert handoff.current_sender() is None
+
+
+def test_a_live_channel_is_not_opened_twice_and_a_stale_one_is_replaced(
+    channel: Path, pieces: list[Piece]
+) -> None:
+    """A repeated WakeUp of a running wake must not take the channel from it (pieces sent to a
+    listener no wake reads would wait there while the wake made memory of its own)."""
+    assert not handoff.listening(channel)
+    first = Receiver(channel)
+    assert handoff.listening(channel)
+    sender = Sender(channel)
+    piece, sent = send(sender, pieces, 512)
+    assert sent
+    fd = first.admitted(512)  # the probe's connection is read and let go, the piece is there
+    assert fd is not None and piece.same_as(fd)
+    os.close(fd)
+    first.close()
+    assert not handoff.listening(channel)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    stale.bind(os.fspath(channel))  # bound, never listening: what a killed worker leaves
+    stale.close()
+    assert channel.exists() and not handoff.listening(channel)
+    Receiver(channel).close()
+    sender.close()

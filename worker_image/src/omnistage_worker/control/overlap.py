@@ -73,6 +73,9 @@ def handoff_receiving(channel: str, claim_limit: int) -> Iterator[handoff.Receiv
             "handoff_channel: only for a wake under a claim limit (claim_limit_bytes above 0)",
         )
     path = _channel(channel)
+    if handoff.listening(path):  # the first WakeUp of this task id still runs: it listens
+        yield None
+        return
     try:
         receiver = handoff.Receiver(path)
     except OSError as exc:

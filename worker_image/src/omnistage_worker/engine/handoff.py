@@ -139,6 +139,19 @@ class Sender:
             self._closed = self._closed or "closed"
 
 
+def listening(path: Path) -> bool:
+    """Someone listens at ``path`` (a wake of the same channel still running: a repeated
+    WakeUp of its task id must not open a second one that pieces could go to and wait in)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.connect(os.fspath(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 class Receiver:
     """The incoming worker's end: listens at ``path`` (a stale socket there is replaced)."""
 

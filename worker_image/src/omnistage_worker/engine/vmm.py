@@ -13,6 +13,7 @@ buffer is one contiguous tensor (:meth:`PieceBuffer.tensor`) whatever its pieces
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -29,6 +30,8 @@ from omnistage_worker.engine.vmm_driver import (
     out_of_memory_message,
 )
 from omnistage_worker.memory import uncharged
+
+log = logging.getLogger(__name__)
 
 PIECE_BYTES = 512 << 20
 """A released piece's cleaning (about 2.5 ms at 200 GB/s) is what may still overlap a wake."""
@@ -192,6 +195,10 @@ class PieceBuffer:
             return self.driver.map_new(ptr, size)
         try:
             handle = self.driver.map_imported(ptr, size, handed)
+        except CudaError as error:  # not a piece of that size after all: it is freed
+            os.close(handed)
+            log.warning("a piece handed over could not be mapped (%s); new memory instead", error)
+            return self.driver.map_new(ptr, size)
         except BaseException:
             os.close(handed)
             raise
