@@ -26,8 +26,10 @@ What it does, in one process tree:
    before kubectl starts to the stage's status Active seen by a watch, then one Generate on the
    stage that woke (outside the timing);
 7. reports (JSON, with the exact command): every ACK ok; the sampler's peak of the two stages'
-   memory together against the room; each sleep ACK's ``usedAfterBytes`` against the
-   sampler's reading of that worker just after the ACK's finish time (within
+   memory together against the room (and ``device_peak_bytes``: with the device's memory
+   charged to no process counted, which a hand-off's pieces are); each sleep ACK's
+   ``usedAfterBytes`` against the sampler's reading of that worker just after the ACK's finish
+   time (within
    max(2 %, 256 MiB)); patch-to-Active p50/p95 and the operator's share (minus the workers'
    sleep and wake durations; the ACK's duration excludes any drain); the copy limits.
 
@@ -63,6 +65,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+HANDOFF_HOST_PATH = "/tmp/osho"
+"""``--handoff``'s node directory (each group's under it, ``<namespace>/<group>``)."""
 
 from bench.gpu_e2e_host import SRC_PATHS  # noqa: E402
 
@@ -237,6 +241,9 @@ def cluster_run(
                 mode = "--overlapped-handover" if args.overlapped else "--no-overlapped-handover"
                 extra = (*extra, mode)
                 out["overlapped_handover"] = args.overlapped
+                if args.handoff:  # a short node directory: a socket's path holds 107 bytes
+                    extra = (*extra, f"--handoff-host-path={HANDOFF_HOST_PATH}")
+                out["handoff"] = args.handoff
                 op = Operator(cp.kubeconfig, ns, work, extra)
                 try:
                     op.wait_healthy()
@@ -382,6 +389,13 @@ def main(argv: list[str] | None = None) -> int:
         "serial ones (--no-overlapped-handover)",
     )
     p.add_argument(
+        "--handoff",
+        action="store_true",
+        help=f"with --overlapped: the operator gives the group's pods a shared hand-off "
+        f"directory under {HANDOFF_HOST_PATH} (--handoff-host-path), so the device pieces "
+        "are handed over instead of freed",
+    )
+    p.add_argument(
         "--small-sd",
         action="store_true",
         help="the diffusion stage in its tiny configuration (less disk and time)",
@@ -401,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         "--squeeze-hold", type=float, default=10.0, help="seconds llm is watched while squeezed"
     )
     args = p.parse_args(argv)
+    if args.handoff and not args.overlapped:
+        p.error("--handoff: pieces are handed over only in overlapped hand-overs (--overlapped)")
     report = run(args)
     from bench.reporting import emit
 

@@ -74,6 +74,17 @@ def stage_bytes(sample: Sample, pids: Iterable[int]) -> int:
     return sum(sample.procs.get(pid, 0) for pid in pids)
 
 
+def device_shares(samples: Sequence[Sample], pids: Iterable[int]) -> list[int]:
+    """Per reading, what the processes ``pids`` held plus the device's memory charged to no
+    process beyond what it was in the first reading: a piece handed from one worker to another
+    is charged to no one between their handles, or while the taker keeps its descriptor open
+    (``bench/results/handoff_charge_probe_h200.json``)."""
+    pids = list(pids)
+    uncharged = [s.used - sum(s.procs.values()) for s in samples]
+    first = uncharged[0] if uncharged else 0
+    return [stage_bytes(s, pids) + u - first for s, u in zip(samples, uncharged, strict=True)]
+
+
 def peak_together(samples: Sequence[Sample], groups: Sequence[Iterable[int]]) -> int:
     """The most the stages (each a set of pids) held together in any one reading."""
     sets = [frozenset(g) for g in groups]

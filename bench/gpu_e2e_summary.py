@@ -10,6 +10,7 @@ from typing import Any
 
 from bench.gpu_e2e_analysis import (
     ack_agreement,
+    device_shares,
     peak_together,
     percentile,
     read_samples,
@@ -70,8 +71,11 @@ def summarize(
     }
     peak = peak_together(samples, [pids["llm"], pids["sd"]])
     out["peak_together_bytes"] = peak
+    device_peak = max(device_shares(samples, pids["llm"] | pids["sd"]), default=0)
+    out["device_peak_bytes"] = device_peak  # the memory charged to no process counted too
     if room:
         out["peak_below_room"] = peak <= room["room_bytes"]
+        out["device_peak_below_room"] = device_peak <= room["room_bytes"]
     sleeps = [
         {"stage": r["loser"], "time": r["sleep"].get("time"),
          "used_after_bytes": r["sleep"].get("usedAfterBytes")}

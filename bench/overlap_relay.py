@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.gpu_e2e_analysis import Sample, stage_bytes
+from bench.gpu_e2e_analysis import Sample, device_shares, stage_bytes
 from bench.worker_grpc import Worker, ack_json, call_sleep, call_wake
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
 
@@ -96,8 +96,7 @@ def room_check(samples: Sequence[Sample], pids: Iterable[int], room: int) -> Jso
     together = [stage_bytes(s, pids) for s in samples]
     over = [t for t in together if t > room]
     uncharged = [s.used - sum(s.procs.values()) for s in samples]
-    first = uncharged[0] if uncharged else 0
-    device = [t + u - first for t, u in zip(together, uncharged, strict=True)]
+    device = device_shares(samples, pids)
     return {
         "samples": len(samples),
         "room_bytes": room,
@@ -106,6 +105,6 @@ def room_check(samples: Sequence[Sample], pids: Iterable[int], room: int) -> Jso
         "within_room": not over,
         "device_peak_bytes": max(device, default=0),
         "device_samples_over_room": sum(d > room for d in device),
-        "device_uncharged_first_bytes": first,
+        "device_uncharged_first_bytes": uncharged[0] if uncharged else 0,
         "device_uncharged_peak_bytes": max(uncharged, default=0),
     }
