@@ -138,7 +138,7 @@ async def test_a_lower_limit_and_bad_fields_are_refused(lm_worker: WorkerHandle)
 
 
 async def test_a_stage_on_two_devices_refuses_a_limit(
-    start_worker: StartWorker, lm_dir: Path
+    start_worker: StartWorker, lm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     worker = await start_worker(lm_dir, "ar", "transformers", gpus=2)
     assert (await worker.sleep(1)).ok
@@ -154,6 +154,11 @@ async def test_a_stage_on_two_devices_refuses_a_limit(
         "claim_limit_bytes: the stage holds 2 devices; one limit covers one device"
     )
     assert (await worker.wake(task_id="w")).ok  # the refused id was not remembered
+    # Nor does it hand its pieces over: a piece goes to a wake on the same, single device.
+    monkeypatch.setenv(HANDOFF_DIR_ENV, "/tmp")
+    err = await rpc_error(stream_sleep(worker, handoff_channel="c", task_id="s", level=1))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details().startswith("handoff_channel: the stage holds 2 devices")
 
 
 async def test_a_raise_before_the_wake_begins_is_kept_for_it(lm_worker: WorkerHandle) -> None:

@@ -56,9 +56,18 @@ def _channel(name: str) -> Path:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"handoff_channel: {exc}") from exc
 
 
-def handoff_sender(channel: str) -> handoff.Sender | None:
-    """The sender of a streamed sleep that hands its pieces over ``channel`` (None: empty)."""
-    return handoff.Sender(_channel(channel)) if channel else None
+def handoff_sender(channel: str, devices: int) -> handoff.Sender | None:
+    """The sender of a streamed sleep that hands its pieces over ``channel`` (None: empty), of
+    a worker on ``devices`` devices (a piece goes to a wake on the same one: one device)."""
+    if not channel:
+        return None
+    if devices > 1:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"handoff_channel: the stage holds {devices} devices; pieces are handed over "
+            "between stages on one",
+        )
+    return handoff.Sender(_channel(channel))
 
 
 @contextlib.contextmanager

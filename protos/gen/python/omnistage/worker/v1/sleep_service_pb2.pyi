@@ -179,7 +179,8 @@ class SleepStreamRequest(_message.Message):
     each device piece, once copied to the host, is handed to it instead of freed; a piece it
     cannot hand over (no listener yet, the channel closed or full) is freed as without one.
     The MemoryReleased messages count a handed-over piece once it has left the process. A
-    worker without a hand-off directory refuses it with FAILED_PRECONDITION. Empty: freed.
+    worker without a hand-off directory, or on several devices, refuses it with
+    FAILED_PRECONDITION; a name that cannot be one is INVALID_ARGUMENT. Empty: freed.
     """
     @_builtins.property
     def sleep(self) -> Global___SleepRequest:
