@@ -80,9 +80,14 @@ def device_shares(samples: Sequence[Sample], pids: Iterable[int]) -> list[int]:
     is charged to no one between their handles, or while the taker keeps its descriptor open
     (``bench/results/handoff_charge_probe_h200.json``)."""
     pids = list(pids)
-    uncharged = [s.used - sum(s.procs.values()) for s in samples]
-    first = uncharged[0] if uncharged else 0
-    return [stage_bytes(s, pids) + u - first for s, u in zip(samples, uncharged, strict=True)]
+    unowned = uncharged(samples)
+    first = unowned[0] if unowned else 0
+    return [stage_bytes(s, pids) + u - first for s, u in zip(samples, unowned, strict=True)]
+
+
+def uncharged(samples: Sequence[Sample]) -> list[int]:
+    """Per reading, the device's used memory that NVML charges to no process."""
+    return [s.used - sum(s.procs.values()) for s in samples]
 
 
 def peak_together(samples: Sequence[Sample], groups: Sequence[Iterable[int]]) -> int:

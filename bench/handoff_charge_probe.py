@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.handoff_probe import Exporting, expect, nvml_by_pid, view
+from bench.handoff_probe import expect, exporting_driver, nvml_by_pid, view
 
 Json = dict[str, Any]
 MIB = 1 << 20
@@ -42,12 +42,12 @@ def reading(a: int, b: int) -> Json:
 
 
 def role_a(sock: socket.socket, count: int, piece: int) -> Json:
-    ex = Exporting()
+    ex = exporting_driver()
     b_pid = int(sock.recv(16).decode())
     me = os.getpid()
     steps: list[Json] = [{"step": "start", **reading(me, b_pid)}]
-    base = ex.driver.reserve(count * piece)
-    handles = [ex.driver.map_new(base + k * piece, piece) for k in range(count)]
+    base = ex.reserve(count * piece)
+    handles = [ex.map_new(base + k * piece, piece) for k in range(count)]
     view(base, count * piece).fill_(7)
     import torch
 
@@ -56,7 +56,7 @@ def role_a(sock: socket.socket, count: int, piece: int) -> Json:
     fds = [ex.export(h) for h in handles]
     steps.append({"step": "a_exported", **reading(me, b_pid)})
     for k, h in enumerate(handles):
-        ex.driver.unmap_release(base + k * piece, piece, h)
+        ex.unmap_release(base + k * piece, piece, h)
     steps.append({"step": "a_unmapped_released_fds_open", **reading(me, b_pid)})
     for fd in fds:
         socket.send_fds(sock, [b"p"], [fd])
@@ -74,20 +74,20 @@ def role_a(sock: socket.socket, count: int, piece: int) -> Json:
     for fd in back:
         os.close(fd)
     for k, h in enumerate(again):
-        ex.driver.map(base + k * piece, piece, h)
-        ex.driver.set_access(base + k * piece, piece)
+        ex.map(base + k * piece, piece, h)
+        ex.set_access(base + k * piece, piece)
     intact = bool(view(base, count * piece)[::MIB].eq(7).all().item())
     steps.append({"step": "a_reimported_mapped", **reading(me, b_pid)})
     for k, h in enumerate(again):
-        ex.driver.unmap_release(base + k * piece, piece, h)
+        ex.unmap_release(base + k * piece, piece, h)
     steps.append({"step": "a_released_all", **reading(me, b_pid)})
     sock.send(b"next")
-    ex.driver.free_range(base, count * piece)
+    ex.free_range(base, count * piece)
     return {"pid": me, "b_pid": b_pid, "steps": steps, "bytes_intact_back": intact}
 
 
 def role_b(sock: socket.socket, count: int, piece: int) -> Json:
-    ex = Exporting()
+    ex = exporting_driver()
     sock.send(str(os.getpid()).encode().ljust(16))
     fds = [socket.recv_fds(sock, 1, 1)[1][0] for _ in range(count)]
     expect(sock, b"recv")
@@ -96,16 +96,16 @@ def role_b(sock: socket.socket, count: int, piece: int) -> Json:
     handles = [ex.import_fd(fd) for fd in fds]  # the descriptors kept, as a worker keeps them
     sock.send(b"ok")
     expect(sock, b"next")
-    base = ex.driver.reserve(count * piece)
+    base = ex.reserve(count * piece)
     for k, h in enumerate(handles):
-        ex.driver.map(base + k * piece, piece, h)
-        ex.driver.set_access(base + k * piece, piece)
+        ex.map(base + k * piece, piece, h)
+        ex.set_access(base + k * piece, piece)
     intact = bool(view(base, count * piece)[::MIB].eq(7).all().item())
     sock.send(b"ok")
     expect(sock, b"next")
     for k, h in enumerate(handles):
-        ex.driver.unmap_release(base + k * piece, piece, h)
-    ex.driver.free_range(base, count * piece)
+        ex.unmap_release(base + k * piece, piece, h)
+    ex.free_range(base, count * piece)
     sock.send(b"ok")
     expect(sock, b"next")
     for fd in fds:  # handed back to A, as the next hand-over does

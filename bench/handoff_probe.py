@@ -27,7 +27,6 @@ both right after (who is charged for a handed-over piece). It prints and writes 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import socket
@@ -39,51 +38,20 @@ from pathlib import Path
 from typing import Any
 
 from bench.reporting import emit
+from omnistage_worker.engine.vmm_driver import VmmDriver
 
 Json = dict[str, Any]
 GIB, MIB = 1 << 30, 1 << 20
-POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
-class Exporting:
-    """The worker's VMM driver calls, plus export and import of a piece's physical memory."""
+def exporting_driver() -> VmmDriver:
+    """The worker's VMM driver calls for device 0, its pieces exportable (a CUDA context
+    first)."""
+    import torch
 
-    def __init__(self) -> None:
-        import torch
-
-        from omnistage_worker.engine.vmm_driver import VmmDriver
-
-        torch.cuda.init()  # type: ignore[no-untyped-call]
-        torch.empty(1, device="cuda:0")  # the context
-        self.driver = VmmDriver(0)
-        self.driver.prop.requestedHandleTypes = POSIX_FD
-        lib = self.driver.lib
-        u64 = ctypes.c_ulonglong
-        lib.cuMemExportToShareableHandle.argtypes = [ctypes.c_void_p, u64, ctypes.c_int, u64]
-        lib.cuMemImportFromShareableHandle.argtypes = [
-            ctypes.POINTER(u64),
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-        self.lib = lib
-
-    def export(self, handle: int) -> int:
-        fd = ctypes.c_int()
-        self.driver.check(
-            "cuMemExportToShareableHandle",
-            self.lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, POSIX_FD, 0),
-        )
-        return fd.value
-
-    def import_fd(self, fd: int) -> int:
-        handle = ctypes.c_ulonglong()
-        self.driver.check(
-            "cuMemImportFromShareableHandle",
-            self.lib.cuMemImportFromShareableHandle(
-                ctypes.byref(handle), ctypes.c_void_p(fd), POSIX_FD
-            ),
-        )
-        return handle.value
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    torch.empty(1, device="cuda:0")  # the context
+    return VmmDriver(0, exportable=True)
 
 
 def view(ptr: int, nbytes: int) -> Any:
@@ -121,14 +89,14 @@ def role_a(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
     """Outgoing: per run make and fill the pieces, then copy each out and give it up."""
     import torch
 
-    ex = Exporting()
+    ex = exporting_driver()
     count = size // piece
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     out: Json = {"pid": os.getpid(), "runs": []}
     for mode in modes:
-        base = ex.driver.reserve(size)
-        handles = [ex.driver.map_new(base + k * piece, piece) for k in range(count)]
+        base = ex.reserve(size)
+        handles = [ex.map_new(base + k * piece, piece) for k in range(count)]
         fds = [ex.export(h) for h in handles] if mode == "handoff" else []
         view(base, size).fill_(7)
         torch.cuda.synchronize()
@@ -149,7 +117,7 @@ def role_a(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
                 events[-1].record()
         for k in range(count):
             events[k].synchronize()
-            ex.driver.unmap_release(base + k * piece, piece, handles[k])
+            ex.unmap_release(base + k * piece, piece, handles[k])
             if mode == "handoff":
                 socket.send_fds(sock, [b"p"], [fds[k]])
                 os.close(fds[k])
@@ -157,7 +125,7 @@ def role_a(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
                 sock.send(b"p")
         expect(sock, b"done")
         out["runs"].append({"mode": mode, "nvml_after": nvml_by_pid()})
-        ex.driver.free_range(base, size)
+        ex.free_range(base, size)
         sock.send(b"ok")
     return out
 
@@ -166,7 +134,7 @@ def role_b(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
     """Incoming: per run take each piece as A gives it up and copy into it."""
     import torch
 
-    ex = Exporting()
+    ex = exporting_driver()
     count = size // piece
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     host.fill_(9)
@@ -181,7 +149,7 @@ def role_b(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
     del tmp
     torch.cuda.empty_cache()
     for mode in modes:
-        base = ex.driver.reserve(size)
+        base = ex.reserve(size)
         handles = []
         sock.send(b"ready")
         expect(sock, b"go")
@@ -190,13 +158,11 @@ def role_b(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
             for k in range(count):
                 if mode == "handoff":
                     _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-                    handle = ex.import_fd(fds[0])
+                    handle = ex.map_imported(base + k * piece, piece, fds[0])
                     os.close(fds[0])
-                    ex.driver.map(base + k * piece, piece, handle)
-                    ex.driver.set_access(base + k * piece, piece)
                 else:
                     sock.recv(1)
-                    handle = ex.driver.map_new(base + k * piece, piece)
+                    handle = ex.map_new(base + k * piece, piece)
                 handles.append(handle)
                 dst = view(base + k * piece, piece)
                 if mode == "free_kernel":  # the loads cross the bus; no copy engine
@@ -211,8 +177,8 @@ def role_b(sock: socket.socket, size: int, piece: int, modes: list[str]) -> Json
         nvml = nvml_by_pid()
         expect(sock, b"ok")
         for k, handle in enumerate(handles):
-            ex.driver.unmap_release(base + k * piece, piece, handle)
-        ex.driver.free_range(base, size)
+            ex.unmap_release(base + k * piece, piece, handle)
+        ex.free_range(base, size)
         out["runs"].append(
             {"mode": mode, "seconds": seconds, "bytes_intact": check, "nvml_during": nvml}
         )

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bench.gpu_e2e_analysis import Sample, device_shares, stage_bytes
+from bench.gpu_e2e_analysis import Sample, device_shares, stage_bytes, uncharged
 from bench.worker_grpc import Worker, ack_json, call_sleep, call_wake
 from omnistage.worker.v1 import sleep_service_pb2, types_pb2
 
@@ -95,7 +95,7 @@ def room_check(samples: Sequence[Sample], pids: Iterable[int], room: int) -> Jso
     pids = list(pids)
     together = [stage_bytes(s, pids) for s in samples]
     over = [t for t in together if t > room]
-    uncharged = [s.used - sum(s.procs.values()) for s in samples]
+    unowned = uncharged(samples)
     device = device_shares(samples, pids)
     return {
         "samples": len(samples),
@@ -105,6 +105,6 @@ def room_check(samples: Sequence[Sample], pids: Iterable[int], room: int) -> Jso
         "within_room": not over,
         "device_peak_bytes": max(device, default=0),
         "device_samples_over_room": sum(d > room for d in device),
-        "device_uncharged_first_bytes": uncharged[0] if uncharged else 0,
-        "device_uncharged_peak_bytes": max(uncharged, default=0),
+        "device_uncharged_first_bytes": unowned[0] if unowned else 0,
+        "device_uncharged_peak_bytes": max(unowned, default=0),
     }

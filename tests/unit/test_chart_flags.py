@@ -130,6 +130,8 @@ def test_rendered_args_are_accepted_by_the_operator() -> None:
     assert standalone.peering is None, "standalone by default"
     assert standalone.overlapped_handover, "overlapped hand-overs by default"
     assert standalone.handoff_host_path == "", "no hand-off directory by default"
+    root = parse_settings(["--handoff-host-path=//"], environ={})
+    assert root.handoff_host_path == "/", "the root, not turned off"
     with pytest.raises(SettingsError, match="--handoff-host-path: must be an absolute path"):
         parse_settings(["--handoff-host-path=handoff"], environ={})
     assert parse_settings([], environ={}).overlapped_handover, "the operator's own default"

@@ -132,6 +132,12 @@ def _flag(value: str, name: str) -> bool:
     raise SettingsError(f"{name}: expected true or false, got {value!r}")
 
 
+def _node_dir(path: str) -> str:
+    """An absolute node directory without a trailing ``/`` (the root stays ``/``); empty
+    stays empty (none)."""
+    return path.rstrip("/") or ("/" if path else "")
+
+
 def parse_settings(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
@@ -270,7 +276,7 @@ def parse_settings(
         round_wait_s=_round_wait(a.round_wait),
         wake_margin_bytes=int(_positive(a.wake_margin_bytes, "--wake-margin-bytes", int)),
         overlapped_handover=bool(a.overlapped_handover),
-        handoff_host_path=a.handoff_host_path.rstrip("/") if a.handoff_host_path != "/" else "/",
+        handoff_host_path=_node_dir(a.handoff_host_path),
         leader_election=bool(a.leader_election),
         lease_name=a.lease_name,
         lease_namespace=a.lease_namespace or None,

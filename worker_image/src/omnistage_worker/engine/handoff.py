@@ -11,9 +11,10 @@ The channel is a Unix socket (``SOCK_SEQPACKET``) that the incoming worker liste
 its caller, in a directory both workers reach (:data:`HANDOFF_DIR_ENV`). Each message is one
 piece: its size (8 bytes, little-endian) and its physical memory as a file descriptor
 (``cuMemExportToShareableHandle``). The outgoing worker sends a piece once its copy to the host
-is done, after it has unmapped and released its own handle (NVML then charges it to no one,
-``bench/results/handoff_charge_probe_h200.json``) and before it reports the release; anything it
-cannot send (no listener yet, a full queue, a closed channel) it frees as before.
+is done and before it unmaps and releases its own handle (after which NVML charges the piece to
+no one, ``bench/results/handoff_charge_probe_h200.json``) and reports the release, so its
+measured use never falls by a piece the incoming worker cannot find yet; anything it cannot
+send (no listener yet, a full queue, a closed channel) it frees as before.
 
 The promise is unchanged: the incoming worker takes a piece only once its claim limit admits it.
 :meth:`Receiver.admitted` keeps the device's use no higher than a freeing hand-over's would be:

@@ -161,7 +161,15 @@ class VmmDriver:
 
     def map_new(self, ptr: int, nbytes: int) -> int:
         """Physical memory created, mapped at ``ptr`` and made accessible; its handle."""
-        handle = self.create(nbytes)
+        return self._mapped(ptr, nbytes, self.create(nbytes))
+
+    def map_imported(self, ptr: int, nbytes: int, fd: int) -> int:
+        """The physical memory of ``fd`` (another process's export) mapped at ``ptr`` and made
+        accessible; its handle here (``fd`` stays the caller's to close)."""
+        return self._mapped(ptr, nbytes, self.import_fd(fd))
+
+    def _mapped(self, ptr: int, nbytes: int, handle: int) -> int:
+        """``handle`` mapped at ``ptr`` and made accessible; released if either fails."""
         try:
             self.map(ptr, nbytes, handle)
         except CudaError:
@@ -187,9 +195,8 @@ class VmmDriver:
         )
         return fd.value
 
-    def map_imported(self, ptr: int, nbytes: int, fd: int) -> int:
-        """The physical memory of ``fd`` (another process's export) mapped at ``ptr`` and made
-        accessible; its handle here (``fd`` stays the caller's to close)."""
+    def import_fd(self, fd: int) -> int:
+        """A handle here of the physical memory of ``fd`` (another process's export)."""
         handle = ctypes.c_ulonglong()
         self.check(
             "cuMemImportFromShareableHandle",
@@ -197,14 +204,4 @@ class VmmDriver:
                 ctypes.byref(handle), ctypes.c_void_p(fd), POSIX_FD
             ),
         )
-        try:
-            self.map(ptr, nbytes, handle.value)
-        except CudaError:
-            self.lib.cuMemRelease(handle.value)
-            raise
-        try:
-            self.set_access(ptr, nbytes)
-        except CudaError:
-            self.unmap_release(ptr, nbytes, handle.value)
-            raise
         return handle.value

@@ -71,8 +71,7 @@ class SleepServicer(sleep_service_pb2_grpc.SleepServiceServicer):
                     "sleep.components: a streamed sleep puts the whole model to sleep",
                 )
             order = self._sleep_order(request.sleep)
-            devices = len(self.worker.measure().devices) if request.handoff_channel else 1
-            sender = handoff_sender(request.handoff_channel, devices)
+            sender = handoff_sender(request.handoff_channel, self.worker.config.gpus)
             room = self.worker.inflight == 0  # a draining request's activations may need it
             with handoff.sending(sender):
                 async for message in sleep_stream(
